@@ -1,0 +1,72 @@
+// Element types of tensors, named as safetensors names them, and the bf16/fp16 conversions.
+//
+// Conversions round to nearest, ties to even, exactly as the hardware (and torch) do, and keep
+// NaN a NaN (quiet, sign kept) and Inf an Inf. They are the rounding points of the reference:
+// "store in bf16" means round_to(DType::BF16, x).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace twin {
+
+enum class DType { F64, F32, BF16, F16, I64, I32, BOOL };
+
+std::size_t dtype_size(DType dt);
+const char* dtype_name(DType dt);                          // "F32", "BF16", ... (safetensors)
+std::optional<DType> dtype_from_name(std::string_view name);
+bool is_floating(DType dt);
+// Parses "float32"/"fp32"/"F32"/"bfloat16"/"bf16"/... (Megatron's params_dtype spellings too).
+std::optional<DType> dtype_from_any_name(std::string_view name);
+
+// ---- bf16 / fp16 bit conversions -------------------------------------------------------------
+inline std::uint32_t float_bits(float f) { std::uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float bits_float(std::uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline std::uint16_t float_to_bf16_bits(float f) {
+  std::uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even; overflow carries into Inf as it must
+  return static_cast<std::uint16_t>(u >> 16);
+}
+inline float bf16_bits_to_float(std::uint16_t h) { return bits_float(static_cast<std::uint32_t>(h) << 16); }
+
+std::uint16_t float_to_fp16_bits(float f);
+float fp16_bits_to_float(std::uint16_t h);
+
+// Storage types for 16-bit floats in host tensors (plain bits; arithmetic goes through float).
+struct bf16_t {
+  std::uint16_t bits = 0;
+  bf16_t() = default;
+  explicit bf16_t(float f) : bits(float_to_bf16_bits(f)) {}
+  static bf16_t from_bits(std::uint16_t b) { bf16_t r; r.bits = b; return r; }
+  explicit operator float() const { return bf16_bits_to_float(bits); }
+};
+struct fp16_t {
+  std::uint16_t bits = 0;
+  fp16_t() = default;
+  explicit fp16_t(float f) : bits(float_to_fp16_bits(f)) {}
+  static fp16_t from_bits(std::uint16_t b) { fp16_t r; r.bits = b; return r; }
+  explicit operator float() const { return fp16_bits_to_float(bits); }
+};
+
+// Rounds a value to the nearest value representable in dt (identity for F64; F32 rounds once).
+double round_to(DType dt, double x);
+
+// Unit roundoff u = 2^-p of a floating dtype: the relative error bound of one rounding.
+double unit_roundoff(DType dt);
+
+template <class T> struct dtype_of;
+template <> struct dtype_of<double> { static constexpr DType value = DType::F64; };
+template <> struct dtype_of<float> { static constexpr DType value = DType::F32; };
+template <> struct dtype_of<bf16_t> { static constexpr DType value = DType::BF16; };
+template <> struct dtype_of<fp16_t> { static constexpr DType value = DType::F16; };
+template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType::I64; };
+template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType::I32; };
+template <> struct dtype_of<bool> { static constexpr DType value = DType::BOOL; };
+
+}  // namespace twin
