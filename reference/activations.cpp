@@ -1,0 +1,93 @@
+#include "reference/activations.h"
+
+#include <cmath>
+
+namespace twin::reference {
+
+ActivationFunc activation_from_name(const std::string& name) {
+  if (name == "gelu") return ActivationFunc::Gelu;
+  if (name == "erf_gelu") return ActivationFunc::ErfGelu;
+  if (name == "openai_gelu") return ActivationFunc::OpenAIGelu;
+  if (name == "fast_gelu") return ActivationFunc::FastGelu;
+  if (name == "quick_gelu") return ActivationFunc::QuickGelu;
+  if (name == "silu" || name == "swish") return ActivationFunc::Silu;
+  if (name == "relu") return ActivationFunc::Relu;
+  if (name == "squared_relu") return ActivationFunc::SquaredRelu;
+  throw ConfigError("activation_func: unknown activation '" + name +
+                    "' (gelu, erf_gelu, openai_gelu, fast_gelu, quick_gelu, silu, relu, squared_relu)");
+}
+
+const char* activation_name(ActivationFunc f) {
+  switch (f) {
+    case ActivationFunc::Gelu: return "gelu";
+    case ActivationFunc::ErfGelu: return "erf_gelu";
+    case ActivationFunc::OpenAIGelu: return "openai_gelu";
+    case ActivationFunc::FastGelu: return "fast_gelu";
+    case ActivationFunc::QuickGelu: return "quick_gelu";
+    case ActivationFunc::Silu: return "silu";
+    case ActivationFunc::Relu: return "relu";
+    case ActivationFunc::SquaredRelu: return "squared_relu";
+  }
+  return "?";
+}
+
+static double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// One element; `r` is the store into the activation dtype after each torch op.
+static double act1(ActivationFunc f, double x, const Precision& p) {
+  switch (f) {
+    case ActivationFunc::Gelu:  // one fused torch kernel
+      return p.act(x * 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))));  // rounds: output
+    case ActivationFunc::ErfGelu: {
+      const double e = p.act(std::erf(p.act(x / 1.41421)));  // rounds: x / 1.41421, erf(...)
+      return p.act(p.act(x * 0.5) * p.act(e + 1.0));         // rounds: each op
+    }
+    case ActivationFunc::OpenAIGelu:  // jit-fused tanh form: one store
+      return p.act(0.5 * x * (1.0 + std::tanh(0.7978845608028654 * x * (1.0 + 0.044715 * x * x))));  // rounds: output
+    case ActivationFunc::FastGelu:
+      return p.act(0.5 * x * (1.0 + std::tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x))));  // rounds: output
+    case ActivationFunc::QuickGelu: {
+      const double s = p.act(sigmoid(p.act(1.702 * x)));  // rounds: 1.702 * x, sigmoid(...)
+      return p.act(x * s);                                // rounds: product
+    }
+    case ActivationFunc::Silu:
+      return p.act(x * sigmoid(x));  // rounds: output (one torch kernel)
+    case ActivationFunc::Relu:
+      return x > 0.0 ? x : 0.0;      // exact
+    case ActivationFunc::SquaredRelu: {
+      const double r = x > 0.0 ? x : 0.0;
+      return p.act(r * r);           // rounds: pow(relu(x), 2)
+    }
+  }
+  return x;
+}
+
+Mat apply_activation(ActivationFunc f, const Mat& x, const Precision& p) {
+  Mat y(x.rows(), x.cols());
+  for (Eigen::Index i = 0; i < x.size(); ++i) y.data()[i] = act1(f, x.data()[i], p);
+  return y;
+}
+
+Mat glu(ActivationFunc f, const Mat& x, double glu_linear_offset, std::optional<double> clamp_value,
+        const Precision& p) {
+  if (x.cols() % 2 != 0)
+    throw ShapeError("glu: last dimension " + std::to_string(x.cols()) + " is not even");
+  const Eigen::Index half = x.cols() / 2;
+  Mat x_glu = x.leftCols(half);     // torch.chunk(x, 2, dim=-1)[0]
+  Mat x_linear = x.rightCols(half);  // [1]
+  if (clamp_value) {
+    const double val = *clamp_value;
+    x_glu = x_glu.cwiseMin(val);
+    x_linear = x_linear.cwiseMin(val).cwiseMax(-val);
+  }
+  const Mat a = apply_activation(f, x_glu, p);
+  Mat y(x.rows(), half);
+  for (Eigen::Index i = 0; i < y.size(); ++i) {
+    const double lin = glu_linear_offset == 0.0 ? x_linear.data()[i]
+                                                : p.act(x_linear.data()[i] + glu_linear_offset);  // rounds: x_linear + offset
+    y.data()[i] = p.act(a.data()[i] * lin);  // rounds: act(x_glu) * (...)
+  }
+  return y;
+}
+
+}  // namespace twin::reference

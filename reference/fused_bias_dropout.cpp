@@ -1,0 +1,41 @@
+#include "reference/fused_bias_dropout.h"
+
+#include <string>
+
+#include "core/tensor.h"
+
+namespace twin::reference {
+
+Mat dropout(const Mat& x, double p, bool training, const DropoutRng& rng, const Precision& prec) {
+  const std::uint32_t threshold = dropout_keep_threshold(p);  // validates p
+  if (!training || p == 0.0) return x;
+  Mat y(x.rows(), x.cols());
+  const double scale = p == 1.0 ? 0.0 : 1.0 / (1.0 - p);
+  for (Eigen::Index e = 0; e < x.size(); ++e) {
+    const bool keep = (philox_word(rng.seed, rng.offset, static_cast<std::uint64_t>(e)) >> 8) < threshold;
+    y.data()[e] = keep ? prec.act(x.data()[e] * scale) : 0.0;  // rounds: x * mask * scale, activation dtype
+  }
+  return y;
+}
+
+Mat bias_dropout_add(const Mat& x, const std::optional<RowVec>& bias, const Mat& residual_in, double prob,
+                     bool training, const DropoutRng& rng, const Precision& prec) {
+  if (residual_in.rows() != x.rows() || residual_in.cols() != x.cols())
+    throw ShapeError("bias_dropout_add: residual [" + std::to_string(residual_in.rows()) + ", " +
+                     std::to_string(residual_in.cols()) + "] does not match x [" +
+                     std::to_string(x.rows()) + ", " + std::to_string(x.cols()) + "]");
+  const Mat residual = prec.act(residual_in);  // rounds: residual.to(x.dtype)
+  Mat h = x;
+  if (bias) {
+    if (bias->size() != x.cols())
+      throw ShapeError("bias_dropout_add: bias [" + std::to_string(bias->size()) +
+                       "] does not match x's last dimension " + std::to_string(x.cols()));
+    h.rowwise() += *bias;
+    prec.act_inplace(h);  // rounds: x + bias, activation dtype
+  }
+  Mat out = residual + dropout(h, prob, training, rng, prec);
+  prec.act_inplace(out);  // rounds: residual + out, activation dtype
+  return out;
+}
+
+}  // namespace twin::reference

@@ -1,0 +1,73 @@
+// megatron/core/transformer/mlp.py: MLP (linear_fc1 -> activation -> linear_fc2), the unfused
+// path (bias_activation_fusion only changes kernels, not the math, apart from the fused gelu's
+// tanh approximation, which the local spec does not use: the config's bias_activation_fusion is
+// rejected by validation when it would apply).
+//
+//   intermediate_parallel, bias_parallel = linear_fc1(hidden_states)   # [s, b, ffn (x2 GLU)]
+//   intermediate_parallel = intermediate_parallel + bias_parallel      # if bias
+//   intermediate_parallel = glu(...) if gated_linear_unit else activation_func(...)
+//   output, output_bias = linear_fc2(intermediate_parallel)            # [s, b, h], bias separate
+//
+// Both linears have bias = add_bias_linear and skip_bias_add = True. Taps (relative to the
+// module's prefix, e.g. "mlp."): linear_fc1.0, linear_fc1.1, linear_fc2.0, linear_fc2.1, then the
+// module's own output 0 and 1 (".1" only when a bias exists, as the hooks drop None).
+//
+// MlpModule is the interface of the layer's `mlp` slot: the MoE layer implements it too.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "reference/activations.h"
+#include "reference/linear.h"
+#include "reference/precision.h"
+#include "reference/state_dict.h"
+#include "reference/taps.h"
+
+namespace twin::reference {
+
+struct MlpArgs {
+  Shape lead;                            // leading dims of the input for tap shapes: {s, b} or {tokens}
+  const Tensor* padding_mask = nullptr;  // [b, s] True = padding (MoE only; MLP ignores it)
+  bool training = false;
+};
+
+class MlpModule {
+ public:
+  virtual ~MlpModule() = default;
+  // hidden_states [n, h] -> (output [n, h], bias [h] or none). Records its taps under `taps`
+  // (whose prefix is the module path, e.g. "mlp."), its own output last as "0" / "1".
+  virtual OutputWithBias forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) = 0;
+  virtual void load_state_dict(const StateDict& sd, const std::string& prefix) = 0;
+};
+
+// Records a (output, bias) pair as name.0 / name.1 with shape lead + [cols].
+void record_output_with_bias(const Taps& taps, const std::string& name, const OutputWithBias& o,
+                             const Shape& lead, const Precision& p);
+
+class MLP : public MlpModule {
+ public:
+  // input_size defaults to hidden_size, ffn_hidden_size to config.ffn_hidden_size (MoE experts
+  // pass moe_ffn_hidden_size; SequentialMLP overrides config.ffn_hidden_size the same way, so
+  // fc2's input is ffn_hidden_size in both).
+  MLP(const TransformerConfig& config, Precision p, std::optional<int> input_size = std::nullopt,
+      std::optional<int> ffn_hidden_size = std::nullopt);
+
+  OutputWithBias forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) override;
+  // Without recording its own output (for callers that record it under another name).
+  OutputWithBias forward_inner(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) const;
+  void load_state_dict(const StateDict& sd, const std::string& prefix) override;
+
+  Linear linear_fc1;  // [ffn (x2 GLU), input_size]
+  Linear linear_fc2;  // [hidden, ffn]
+  ActivationFunc activation_func;
+  bool gated_linear_unit;
+  double glu_linear_offset;
+  std::optional<double> activation_func_clamp_value;
+
+ private:
+  Precision p_;
+};
+
+}  // namespace twin::reference

@@ -1,0 +1,80 @@
+// The numeric policy of the reference.
+//
+// Every value is computed in double (Eigen matrices of double). What makes the reference equal to
+// Megatron is WHERE it rounds: a value is rounded exactly at the points where Megatron's tensor is
+// stored in a narrower dtype, and nowhere else. Each such point in the code carries a comment
+// `// rounds: ...`. Two modes:
+//
+//   ComputeMode::FP32  mirror Megatron. Two storage dtypes exist:
+//     - the activation dtype = the parameter dtype (fp32, bf16 or fp16): module outputs (every
+//       tap), residuals, GEMM outputs (accumulated in fp32, i.e. here in double, then rounded
+//       ONCE to the activation dtype), bias adds, activations, RoPE products, attention scores;
+//     - fp32: norm statistics (mean, rstd; torch computes norms in fp32 for bf16 inputs), the
+//       softmax input/output when attention_softmax_in_fp32, RoPE cos/sin tables.
+//     For fp32 parameters both points round to fp32: every op of torch's fp32 graph stores once.
+//   ComputeMode::Exact no rounding at all: the true value of the same formula on the same (already
+//     representable) parameters and inputs, for measuring how far any implementation is from it.
+//
+// Matrices hold [s, b, h] activations as (s * b) x h, sequence-major: row = s_idx * b + b_idx,
+// exactly the memory order of Megatron's [s, b, h] tensors.
+#pragma once
+
+#include <Eigen/Core>
+#include <cstdint>
+
+#include "core/config.h"
+#include "core/dtype.h"
+#include "core/tensor.h"
+
+namespace twin::reference {
+
+using Mat = RowMatrix<double>;   // [rows, cols], row-major
+using RowVec = Eigen::RowVectorXd;
+
+enum class ComputeMode { FP32, Exact };
+
+struct Precision {
+  ComputeMode mode = ComputeMode::FP32;
+  DType params_dtype = DType::F32;  // F32, BF16 or F16: the dtype Megatron stores activations in
+
+  // params_dtype from the config (bf16 / fp16 flags win, as Megatron's Float16Module casts).
+  static Precision from_config(const TransformerConfig& c, ComputeMode mode = ComputeMode::FP32);
+
+  bool exact() const { return mode == ComputeMode::Exact; }
+
+  // rounds: to the activation (parameter) dtype; identity in Exact mode. bf16/fp16 go through
+  // fp32 first, as torch's kernels compute in fp32 and store once.
+  double act(double x) const {
+    if (exact()) return x;
+    const double f = round_to(DType::F32, x);
+    return params_dtype == DType::F32 ? f : round_to(params_dtype, f);
+  }
+  // rounds: to fp32; identity in Exact mode.
+  double f32(double x) const { return exact() ? x : round_to(DType::F32, x); }
+
+  void act_inplace(Mat& m) const;
+  void f32_inplace(Mat& m) const;
+  void act_inplace(RowVec& v) const;
+  Mat act(Mat m) const { act_inplace(m); return m; }
+  Mat f32(Mat m) const { f32_inplace(m); return m; }
+
+  // dtype of the tensors the reference hands out (taps, outputs): the activation dtype, or F64
+  // in Exact mode (no rounding happened, none is applied on the way out).
+  DType storage_dtype() const { return exact() ? DType::F64 : params_dtype; }
+  DType fp32_storage_dtype() const { return exact() ? DType::F64 : DType::F32; }
+
+  // unit roundoff of the activation dtype (0 in Exact mode)
+  double unit_roundoff_act() const { return exact() ? 0.0 : unit_roundoff(params_dtype); }
+
+  // Matrix -> tensor of `shape` in storage_dtype() (values already rounded: conversion is exact).
+  Tensor to_tensor(const Mat& m, Shape shape) const;
+  Tensor to_tensor(const RowVec& v, Shape shape) const;
+  Tensor to_tensor_f32(const Mat& m, Shape shape) const;  // a tensor stored in fp32
+};
+
+// Tensor (any float dtype, contiguous) viewed as rows x cols of doubles; ShapeError when the
+// element count differs (names `what`).
+Mat to_mat(const Tensor& t, std::int64_t rows, std::int64_t cols, const std::string& what);
+RowVec to_rowvec(const Tensor& t, const std::string& what);
+
+}  // namespace twin::reference

@@ -1,0 +1,83 @@
+#include "reference/torch_norm.h"
+
+#include <cmath>
+
+namespace twin::reference {
+
+static void check_width(const Mat& x, int hidden, const char* what) {
+  if (x.cols() != hidden)
+    throw ShapeError(std::string(what) + ": input last dimension " + std::to_string(x.cols()) +
+                     " does not match normalized_shape [" + std::to_string(hidden) + "]");
+}
+
+// ---- LayerNorm --------------------------------------------------------------------------------
+LayerNorm::LayerNorm(int hidden_size, double eps, bool zero_centered_gamma, Precision p)
+    : weight_(RowVec::Constant(hidden_size, zero_centered_gamma ? 0.0 : 1.0)),
+      bias_(RowVec::Zero(hidden_size)),
+      hidden_size_(hidden_size), eps_(eps), zero_centered_gamma_(zero_centered_gamma), p_(p) {}
+
+void LayerNorm::load_state_dict(const StateDict& sd, const std::string& prefix) {
+  weight_ = sd.vector(prefix + "weight", hidden_size_);
+  bias_ = sd.vector(prefix + "bias", hidden_size_);
+}
+
+Mat LayerNorm::forward(const Mat& x) const {
+  check_width(x, hidden_size_, "LayerNorm");
+  const RowVec gamma = zero_centered_gamma_ ? RowVec((weight_.array() + 1.0).matrix()) : weight_;
+  Mat y(x.rows(), x.cols());
+  for (Eigen::Index r = 0; r < x.rows(); ++r) {
+    const double mean = p_.f32(x.row(r).mean());                       // rounds: fp32 statistic
+    const double var = (x.row(r).array() - mean).square().mean();
+    const double rstd = p_.f32(1.0 / std::sqrt(var + eps_));           // rounds: fp32 statistic
+    for (Eigen::Index c = 0; c < x.cols(); ++c)
+      y(r, c) = p_.act((x(r, c) - mean) * rstd * gamma[c] + bias_[c]);  // rounds: output, activation dtype
+  }
+  return y;
+}
+
+// ---- RMSNorm ----------------------------------------------------------------------------------
+RMSNorm::RMSNorm(int hidden_size, double eps, bool zero_centered_gamma, Precision p)
+    : weight_(RowVec::Constant(hidden_size, zero_centered_gamma ? 0.0 : 1.0)),
+      hidden_size_(hidden_size), eps_(eps), zero_centered_gamma_(zero_centered_gamma), p_(p) {}
+
+void RMSNorm::load_state_dict(const StateDict& sd, const std::string& prefix) {
+  weight_ = sd.vector(prefix + "weight", hidden_size_);
+}
+
+Mat RMSNorm::forward(const Mat& x) const {
+  check_width(x, hidden_size_, "RMSNorm");
+  const RowVec gamma = zero_centered_gamma_ ? RowVec((weight_.array() + 1.0).matrix()) : weight_;
+  Mat y(x.rows(), x.cols());
+  for (Eigen::Index r = 0; r < x.rows(); ++r) {
+    const double rstd = p_.f32(1.0 / std::sqrt(x.row(r).squaredNorm() / x.cols() + eps_));  // rounds: fp32 statistic
+    for (Eigen::Index c = 0; c < x.cols(); ++c) {
+      // torch's rms_norm casts x * rstd back to the input dtype before the weight multiply.
+      const double xhat = p_.act(x(r, c) * rstd);  // rounds: normalised value, activation dtype
+      y(r, c) = p_.act(xhat * gamma[c]);            // rounds: output, activation dtype
+    }
+  }
+  return y;
+}
+
+// ---- L2Norm -----------------------------------------------------------------------------------
+Mat L2Norm::forward(const Mat& x) const {
+  check_width(x, hidden_size_, "L2Norm");
+  Mat y(x.rows(), x.cols());
+  for (Eigen::Index r = 0; r < x.rows(); ++r) {
+    const double rstd = p_.f32(1.0 / std::sqrt(x.row(r).squaredNorm() / x.cols() + eps_));  // rounds: fp32 statistic
+    for (Eigen::Index c = 0; c < x.cols(); ++c) y(r, c) = p_.act(x(r, c) * rstd);  // rounds: .type_as(x)
+  }
+  return y;
+}
+
+std::unique_ptr<Norm> wrapped_torch_norm(const TransformerConfig& config, int hidden_size, double eps,
+                                         Precision p) {
+  if (config.normalization == "LayerNorm")
+    return std::make_unique<LayerNorm>(hidden_size, eps, config.layernorm_zero_centered_gamma, p);
+  if (config.normalization == "RMSNorm")
+    return std::make_unique<RMSNorm>(hidden_size, eps, config.layernorm_zero_centered_gamma, p);
+  throw ConfigError("normalization: '" + config.normalization +
+                    "' is not supported (Only LayerNorm, RMSNorm and L2Norm are currently supported)");
+}
+
+}  // namespace twin::reference

@@ -1,0 +1,83 @@
+// megatron/core/transformer/torch_norm.py: WrappedTorchNorm -> torch.nn.LayerNorm / RMSNorm, and
+// L2Norm. Each normalises every row of x (the last dimension, `hidden_size` wide).
+//
+//   LayerNorm: y = (x - mean) * rsqrt(var + eps) * gamma + beta     (var biased, over the row)
+//   RMSNorm:   y = x * rsqrt(mean(x^2) + eps) * gamma
+//   L2Norm:    y = x * rsqrt(mean(x^2) + eps)                        (no parameters)
+// gamma is `weight`, or 1 + weight with zero-centred gamma (Megatron's
+// layernorm_zero_centered_gamma; WrappedTorchNorm itself rejects that flag, TE norms honour it).
+// Statistics are computed in fp32 (torch upcasts bf16/fp16 inputs), the output stored in the
+// activation dtype.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "reference/precision.h"
+#include "reference/state_dict.h"
+#include "reference/taps.h"
+
+namespace twin::reference {
+
+// LayerNormInterface: forward(x) -> y of the same shape.
+class Norm {
+ public:
+  virtual ~Norm() = default;
+  virtual Mat forward(const Mat& x) const = 0;  // [n, hidden] -> [n, hidden]
+  virtual void load_state_dict(const StateDict& sd, const std::string& prefix) = 0;
+  virtual int hidden_size() const = 0;
+  // The weight (gamma parameter as stored, not 1 + weight); empty for L2Norm.
+  virtual RowVec weight() const { return RowVec(); }
+};
+
+class LayerNorm : public Norm {
+ public:
+  LayerNorm(int hidden_size, double eps, bool zero_centered_gamma, Precision p);
+  Mat forward(const Mat& x) const override;
+  void load_state_dict(const StateDict& sd, const std::string& prefix) override;  // weight, bias
+  int hidden_size() const override { return hidden_size_; }
+  RowVec weight() const override { return weight_; }
+  RowVec weight_, bias_;  // [hidden]; default gamma 1 (0 zero-centred), beta 0
+
+ private:
+  int hidden_size_;
+  double eps_;
+  bool zero_centered_gamma_;
+  Precision p_;
+};
+
+class RMSNorm : public Norm {
+ public:
+  RMSNorm(int hidden_size, double eps, bool zero_centered_gamma, Precision p);
+  Mat forward(const Mat& x) const override;
+  void load_state_dict(const StateDict& sd, const std::string& prefix) override;  // weight
+  int hidden_size() const override { return hidden_size_; }
+  RowVec weight() const override { return weight_; }
+  RowVec weight_;  // [hidden]
+
+ private:
+  int hidden_size_;
+  double eps_;
+  bool zero_centered_gamma_;
+  Precision p_;
+};
+
+class L2Norm : public Norm {
+ public:
+  L2Norm(int hidden_size, double eps, Precision p) : hidden_size_(hidden_size), eps_(eps), p_(p) {}
+  Mat forward(const Mat& x) const override;
+  void load_state_dict(const StateDict&, const std::string&) override {}
+  int hidden_size() const override { return hidden_size_; }
+
+ private:
+  int hidden_size_;
+  double eps_;
+  Precision p_;
+};
+
+// WrappedTorchNorm(config, hidden_size, eps): LayerNorm or RMSNorm by config.normalization
+// (ConfigError for anything else).
+std::unique_ptr<Norm> wrapped_torch_norm(const TransformerConfig& config, int hidden_size, double eps,
+                                         Precision p);
+
+}  // namespace twin::reference
