@@ -1,0 +1,173 @@
+#include "parity/fixture_cmd.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "fixtures/fixture.h"
+#include "parity/cli_common.h"
+#include "parity/fixture_kinds.h"
+
+namespace twin::cli {
+namespace {
+
+using json = nlohmann::json;
+
+struct Result {
+  std::string file;
+  std::optional<std::string> kind;  // unknown when the file could not be loaded
+  std::string twin;
+  Status status = Status::Error;
+  std::string message;
+  std::vector<Comparison> rows;
+  int first_failure = -1;  // index into rows
+};
+
+Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
+  Result r;
+  r.file = fx.path;
+  r.kind = fx.kind;
+  r.twin = twin_kind_name(twin);
+  const FixtureHandler handler = opt.lookup(fx.kind, twin);
+  if (!handler) {
+    r.status = Status::Unsupported;
+    r.message = fmt::format("the {} twin does not support fixture kind '{}' yet", r.twin, fx.kind);
+    return r;
+  }
+  try {
+    r.rows = handler(fx);
+  } catch (...) {
+    r.status = Status::Error;
+    r.message = describe_exception(std::current_exception());
+    r.rows.clear();
+    return r;
+  }
+  int failures = 0;
+  for (std::size_t i = 0; i < r.rows.size(); ++i)
+    if (!r.rows[i].pass) {
+      if (r.first_failure < 0) r.first_failure = static_cast<int>(i);
+      ++failures;
+    }
+  if (r.rows.empty()) {
+    // A handler that compares nothing has checked nothing: that is not a pass.
+    r.status = Status::Fail;
+    r.message = "the handler compared no tensor";
+  } else if (failures) {
+    const Comparison& c = r.rows[r.first_failure];
+    r.status = Status::Fail;
+    r.message = fmt::format("{} of {} tensors out of tolerance; first: {}", failures, r.rows.size(), c.name);
+    if (!c.message.empty()) r.message += " (" + c.message + ")";
+  } else {
+    r.status = Status::Pass;
+    r.message = fmt::format("{} tensors within tolerance", r.rows.size());
+  }
+  return r;
+}
+
+json to_json(const Result& r) {
+  json tensors = json::array();
+  for (const auto& c : r.rows)
+    tensors.push_back({{"name", c.name}, {"shape", c.shape}, {"max_abs", c.max_abs}, {"max_rel", c.max_rel},
+                       {"tol_abs", c.tol.atol}, {"tol_rel", c.tol.rtol}, {"pass", c.pass}});
+  return {{"file", r.file}, {"kind", r.kind ? json(*r.kind) : json(nullptr)}, {"twin", r.twin},
+          {"status", status_name(r.status)}, {"message", r.message}, {"tensors", tensors}};
+}
+
+void print_text(const Result& r, std::ostream& out, std::ostream& err) {
+  if (r.status == Status::Error) {
+    err << "error: " << r.message << "\n";
+    return;
+  }
+  if (r.status == Status::Unsupported) {
+    out << fmt::format("{}: unsupported: {}\n", r.file, r.message);
+    return;
+  }
+  out << fmt::format("{}  [kind {}, {} twin]\n", r.file, r.kind.value_or("?"), r.twin);
+  std::size_t nw = 6, sw = 5;
+  for (const auto& c : r.rows) {
+    nw = std::max(nw, c.name.size());
+    sw = std::max(sw, shape_str(c.shape).size());
+  }
+  out << fmt::format("    {:<{}}  {:<{}}  {:>11}  {:>11}  {:>24}  {:>8}\n", "tensor", nw, "shape", sw, "max abs err",
+                     "max rel err", "tolerance (abs + rel|e|)", "used");
+  for (std::size_t i = 0; i < r.rows.size(); ++i) {
+    const Comparison& c = r.rows[i];
+    const bool first = static_cast<int>(i) == r.first_failure;
+    const std::string mark = first ? ">>" : (c.pass ? "  " : " x");
+    const std::string used = c.message.empty() ? num(100.0 * c.share_used) + "%" : "-";
+    out << fmt::format("  {}{:<{}}  {:<{}}  {:>11}  {:>11}  {:>24}  {:>8}{}\n", mark, c.name, nw, shape_str(c.shape), sw,
+                       num(c.max_abs), num(c.max_rel), num(c.tol.atol) + " + " + num(c.tol.rtol), used,
+                       first ? "  <- first out of tolerance" : "");
+  }
+  if (r.first_failure >= 0) {
+    const Comparison& c = r.rows[r.first_failure];
+    if (!c.message.empty())
+      out << fmt::format("  first out of tolerance: {}: {}\n", c.name, c.message);
+    else
+      out << fmt::format("  first out of tolerance: {} at {}: actual {}, expected {}; {} of {} elements out; tolerance: {}\n",
+                         c.name, c.worst_index_str(), num(c.worst_actual), num(c.worst_expected), c.mismatches,
+                         shape_numel(c.shape), c.tol.reason);
+  }
+  out << fmt::format("  {}: {}\n", r.status == Status::Pass ? "PASS" : "FAIL", r.message);
+}
+
+}  // namespace
+
+int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err) {
+  std::vector<TwinKind> twins;
+  if (opt.twin == "reference" || opt.twin == "both") twins.push_back(TwinKind::Reference);
+  if (opt.twin == "optimized" || opt.twin == "both") twins.push_back(TwinKind::Optimized);
+  if (twins.empty()) {
+    err << "error: --twin must be reference, optimized or both, not '" << opt.twin << "'\n";
+    return 2;
+  }
+  // Progress only for people watching a terminal; pipes and tests see the results alone.
+  const bool progress = opt.files.size() > 1 && isatty(STDERR_FILENO);
+  int code = -1;
+  int counts[4] = {0, 0, 0, 0};
+  auto emit = [&](const Result& r) {
+    if (progress) err << "\r\033[K" << std::flush;
+    if (opt.json)
+      out << to_json(r).dump() << "\n";
+    else
+      print_text(r, out, err);
+    out.flush();
+    ++counts[static_cast<int>(r.status)];
+    code = code < 0 ? exit_code(r.status) : combine_exit_codes(code, exit_code(r.status));
+  };
+  for (std::size_t i = 0; i < opt.files.size(); ++i) {
+    const std::string& path = opt.files[i];
+    if (progress) err << fmt::format("\r\033[K[{}/{}] {}", i + 1, opt.files.size(), path) << std::flush;
+    if (!ends_with(path, ".safetensors") && !ends_with(path, ".json")) {
+      // Not a fixture at all (a README beside the fixtures, say): nothing any twin can run.
+      Result r;
+      r.file = path;
+      r.twin = opt.twin;
+      r.status = Status::Unsupported;
+      r.message = "not a fixture file: fixtures are .safetensors files or .json tables";
+      emit(r);
+      continue;
+    }
+    std::optional<Fixture> fx;
+    try {
+      fx = load_fixture(path);
+    } catch (...) {
+      // The file itself is bad: one result, whichever twins were asked for.
+      Result r;
+      r.file = path;
+      r.twin = opt.twin;
+      r.status = Status::Error;
+      r.message = describe_exception(std::current_exception());
+      emit(r);
+      continue;
+    }
+    for (TwinKind t : twins) emit(run_one(opt, *fx, t));
+  }
+  if (!opt.json && counts[0] + counts[1] + counts[2] + counts[3] > 1)
+    out << fmt::format("{} pass, {} fail, {} unsupported, {} error\n", counts[0], counts[1], counts[2], counts[3]);
+  return code < 0 ? 0 : code;
+}
+
+}  // namespace twin::cli

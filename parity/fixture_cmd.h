@@ -1,0 +1,29 @@
+// `twin fixture [--twin reference|optimized|both] [--json] FILE...`: runs each Megatron fixture
+// file through the named twin(s) and reports every compared tensor, in the order the layer
+// computes them. A file that is not .safetensors or .json (a README beside the fixtures) is
+// reported `unsupported`: no twin runs it.
+//
+// Exit codes: 0 every compared tensor within tolerance; 1 a mismatch; 2 bad input (unreadable or
+// corrupt file, bad config); 3 the twin does not support the fixture kind yet. Over several
+// files (and twins): 2 if any error, else 1 if any failure, else 3 if any unsupported, else 0.
+#pragma once
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "parity/fixture_kinds.h"
+
+namespace twin::cli {
+
+struct FixtureOptions {
+  std::vector<std::string> files;
+  std::string twin = "reference";  // reference | optimized | both
+  bool json = false;               // one JSON object per file (and twin) per line on stdout
+  // Where handlers come from: the registry, or a test's own.
+  FixtureHandler (*lookup)(const std::string& kind, TwinKind twin) = find_fixture_handler;
+};
+
+int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err);
+
+}  // namespace twin::cli

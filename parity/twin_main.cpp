@@ -1,0 +1,51 @@
+// The `twin` command line: inspect files, run fixtures through the twins, run the main check.
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+
+#include "parity/check.h"
+#include "parity/cli_common.h"
+#include "parity/fixture_cmd.h"
+#include "parity/inspect.h"
+
+int main(int argc, char** argv) {
+  using namespace twin::cli;
+  CLI::App app{"twin: a numerical twin of Megatron-Core's TransformerLayer (reference and CUDA twins, golden fixtures)"};
+  app.require_subcommand(1);
+  app.footer("Exit codes: 0 pass, 1 mismatch, 2 bad input, 3 unsupported fixture kind.");
+
+  InspectOptions inspect;
+  auto* inspect_cmd = app.add_subcommand("inspect", "Print metadata, parsed config and tensors (dtype, shape, min/max/mean) of .safetensors, .pt and fixture .json files");
+  inspect_cmd->add_option("FILE", inspect.files, "Files to inspect")->required();
+  inspect_cmd->add_flag("--json", inspect.json, "One JSON object per file per line");
+
+  FixtureOptions fixture;
+  auto* fixture_cmd = app.add_subcommand("fixture", "Run Megatron fixture files through a twin and compare every output, tap and aux value");
+  fixture_cmd->add_option("FILE", fixture.files, "Fixture files (.safetensors or .json tables)")->required();
+  fixture_cmd->add_option("--twin", fixture.twin, "Which twin runs the fixtures")
+      ->check(CLI::IsMember({"reference", "optimized", "both"}))
+      ->capture_default_str();
+  fixture_cmd->add_flag("--json", fixture.json,
+                        "One JSON object per file and twin per line: file, kind, twin, status, message, tensors[]");
+
+  CheckOptions check;
+  auto* check_cmd = app.add_subcommand("check", "The main job: check the twins against their references (ci/check runs it)");
+  check_cmd->add_flag("--json", check.json, "One JSON object on stdout");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::cerr << "error: " << one_line(e.what()) << " (see twin --help)\n";
+    return 2;
+  }
+  try {
+    if (*inspect_cmd) return run_inspect(inspect, std::cout, std::cerr);
+    if (*fixture_cmd) return run_fixture(fixture, std::cout, std::cerr);
+    if (*check_cmd) return run_check(check, std::cout, std::cerr);
+  } catch (const std::exception& e) {
+    std::cerr << "error: internal error: " << one_line(e.what()) << "\n";
+    return 2;
+  }
+  return 2;
+}
