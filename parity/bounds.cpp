@@ -1,0 +1,42 @@
+#include "parity/bounds.h"
+
+#include <cmath>
+#include <fmt/format.h>
+#include <limits>
+
+namespace twin::parity {
+
+double gamma_n(std::int64_t n, double u) {
+  const double nu = static_cast<double>(n) * u;
+  return nu < 1.0 ? nu / (1.0 - nu) : std::numeric_limits<double>::infinity();
+}
+
+Tolerance reduction_bound(DType out, std::int64_t k, double magnitude) {
+  Tolerance t = Tolerance::for_dtype(out);
+  const double g = 2.0 * gamma_n(k, unit_roundoff(DType::F32));
+  t.atol += g * magnitude;
+  t.reason = fmt::format("{} + 2*gamma_{}(fp32)={:.3g} x magnitude {:.3g}", t.reason, k, g, magnitude);
+  return t;
+}
+
+Tolerance reference_error_bound(DType dt, double ref_err) {
+  Tolerance t = Tolerance::for_dtype(dt);
+  t.atol += 2.0 * ref_err;
+  t.reason = fmt::format("{} + 2 x reference's own max error vs fp64 ({:.3g})", t.reason, ref_err);
+  return t;
+}
+
+double max_abs(const Tensor& t) {
+  double m = 0.0;
+  for (std::int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::fabs(t.at_f64(i)));
+  return m;
+}
+
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape()) throw ShapeError("max_abs_diff: shapes " + shape_str(a.shape()) + " and " + shape_str(b.shape()));
+  double m = 0.0;
+  for (std::int64_t i = 0; i < a.numel(); ++i) m = std::max(m, std::fabs(a.at_f64(i) - b.at_f64(i)));
+  return m;
+}
+
+}  // namespace twin::parity

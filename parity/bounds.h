@@ -1,0 +1,31 @@
+// Bounds that grow with the numerics, built on the comparator's per-dtype defaults
+// (Tolerance::for_dtype, torch.testing.assert_close's values). Each returns the reason with it.
+#pragma once
+
+#include <cstdint>
+
+#include "parity/compare.h"
+
+namespace twin::parity {
+
+// Higham's gamma_n = n u / (1 - n u): the relative bound of a length-n sum in a format of unit
+// roundoff u, |fl(sum a_i b_i) - sum a_i b_i| <= gamma_n sum |a_i b_i|.
+double gamma_n(std::int64_t n, double u);
+
+// Two implementations of one reduction of length k, both accumulating in fp32 but in different
+// orders, and rounding once to `out`: they differ by at most 2 gamma_k(u_fp32) * magnitude, where
+// magnitude bounds sum |a_i b_i| over the output; the final rounding is covered by the dtype's rtol.
+Tolerance reduction_bound(DType out, std::int64_t k, double magnitude);
+
+// A whole layer: the optimized twin may be off from the reference by the dtype's default plus twice
+// the reference's own max error against the fp64 ("exact") run of the same inputs. This is the
+// FlashAttention test rule (no worse than twice the reference's own error); the absolute part covers
+// outputs that cancel (residual adds), where a relative bound says nothing.
+Tolerance reference_error_bound(DType dt, double reference_max_error_vs_exact);
+
+// max |x| over a tensor (0 for empty): the magnitude used by the bounds above.
+double max_abs(const Tensor& t);
+// max |a - b| over two tensors of one shape (ShapeError otherwise).
+double max_abs_diff(const Tensor& a, const Tensor& b);
+
+}  // namespace twin::parity
