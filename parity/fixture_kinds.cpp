@@ -3,6 +3,8 @@
 #include <map>
 #include <utility>
 
+#include "reference/fixture_handlers.h"
+
 namespace twin {
 
 const char* twin_kind_name(TwinKind t) { return t == TwinKind::Reference ? "reference" : "optimized"; }
@@ -10,6 +12,8 @@ const char* twin_kind_name(TwinKind t) { return t == TwinKind::Reference ? "refe
 FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin) {
   // One line per supported (kind, twin); the twins add theirs as they learn a kind.
   static const std::map<std::pair<std::string, TwinKind>, FixtureHandler> handlers = {
+      {{"layer_offset_table", TwinKind::Reference}, reference::run_layer_offset_table_fixture},
+      {{"retro_layout_table", TwinKind::Reference}, reference::run_retro_layout_table_fixture},
   };
   auto it = handlers.find({kind, twin});
   return it == handlers.end() ? nullptr : it->second;

@@ -1,0 +1,120 @@
+// get_retro_decoder_block_layout: the rule for every num_layers from 6 to 96 (checked against an
+// independent statement of it), the errors, the printer, and the golden layout table.
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "fixtures/fixture.h"
+#include "reference/fixture_handlers.h"
+#include "reference/retro/decoder_spec.h"
+
+using namespace twin;
+using namespace twin::reference;
+using namespace twin::reference::retro;
+
+namespace {
+
+std::string source_dir() {
+  const char* d = std::getenv("TWIN_SOURCE_DIR");
+  return d ? d : ".";
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+// The rule of issue 6, stated per layer: Retro layers at start, start + 3, ... with start = 6
+// for at most 15 layers, else 9; the first of them owns the encoder; the rest are GPT layers.
+TEST(RetroDecoderLayout, MatchesTheRuleFor6To96Layers) {
+  for (int n = 6; n <= 96; ++n) {
+    const std::vector<RetroLayerKind> layout = get_retro_decoder_block_layout(n);
+    ASSERT_EQ(layout.size(), static_cast<std::size_t>(n));
+    const int start = n <= 15 ? 6 : 9;
+    int with_encoder = 0, retro = 0;
+    for (int layer = 1; layer <= n; ++layer) {
+      const bool is_retro = layer >= start && (layer - start) % 3 == 0;
+      const RetroLayerKind expected =
+          !is_retro ? RetroLayerKind::Gpt : (layer == start ? RetroLayerKind::RetroWithEncoder : RetroLayerKind::Retro);
+      EXPECT_EQ(layout[layer - 1], expected) << "num_layers " << n << ", layer " << layer;
+      with_encoder += layout[layer - 1] == RetroLayerKind::RetroWithEncoder;
+      retro += layout[layer - 1] != RetroLayerKind::Gpt;
+    }
+    EXPECT_EQ(with_encoder, 1) << "num_layers " << n;
+    EXPECT_EQ(retro, (n - start) / 3 + 1) << "num_layers " << n;
+  }
+}
+
+// Appending layers beyond 15 never moves an existing Retro layer; crossing 15 -> 16 does.
+RC_GTEST_PROP(RetroDecoderLayout, PrefixStableWithinARegime, ()) {
+  const int a = *rc::gen::inRange(6, 97);
+  const int b = *rc::gen::inRange(a, 97);
+  RC_PRE((a <= 15) == (b <= 15));
+  const auto la = get_retro_decoder_block_layout(a), lb = get_retro_decoder_block_layout(b);
+  for (int i = 0; i < a; ++i) RC_ASSERT(la[i] == lb[i]);
+}
+
+TEST(RetroDecoderLayout, FewerThanSixLayersIsAClearError) {
+  for (int n = -1; n < 6; ++n) {
+    const std::string m = error_of([n] { get_retro_decoder_block_layout(n); });
+    EXPECT_NE(m.find("needs num_layers >= 6"), std::string::npos) << n << ": " << m;
+    EXPECT_NE(m.find("num_layers=" + std::to_string(n)), std::string::npos) << m;
+  }
+}
+
+TEST(RetroDecoderLayout, PipelineParallelismIsRejected) {
+  TransformerConfig c;
+  c.num_layers = 12;
+  c.pipeline_model_parallel_size = 2;
+  EXPECT_NE(error_of([&] { get_retro_decoder_block_layout(c); }).find("does not currently support pipeline parallelism"),
+            std::string::npos);
+  c.pipeline_model_parallel_size = 1;
+  c.virtual_pipeline_model_parallel_size = 2;
+  EXPECT_NE(error_of([&] { get_retro_decoder_block_layout(c); }).find("virtual pipeline parallelism"),
+            std::string::npos);
+  c.virtual_pipeline_model_parallel_size.reset();
+  EXPECT_EQ(get_retro_decoder_block_layout(c).size(), 12u);
+}
+
+TEST(RetroDecoderLayout, Format) {
+  const auto layout = get_retro_decoder_block_layout(9);
+  const std::string text = format_retro_layout(layout);
+  EXPECT_EQ(text,
+            "layer 1: gpt\nlayer 2: gpt\nlayer 3: gpt\nlayer 4: gpt\nlayer 5: gpt\n"
+            "layer 6: retro_with_encoder\nlayer 7: gpt\nlayer 8: gpt\nlayer 9: retro\n");
+  const auto j = nlohmann::json::parse(format_retro_layout(layout, true));
+  EXPECT_EQ(j["num_layers"], 9);
+  EXPECT_EQ(j["layers"][5], "retro_with_encoder");
+  EXPECT_EQ(j["layers"][8], "retro");
+  EXPECT_EQ(j["layers"].size(), 9u);
+}
+
+TEST(RetroLayoutTable, EqualToMegatron) {
+  const Fixture f = load_fixture(source_dir() + "/fixtures/megatron-core/retro_decoder_layout_table.json");
+  ASSERT_EQ(f.kind, "retro_layout_table");
+  const auto rows = run_retro_layout_table_fixture(f);
+  ASSERT_EQ(rows.size(), 3u);
+  for (const auto& c : rows) EXPECT_TRUE(c.pass) << c.name << ": " << c.message;
+  EXPECT_EQ(rows[0].shape, Shape{static_cast<std::int64_t>(f.table["entries"].size())});
+}
+
+TEST(RetroLayoutTable, HandlerDetectsAWrongLayer) {
+  Fixture f = load_fixture(source_dir() + "/fixtures/megatron-core/retro_decoder_layout_table.json");
+  for (auto& e : f.table["entries"])
+    if (e["num_layers"] == 16) e["layers"][8] = "retro";  // Megatron's layer 9 owns the encoder
+  const auto rows = run_retro_layout_table_fixture(f);
+  EXPECT_TRUE(rows[0].pass);
+  EXPECT_FALSE(rows[2].pass);
+  EXPECT_EQ(rows[2].mismatches, 1);
+  EXPECT_NE(rows[2].message.find("num_layers=16 layer 9: twin retro_with_encoder, Megatron retro"), std::string::npos)
+      << rows[2].message;
+}
