@@ -1,0 +1,155 @@
+// gemm_cublaslt.cpp: the GPU GEMM, one cublasLtMatmul per call (CUDA builds only; needs a GPU).
+//
+// Design: one cuBLASLt handle and one 32 MiB workspace for the process (the current device at first
+// use), compute type CUBLAS_COMPUTE_32F with fp32 scale type, layouts built from GemmArgs exactly
+// (rows/cols of the stored matrix, ld, batch count and strided batch offset), the epilogue and
+// bias pointer/dtype set on the descriptor, and the first algorithm of the heuristic. Arguments
+// are validated first by validate_gemm, the same check the simulator applies. Grouped GEMMs run
+// as one matmul per non-empty group; a group with k == 0 is computed as D = beta * C (+ bias),
+// which cuBLASLt is given as a matmul with k = 0 (untested on hardware).
+#include "optimized/runtime/cuda_check.h"
+#include "optimized/runtime/gemm.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace twin::rt {
+namespace {
+
+void lt_check(cublasStatus_t st, const std::string& call) {
+  if (st != CUBLAS_STATUS_SUCCESS)
+    throw CudaError(call + ": cuBLAS status " + std::to_string(static_cast<int>(st)) + " (" + cublasGetStatusString(st) + ")");
+}
+
+cudaDataType_t to_cuda(DType dt) {
+  switch (dt) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F16: return CUDA_R_16F;
+    default: throw GemmError(std::string("gemm [cuBLASLt]: unsupported dtype ") + dtype_name(dt));
+  }
+}
+
+cublasLtEpilogue_t to_cuda(Epilogue e) {
+  switch (e) {
+    case Epilogue::Default: return CUBLASLT_EPILOGUE_DEFAULT;
+    case Epilogue::Relu: return CUBLASLT_EPILOGUE_RELU;
+    case Epilogue::Gelu: return CUBLASLT_EPILOGUE_GELU;
+    case Epilogue::Bias: return CUBLASLT_EPILOGUE_BIAS;
+    case Epilogue::ReluBias: return CUBLASLT_EPILOGUE_RELU_BIAS;
+    case Epilogue::GeluBias: return CUBLASLT_EPILOGUE_GELU_BIAS;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+// RAII wrappers of the descriptors.
+struct Layout {
+  cublasLtMatrixLayout_t h = nullptr;
+  Layout(DType dt, std::int64_t rows, std::int64_t cols, std::int64_t ld, std::int64_t batch, std::int64_t stride) {
+    lt_check(cublasLtMatrixLayoutCreate(&h, to_cuda(dt), static_cast<std::uint64_t>(rows), static_cast<std::uint64_t>(cols), ld),
+             "cublasLtMatrixLayoutCreate");
+    if (batch > 1) {
+      int b = static_cast<int>(batch);
+      lt_check(cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &b, sizeof(b)),
+               "cublasLtMatrixLayoutSetAttribute(BATCH_COUNT)");
+      lt_check(cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)),
+               "cublasLtMatrixLayoutSetAttribute(STRIDED_BATCH_OFFSET)");
+    }
+  }
+  ~Layout() { if (h) cublasLtMatrixLayoutDestroy(h); }
+};
+struct MatmulDesc {
+  cublasLtMatmulDesc_t h = nullptr;
+  MatmulDesc() { lt_check(cublasLtMatmulDescCreate(&h, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate"); }
+  ~MatmulDesc() { if (h) cublasLtMatmulDescDestroy(h); }
+  template <class T>
+  void set(cublasLtMatmulDescAttributes_t a, const T& v, const char* name) {
+    lt_check(cublasLtMatmulDescSetAttribute(h, a, &v, sizeof(v)), std::string("cublasLtMatmulDescSetAttribute(") + name + ")");
+  }
+};
+
+class CublasLtGemm final : public Gemm {
+ public:
+  Backend backend() const override { return Backend::Cuda; }
+
+  void run(const GemmArgs& g, cudaStream_t stream) override {
+    validate_gemm(g, "gemm [cuBLASLt]");
+    matmul(g, stream);
+  }
+  void run_grouped(const std::vector<GemmArgs>& groups, cudaStream_t stream) override {
+    for (std::size_t i = 0; i < groups.size(); ++i) {
+      std::string who = "grouped gemm [cuBLASLt] group " + std::to_string(i);
+      validate_gemm(groups[i], who.c_str());
+    }
+    for (const auto& g : groups) matmul(g, stream);
+  }
+
+ private:
+  void init() {
+    std::call_once(once_, [this] {
+      lt_check(cublasLtCreate(&handle_), "cublasLtCreate");
+      cuda_check(cudaMalloc(&workspace_, kWorkspace), "cudaMalloc(cuBLASLt workspace)");
+    });
+  }
+
+  void matmul(const GemmArgs& g, cudaStream_t stream) {
+    if (g.m == 0 || g.n == 0) return;
+    init();
+    MatmulDesc desc;
+    cublasOperation_t ta = g.transa == Op::N ? CUBLAS_OP_N : CUBLAS_OP_T;
+    cublasOperation_t tb = g.transb == Op::N ? CUBLAS_OP_N : CUBLAS_OP_T;
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSA, ta, "TRANSA");
+    desc.set(CUBLASLT_MATMUL_DESC_TRANSB, tb, "TRANSB");
+    desc.set(CUBLASLT_MATMUL_DESC_EPILOGUE, to_cuda(g.epilogue), "EPILOGUE");
+    if (g.bias) {
+      desc.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias, "BIAS_POINTER");
+      desc.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, to_cuda(g.bias_dtype), "BIAS_DATA_TYPE");
+    }
+    const std::int64_t a_rows = g.transa == Op::N ? g.m : g.k, a_cols = g.transa == Op::N ? g.k : g.m;
+    const std::int64_t b_rows = g.transb == Op::N ? g.k : g.n, b_cols = g.transb == Op::N ? g.n : g.k;
+    Layout la(g.ab_dtype, a_rows, a_cols, g.lda, g.batch, g.stride_a);
+    Layout lb(g.ab_dtype, b_rows, b_cols, g.ldb, g.batch, g.stride_b);
+    const bool reads_c = g.beta != 0.0f;
+    Layout lc(g.cd_dtype, g.m, g.n, reads_c ? g.ldc : g.ldd, g.batch, reads_c ? g.stride_c : g.stride_d);
+    Layout ld(g.cd_dtype, g.m, g.n, g.ldd, g.batch, g.stride_d);
+
+    cublasLtMatmulPreference_t pref = nullptr;
+    lt_check(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+    std::unique_ptr<void, void (*)(void*)> pref_guard(pref, [](void* p) {
+      cublasLtMatmulPreferenceDestroy(static_cast<cublasLtMatmulPreference_t>(p));
+    });
+    std::size_t ws = kWorkspace;
+    lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
+             "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)");
+    cublasLtMatmulHeuristicResult_t heur{};
+    int found = 0;
+    lt_check(cublasLtMatmulAlgoGetHeuristic(handle_, desc.h, la.h, lb.h, lc.h, ld.h, pref, 1, &heur, &found),
+             "cublasLtMatmulAlgoGetHeuristic");
+    if (found == 0)
+      throw CudaError("cublasLtMatmulAlgoGetHeuristic: no algorithm for m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) +
+                      " k=" + std::to_string(g.k) + " dtype " + dtype_name(g.ab_dtype) + " -> " + dtype_name(g.cd_dtype) +
+                      " epilogue " + epilogue_name(g.epilogue));
+    const void* c = reads_c ? g.c : g.d;
+    lt_check(cublasLtMatmul(handle_, desc.h, &g.alpha, g.a, la.h, g.b, lb.h, &g.beta, c, lc.h, g.d, ld.h, &heur.algo,
+                            workspace_, kWorkspace, stream),
+             "cublasLtMatmul");
+  }
+
+  static constexpr std::size_t kWorkspace = 32u << 20;
+  std::once_flag once_;
+  cublasLtHandle_t handle_ = nullptr;
+  void* workspace_ = nullptr;
+};
+
+}  // namespace
+
+Gemm& cublaslt_gemm() {
+  static CublasLtGemm g;
+  return g;
+}
+
+}  // namespace twin::rt
