@@ -370,8 +370,8 @@ std::string diagnose_stall(Worker& w) {
     const Fiber& g = w.fibers[i];
     if (g.state == State::Exited)
       return prefix(w, &g) + "returned before reaching the __syncthreads() at " + where(first->file, first->line) +
-             " where " + std::to_string(w.at_barrier) + " threads of the block wait (" + std::to_string(w.exited) +
-             " threads returned)";
+             " where " + std::to_string(w.at_barrier) + " threads of the block wait (threads returned: " +
+             std::to_string(w.exited) + ")";
   }
   return prefix(w, nullptr) + "no thread can run (internal error)";
 }

@@ -20,9 +20,23 @@
 namespace twin::rt {
 namespace {
 
+const char* status_name(cublasStatus_t st) {  // cublasGetStatusString lives in libcublas, not cublasLt
+  switch (st) {
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "cuBLAS error";
+  }
+}
+
 void lt_check(cublasStatus_t st, const std::string& call) {
   if (st != CUBLAS_STATUS_SUCCESS)
-    throw CudaError(call + ": cuBLAS status " + std::to_string(static_cast<int>(st)) + " (" + cublasGetStatusString(st) + ")");
+    throw CudaError(call + ": " + status_name(st) + " (" + std::to_string(static_cast<int>(st)) + ")");
 }
 
 cudaDataType_t to_cuda(DType dt) {

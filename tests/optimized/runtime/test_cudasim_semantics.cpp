@@ -1,0 +1,42 @@
+// Simulator semantics: the shared cases of semantics_cases.inc on the simulator, plus behaviour
+// only the simulator has (dynamic shared memory poison, launch configuration checks).
+#include "tests/optimized/runtime/sim_fixture.h"
+
+#define SEMANTICS_FIXTURE SimTest
+#include "tests/optimized/runtime/semantics_cases.inc"
+
+#include "cuda_compat.h"
+
+TEST_F(SimTest, DynamicSharedMemoryIsPoisonedBeforeEachBlock) {
+  using namespace semantics_test;
+  const int blocks = 3, threads = 64;
+  twin::rt::DeviceBuffer out(dev(), blocks * threads * 4);
+  // Dirty the shared buffer first: the next launch must not see these values.
+  std::vector<float> in(blocks * threads, 1.0f);
+  auto din = upload(dev(), in);
+  twin::rt::DeviceBuffer tmp(dev(), blocks * threads * 4);
+  launch_kernel(semantics::shared_reverse_dynamic_kernel, blocks, threads, threads * 4, nullptr, din.as<const float>(), tmp.as<float>());
+  launch_kernel(semantics::shared_read_uninitialized_kernel, blocks, threads, threads * 4, nullptr, out.as<unsigned>());
+  for (unsigned v : download<unsigned>(out, blocks * threads)) ASSERT_EQ(v, 0xffffffffu);
+}
+
+TEST_F(SimTest, BadLaunchConfigurationsAreErrors) {
+  twin::rt::DeviceBuffer out(dev(), 4096 * 4);
+  auto expect_error = [&](dim3 grid, dim3 block, std::size_t smem, const char* what) {
+    try {
+      launch_kernel(semantics::shared_read_uninitialized_kernel, grid, block, smem, nullptr, out.as<unsigned>());
+      ADD_FAILURE() << "no error for " << what;
+    } catch (const cudasim::KernelError& e) {
+      EXPECT_NE(std::string(e.what()).find("semantics::shared_read_uninitialized_kernel"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  expect_error(dim3(1), dim3(2048), 0, "exceeds (1024,1024,64)");
+  expect_error(dim3(1), dim3(64, 32), 0, "more than 1024 threads");
+  expect_error(dim3(0), dim3(32), 0, "zero dimension");
+  expect_error(dim3(1), dim3(32), 300 * 1024, "227 KiB");
+}
+
+TEST_F(SimTest, ThreadIdxOutsideAKernelIsAnError) {
+  EXPECT_THROW((void)threadIdx.x, cudasim::KernelError);
+}
