@@ -1,0 +1,213 @@
+/* Core attention forward (reference/dot_product_attention.h; Megatron's DotProductAttention,
+ * unfused path with FusedScaleMaskSoftmax.forward_torch_softmax):
+ *   scores = alpha * q k^T (stored in T), [* coeff in fp32], masked_fill(mask, -10000.0),
+ *   probs = softmax(scores) in fp32 stored in T, dropout(probs), context = probs v (stored in T).
+ *
+ * Design: tiled, never materialising the [sq, sk] score matrix. A block owns BQ = 16 query rows of
+ * one (batch, head); 4 warps, each owning 4 of the rows; K and V stream through shared memory in
+ * tiles of BK = 32 keys (one key per lane). Two passes over the key tiles per query tile:
+ *   1. online softmax statistics: running max m and rescaled sum l (Milakov & Gimelshein's online
+ *      normaliser), warp shuffles only;
+ *   2. recompute each score (same instructions, same bits), p = exp(s - m) / l rounded to T exactly
+ *      where Megatron stores its probabilities, attention dropout on p, and accumulate p * v in fp32
+ *      registers.
+ * The second pass costs a second q k^T, but gives Megatron's rounding points (probs stored in T
+ * before the bmm) instead of FlashAttention's unrounded rescaled accumulator: the twin reproduces
+ * the reference's numbers rather than only approximating them. Causal attention skips the key tiles
+ * past the block's last query (their -10000.0 scores contribute exp(-10000 - m) = 0 in fp32).
+ * Padding / arbitrary masks keep Megatron's semantics: masked scores are -10000.0 (not -inf), so a
+ * fully masked row is a uniform distribution, as in Megatron. GQA reads the group's K/V head by
+ * index (head h uses group h / (np / ng)) straight from the fused linear_qkv output; nothing is
+ * copied or repeated. Head dim up to 256 (8 accumulators per lane and row). */
+#pragma once
+
+#include "philox.cuh"
+
+namespace twin::opt::TWIN_BACKEND {
+
+enum class MaskMode : int { None, Causal, Explicit };
+
+constexpr int kAttnBQ = 16;          // query rows per block
+constexpr int kAttnBK = 32;          // keys per tile (one per lane)
+constexpr int kAttnWarps = 4;
+constexpr int kAttnRowsPerWarp = kAttnBQ / kAttnWarps;
+constexpr int kAttnMaxHeadDim = 256;
+constexpr int kAttnMaxChunks = kAttnMaxHeadDim / 32;
+
+// Where q, k and v live inside the fused linear_qkv output [s, b, ng_local, (hpg + 2) * hn]:
+// token t = s_idx * b + b_idx; q of local head h at t * ld + (h / hpg) * group_stride + (h % hpg) * hn;
+// k of local group g at t * ld + g * group_stride + hpg * hn; v right after k.
+struct QkvLayout {
+  std::int64_t ld = 0;            // elements per token
+  std::int64_t group_stride = 0;  // (hpg + 2) * hn
+  int hpg = 1;                    // query heads per group
+};
+
+struct AttnParams {
+  int sq = 0, sk = 0, b = 0;
+  int np_local = 0;      // heads on this rank
+  int np_total = 0;      // heads of the layer (mask head dim, dropout numbering)
+  int head_offset = 0;   // global index of local head 0
+  int hn = 0;
+  float alpha = 1.0f;    // softmax_scale (already divided by coeff)
+  float coeff = 0.0f;    // apply_query_key_layer_scaling: layer_number; 0 when off
+  bool softmax_fp32 = true;  // softmax input/output in fp32 (attention_softmax_in_fp32 for bf16/fp16)
+  MaskMode mask = MaskMode::None;
+  const std::uint8_t* mask_ptr = nullptr;  // [mask_b, mask_h, sq, sk], nonzero = masked
+  int mask_b = 1, mask_h = 1;
+  DropoutArgs drop;      // attention dropout over the flat [b, np_total, sq, sk] probabilities
+};
+
+template <class T>
+__device__ inline float attn_score(const float* q, const float* k, int hn, const AttnParams& p, int bi, int h_global,
+                                   int i, int j, float fill) {
+  float dot = 0.0f;
+  for (int c = 0; c < hn; ++c) dot += q[c] * k[c];
+  float s = round_to<T>(p.alpha * dot);  // rounds: baddbmm output (alpha inside), T
+  if (p.coeff != 0.0f) s = s * p.coeff;  // rounds: input * scale, fp32
+  bool masked = false;
+  if (p.mask == MaskMode::Causal) {
+    masked = j > i;
+  } else if (p.mask == MaskMode::Explicit) {
+    const std::int64_t mb = p.mask_b == 1 ? 0 : bi, mh = p.mask_h == 1 ? 0 : h_global;
+    masked = p.mask_ptr[((mb * p.mask_h + mh) * p.sq + i) * std::int64_t(p.sk) + j] != 0;
+  }
+  return masked ? fill : s;  // masked_fill_(mask, -10000.0)
+}
+
+template <class T>
+__global__ void dot_product_attention_forward_kernel(const T* qkv, QkvLayout lay, T* context, AttnParams p) {
+  DYNAMIC_SHARED(float, smem);
+  const int hn = p.hn, kstride = hn + 1;  // +1: lanes reading consecutive keys hit different banks
+  float* q_s = smem;                      // [BQ, hn]
+  float* k_s = q_s + kAttnBQ * hn;        // [BK, hn + 1]
+  float* v_s = k_s + kAttnBK * kstride;   // [BK, hn + 1]
+  float* p_s = v_s + kAttnBK * kstride;   // [warps, BK]
+
+  const int q0 = blockIdx.x * kAttnBQ, h = blockIdx.y, bi = blockIdx.z;
+  const int h_global = p.head_offset + h, g = h / lay.hpg;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const std::int64_t tok_stride = std::int64_t(p.b) * lay.ld;  // one sequence position
+  const T* q_base = qkv + std::int64_t(bi) * lay.ld + g * lay.group_stride + (h % lay.hpg) * hn;
+  const T* k_base = qkv + std::int64_t(bi) * lay.ld + g * lay.group_stride + lay.hpg * hn;
+  const T* v_base = k_base + hn;
+  // -10000.0 as the softmax input stores it (fp32, or T when the softmax runs in T)
+  const float fill = p.softmax_fp32 ? -10000.0f : round_to<T>(-10000.0f);
+
+  for (int e = threadIdx.x; e < kAttnBQ * hn; e += blockDim.x) {
+    const int r = e / hn, c = e % hn;
+    q_s[e] = q0 + r < p.sq ? Io<T>::load(q_base[(q0 + r) * tok_stride + c]) : 0.0f;
+  }
+  // Keys this block needs: all, or up to its last query row when causal.
+  const int q_last = min(q0 + kAttnBQ, p.sq) - 1;
+  const int k_end = p.mask == MaskMode::Causal ? min(p.sk, q_last + 1) : p.sk;
+
+  float m[kAttnRowsPerWarp], l[kAttnRowsPerWarp];
+  for (int r = 0; r < kAttnRowsPerWarp; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+  }
+  // ---- pass 1: online max and sum of exp over the row
+  for (int k0 = 0; k0 < k_end; k0 += kAttnBK) {
+    __syncthreads();  // previous tile consumed (and q_s written, first time)
+    for (int e = threadIdx.x; e < kAttnBK * hn; e += blockDim.x) {
+      const int j = e / hn, c = e % hn;
+      k_s[j * kstride + c] = k0 + j < k_end ? Io<T>::load(k_base[(k0 + j) * tok_stride + c]) : 0.0f;
+    }
+    __syncthreads();
+    for (int r = 0; r < kAttnRowsPerWarp; ++r) {
+      const int i = q0 + warp * kAttnRowsPerWarp + r;
+      if (i >= p.sq) break;  // warp-uniform
+      const int j = k0 + lane;
+      const bool in_row = j < k_end && !(p.mask == MaskMode::Causal && j > i);
+      const float s = in_row ? attn_score<T>(q_s + (warp * kAttnRowsPerWarp + r) * hn, k_s + lane * kstride, hn, p, bi,
+                                             h_global, i, j, fill)
+                             : -INFINITY;
+      const float m_new = fmaxf(m[r], warp_max(s));
+      const float e_s = in_row ? expf(s - m_new) : 0.0f;
+      l[r] = (m_new == -INFINITY ? l[r] : l[r] * expf(m[r] - m_new)) + warp_sum(e_s);
+      m[r] = m_new;
+    }
+  }
+  // ---- pass 2: probabilities in T, dropout, p @ v
+  float acc[kAttnRowsPerWarp][kAttnMaxChunks];
+  for (int r = 0; r < kAttnRowsPerWarp; ++r)
+    for (int c = 0; c < kAttnMaxChunks; ++c) acc[r][c] = 0.0f;
+  for (int k0 = 0; k0 < k_end; k0 += kAttnBK) {
+    __syncthreads();
+    for (int e = threadIdx.x; e < kAttnBK * hn; e += blockDim.x) {
+      const int j = e / hn, c = e % hn;
+      const bool ok = k0 + j < k_end;
+      k_s[j * kstride + c] = ok ? Io<T>::load(k_base[(k0 + j) * tok_stride + c]) : 0.0f;
+      v_s[j * kstride + c] = ok ? Io<T>::load(v_base[(k0 + j) * tok_stride + c]) : 0.0f;
+    }
+    __syncthreads();
+    for (int r = 0; r < kAttnRowsPerWarp; ++r) {
+      const int i = q0 + warp * kAttnRowsPerWarp + r;
+      if (i >= p.sq) break;  // warp-uniform
+      const int j = k0 + lane;
+      const bool in_row = j < k_end && !(p.mask == MaskMode::Causal && j > i);
+      float pr = 0.0f;
+      if (in_row) {
+        const float s = attn_score<T>(q_s + (warp * kAttnRowsPerWarp + r) * hn, k_s + lane * kstride, hn, p, bi, h_global,
+                                      i, j, fill);
+        pr = round_to<T>(expf(s - m[r]) / l[r]);  // rounds: softmax output (fp32), probs.to(T)
+        if (p.drop.active) {
+          const std::uint64_t e = ((std::uint64_t(bi) * p.np_total + h_global) * p.sq + i) * std::uint64_t(p.sk) + j;
+          pr = philox_keep(p.drop.seed, p.drop.offset, e, p.drop.threshold) ? dropout_scaled<T>(pr, p.drop.scale) : 0.0f;
+        }
+      }
+      p_s[warp * kAttnBK + lane] = pr;
+      __syncwarp();
+      const int n_keys = min(kAttnBK, k_end - k0);
+      for (int cc = 0; cc < kAttnMaxChunks; ++cc) {
+        const int c = cc * 32 + lane;
+        if (c >= hn) break;
+        float a = acc[r][cc];
+        for (int jj = 0; jj < n_keys; ++jj) a += p_s[warp * kAttnBK + jj] * v_s[jj * kstride + c];
+        acc[r][cc] = a;
+      }
+      __syncwarp();  // p_s is rewritten by the next row
+    }
+  }
+  for (int r = 0; r < kAttnRowsPerWarp; ++r) {
+    const int i = q0 + warp * kAttnRowsPerWarp + r;
+    if (i >= p.sq) break;
+    T* out = context + (std::int64_t(i) * p.b + bi) * (std::int64_t(p.np_local) * hn) + std::int64_t(h) * hn;  // [hn]
+    for (int cc = 0; cc < kAttnMaxChunks; ++cc) {
+      const int c = cc * 32 + lane;
+      if (c < hn) out[c] = Io<T>::store(acc[r][cc]);  // rounds: bmm output, T
+    }
+  }
+}
+
+inline std::size_t attention_smem_bytes(int hn) {
+  return sizeof(float) * (std::size_t(kAttnBQ) * hn + 2 * std::size_t(kAttnBK) * (hn + 1) + kAttnWarps * kAttnBK);
+}
+
+// qkv: the fused linear_qkv output of this rank (after qk-layernorm and RoPE), context:
+// [sq, b, np_local * hn]. Self attention (sq == sk).
+inline void dot_product_attention_forward(DType dt, const void* qkv, const QkvLayout& lay, void* context,
+                                          const AttnParams& p, cudaStream_t stream) {
+  const std::string op = "dot_product_attention_forward";
+  require(qkv && context, op + ": null qkv / context");
+  require(p.hn > 0 && p.hn <= kAttnMaxHeadDim,
+          op + ": head dim " + std::to_string(p.hn) + " must be in [1, " + std::to_string(kAttnMaxHeadDim) + "]");
+  require(p.sq > 0 && p.sk > 0 && p.b > 0 && p.np_local > 0, op + ": empty shape");
+  require(lay.hpg > 0 && p.np_local % lay.hpg == 0,
+          op + ": local heads " + std::to_string(p.np_local) + " not a multiple of heads per group " + std::to_string(lay.hpg));
+  require(p.mask != MaskMode::Causal || p.sq == p.sk, op + ": causal mask needs sq == sk, got sq=" + std::to_string(p.sq) +
+                                                          " sk=" + std::to_string(p.sk));
+  require(p.mask != MaskMode::Explicit || p.mask_ptr, op + ": explicit mask without data");
+  require(p.mask != MaskMode::Explicit || ((p.mask_b == 1 || p.mask_b == p.b) && (p.mask_h == 1 || p.mask_h == p.np_total)),
+          op + ": mask dims [" + std::to_string(p.mask_b) + ", " + std::to_string(p.mask_h) + "] must be 1 or [b, np]");
+  require(p.head_offset + p.np_local <= p.np_total, op + ": local heads exceed the layer's heads");
+  dispatch_dtype(dt, op.c_str(), [&](auto tag) {
+    using T = decltype(tag);
+    const dim3 grid(ceil_div(p.sq, kAttnBQ), static_cast<unsigned>(p.np_local), static_cast<unsigned>(p.b));
+    launch_kernel(dot_product_attention_forward_kernel<T>, grid, dim3(32 * kAttnWarps), attention_smem_bytes(p.hn), stream,
+                  static_cast<const T*>(qkv), lay, static_cast<T*>(context), p);
+  });
+}
+
+}  // namespace twin::opt::TWIN_BACKEND

@@ -1,0 +1,50 @@
+/* Bias-dropout-add forward (reference/fused_bias_dropout.h; megatron/core/fusions/
+ * fused_bias_dropout.py): out = residual + dropout(x + bias), in one pass over memory.
+ *
+ * Design: element-wise, one thread per element with a grid-stride loop; the rounding points of the
+ * unfused torch graph are kept inside the fused kernel (x + bias stored in T, the dropout product
+ * stored in T, the sum stored in T) so the result equals the reference's bits, not just its value.
+ * The dropout mask comes from philox.cuh keyed by the element's GLOBAL flat index
+ * (element_base + local index): a rank holding a slice of the sequence (SP) or the layer at any TP
+ * size draws exactly the mask of the unsharded tensor. */
+#pragma once
+
+#include "philox.cuh"
+
+namespace twin::opt::TWIN_BACKEND {
+
+template <class T>
+__global__ void bias_dropout_add_forward_kernel(const T* x, const T* bias, const T* residual, T* out,
+                                                std::int64_t n_rows, int h, DropoutArgs drop,
+                                                std::uint64_t element_base) {
+  const std::int64_t n = n_rows * h;
+  for (std::int64_t e = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += std::int64_t(gridDim.x) * blockDim.x) {
+    float v = Io<T>::load(x[e]);
+    if (bias) v = round_to<T>(v + Io<T>::load(bias[e % h]));  // rounds: x + bias, T
+    if (drop.active) {
+      const bool keep = philox_keep(drop.seed, drop.offset, element_base + static_cast<std::uint64_t>(e), drop.threshold);
+      v = keep ? dropout_scaled<T>(v, drop.scale) : 0.0f;  // rounds: dropout product, T
+    }
+    out[e] = Io<T>::store(Io<T>::load(residual[e]) + v);  // rounds: residual + out, T
+  }
+}
+
+// x, residual, out: [n_rows, h] in dt (out may alias x or residual); bias [h] or null.
+inline void bias_dropout_add_forward(DType dt, const void* x, const void* bias, const void* residual, void* out,
+                                     std::int64_t n_rows, int h, const DropoutArgs& drop, std::uint64_t element_base,
+                                     cudaStream_t stream) {
+  require(h > 0 && n_rows >= 0, "bias_dropout_add_forward: bad shape [" + std::to_string(n_rows) + ", " + std::to_string(h) + "]");
+  require(x && residual && out, "bias_dropout_add_forward: null x / residual / out");
+  if (n_rows == 0) return;
+  dispatch_dtype(dt, "bias_dropout_add_forward", [&](auto tag) {
+    using T = decltype(tag);
+    const std::int64_t n = n_rows * h;
+    const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(ceil_div(n, 256), 65535));
+    launch_kernel(bias_dropout_add_forward_kernel<T>, dim3(blocks), dim3(256), 0, stream, static_cast<const T*>(x),
+                  static_cast<const T*>(bias), static_cast<const T*>(residual), static_cast<T*>(out), n_rows, h, drop,
+                  element_base);
+  });
+}
+
+}  // namespace twin::opt::TWIN_BACKEND

@@ -1,0 +1,60 @@
+/* Rotary position embedding forward (reference/rotary_pos_embedding.h; Megatron's rope_utils.py
+ * _apply_rotary_pos_emb_bshd, the unfused path): t = t * cos(f) + rotate_half(t) * sin(f) over the
+ * first rot_dim channels of each head; halves ([x1 | x2] -> [-x2 | x1]) or interleaved pairs
+ * ((x0, x1) -> (-x1, x0)); channels past rot_dim (rotary_percent < 1) pass through.
+ *
+ * Design: in place on the q and k heads inside the fused linear_qkv output (addressed like
+ * NormRows), one thread per rotated PAIR of channels, so each thread reads both inputs of its two
+ * outputs before writing them and the in-place update needs no barrier. cos/sin are computed from
+ * the fp32 angles in fp32 and stored in T, and each product and the sum are stored in T, as
+ * torch's unfused ops do. */
+#pragma once
+
+#include "torch_norm.cuh"  // NormRows
+
+namespace twin::opt::TWIN_BACKEND {
+
+// t: heads addressed by `rows` (width = head dim), freqs: [s, rot_dim] fp32 angles;
+// position of row r = r / rows_per_position.
+template <class T>
+__global__ void rotary_pos_emb_forward_kernel(T* t, const float* freqs, NormRows rows, std::int64_t rows_per_position,
+                                              int rot_dim, bool interleaved) {
+  const int half = rot_dim / 2;
+  const std::int64_t total = rows.n_rows * half;
+  for (std::int64_t e = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t r = e / half;
+    const int i = static_cast<int>(e % half);
+    T* row = t + rows.offset(r);                                 // [hn]
+    const float* f = freqs + (r / rows_per_position) * rot_dim;  // [rot_dim]
+    const int c0 = interleaved ? 2 * i : i;                      // the pair (c0, c1)
+    const int c1 = interleaved ? 2 * i + 1 : i + half;
+    const float x0 = Io<T>::load(row[c0]), x1 = Io<T>::load(row[c1]);
+    const float cos0 = round_to<T>(cosf(f[c0])), sin0 = round_to<T>(sinf(f[c0]));  // rounds: cos/sin .to(t.dtype)
+    const float cos1 = round_to<T>(cosf(f[c1])), sin1 = round_to<T>(sinf(f[c1]));
+    // rotate_half(t)[c0] = -x1, rotate_half(t)[c1] = x0
+    const float y0 = round_to<T>(x0 * cos0) + round_to<T>(-x1 * sin0);  // rounds: t * cos_, rotate_half(t) * sin_
+    const float y1 = round_to<T>(x1 * cos1) + round_to<T>(x0 * sin1);
+    row[c0] = Io<T>::store(y0);  // rounds: sum, T
+    row[c1] = Io<T>::store(y1);
+  }
+}
+
+inline void rotary_pos_emb_forward(DType dt, void* t, const float* freqs, const NormRows& rows,
+                                   std::int64_t rows_per_position, int rot_dim, bool interleaved, cudaStream_t stream) {
+  require(rot_dim > 0 && rot_dim % 2 == 0 && rot_dim <= rows.width,
+          "rotary_pos_emb_forward: rot_dim " + std::to_string(rot_dim) + " must be even, > 0 and at most the head dim " +
+              std::to_string(rows.width));
+  require(rows_per_position > 0, "rotary_pos_emb_forward: rows_per_position must be > 0");
+  require(t && freqs, "rotary_pos_emb_forward: null tensor");
+  if (rows.n_rows == 0) return;
+  dispatch_dtype(dt, "rotary_pos_emb_forward", [&](auto tag) {
+    using T = decltype(tag);
+    const std::int64_t total = rows.n_rows * (rot_dim / 2);
+    const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(ceil_div(total, 256), 65535));
+    launch_kernel(rotary_pos_emb_forward_kernel<T>, dim3(blocks), dim3(256), 0, stream, static_cast<T*>(t), freqs, rows,
+                  rows_per_position, rot_dim, interleaved);
+  });
+}
+
+}  // namespace twin::opt::TWIN_BACKEND

@@ -1,0 +1,439 @@
+// Host side of the optimized dense layer: validation, sharding of the full Megatron state dict,
+// device buffers per rank, simulated ranks, taps. The kernel sequence is transformer_layer.cuh.
+#include "optimized/transformer_layer.h"
+
+#include <cmath>
+#include <cstring>
+#include <mutex>
+#include <optional>
+
+#include "optimized/activations.cuh"             // Act (the same enum values in both backends)
+#include "optimized/dot_product_attention.cuh"   // MaskMode
+#include "optimized/runtime/collectives.h"
+#include "optimized/transformer_layer_plan.h"
+
+namespace twin::opt {
+
+namespace {
+
+DType params_dtype(const TransformerConfig& c) {
+  if (c.bf16) return DType::BF16;
+  if (c.fp16) return DType::F16;
+  const auto dt = dtype_from_any_name(c.params_dtype);
+  if (!dt || (*dt != DType::F32 && *dt != DType::BF16 && *dt != DType::F16))
+    throw ConfigError("optimized dense layer: params_dtype '" + c.params_dtype + "' is not float32, bfloat16 or float16");
+  return *dt;
+}
+
+void reject(bool bad, const std::string& what) {
+  if (bad) throw ConfigError("optimized dense layer: " + what);
+}
+
+bool qkv_has_bias(const TransformerConfig& c) { return c.add_bias_linear || c.add_qkv_bias; }
+
+// Row r of a [rows, cols] tensor, rows picked by `pick`, into a new [pick.size(), cols] tensor.
+Tensor take_rows(const Tensor& t, const std::vector<std::int64_t>& pick) {
+  const std::int64_t cols = t.dim() == 1 ? 1 : t.size(1);
+  const std::size_t row_bytes = static_cast<std::size_t>(cols) * dtype_size(t.dtype());
+  Shape shape = t.shape();
+  shape[0] = static_cast<std::int64_t>(pick.size());
+  Tensor out = Tensor::empty(t.dtype(), shape);
+  for (std::size_t i = 0; i < pick.size(); ++i)
+    std::memcpy(out.raw_mut() + i * row_bytes, t.raw() + static_cast<std::size_t>(pick[i]) * row_bytes, row_bytes);
+  return out;
+}
+std::vector<std::int64_t> range(std::int64_t a, std::int64_t b) {
+  std::vector<std::int64_t> r;
+  for (std::int64_t i = a; i < b; ++i) r.push_back(i);
+  return r;
+}
+// Columns [c0, c1) of a [rows, cols] tensor.
+Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1) {
+  const std::int64_t rows = t.size(0), cols = t.size(1);
+  const std::size_t es = dtype_size(t.dtype());
+  Tensor out = Tensor::empty(t.dtype(), {rows, c1 - c0});
+  for (std::int64_t r = 0; r < rows; ++r)
+    std::memcpy(out.raw_mut() + static_cast<std::size_t>(r * (c1 - c0)) * es, t.raw() + static_cast<std::size_t>(r * cols + c0) * es,
+                static_cast<std::size_t>(c1 - c0) * es);
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> dense_layer_param_keys(const TransformerConfig& c) {
+  const bool ln = c.normalization == "LayerNorm";
+  std::vector<std::string> k = {"input_layernorm.weight"};
+  if (ln) k.push_back("input_layernorm.bias");
+  k.push_back("self_attention.linear_qkv.weight");
+  if (qkv_has_bias(c)) k.push_back("self_attention.linear_qkv.bias");
+  if (c.qk_layernorm) {
+    k.push_back("self_attention.q_layernorm.weight");
+    if (ln) k.push_back("self_attention.q_layernorm.bias");
+    k.push_back("self_attention.k_layernorm.weight");
+    if (ln) k.push_back("self_attention.k_layernorm.bias");
+  }
+  k.push_back("self_attention.linear_proj.weight");
+  if (c.add_bias_linear) k.push_back("self_attention.linear_proj.bias");
+  k.push_back("pre_mlp_layernorm.weight");
+  if (ln) k.push_back("pre_mlp_layernorm.bias");
+  k.push_back("mlp.linear_fc1.weight");
+  if (c.add_bias_linear) k.push_back("mlp.linear_fc1.bias");
+  k.push_back("mlp.linear_fc2.weight");
+  if (c.add_bias_linear) k.push_back("mlp.linear_fc2.bias");
+  return k;
+}
+
+struct DenseTransformerLayer::Impl {
+  rt::Device* dev = nullptr;
+  DType dt = DType::F32;
+  int h = 0, np = 0, ng = 0, hn = 0, ffn = 0;
+  std::map<std::string, Tensor> full;  // host copies of the full params (taps of the biases)
+
+  struct Rank {
+    std::vector<rt::DeviceBuffer> weights;
+    std::vector<rt::DeviceBuffer> acts;  // activation buffers for the current (s, b)
+    std::optional<rt::Stream> stream;
+    RankPlan plan;
+    std::optional<rt::Graph> graph;
+  };
+  std::vector<Rank> ranks;
+  std::vector<std::unique_ptr<rt::Communicator>> comms;
+  int cur_s = -1, cur_b = -1, cur_rot = -1;
+  bool cur_mask = false;
+  rt::DeviceBuffer freqs, mask;
+  std::vector<rt::DeviceBuffer> inputs;  // per rank [s_local, b, h]
+
+  const void* upload(Rank& r, const Tensor& t) {
+    r.weights.emplace_back(*dev, t.nbytes());
+    r.weights.back().upload(t.raw(), t.nbytes());
+    return r.weights.back().get();
+  }
+};
+
+DenseTransformerLayer::~DenseTransformerLayer() = default;
+
+DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
+                                             LayerOptions o)
+    : config_(c), options_(o), impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.dt = params_dtype(c);
+  m.h = c.hidden_size;
+  m.np = c.num_attention_heads;
+  m.ng = c.query_groups();
+  m.hn = c.head_dim();
+  m.ffn = c.ffn();
+  const int tp = o.tp;
+  // ---- what this twin implements (everything else is rejected, never silently ignored)
+  reject(c.normalization != "LayerNorm" && c.normalization != "RMSNorm", "normalization '" + c.normalization + "' (LayerNorm, RMSNorm)");
+  reject(c.fp32_residual_connection, "fp32_residual_connection is not supported");
+  reject(c.window_size.has_value(), "window_size (sliding-window attention) is not supported");
+  reject(c.softmax_type != "vanilla", "softmax_type '" + c.softmax_type + "' is not supported (vanilla)");
+  reject(c.attention_output_gate, "attention_output_gate is not supported");
+  reject(c.qk_l2_norm, "qk_l2_norm is not supported");
+  reject(c.activation_func_clamp_value.has_value(), "activation_func_clamp_value is not supported");
+  reject(c.glu_linear_offset != 0.0, "glu_linear_offset != 0 is not supported");
+  reject(c.num_moe_experts.has_value(), "num_moe_experts: this is the dense layer");
+  reject(c.context_parallel_size != 1, "context_parallel_size must be 1");
+  reject(m.h <= 0 || m.np <= 0 || m.ng <= 0 || m.hn <= 0 || m.ffn <= 0, "hidden_size, heads, query groups, kv_channels and ffn must be > 0");
+  reject(m.np % m.ng != 0, "num_attention_heads " + std::to_string(m.np) + " not divisible by num_query_groups " + std::to_string(m.ng));
+  reject(m.hn > sim::kAttnMaxHeadDim, "kv_channels " + std::to_string(m.hn) + " > 256 is not supported by the attention kernel");
+  reject(tp < 1, "tp must be >= 1");
+  reject(m.np % tp != 0 || m.ng % tp != 0,
+         "tp " + std::to_string(tp) + " must divide num_attention_heads " + std::to_string(m.np) + " and num_query_groups " + std::to_string(m.ng));
+  reject(m.ffn % tp != 0, "tp " + std::to_string(tp) + " must divide ffn_hidden_size " + std::to_string(m.ffn));
+  reject(o.sp && tp == 1, "sequence parallelism needs tp > 1");
+  reject(c.apply_query_key_layer_scaling && (c.fp16 || c.bf16) && !c.attention_softmax_in_fp32,
+         "apply_query_key_layer_scaling needs attention_softmax_in_fp32");
+  if (o.backend == rt::Backend::Cuda) reject(tp != 1, "tp > 1 on the GPU backend needs one device per rank (simulate ranks with Backend::Sim)");
+  const int act = static_cast<int>(sim::act_from_name(c.activation_func));
+  m.dev = &rt::device(o.backend);
+
+  // ---- params: every key present, right shape and dtype
+  const bool ln = c.normalization == "LayerNorm";
+  const std::int64_t qkv_rows = std::int64_t(m.np + 2 * m.ng) * m.hn, fc1_rows = (c.gated_linear_unit ? 2 : 1) * std::int64_t(m.ffn);
+  std::map<std::string, Shape> shapes = {
+      {"input_layernorm.weight", {m.h}}, {"input_layernorm.bias", {m.h}},
+      {"self_attention.linear_qkv.weight", {qkv_rows, m.h}}, {"self_attention.linear_qkv.bias", {qkv_rows}},
+      {"self_attention.q_layernorm.weight", {m.hn}}, {"self_attention.q_layernorm.bias", {m.hn}},
+      {"self_attention.k_layernorm.weight", {m.hn}}, {"self_attention.k_layernorm.bias", {m.hn}},
+      {"self_attention.linear_proj.weight", {m.h, std::int64_t(m.np) * m.hn}}, {"self_attention.linear_proj.bias", {m.h}},
+      {"pre_mlp_layernorm.weight", {m.h}}, {"pre_mlp_layernorm.bias", {m.h}},
+      {"mlp.linear_fc1.weight", {fc1_rows, m.h}}, {"mlp.linear_fc1.bias", {fc1_rows}},
+      {"mlp.linear_fc2.weight", {m.h, m.ffn}}, {"mlp.linear_fc2.bias", {m.h}}};
+  for (const auto& key : dense_layer_param_keys(c)) {
+    auto it = params.find(key);
+    if (it == params.end()) throw ShapeError("optimized dense layer: missing parameter '" + key + "'");
+    it->second.expect(shapes.at(key), m.dt, "optimized dense layer: parameter '" + key + "'");
+    m.full[key] = it->second;
+  }
+
+  // ---- shard per rank, as Megatron's tensor-parallel layers hold them
+  const int ng_l = m.ng / tp, np_l = m.np / tp, f_l = m.ffn / tp;
+  const std::int64_t group_rows = std::int64_t(m.np / m.ng + 2) * m.hn;
+  m.ranks.resize(tp);
+  for (int r = 0; r < tp; ++r) {
+    Impl::Rank& R = m.ranks[r];
+    R.weights.reserve(32);
+    R.stream.emplace(*m.dev);
+    RankPlan& p = R.plan;
+    p.h = m.h; p.np = m.np; p.ng = m.ng; p.hn = m.hn; p.ffn = m.ffn; p.tp = tp; p.rank = r; p.sp = o.sp;
+    p.dt = m.dt; p.rms = !ln; p.eps = c.layernorm_epsilon; p.zero_centered_gamma = c.layernorm_zero_centered_gamma;
+    p.qk_layernorm = c.qk_layernorm; p.glu = c.gated_linear_unit; p.act = act;
+    p.post_ln_residual = c.apply_residual_connection_post_layernorm;
+    double scale = c.softmax_scale ? *c.softmax_scale : 1.0 / std::sqrt(static_cast<double>(m.hn));
+    if (c.apply_query_key_layer_scaling) {
+      p.coeff = static_cast<float>(std::max(1, o.layer_number));
+      scale /= std::max(1, o.layer_number);
+    }
+    p.alpha = static_cast<float>(scale);
+    p.softmax_fp32 = !(c.fp16 || c.bf16) || c.attention_softmax_in_fp32;
+    p.hidden_dropout = c.hidden_dropout;
+    p.attention_dropout = c.attention_dropout;
+
+    auto opt_up = [&](const std::string& key, const Tensor& t) -> const void* { return m.full.count(key) ? m.upload(R, t) : nullptr; };
+    auto full_or_null = [&](const std::string& key) -> const void* { return m.full.count(key) ? m.upload(R, m.full.at(key)) : nullptr; };
+    p.ln1_w = full_or_null("input_layernorm.weight");
+    p.ln1_b = full_or_null("input_layernorm.bias");
+    // linear_qkv: the rows of query groups [r * ng_l, (r + 1) * ng_l), contiguous in the grouped layout
+    const auto qkv_pick = range(r * ng_l * group_rows, (r + 1) * ng_l * group_rows);
+    p.qkv_w = m.upload(R, take_rows(m.full.at("self_attention.linear_qkv.weight"), qkv_pick));
+    if (m.full.count("self_attention.linear_qkv.bias"))
+      p.qkv_b = opt_up("self_attention.linear_qkv.bias", take_rows(m.full.at("self_attention.linear_qkv.bias"), qkv_pick));
+    p.qln_w = full_or_null("self_attention.q_layernorm.weight");
+    p.qln_b = full_or_null("self_attention.q_layernorm.bias");
+    p.kln_w = full_or_null("self_attention.k_layernorm.weight");
+    p.kln_b = full_or_null("self_attention.k_layernorm.bias");
+    // linear_proj: row parallel, the input columns of this rank's heads
+    p.proj_w = m.upload(R, take_cols(m.full.at("self_attention.linear_proj.weight"), std::int64_t(r) * np_l * m.hn,
+                                     std::int64_t(r + 1) * np_l * m.hn));
+    p.proj_b = full_or_null("self_attention.linear_proj.bias");
+    p.ln2_w = full_or_null("pre_mlp_layernorm.weight");
+    p.ln2_b = full_or_null("pre_mlp_layernorm.bias");
+    // linear_fc1: column parallel; with GLU this rank's columns of BOTH halves, [glu part | linear part]
+    std::vector<std::int64_t> fc1_pick = range(std::int64_t(r) * f_l, std::int64_t(r + 1) * f_l);
+    if (c.gated_linear_unit) {
+      const auto second = range(m.ffn + std::int64_t(r) * f_l, m.ffn + std::int64_t(r + 1) * f_l);
+      fc1_pick.insert(fc1_pick.end(), second.begin(), second.end());
+    }
+    p.fc1_w = m.upload(R, take_rows(m.full.at("mlp.linear_fc1.weight"), fc1_pick));
+    if (m.full.count("mlp.linear_fc1.bias")) p.fc1_b = m.upload(R, take_rows(m.full.at("mlp.linear_fc1.bias"), fc1_pick));
+    // linear_fc2: row parallel
+    p.fc2_w = m.upload(R, take_cols(m.full.at("mlp.linear_fc2.weight"), std::int64_t(r) * f_l, std::int64_t(r + 1) * f_l));
+    p.fc2_b = full_or_null("mlp.linear_fc2.bias");
+  }
+  if (tp > 1) m.comms = rt::make_threaded_group(tp);
+}
+
+LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Tensor* attention_mask,
+                                           const Tensor* rotary_pos_emb, const ForwardOptions& fo) {
+  Impl& m = *impl_;
+  const int tp = options_.tp;
+  const bool sp = options_.sp;
+  if (hidden_states.dim() != 3 || hidden_states.size(2) != m.h)
+    throw ShapeError("optimized dense layer: hidden_states expected [s, b, " + std::to_string(m.h) + "], got " +
+                     shape_str(hidden_states.shape()));
+  if (hidden_states.dtype() != m.dt)
+    throw ShapeError(std::string("optimized dense layer: hidden_states dtype ") + dtype_name(hidden_states.dtype()) +
+                     " differs from the params dtype " + dtype_name(m.dt));
+  const int s = static_cast<int>(hidden_states.size(0)), b = static_cast<int>(hidden_states.size(1));
+  if (s <= 0 || b <= 0) throw ShapeError("optimized dense layer: empty hidden_states " + shape_str(hidden_states.shape()));
+  if (sp && s % tp != 0)
+    throw ShapeError("optimized dense layer: sequence length " + std::to_string(s) + " not divisible by tp " + std::to_string(tp) +
+                     " with sequence parallelism");
+  if (fo.record_taps && tp != 1) throw std::invalid_argument("optimized dense layer: taps are recorded at tp = 1 only");
+  if (fo.use_graph && (tp != 1 || fo.record_taps))
+    throw std::invalid_argument("optimized dense layer: graph replay is for tp = 1 without taps");
+  int mask_b = 1, mask_h = 1;
+  if (attention_mask) {
+    const Shape& ms = attention_mask->shape();
+    const bool ok = attention_mask->dtype() == DType::BOOL && ms.size() == 4 && (ms[0] == 1 || ms[0] == b) &&
+                    (ms[1] == 1 || ms[1] == m.np) && ms[2] == s && ms[3] == s;
+    if (!ok)
+      throw ShapeError("optimized dense layer: attention_mask expected BOOL [" + std::to_string(b) + ", 1, " + std::to_string(s) + ", " +
+                       std::to_string(s) + "] (dims 0/1 may be 1/np), got " + attention_mask->describe());
+    mask_b = static_cast<int>(ms[0]);
+    mask_h = static_cast<int>(ms[1]);
+  }
+  int rot = 0;
+  if (rotary_pos_emb) {
+    const Shape& rs = rotary_pos_emb->shape();
+    if (rs.size() != 4 || rs[0] != s || rs[1] != 1 || rs[2] != 1 || rotary_pos_emb->dtype() != DType::F32)
+      throw ShapeError("optimized dense layer: rotary_pos_emb expected F32 [" + std::to_string(s) + ", 1, 1, rot_dim], got " +
+                       rotary_pos_emb->describe());
+    rot = static_cast<int>(rs[3]);
+    if (rot <= 0 || rot % 2 || rot > m.hn)
+      throw ShapeError("optimized dense layer: rot_dim " + std::to_string(rot) + " must be even, > 0 and <= kv_channels " +
+                       std::to_string(m.hn));
+  }
+
+  const std::size_t es = dtype_size(m.dt);
+  const int s_l = sp ? s / tp : s;
+  const std::size_t tok_l = std::size_t(s_l) * b, tok = std::size_t(s) * b;
+  // (Re)allocate activations when the shape changes; graphs are recorded against these buffers.
+  if (s != m.cur_s || b != m.cur_b || rot != m.cur_rot || (attention_mask != nullptr) != m.cur_mask) {
+    m.cur_s = s; m.cur_b = b; m.cur_rot = rot; m.cur_mask = attention_mask != nullptr;
+    m.inputs.clear();
+    for (auto& R : m.ranks) {
+      R.graph.reset();
+      R.acts.clear();
+      RankPlan& p = R.plan;
+      auto buf = [&](std::size_t elems, std::size_t esize) {
+        R.acts.emplace_back(*m.dev, std::max<std::size_t>(elems * esize, 1));
+        return R.acts.back().get();
+      };
+      R.acts.reserve(20);
+      p.s = s; p.b = b;
+      p.ln1 = buf(tok_l * m.h, es);
+      p.ln1_full = sp ? buf(tok * m.h, es) : p.ln1;
+      p.qkv = buf(tok * p.qkv_width(), es);
+      p.ctx = buf(tok * p.np_local() * m.hn, es);
+      p.proj_partial = tp > 1 ? buf(tok * m.h, es) : nullptr;
+      p.proj = buf(tok_l * m.h, es);
+      p.h1 = buf(tok_l * m.h, es);
+      p.ln2 = buf(tok_l * m.h, es);
+      p.ln2_full = sp ? buf(tok * m.h, es) : p.ln2;
+      p.fc1 = buf(tok * (p.glu ? 2 : 1) * p.ffn_local(), es);
+      p.act_out = buf(tok * p.ffn_local(), es);
+      p.fc2_partial = tp > 1 ? buf(tok * m.h, es) : nullptr;
+      p.fc2 = buf(tok_l * m.h, es);
+      p.out = buf(tok_l * m.h, es);
+      m.inputs.emplace_back(*m.dev, tok_l * m.h * es);
+      p.x = m.inputs.back().get();
+      p.comm = tp > 1 ? m.comms[&R - m.ranks.data()].get() : nullptr;
+    }
+    m.freqs = rot ? rt::DeviceBuffer(*m.dev, std::size_t(s) * rot * sizeof(float)) : rt::DeviceBuffer();
+  }
+  if (attention_mask) {
+    if (m.mask.bytes() != attention_mask->nbytes()) {
+      for (auto& R : m.ranks) R.graph.reset();
+      m.mask = rt::DeviceBuffer(*m.dev, attention_mask->nbytes());
+    }
+    m.mask.upload(attention_mask->raw(), attention_mask->nbytes());  // BOOL is one byte per element
+  }
+  if (rot) m.freqs.upload(rotary_pos_emb->raw(), rotary_pos_emb->nbytes());  // [s, 1, 1, rot] == [s, rot]
+
+  const int mask_mode = attention_mask ? static_cast<int>(sim::MaskMode::Explicit)
+                        : (config_.attn_mask_type == "causal" && s > 1) ? static_cast<int>(sim::MaskMode::Causal)
+                                                                        : static_cast<int>(sim::MaskMode::None);
+  LayerOutput result;
+  for (int r = 0; r < tp; ++r) {
+    RankPlan& p = m.ranks[r].plan;
+    // graphs bake these values in: a change re-records
+    const bool changed = p.training != fo.training || p.seed != fo.seed || p.offset_attention != fo.offset ||
+                         p.mask_mode != mask_mode || p.mask_b != mask_b || p.mask_h != mask_h;
+    if (changed) m.ranks[r].graph.reset();
+    p.training = fo.training;
+    p.seed = fo.seed;
+    p.offset_attention = fo.offset;
+    p.offset_self_attn_bda = fo.offset + 1;
+    p.offset_mlp_bda = fo.offset + 2;
+    p.mask_mode = mask_mode;
+    p.mask_b = mask_b;
+    p.mask_h = mask_h;
+    p.mask = attention_mask ? static_cast<const std::uint8_t*>(m.mask.get()) : nullptr;
+    p.rot_dim = rot;
+    p.rope_interleaved = config_.rotary_interleaved;
+    p.freqs = rot ? static_cast<const float*>(m.freqs.get()) : nullptr;
+    m.inputs[r].upload(hidden_states.raw() + (sp ? std::size_t(r) * tok_l * m.h * es : 0), tok_l * m.h * es);
+    p.on_tap = nullptr;
+  }
+
+  auto download = [&](const void* ptr, Shape shape) {
+    Tensor t = Tensor::empty(m.dt, shape);
+    m.dev->copy(t.raw_mut(), ptr, t.nbytes(), rt::CopyKind::DeviceToHost, m.ranks[0].stream->handle());
+    m.ranks[0].stream->synchronize();
+    return t;
+  };
+  if (fo.record_taps) {
+    RankPlan& p = m.ranks[0].plan;
+    const std::int64_t S = s, B = b, H = m.h;
+    auto bias_tap = [&](const std::string& name, const std::string& key) {
+      if (m.full.count(key)) result.taps.emplace_back(name, m.full.at(key).clone());
+    };
+    p.on_tap = [&, S, B, H](TapPoint t) {
+      switch (t) {
+        case TapPoint::InputLayernorm: result.taps.emplace_back("input_layernorm", download(p.ln1, {S, B, H})); break;
+        case TapPoint::LinearQkv: result.taps.emplace_back("self_attention.linear_qkv.0", download(p.qkv, {S, B, p.qkv_width()})); break;
+        case TapPoint::QkLayernorm: {
+          // q [s, b, np, hn] and k [s, b, ng, hn] out of the grouped qkv rows
+          const Tensor qkv = download(p.qkv, {S * B, p.qkv_width()});
+          const int hpg = p.hpg();
+          Tensor q = Tensor::empty(m.dt, {S, B, m.np, m.hn}), k = Tensor::empty(m.dt, {S, B, m.ng, m.hn});
+          const std::size_t head = std::size_t(m.hn) * es;
+          for (std::int64_t t2 = 0; t2 < S * B; ++t2)
+            for (int g = 0; g < m.ng; ++g) {
+              const std::byte* grp = qkv.raw() + (std::size_t(t2) * p.qkv_width() + std::size_t(g) * (hpg + 2) * m.hn) * es;
+              std::memcpy(q.raw_mut() + (std::size_t(t2) * m.np + std::size_t(g) * hpg) * head, grp, hpg * head);
+              std::memcpy(k.raw_mut() + (std::size_t(t2) * m.ng + g) * head, grp + hpg * head, head);
+            }
+          result.taps.emplace_back("self_attention.q_layernorm", q);
+          result.taps.emplace_back("self_attention.k_layernorm", k);
+          break;
+        }
+        case TapPoint::CoreAttention:
+          result.taps.emplace_back("self_attention.core_attention", download(p.ctx, {S, B, std::int64_t(m.np) * m.hn}));
+          break;
+        case TapPoint::LinearProj: {
+          Tensor y = download(p.proj, {S, B, H});
+          result.taps.emplace_back("self_attention.linear_proj.0", y);
+          bias_tap("self_attention.linear_proj.1", "self_attention.linear_proj.bias");
+          result.taps.emplace_back("self_attention.0", y);
+          bias_tap("self_attention.1", "self_attention.linear_proj.bias");
+          break;
+        }
+        case TapPoint::PreMlpLayernorm: result.taps.emplace_back("pre_mlp_layernorm", download(p.ln2, {S, B, H})); break;
+        case TapPoint::LinearFc1:
+          result.taps.emplace_back("mlp.linear_fc1.0", download(p.fc1, {S, B, (p.glu ? 2 : 1) * std::int64_t(m.ffn)}));
+          bias_tap("mlp.linear_fc1.1", "mlp.linear_fc1.bias");
+          break;
+        case TapPoint::LinearFc2: {
+          Tensor y = download(p.fc2, {S, B, H});
+          result.taps.emplace_back("mlp.linear_fc2.0", y);
+          bias_tap("mlp.linear_fc2.1", "mlp.linear_fc2.bias");
+          result.taps.emplace_back("mlp.0", y);
+          bias_tap("mlp.1", "mlp.linear_fc2.bias");
+          break;
+        }
+      }
+    };
+  }
+
+  auto run_rank = [&](int r) {
+    Impl::Rank& R = m.ranks[r];
+    const cudaStream_t st = R.stream->handle();
+    auto fwd = [&]() {
+#if TWIN_HAVE_CUDA
+      if (options_.backend == rt::Backend::Cuda) return cuda::rank_forward(R.plan, st);
+#endif
+      sim::rank_forward(R.plan, st);
+    };
+    if (fo.use_graph) {
+      if (!R.graph) {
+        R.stream->begin_capture();
+        fwd();
+        R.graph.emplace(R.stream->end_capture());
+      }
+      R.graph->launch(*R.stream);
+    } else {
+      fwd();
+    }
+    R.stream->synchronize();
+  };
+  if (tp == 1)
+    run_rank(0);
+  else
+    rt::run_ranks(tp, run_rank);
+
+  // ---- output: rank 0's full tensor, or (SP) the ranks' sequence slices in rank order
+  Tensor out = Tensor::empty(m.dt, {s, b, m.h});
+  for (int r = 0; r < (sp ? tp : 1); ++r) {
+    m.dev->copy(out.raw_mut() + std::size_t(r) * tok_l * m.h * es, m.ranks[r].plan.out, tok_l * m.h * es, rt::CopyKind::DeviceToHost,
+                m.ranks[r].stream->handle());
+    m.ranks[r].stream->synchronize();
+  }
+  for (auto& R : m.ranks) R.plan.on_tap = nullptr;
+  result.hidden_states = out;
+  return result;
+}
+
+}  // namespace twin::opt

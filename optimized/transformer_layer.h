@@ -1,0 +1,76 @@
+// The optimized twin of Megatron-Core's dense TransformerLayer (the local GPT layer spec):
+// input_layernorm -> SelfAttention (linear_qkv, qk-layernorm, RoPE, core_attention, linear_proj)
+// -> bias-dropout-add -> pre_mlp_layernorm -> MLP (linear_fc1, activation / GLU, linear_fc2)
+// -> bias-dropout-add, on the GPU (Backend::Cuda) or the CUDA simulator (Backend::Sim).
+//
+// It loads the FULL (unsharded) Megatron state dict and shards it itself for a tensor-parallel size
+// tp (1, 2, 4, ...), with or without sequence parallelism, as Megatron shards it: linear_qkv rows
+// by query groups, linear_fc1 rows by columns of both GLU halves, linear_proj / linear_fc2 columns
+// (row parallel). Ranks are simulated in one process (one thread per rank, the threaded
+// collectives) on the simulator; on the GPU, tp must be 1 (one device here).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/config.h"
+#include "core/tensor.h"
+#include "optimized/runtime/device.h"
+
+namespace twin::opt {
+
+using TapList = std::vector<std::pair<std::string, Tensor>>;
+
+struct LayerOptions {
+  int tp = 1;
+  bool sp = false;
+  rt::Backend backend = rt::Backend::Sim;
+  int layer_number = 1;
+};
+
+struct ForwardOptions {
+  bool training = false;       // dropout active (hidden_dropout, attention_dropout of the config)
+  std::uint64_t seed = 0;      // Philox key of every dropout call of this forward
+  std::uint64_t offset = 0;    // base Philox offset; the calls use offset + 0 (attention), + 1
+                               // (self_attn_bda), + 2 (mlp_bda), as the reference layer does
+  bool record_taps = false;    // tp == 1 only: download each submodule output under its module path
+  bool use_graph = false;      // capture the forward into a CUDA graph once, then replay it
+};
+
+struct LayerOutput {
+  Tensor hidden_states;  // [s, b, h] in the params dtype (SP: the ranks' slices gathered)
+  TapList taps;          // when record_taps
+};
+
+class DenseTransformerLayer {
+ public:
+  // params: full state dict under Megatron's keys ("self_attention.linear_qkv.weight", ...), in
+  // the params dtype. Throws ConfigError / ShapeError / std::invalid_argument naming the problem.
+  DenseTransformerLayer(const TransformerConfig& config, const std::map<std::string, Tensor>& params,
+                        LayerOptions options = {});
+  ~DenseTransformerLayer();
+  DenseTransformerLayer(const DenseTransformerLayer&) = delete;
+  DenseTransformerLayer& operator=(const DenseTransformerLayer&) = delete;
+
+  // hidden_states [s, b, h]; attention_mask BOOL [b or 1, 1 or np, s, s] (True = masked) or null;
+  // rotary_pos_emb [s, 1, 1, rot_dim] fp32 angles or null (required with RoPE).
+  LayerOutput forward(const Tensor& hidden_states, const Tensor* attention_mask, const Tensor* rotary_pos_emb,
+                      const ForwardOptions& options = {});
+
+  const TransformerConfig& config() const { return config_; }
+  const LayerOptions& options() const { return options_; }
+
+ private:
+  struct Impl;
+  TransformerConfig config_;
+  LayerOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Megatron's state-dict keys the dense layer needs for `config` (biases and norms included or not).
+std::vector<std::string> dense_layer_param_keys(const TransformerConfig& config);
+
+}  // namespace twin::opt

@@ -1,0 +1,99 @@
+// The work of one tensor-parallel rank of the optimized dense layer, as plain numbers and device
+// pointers (no host tensors, no Eigen), so the same struct crosses from the host-side layer
+// (transformer_layer.cpp) into the per-backend kernel sequence (transformer_layer.cuh, compiled
+// once for the simulator and once by nvcc).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include <cuda_runtime_api.h>
+
+#include "core/dtype.h"
+
+namespace twin::rt {
+class Communicator;
+}
+
+namespace twin::opt {
+
+// Where the rank's forward has just produced a tensor a tap names (the host downloads it there).
+enum class TapPoint { InputLayernorm, LinearQkv, QkLayernorm, CoreAttention, LinearProj, PreMlpLayernorm, LinearFc1, LinearFc2 };
+
+struct RankPlan {
+  // ---- shape (full layer) and this rank
+  int s = 0, b = 0, h = 0;
+  int np = 0, ng = 0, hn = 0, ffn = 0;
+  int tp = 1, rank = 0;
+  bool sp = false;
+  int s_local() const { return sp ? s / tp : s; }
+  int np_local() const { return np / tp; }
+  int ng_local() const { return ng / tp; }
+  int ffn_local() const { return ffn / tp; }
+  int hpg() const { return np / ng; }
+  std::int64_t qkv_width() const { return std::int64_t(ng_local()) * (hpg() + 2) * hn; }
+
+  // ---- numerics
+  DType dt = DType::F32;
+  bool rms = false;
+  double eps = 1e-5;
+  bool zero_centered_gamma = false;
+  bool qk_layernorm = false;
+  bool glu = false;
+  int act = 0;             // twin::opt::<backend>::Act
+  bool post_ln_residual = false;  // apply_residual_connection_post_layernorm
+  int rot_dim = 0;         // 0: no RoPE
+  bool rope_interleaved = false;
+  int mask_mode = 0;       // MaskMode
+  int mask_b = 1, mask_h = 1;
+  float alpha = 1.0f, coeff = 0.0f;
+  bool softmax_fp32 = true;
+  // dropout
+  bool training = false;
+  double hidden_dropout = 0.0, attention_dropout = 0.0;
+  std::uint64_t seed = 0;
+  std::uint64_t offset_attention = 0, offset_self_attn_bda = 0, offset_mlp_bda = 0;
+
+  // ---- weights (this rank's shards, dt; biases may be null)
+  const void* ln1_w = nullptr; const void* ln1_b = nullptr;     // [h]
+  const void* qkv_w = nullptr; const void* qkv_b = nullptr;     // [qkv_width, h], [qkv_width]
+  const void* qln_w = nullptr; const void* qln_b = nullptr;     // [hn]
+  const void* kln_w = nullptr; const void* kln_b = nullptr;     // [hn]
+  const void* proj_w = nullptr; const void* proj_b = nullptr;   // [h, np_local * hn], [h] (full bias)
+  const void* ln2_w = nullptr; const void* ln2_b = nullptr;     // [h]
+  const void* fc1_w = nullptr; const void* fc1_b = nullptr;     // [(glu ? 2 : 1) * ffn_local, h]
+  const void* fc2_w = nullptr; const void* fc2_b = nullptr;     // [h, ffn_local], [h] (full bias)
+
+  // ---- inputs and activations (device)
+  const void* x = nullptr;          // [s_local, b, h]
+  const float* freqs = nullptr;     // [s, rot_dim]
+  const std::uint8_t* mask = nullptr;  // [mask_b, mask_h, s, s]
+  void* ln1 = nullptr;              // [s_local, b, h]
+  void* ln1_full = nullptr;         // [s, b, h] (SP: all-gathered; else = ln1)
+  void* qkv = nullptr;              // [s, b, qkv_width]
+  void* ctx = nullptr;              // [s, b, np_local * hn]
+  void* proj_partial = nullptr;     // [s, b, h]
+  void* proj = nullptr;             // [s_local, b, h] (reduced)
+  void* h1 = nullptr;               // [s_local, b, h] (after self_attn_bda)
+  void* ln2 = nullptr;              // [s_local, b, h]
+  void* ln2_full = nullptr;         // [s, b, h]
+  void* fc1 = nullptr;              // [s, b, (glu ? 2 : 1) * ffn_local]
+  void* act_out = nullptr;          // [s, b, ffn_local]
+  void* fc2_partial = nullptr;      // [s, b, h]
+  void* fc2 = nullptr;              // [s_local, b, h]
+  void* out = nullptr;              // [s_local, b, h]
+
+  rt::Communicator* comm = nullptr;  // tp > 1
+  std::function<void(TapPoint)> on_tap;  // null: no taps (required for graph capture)
+};
+
+namespace sim {
+void rank_forward(const RankPlan& p, cudaStream_t stream);
+}
+#if TWIN_HAVE_CUDA
+namespace cuda {
+void rank_forward(const RankPlan& p, cudaStream_t stream);
+}
+#endif
+
+}  // namespace twin::opt
