@@ -14,6 +14,10 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin) {
   static const std::map<std::pair<std::string, TwinKind>, FixtureHandler> handlers = {
       {{"layer_offset_table", TwinKind::Reference}, reference::run_layer_offset_table_fixture},
       {{"retro_layout_table", TwinKind::Reference}, reference::run_retro_layout_table_fixture},
+      {{"retro_decoder_layer_first", TwinKind::Reference}, reference::run_retro_decoder_layer_first_fixture},
+      {{"retro_decoder_layer", TwinKind::Reference}, reference::run_retro_decoder_layer_fixture},
+      {{"retro_block", TwinKind::Reference}, reference::run_retro_block_fixture},
+      {{"dense_layer", TwinKind::Reference}, reference::run_dense_layer_fixture},
   };
   auto it = handlers.find({kind, twin});
   return it == handlers.end() ? nullptr : it->second;

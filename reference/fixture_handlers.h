@@ -15,5 +15,13 @@ namespace twin::reference {
 std::vector<Comparison> run_layer_offset_table_fixture(const Fixture& fixture);
 // retro_layout_table: get_retro_decoder_block_spec's layout for every num_layers.
 std::vector<Comparison> run_retro_layout_table_fixture(const Fixture& fixture);
+// retro_decoder_layer_first / retro_decoder_layer / retro_block: a Retro decoder layer (owning the
+// encoder, or not) and a whole Retro decoder block (reference/retro/retro_fixtures.cpp).
+std::vector<Comparison> run_retro_decoder_layer_first_fixture(const Fixture& fixture);
+std::vector<Comparison> run_retro_decoder_layer_fixture(const Fixture& fixture);
+std::vector<Comparison> run_retro_block_fixture(const Fixture& fixture);
+// dense_layer: TransformerLayer from get_gpt_layer_local_spec; output and every tap compared
+// (reference/dense_layer_fixture.cpp).
+std::vector<Comparison> run_dense_layer_fixture(const Fixture& fixture);
 
 }  // namespace twin::reference

@@ -1,0 +1,116 @@
+// megatron/core/transformer/attention.py: SelfAttention and CrossAttention (tensor parallel 1).
+//
+// SelfAttention.get_query_key_value_tensors: the fused linear_qkv weight is grouped per query
+// group. With np heads, ng = num_query_groups groups, hn = kv_channels and r = np / ng, its
+// rows (output features) are, for g = 0 .. ng-1, a block of (r + 2) * hn rows:
+//     [ q heads g*r .. g*r+r-1 (hn rows each) | k head g (hn) | v head g (hn) ]
+// (with attention_output_gate: [ q heads | gate heads (r * hn) | k | v ]). So mixed_qkv
+// [s, b, ng * (r + 2) * hn] is viewed as [s, b, ng, (r + 2) * hn] and split along the last dim.
+// q_layernorm / k_layernorm normalise each head over hn, before RoPE.
+//
+// forward: qkv -> (q/k layernorm) -> RoPE(q, k) -> core_attention -> (output gate) -> linear_proj,
+// returning (output, bias) with linear_proj's bias separate (skip_bias_add).
+// Taps (relative to the module prefix, e.g. "self_attention."): linear_qkv.0, q_layernorm,
+// k_layernorm, core_attention, linear_proj.0, linear_proj.1, then 0 and 1 (own output).
+//
+// CrossAttention: linear_kv(key_value_states) -> [sk, b, np, 2 hn] split into (key, value)
+// halves; linear_q(hidden_states) -> [sq, b, np, hn]; no GQA (num_query_groups must equal
+// num_attention_heads). Taps: linear_kv.0, linear_q.0, core_attention, linear_proj.0/.1, 0, 1.
+//
+// AttentionModule is the interface of the layer's self_attention and cross_attention slots; the
+// Retro helper plugs its own cross-attention in through it.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "reference/dot_product_attention.h"
+#include "reference/linear.h"
+#include "reference/philox.h"
+#include "reference/precision.h"
+#include "reference/state_dict.h"
+#include "reference/taps.h"
+#include "reference/torch_norm.h"
+
+namespace twin::reference {
+
+struct AttentionArgs {
+  int s = 0, b = 0;                           // hidden_states is [s, b, h]
+  const Tensor* attention_mask = nullptr;     // self: attention_mask; cross: context_mask
+  const Tensor* key_value_states = nullptr;   // cross: context [sk, b, h]
+  const Tensor* rotary_pos_emb = nullptr;     // [s, 1, 1, rot_dim]
+  bool training = false;
+  DropoutRng rng;                             // attention dropout stream
+};
+
+// (output, bias) plus what a dict-returning attention (Retro) hands to its bda.
+struct AttentionOutput : OutputWithBias {
+  std::optional<Tensor> context;        // a dict output's "context" (Retro), else none
+  std::shared_ptr<const void> extra;    // module-specific payload for a matching bda
+};
+
+class AttentionModule {
+ public:
+  virtual ~AttentionModule() = default;
+  // hidden_states [s * b, h] rows. Records its taps (own output last as "0", "1").
+  virtual AttentionOutput forward(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) = 0;
+  virtual void load_state_dict(const StateDict& sd, const std::string& prefix) = 0;
+};
+
+// Submodules of SelfAttention (SelfAttentionSubmodules): q/k layernorm builders, empty = IdentityOp.
+using QKNormBuilder = std::function<std::unique_ptr<Norm>(const TransformerConfig&, int hidden_size, double eps, Precision)>;
+struct SelfAttentionSubmodules {
+  QKNormBuilder q_layernorm;  // empty: IdentityOp
+  QKNormBuilder k_layernorm;
+};
+
+class SelfAttention : public AttentionModule {
+ public:
+  SelfAttention(const TransformerConfig& config, const SelfAttentionSubmodules& submodules, int layer_number,
+                AttnMaskType attn_mask_type, Precision p);
+
+  AttentionOutput forward(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) override;
+  void load_state_dict(const StateDict& sd, const std::string& prefix) override;
+
+  struct QKV { Mat query, key, value; std::optional<Mat> gate; };  // [s*b*np, hn], [s*b*ng, hn] x2
+  QKV get_query_key_value_tensors(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) const;
+
+  Linear linear_qkv;   // [ng * (np/ng + 2) * hn, h]
+  std::unique_ptr<Norm> q_layernorm, k_layernorm;  // null: IdentityOp
+  DotProductAttention core_attention;
+  Linear linear_proj;  // [h, np * hn]
+
+ private:
+  int np_, ng_, hn_, hidden_;
+  bool output_gate_, rotary_interleaved_;
+  Precision p_;
+};
+
+class CrossAttention : public AttentionModule {
+ public:
+  CrossAttention(const TransformerConfig& config, int layer_number, AttnMaskType attn_mask_type, Precision p);
+
+  AttentionOutput forward(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) override;
+  // The same with the context already as a matrix: key_value_states [sk * b, h].
+  AttentionOutput forward_mats(const Mat& hidden_states, int sq, int b, const Mat& key_value_states, int sk,
+                               const Tensor* attention_mask, bool training, const DropoutRng& rng,
+                               const Taps& taps);
+  void load_state_dict(const StateDict& sd, const std::string& prefix) override;
+
+  Linear linear_q;     // [np * hn, h]
+  Linear linear_kv;    // [2 * np * hn, h]
+  DotProductAttention core_attention;
+  Linear linear_proj;  // [h, np * hn]
+
+ private:
+  int np_, hn_, hidden_;
+  Precision p_;
+};
+
+// Rows of the fused linear_qkv weight for (group g, part), part 0..r-1 = query head g*r + part,
+// r = key, r + 1 = value: the first row index of that head's hn rows (the documented layout).
+int qkv_row_offset(int num_heads, int num_query_groups, int head_dim, int group, int part);
+
+}  // namespace twin::reference

@@ -1,0 +1,166 @@
+#include "reference/dot_product_attention.h"
+
+#include <cmath>
+#include <vector>
+
+#include "reference/fused_bias_dropout.h"
+
+namespace twin::reference {
+
+AttnMaskType attn_mask_type_from_name(const std::string& name) {
+  if (name == "padding") return AttnMaskType::padding;
+  if (name == "causal") return AttnMaskType::causal;
+  if (name == "no_mask") return AttnMaskType::no_mask;
+  if (name == "padding_causal") return AttnMaskType::padding_causal;
+  if (name == "arbitrary") return AttnMaskType::arbitrary;
+  throw ConfigError("attn_mask_type: unknown value '" + name + "' (padding, causal, no_mask, padding_causal, arbitrary)");
+}
+
+DotProductAttention::DotProductAttention(const TransformerConfig& config, int layer_number_,
+                                         AttnMaskType mask_type, Precision p,
+                                         std::optional<double> attention_dropout_,
+                                         std::optional<double> softmax_scale_)
+    : layer_number(std::max(1, layer_number_)),
+      attn_mask_type(mask_type),
+      attention_dropout(attention_dropout_.value_or(config.attention_dropout)),
+      np_(config.num_attention_heads), ng_(config.query_groups()), hn_(config.head_dim()),
+      softmax_in_fp32_(config.attention_softmax_in_fp32),
+      input_in_float16_(config.fp16 || config.bf16),
+      softmax_type_(config.softmax_type),
+      window_size_(config.window_size),
+      p_(p) {
+  if (ng_ <= 0 || np_ % ng_ != 0)
+    throw ConfigError("num_attention_heads (" + std::to_string(np_) + ") must be a multiple of num_query_groups (" +
+                      std::to_string(ng_) + ")");
+  const std::optional<double> scale = softmax_scale_ ? softmax_scale_ : config.softmax_scale;
+  softmax_scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(hn_));
+  if (config.apply_query_key_layer_scaling) {
+    coeff = layer_number;
+    softmax_scale /= *coeff;
+  }
+  if (coeff && !softmax_in_fp32_)
+    throw ConfigError("apply_query_key_layer_scaling: softmax should be in fp32 when scaled "
+                      "(attention_softmax_in_fp32 is false)");
+  if (softmax_type_ == "off-by-one") {
+    softmax_offset = RowVec::Zero(np_);
+  } else if (softmax_type_ == "learnable") {
+    softmax_offset = RowVec::Zero(np_);
+  } else if (softmax_type_ != "vanilla") {
+    throw ConfigError("softmax_type: '" + softmax_type_ + "' is not supported (vanilla, off-by-one, learnable)");
+  }
+  if (window_size_ && window_size_->size() != 2)
+    throw ConfigError("window_size: expected two values (left, right), got " + std::to_string(window_size_->size()));
+}
+
+void DotProductAttention::load_state_dict(const StateDict& sd, const std::string& prefix) {
+  if (softmax_type_ == "learnable") softmax_offset = sd.vector(prefix + "softmax_offset", np_);
+}
+
+void check_attention_mask(const Tensor& mask, int b, int np, int sq, int sk, const std::string& what) {
+  const Shape& sh = mask.shape();
+  const Shape want = {b, 1, sq, sk};
+  if (mask.dtype() != DType::BOOL)
+    throw ShapeError(what + ": expected a BOOL mask (True = masked) of shape " + shape_str(want) + ", got " +
+                     mask.describe());
+  const bool ok = sh.size() == 4 && (sh[0] == b || sh[0] == 1) && (sh[1] == 1 || sh[1] == np) &&
+                  sh[2] == sq && sh[3] == sk;
+  if (!ok)
+    throw ShapeError(what + ": expected shape " + shape_str(want) + " (dims 0 and 1 may also be 1 / " +
+                     std::to_string(np) + "), got " + shape_str(sh));
+}
+
+Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
+                                 const Tensor* attention_mask, bool training, const DropoutRng& rng) const {
+  if (query.rows() != static_cast<Eigen::Index>(sq) * b * np_ || query.cols() != hn_)
+    throw ShapeError("DotProductAttention: query expected [" + std::to_string(sq) + ", " + std::to_string(b) + ", " +
+                     std::to_string(np_) + ", " + std::to_string(hn_) + "]");
+  if (key.rows() != static_cast<Eigen::Index>(sk) * b * ng_ || key.cols() != hn_ || value.rows() != key.rows() ||
+      value.cols() != hn_)
+    throw ShapeError("DotProductAttention: key/value expected [" + std::to_string(sk) + ", " + std::to_string(b) +
+                     ", " + std::to_string(ng_) + ", " + std::to_string(hn_) + "]");
+  if (attention_mask) check_attention_mask(*attention_mask, b, np_, sq, sk, "attention_mask");
+
+  // The mask actually applied (FusedScaleMaskSoftmax.forward_torch_softmax).
+  enum class MaskSource { None, Given, Causal, Window } source = MaskSource::None;
+  if (window_size_) {
+    source = MaskSource::Window;
+  } else if (attn_mask_type == AttnMaskType::causal && attention_mask == nullptr && sq > 1) {
+    if (sq != sk) throw ShapeError("DotProductAttention: causal mask is only for self attention (sq != sk)");
+    source = MaskSource::Causal;
+  } else if (attention_mask != nullptr) {
+    source = MaskSource::Given;
+  }
+  auto masked = [&](int bi, int h, int i, int j) -> bool {
+    switch (source) {
+      case MaskSource::None: return false;
+      case MaskSource::Causal: return j > i;  // triu(ones, diagonal=1)
+      case MaskSource::Window: {
+        const int d = sk - sq;  // ~(tril(triu(m, d - w0), d + w1))
+        return !(j - i >= d - (*window_size_)[0] && j - i <= d + (*window_size_)[1]);
+      }
+      case MaskSource::Given: {
+        const Shape& sh = attention_mask->shape();
+        const std::int64_t b0 = sh[0] == 1 ? 0 : bi, h0 = sh[1] == 1 ? 0 : h;
+        return attention_mask->at_f64(((b0 * sh[1] + h0) * sq + i) * sk + j) != 0.0;
+      }
+    }
+    return false;
+  };
+
+  // Softmax storage: fp32 when the input is fp16/bf16 and attention_softmax_in_fp32 (the input is
+  // upcast with .float()), else the scores' own dtype (the activation dtype).
+  const bool upcast = input_in_float16_ && softmax_in_fp32_;
+  auto sm = [&](double x) { return upcast ? p_.f32(x) : p_.act(x); };
+  const int group = np_ / ng_;
+  Mat context(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);  // [sq, b, np * hn]
+  Mat probs(sq, sk);  // one [sq, sk] slice of [b, np, sq, sk]
+  std::vector<double> row(sk + 1);
+  for (int bi = 0; bi < b; ++bi) {
+    for (int h = 0; h < np_; ++h) {
+      const int g = h / group;  // repeat_interleave(np / ng, dim=2)
+      for (int i = 0; i < sq; ++i) {
+        const auto q = query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h);
+        for (int j = 0; j < sk; ++j) {
+          const auto k = key.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g);
+          double score = p_.act(softmax_scale * q.dot(k));  // rounds: baddbmm output (alpha inside), activation dtype
+          if (coeff) score = p_.f32(score * *coeff);         // rounds: input * scale, fp32 (softmax_in_fp32 asserted)
+          if (masked(bi, h, i, j)) score = sm(-10000.0);     // masked_fill_(mask, -10000.0)
+          row[j] = score;
+        }
+        int n = sk;
+        if (softmax_offset) row[n++] = (*softmax_offset)[h];  // SoftmaxOne: the sink logit
+        double mx = row[0];
+        for (int j = 1; j < n; ++j) mx = std::max(mx, row[j]);
+        double sum = 0.0;
+        for (int j = 0; j < n; ++j) sum += std::exp(row[j] - mx);
+        for (int j = 0; j < sk; ++j) {
+          double pr = sm(std::exp(row[j] - mx) / sum);  // rounds: softmax output (fp32 or activation dtype)
+          if (upcast) pr = p_.act(pr);                  // rounds: probs.bfloat16() / .half()
+          probs(i, j) = pr;
+        }
+      }
+      // attention dropout over the flat [b, np, sq, sk] probabilities
+      if (training && attention_dropout > 0.0) {
+        const std::uint32_t threshold = dropout_keep_threshold(attention_dropout);
+        const double scale = attention_dropout == 1.0 ? 0.0 : 1.0 / (1.0 - attention_dropout);
+        const std::uint64_t base = (static_cast<std::uint64_t>(bi) * np_ + h) * sq * sk;
+        for (int i = 0; i < sq; ++i)
+          for (int j = 0; j < sk; ++j) {
+            const bool keep = (philox_word(rng.seed, rng.offset, base + static_cast<std::uint64_t>(i) * sk + j) >> 8) < threshold;
+            probs(i, j) = keep ? p_.act(probs(i, j) * scale) : 0.0;  // rounds: dropout product, activation dtype
+          }
+      }
+      // context = bmm(probs, v): [sq, hn] for this (b, h)
+      for (int i = 0; i < sq; ++i) {
+        for (int c = 0; c < hn_; ++c) {
+          double acc = 0.0;
+          for (int j = 0; j < sk; ++j) acc += probs(i, j) * value((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g, c);
+          context(static_cast<Eigen::Index>(i) * b + bi, static_cast<Eigen::Index>(h) * hn_ + c) = p_.act(acc);  // rounds: bmm output
+        }
+      }
+    }
+  }
+  return context;
+}
+
+}  // namespace twin::reference

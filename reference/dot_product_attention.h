@@ -1,0 +1,64 @@
+// megatron/core/transformer/dot_product_attention.py (DotProductAttention) with
+// fusions/fused_softmax.py (FusedScaleMaskSoftmax.forward_torch_softmax, the unfused path) and
+// transformer/utils.py (attention_mask_func, get_default_causal_mask,
+// get_sliding_window_causal_mask).
+//
+//   key, value = repeat_interleave(np / ng, dim=2)                   # GQA: head h reads group h / (np/ng)
+//   scores = baddbmm(q, k^T, beta=0, alpha=softmax_scale)            # [b, np, sq, sk]
+//   softmax_scale = softmax_scale or 1/sqrt(hn); with apply_query_key_layer_scaling
+//   softmax_scale /= layer_number and the softmax multiplies the scores by coeff = layer_number
+//   mask: window_size -> sliding-window causal mask (replaces any mask); else causal mask type and
+//         no mask and sq > 1 -> triu(ones(sq, sq), 1); else the given mask (True = masked)
+//   scores.masked_fill_(mask, -10000.0); probs = softmax(scores) (fp32 when the input is
+//   fp16/bf16 and attention_softmax_in_fp32, then cast back); attention dropout on probs
+//   context = bmm(probs, v) -> [sq, b, np * hn]
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "core/config.h"
+#include "core/tensor.h"
+#include "reference/philox.h"
+#include "reference/precision.h"
+#include "reference/state_dict.h"
+
+namespace twin::reference {
+
+enum class AttnMaskType { padding, causal, no_mask, padding_causal, arbitrary };
+AttnMaskType attn_mask_type_from_name(const std::string& name);  // ConfigError for unknown names
+
+class DotProductAttention {
+ public:
+  DotProductAttention(const TransformerConfig& config, int layer_number, AttnMaskType attn_mask_type,
+                      Precision p, std::optional<double> attention_dropout = std::nullopt,
+                      std::optional<double> softmax_scale = std::nullopt);
+
+  // query [sq, b, np, hn], key / value [sk, b, ng, hn], all as row-major (s * b * heads) x hn
+  // matrices. attention_mask: BOOL, [b or 1, 1 or np, sq, sk] (True = masked), or nullptr.
+  // Returns context [sq * b, np * hn].
+  Mat forward(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
+              const Tensor* attention_mask, bool training, const DropoutRng& rng) const;
+
+  // learnable softmax offset (softmax_type == "learnable"): core_attention.softmax_offset [np]
+  void load_state_dict(const StateDict& sd, const std::string& prefix);
+
+  double softmax_scale;               // alpha of the baddbmm (already divided by coeff)
+  std::optional<double> coeff;        // layer_number with apply_query_key_layer_scaling
+  int layer_number;
+  AttnMaskType attn_mask_type;
+  double attention_dropout;
+  std::optional<RowVec> softmax_offset;  // off-by-one (zeros) or learnable [np]
+
+ private:
+  int np_, ng_, hn_;
+  bool softmax_in_fp32_, input_in_float16_;
+  std::string softmax_type_;
+  std::optional<std::vector<int>> window_size_;
+  Precision p_;
+};
+
+// Validates an attention mask for scores [b, np, sq, sk]: ShapeError naming both shapes.
+void check_attention_mask(const Tensor& mask, int b, int np, int sq, int sk, const std::string& what);
+
+}  // namespace twin::reference

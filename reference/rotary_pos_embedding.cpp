@@ -1,0 +1,90 @@
+#include "reference/rotary_pos_embedding.h"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace twin::reference {
+
+RotaryEmbedding::RotaryEmbedding(int kv_channels, double rotary_percent, bool rotary_interleaved,
+                                 double rotary_base)
+    : dim_(rotary_percent < 1.0 ? static_cast<int>(kv_channels * rotary_percent) : kv_channels),
+      rotary_interleaved_(rotary_interleaved), rotary_base_(rotary_base) {}
+
+Tensor RotaryEmbedding::forward(int max_seq_len, int offset) const {
+  const int half = (dim_ + 1) / 2;  // arange(0, dim, 2)
+  std::vector<float> inv_freq(half);
+  for (int i = 0; i < half; ++i) {
+    const float e = static_cast<float>(2 * i) / static_cast<float>(dim_);                 // fp32 arange / dim
+    inv_freq[i] = 1.0f / static_cast<float>(std::pow(rotary_base_, static_cast<double>(e)));  // fp32 pow, reciprocal
+  }
+  std::vector<float> emb(static_cast<std::size_t>(max_seq_len) * 2 * half);
+  for (int s = 0; s < max_seq_len; ++s) {
+    const float pos = static_cast<float>(s + offset);
+    for (int i = 0; i < half; ++i) {
+      const float f = pos * inv_freq[i];  // torch.outer in fp32
+      if (!rotary_interleaved_) {
+        emb[s * 2 * half + i] = f;         // cat((freqs, freqs))
+        emb[s * 2 * half + half + i] = f;
+      } else {
+        emb[s * 2 * half + 2 * i] = f;     // stack((f, f), -1).view
+        emb[s * 2 * half + 2 * i + 1] = f;
+      }
+    }
+  }
+  return Tensor::from_vector<float>({max_seq_len, 1, 1, 2 * half}, emb);
+}
+
+Mat rotary_freqs(const Tensor& rotary_pos_emb, int s, int head_dim) {
+  const Shape& sh = rotary_pos_emb.shape();
+  if (sh.size() != 4 || sh[1] != 1 || sh[2] != 1)
+    throw ShapeError("rotary_pos_emb: expected shape [" + std::to_string(s) + ", 1, 1, rot_dim], got " +
+                     shape_str(sh));
+  if (sh[0] < s)
+    throw ShapeError("rotary_pos_emb: " + shape_str(sh) + " is shorter than the sequence (s = " +
+                     std::to_string(s) + ")");
+  if (sh[0] != s)
+    throw ShapeError("rotary_pos_emb: " + shape_str(sh) + " is longer than the sequence (s = " +
+                     std::to_string(s) + "); the unfused RoPE broadcasts it against exactly s positions");
+  const std::int64_t rot_dim = sh[3];
+  if (rot_dim % 2 != 0 || rot_dim > head_dim || rot_dim == 0)
+    throw ShapeError("rotary_pos_emb: rot_dim " + std::to_string(rot_dim) +
+                     " must be even, positive and at most the head dimension " + std::to_string(head_dim) +
+                     " (got " + shape_str(sh) + ")");
+  return to_mat(rotary_pos_emb, s, rot_dim, "rotary_pos_emb");
+}
+
+Mat apply_rotary_pos_emb(const Mat& t, const Mat& freqs, int rows_per_position, bool rotary_interleaved,
+                         const Precision& p) {
+  const Eigen::Index rot_dim = freqs.cols();
+  if (rot_dim > t.cols())
+    throw ShapeError("apply_rotary_pos_emb: rot_dim " + std::to_string(rot_dim) + " exceeds head dim " +
+                     std::to_string(t.cols()));
+  if (t.rows() != freqs.rows() * rows_per_position)
+    throw ShapeError("apply_rotary_pos_emb: " + std::to_string(t.rows()) + " rows do not cover " +
+                     std::to_string(freqs.rows()) + " positions x " + std::to_string(rows_per_position));
+  // cos_ = cos(freqs).to(t.dtype): torch.cos in fp32, then stored in the activation dtype
+  Mat cos_(freqs.rows(), rot_dim), sin_(freqs.rows(), rot_dim);
+  for (Eigen::Index i = 0; i < freqs.size(); ++i) {
+    cos_.data()[i] = p.act(p.f32(std::cos(freqs.data()[i])));  // rounds: cos in fp32, .to(t.dtype)
+    sin_.data()[i] = p.act(p.f32(std::sin(freqs.data()[i])));  // rounds: sin in fp32, .to(t.dtype)
+  }
+  Mat out = t;  // t_pass columns stay as they are
+  const Eigen::Index half = rot_dim / 2;
+  for (Eigen::Index r = 0; r < t.rows(); ++r) {
+    const Eigen::Index pos = r / rows_per_position;
+    for (Eigen::Index c = 0; c < rot_dim; ++c) {
+      double rotated;  // _rotate_half(t)[c]
+      if (!rotary_interleaved)
+        rotated = c < half ? -t(r, c + half) : t(r, c - half);
+      else
+        rotated = c % 2 == 0 ? -t(r, c + 1) : t(r, c - 1);
+      const double a = p.act(t(r, c) * cos_(pos, c));     // rounds: t * cos_
+      const double b = p.act(rotated * sin_(pos, c));     // rounds: _rotate_half(t) * sin_
+      out(r, c) = p.act(a + b);                           // rounds: sum
+    }
+  }
+  return out;
+}
+
+}  // namespace twin::reference

@@ -1,0 +1,44 @@
+// megatron/core/models/common/embeddings/rotary_pos_embedding.py (RotaryEmbedding) and
+// rope_utils.py (_rotate_half, _apply_rotary_pos_emb_bshd, the unfused path).
+//
+// The angles `freqs` are [s, 1, 1, rot_dim] (fp32): non-interleaved cat(f, f), interleaved
+// [f0, f0, f1, f1, ...]. Applying them to t [s, b, heads, hn]:
+//   t, t_pass = t[..., :rot_dim], t[..., rot_dim:]        (rotary_percent < 1 rotates a prefix)
+//   t = t * cos(freqs) + _rotate_half(t) * sin(freqs)
+//   _rotate_half: halves [x1 | x2] -> [-x2 | x1]; interleaved pairs (x0, x1) -> (-x1, x0)
+//   return cat(t, t_pass)
+#pragma once
+
+#include "core/tensor.h"
+#include "reference/precision.h"
+
+namespace twin::reference {
+
+class RotaryEmbedding {
+ public:
+  // dim = kv_channels, or int(kv_channels * rotary_percent) when rotary_percent < 1.
+  RotaryEmbedding(int kv_channels, double rotary_percent, bool rotary_interleaved = false,
+                  double rotary_base = 10000.0);
+  // get_emb(max_seq_len, offset): [max_seq_len, 1, 1, dim] F32 angles, as Megatron computes them
+  // in fp32 (inv_freq = 1 / base^(arange(0, dim, 2) / dim), freqs = outer(seq, inv_freq)).
+  Tensor forward(int max_seq_len, int offset = 0) const;
+  int dim() const { return dim_; }
+
+ private:
+  int dim_;
+  bool rotary_interleaved_;
+  double rotary_base_;
+};
+
+// Checks rotary_pos_emb against the sequence length and head size and returns it as a
+// [s, rot_dim] matrix. ShapeError when it is not [s, 1, 1, rot_dim], is shorter than the
+// sequence (or longer: torch's broadcasting in the unfused path requires exactly s), has an odd
+// rot_dim or one larger than head_dim.
+Mat rotary_freqs(const Tensor& rotary_pos_emb, int s, int head_dim);
+
+// t: [s, b, heads, hn] as (s * b * heads) x hn rows; freqs [s, rot_dim]. rows_per_position =
+// b * heads. Each torch op's output stored in the activation dtype; cos/sin in fp32 first.
+Mat apply_rotary_pos_emb(const Mat& t, const Mat& freqs, int rows_per_position, bool rotary_interleaved,
+                         const Precision& p);
+
+}  // namespace twin::reference

@@ -1,0 +1,236 @@
+#include "reference/transformer_layer.h"
+
+#include <stdexcept>
+
+namespace twin::reference {
+
+// ---- builders of the local spec ---------------------------------------------------------------
+NormBuilder wrapped_torch_norm_builder() {
+  return [](const TransformerConfig& c, int hidden, double eps, Precision p) { return wrapped_torch_norm(c, hidden, eps, p); };
+}
+NormBuilder l2_norm_builder() {
+  return [](const TransformerConfig&, int hidden, double eps, Precision p) -> std::unique_ptr<Norm> {
+    return std::make_unique<L2Norm>(hidden, eps, p);
+  };
+}
+AttentionBuilder self_attention_builder(const SelfAttentionSubmodules& submodules, AttnMaskType attn_mask_type) {
+  return [submodules, attn_mask_type](const TransformerConfig& c, int layer_number, Precision p) -> std::unique_ptr<AttentionModule> {
+    return std::make_unique<SelfAttention>(c, submodules, layer_number, attn_mask_type, p);
+  };
+}
+AttentionBuilder cross_attention_builder(AttnMaskType attn_mask_type) {
+  return [attn_mask_type](const TransformerConfig& c, int layer_number, Precision p) -> std::unique_ptr<AttentionModule> {
+    return std::make_unique<CrossAttention>(c, layer_number, attn_mask_type, p);
+  };
+}
+MlpBuilder mlp_builder() {
+  return [](const TransformerConfig& c, int, Precision p) -> std::unique_ptr<MlpModule> { return std::make_unique<MLP>(c, p); };
+}
+BdaBuilder get_bias_dropout_add() {
+  return [](bool training, bool /*fused: same math*/, DropoutRng rng, Precision p) -> BdaFunc {
+    return [training, rng, p](const AttentionOutput& x_with_bias, const Mat& residual, double prob) {
+      return bias_dropout_add(x_with_bias.output, x_with_bias.bias, residual, prob, training, rng, p);
+    };
+  };
+}
+
+std::unique_ptr<BaseTransformerLayer> ModuleSpec::build(const TransformerConfig& config, int layer_number,
+                                                        Precision p) const {
+  if (!module) throw std::logic_error("ModuleSpec: no module to build");
+  return module(config, submodules, layer_number, p);
+}
+
+ModuleSpec get_gpt_layer_local_spec(std::optional<int> num_experts, bool qk_layernorm, const std::string& normalization,
+                                    bool qk_l2_norm) {
+  if (num_experts)
+    throw std::invalid_argument("get_gpt_layer_local_spec: num_experts is set; the MoE spec (reference/moe) "
+                                "provides the MoELayer for submodules.mlp");
+  // LocalSpecProvider.layer_norm(rms_norm=...) is WrappedTorchNorm either way (it reads
+  // config.normalization when built); `normalization` only picks Megatron's branch.
+  (void)normalization;
+  const NormBuilder layer_norm = wrapped_torch_norm_builder();
+  const NormBuilder qk_norm = wrapped_torch_norm_builder();
+  SelfAttentionSubmodules attn;
+  attn.q_layernorm = qk_l2_norm ? l2_norm_builder() : (qk_layernorm ? qk_norm : NormBuilder());
+  attn.k_layernorm = qk_l2_norm ? l2_norm_builder() : (qk_layernorm ? qk_norm : NormBuilder());
+
+  ModuleSpec spec;
+  spec.module = [](const TransformerConfig& c, const TransformerLayerSubmodules& s, int layer_number,
+                   Precision p) -> std::unique_ptr<BaseTransformerLayer> {
+    return std::make_unique<TransformerLayer>(c, s, layer_number, std::nullopt, p);
+  };
+  spec.submodules.input_layernorm = layer_norm;
+  spec.submodules.self_attention = self_attention_builder(attn, AttnMaskType::causal);
+  spec.submodules.self_attn_bda = get_bias_dropout_add();
+  spec.submodules.pre_mlp_layernorm = layer_norm;
+  spec.submodules.mlp = mlp_builder();
+  spec.submodules.mlp_bda = get_bias_dropout_add();
+  return spec;
+}
+
+// ---- TransformerLayer -------------------------------------------------------------------------
+TransformerLayer::TransformerLayer(const TransformerConfig& config_, const TransformerLayerSubmodules& submodules,
+                                   int layer_number_, std::optional<double> hidden_dropout_, Precision precision_)
+    : config(config_),
+      layer_number(layer_number_),  // + get_transformer_layer_offset(): 0 at pipeline size 1
+      hidden_dropout(hidden_dropout_.value_or(config_.hidden_dropout)),
+      precision(precision_),
+      submodules_config(submodules) {
+  if (config.hidden_size <= 0) throw ConfigError("hidden_size must be positive, got " + std::to_string(config.hidden_size));
+  const double eps = config.layernorm_epsilon;
+  // [Module 1: Input Layernorm]
+  if (submodules.input_layernorm) input_layernorm = submodules.input_layernorm(config, config.hidden_size, eps, precision);
+  // [Module 2: SelfAttention]
+  if (submodules.self_attention) self_attention = submodules.self_attention(config, layer_number, precision);
+  // [Module 3: BiasDropoutFusion]
+  self_attn_bda = submodules.self_attn_bda;
+  // [Module 4: Post SelfAttention] Optional Layernorm after self-attn
+  if (submodules.pre_cross_attn_layernorm)
+    pre_cross_attn_layernorm = submodules.pre_cross_attn_layernorm(config, config.hidden_size, eps, precision);
+  // [Module 5: CrossAttention]
+  if (submodules.cross_attention) cross_attention = submodules.cross_attention(config, layer_number, precision);
+  // [Module 6: BiasDropoutFusion]
+  cross_attn_bda = submodules.cross_attn_bda;
+  // [Module 7: Pre MLP] Optional Layernorm before MLP
+  if (submodules.pre_mlp_layernorm) pre_mlp_layernorm = submodules.pre_mlp_layernorm(config, config.hidden_size, eps, precision);
+  // [Module 8: MLP block]
+  if (submodules.mlp) mlp = submodules.mlp(config, layer_number, precision);
+  // [Module 9: BiasDropoutFusion]
+  mlp_bda = submodules.mlp_bda;
+}
+
+void TransformerLayer::load_state_dict(const StateDict& sd) {
+  if (input_layernorm) input_layernorm->load_state_dict(sd, "input_layernorm.");
+  if (self_attention) self_attention->load_state_dict(sd, "self_attention.");
+  if (pre_cross_attn_layernorm) pre_cross_attn_layernorm->load_state_dict(sd, "pre_cross_attn_layernorm.");
+  if (cross_attention) cross_attention->load_state_dict(sd, "cross_attention.");
+  if (pre_mlp_layernorm) pre_mlp_layernorm->load_state_dict(sd, "pre_mlp_layernorm.");
+  if (mlp) mlp->load_state_dict(sd, "mlp.");
+  sd.expect_all_used("TransformerLayer.load_state_dict");
+}
+
+void TransformerLayer::load_state_dict(const std::map<std::string, Tensor>& sd) { load_state_dict(StateDict(sd)); }
+
+Mat TransformerLayer::apply_norm(const std::unique_ptr<Norm>& norm, const Mat& x, const std::string& name, int s, int b,
+                                 const Taps& taps) const {
+  if (!norm) return x;  // IdentityOp
+  Mat y = norm->forward(x);
+  if (taps.enabled()) taps.record(name, precision.to_tensor(y, {s, b, y.cols()}));
+  return y;
+}
+
+Mat TransformerLayer::apply_bda(const BdaBuilder& bda, const AttentionOutput& x_with_bias, const Mat& residual,
+                                std::uint64_t offset) const {
+  if (!bda) return x_with_bias.output;  // IdentityFuncOp: returns its first argument
+  return bda(training, config.bias_dropout_fusion, rng.with_offset(rng.offset + offset), precision)(
+      x_with_bias, residual, hidden_dropout);
+}
+
+std::pair<Tensor, std::optional<Tensor>> TransformerLayer::forward(const Tensor& hidden_states, const LayerInputs& inputs,
+                                                                   const Taps& taps) {
+  if (hidden_states.dim() != 3 || hidden_states.size(2) != config.hidden_size)
+    throw ShapeError("hidden_states: expected shape [s, b, " + std::to_string(config.hidden_size) + "], got " +
+                     shape_str(hidden_states.shape()));
+  const int s = static_cast<int>(hidden_states.size(0)), b = static_cast<int>(hidden_states.size(1));
+  if (s <= 0 || b <= 0) throw ShapeError("hidden_states: empty sequence or batch, got " + shape_str(hidden_states.shape()));
+  const Mat x = to_mat(hidden_states, static_cast<std::int64_t>(s) * b, config.hidden_size, "hidden_states");
+  auto [h, context] = _forward_attention(x, s, b, inputs, taps);
+  const Mat output = _forward_mlp(h, s, b, inputs, taps);
+  return {precision.to_tensor(output, {s, b, config.hidden_size}), context};
+}
+
+std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const Mat& hidden_states_in, int s, int b,
+                                                                           const LayerInputs& inputs, const Taps& taps) {
+  // Residual connection.
+  Mat residual = hidden_states_in;
+  // Optional Input Layer norm
+  const Mat input_layernorm_output = apply_norm(input_layernorm, hidden_states_in, "input_layernorm", s, b, taps);
+
+  // Self attention.
+  AttentionOutput attention_output_with_bias;
+  if (self_attention) {
+    AttentionArgs args;
+    args.s = s;
+    args.b = b;
+    args.attention_mask = inputs.attention_mask;
+    args.rotary_pos_emb = inputs.rotary_pos_emb;
+    args.training = training;
+    args.rng = rng.with_offset(rng.offset + 0);
+    attention_output_with_bias = self_attention->forward(input_layernorm_output, args, taps.child("self_attention"));
+  } else {
+    attention_output_with_bias.output = input_layernorm_output;  // IdentityOp
+  }
+  Mat hidden_states = apply_bda(self_attn_bda, attention_output_with_bias, residual, 1);
+
+  // Residual connection.
+  residual = hidden_states;
+  // Optional Layer norm after self-attention
+  const Mat pre_cross_attn_layernorm_output =
+      apply_norm(pre_cross_attn_layernorm, hidden_states, "pre_cross_attn_layernorm", s, b, taps);
+
+  // Cross attention.
+  std::optional<Tensor> context;
+  if (inputs.context) context = *inputs.context;
+  if (cross_attention) {
+    AttentionArgs args;
+    args.s = s;
+    args.b = b;
+    args.attention_mask = inputs.context_mask;
+    args.key_value_states = inputs.context;
+    args.training = training;
+    args.rng = rng.with_offset(rng.offset + 2);
+    attention_output_with_bias = cross_attention->forward(pre_cross_attn_layernorm_output, args, taps.child("cross_attention"));
+    if (attention_output_with_bias.context) context = attention_output_with_bias.context;
+  } else {
+    attention_output_with_bias = AttentionOutput();
+    attention_output_with_bias.output = pre_cross_attn_layernorm_output;  // IdentityOp
+  }
+  hidden_states = apply_bda(cross_attn_bda, attention_output_with_bias, residual, 3);
+  return {hidden_states, context};
+}
+
+Mat TransformerLayer::_forward_pre_mlp_layernorm(const Mat& hidden_states, int s, int b, const Taps& taps) {
+  return apply_norm(pre_mlp_layernorm, hidden_states, "pre_mlp_layernorm", s, b, taps);
+}
+
+Mat TransformerLayer::_forward_mlp(const Mat& hidden_states, int s, int b, const LayerInputs& inputs, const Taps& taps) {
+  // Residual connection.
+  const Mat residual = hidden_states;
+  // Optional Layer norm post the cross-attention.
+  const Mat pre_mlp_layernorm_output = _forward_pre_mlp_layernorm(hidden_states, s, b, taps);
+  OutputWithBias mlp_output_with_bias;
+  if (mlp) {
+    MlpArgs args;
+    args.lead = {s, b};
+    args.padding_mask = inputs.padding_mask;
+    args.training = training;
+    mlp_output_with_bias = mlp->forward(pre_mlp_layernorm_output, args, taps.child("mlp"));
+  } else {
+    mlp_output_with_bias.output = pre_mlp_layernorm_output;  // IdentityOp
+  }
+  return _forward_post_mlp(mlp_output_with_bias, residual);
+}
+
+Mat TransformerLayer::_forward_post_mlp(const OutputWithBias& mlp_output_with_bias, const Mat& residual) {
+  AttentionOutput x_with_bias;
+  static_cast<OutputWithBias&>(x_with_bias) = mlp_output_with_bias;
+  return apply_bda(mlp_bda, x_with_bias, residual, 4);
+}
+
+std::optional<std::vector<RowVec>> TransformerLayer::get_layer_norm_weights() const { return std::nullopt; }
+
+RowVec TransformerLayer::get_mlp_layer_norm_weights() const {
+  if (!pre_mlp_layernorm || pre_mlp_layernorm->weight().size() == 0)
+    throw std::logic_error("get_mlp_layer_norm_weights: linear_fc1 has no layer norm weight (pre_mlp_layernorm is "
+                           "IdentityOp or has no weight)");
+  return pre_mlp_layernorm->weight();
+}
+
+RowVec TransformerLayer::get_qkv_layer_norm_weights() const {
+  if (!input_layernorm || input_layernorm->weight().size() == 0)
+    throw std::logic_error("get_qkv_layer_norm_weights: linear_qkv has no layer norm weight (input_layernorm is "
+                           "IdentityOp or has no weight)");
+  return input_layernorm->weight();
+}
+
+}  // namespace twin::reference
