@@ -1,0 +1,179 @@
+#include "reference/moe/moe_layer.h"
+
+#include "reference/transformer_config.h"
+
+namespace twin::reference::moe {
+
+void validate_moe_layer_config(const TransformerConfig& c) {
+  auto reject = [](const std::string& m) { throw MoEError("MoE config: " + m); };
+  if (!c.num_moe_experts) reject("num_moe_experts is not set");
+  const int E = *c.num_moe_experts;
+  if (c.expert_model_parallel_size != 1)
+    reject("expert_model_parallel_size=" + std::to_string(c.expert_model_parallel_size) +
+           ": the reference runs one expert-parallel rank holding every expert");
+  if (c.moe_token_dispatcher_type != "allgather" && c.moe_token_dispatcher_type != "alltoall")
+    reject("moe_token_dispatcher_type '" + c.moe_token_dispatcher_type + "' (allgather | alltoall)");
+  if (c.moe_router_score_function != "softmax" && c.moe_router_score_function != "sigmoid")
+    reject("moe_router_score_function '" + c.moe_router_score_function + "' (softmax | sigmoid)");
+  if (c.moe_token_drop_policy != "probs" && c.moe_token_drop_policy != "position")
+    reject("moe_token_drop_policy '" + c.moe_token_drop_policy + "' (probs | position)");
+  const std::string& lb = c.moe_router_load_balancing_type;
+  if (lb != "aux_loss" && lb != "seq_aux_loss" && lb != "global_aux_loss" && lb != "sinkhorn" && lb != "none")
+    reject("moe_router_load_balancing_type '" + lb + "' (aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none)");
+  if (lb == "sinkhorn" && c.moe_aux_loss_coeff != 0)
+    reject("Sinkhorn routing does not support aux loss (moe_aux_loss_coeff=" + std::to_string(c.moe_aux_loss_coeff) + ")");
+  if (c.moe_grouped_gemm)
+    reject("moe_grouped_gemm (GroupedMLP / TEGroupedMLP) is not implemented; the reference is SequentialMLP");
+  if (c.moe_latent_size) reject("moe_latent_size needs Transformer Engine's latent projections");
+  if (c.moe_apply_probs_on_input && c.moe_router_topk != 1)
+    reject("`moe_apply_probs_on_input` only works with `moe_router_topk`=1 (moe_router_topk=" +
+           std::to_string(c.moe_router_topk) + ")");
+  if (c.moe_shared_expert_intermediate_size && c.add_bias_linear)
+    reject("bias is not supported in the shared experts (add_bias_linear=True with moe_shared_expert_intermediate_size)");
+  if (c.moe_router_group_topk && *c.moe_router_group_topk != 0 && c.moe_router_num_groups &&
+      *c.moe_router_num_groups > 0) {
+    // Megatron would pick -inf scores outside the chosen groups (NaN or zero probabilities).
+    const int reachable = *c.moe_router_group_topk * (E / *c.moe_router_num_groups);
+    if (c.moe_router_topk > reachable)
+      reject("moe_router_topk (" + std::to_string(c.moe_router_topk) + ") exceeds the " + std::to_string(reachable) +
+             " experts of the moe_router_group_topk (" + std::to_string(*c.moe_router_group_topk) + ") selected groups");
+  }
+}
+
+std::vector<bool> padding_mask_tokens(const Tensor& padding_mask, Index seq_length, Index bsz) {
+  if (padding_mask.shape() != Shape{bsz, seq_length})
+    throw ShapeError("padding_mask: expected shape [b, s] = " + shape_str({bsz, seq_length}) + ", got " +
+                     padding_mask.describe());
+  // [b, s] -> [s, b]: token t = s_idx * b + b_idx
+  std::vector<bool> tokens(static_cast<std::size_t>(seq_length * bsz));
+  for (Index s = 0; s < seq_length; ++s)
+    for (Index b = 0; b < bsz; ++b) tokens[s * bsz + b] = padding_mask.at_f64(b * seq_length + s) != 0.0;
+  return tokens;
+}
+
+namespace {
+const TransformerConfig& validated(const TransformerConfig& c) {
+  validate_transformer_config(c);
+  validate_moe_layer_config(c);
+  return c;
+}
+}  // namespace
+
+MoELayer::MoELayer(const TransformerConfig& config, Precision p, int layer_number)
+    : router(validated(config), p),
+      token_dispatcher(make_token_dispatcher(config, p)),
+      experts(*config.num_moe_experts / config.expert_model_parallel_size, config, p, router.router_dtype()),
+      config_(config), p_(p), layer_number_(layer_number) {
+  if (config.moe_shared_expert_intermediate_size) shared_experts.emplace(config, p, config.moe_shared_expert_gate);
+}
+
+void MoELayer::load_state_dict(const StateDict& sd, const std::string& prefix) {
+  router.load_state_dict(sd, prefix + "router.");
+  experts.load_state_dict(sd, prefix + "experts.");
+  if (shared_experts) shared_experts->load_state_dict(sd, prefix + "shared_experts.");
+}
+
+std::optional<Mat> MoELayer::shared_experts_compute(const Mat& hidden_states, const Shape& lead,
+                                                    const Taps& taps) const {
+  if (!shared_experts) return std::nullopt;
+  Mat shared_expert_output = shared_experts->forward(hidden_states, lead, taps.child("shared_experts"));
+  Shape shape = lead;
+  shape.push_back(shared_expert_output.cols());
+  if (taps.enabled()) taps.record("shared_experts", p_.to_tensor(shared_expert_output, shape));
+  return shared_expert_output;
+}
+
+RouterOutput MoELayer::route(const Mat& hidden_states, Index seq_length, Index bsz,
+                             const std::vector<bool>* padding_mask, const Taps& taps) {
+  return router.forward(hidden_states, seq_length, bsz, padding_mask, taps.child("router"), &aux_losses);
+}
+
+DispatchTensors MoELayer::preprocess(const Mat& hidden_states, Index seq_length, Index bsz, const Mat& probs,
+                                     const BoolMat& routing_map) {
+  return token_dispatcher->dispatch_preprocess(hidden_states, seq_length, bsz, routing_map, probs);
+}
+
+DispatchTensors MoELayer::dispatch(DispatchTensors x) { return token_dispatcher->token_dispatch(std::move(x)); }
+
+OutputWithBias MoELayer::routed_experts_compute(DispatchTensors x, const Taps& taps) {
+  const ExpertInputs in = token_dispatcher->dispatch_postprocess(std::move(x));
+  const Taps experts_taps = taps.child("experts");
+  if (taps.enabled()) {  // the experts' inputs (fixtures: tap_in.mlp.experts.*)
+    const Taps in_taps = experts_taps.child("input");
+    in_taps.record("dispatched_input",
+                   p_.to_tensor(in.dispatched_input, {in.dispatched_input.rows(), in.dispatched_input.cols()}));
+    in_taps.record("tokens_per_expert", Tensor::from_vector<std::int64_t>(
+                                            {static_cast<Index>(in.tokens_per_expert.size())},
+                                            std::vector<std::int64_t>(in.tokens_per_expert.begin(), in.tokens_per_expert.end())));
+    in_taps.record("permuted_probs", Tensor::from_doubles(router.router_dtype(), {static_cast<Index>(in.permuted_probs.size())},
+                                                          in.permuted_probs));
+  }
+  const Mat expert_output = experts.forward(in.dispatched_input, in.tokens_per_expert, in.permuted_probs, experts_taps);
+  OutputWithBias out;  // mlp_bias is None: expert biases are added inside the experts
+  out.output = token_dispatcher->combine_preprocess(expert_output);
+  return out;
+}
+
+Mat MoELayer::combine(Mat output) { return token_dispatcher->token_combine(std::move(output)); }
+
+Mat MoELayer::postprocess(Mat output, const std::optional<Mat>& shared_expert_output) {
+  output = token_dispatcher->combine_postprocess(std::move(output));
+  if (shared_expert_output) {
+    output += *shared_expert_output;
+    p_.act_inplace(output);  // rounds: output + shared_expert_output
+  }
+  return output;
+}
+
+MoERouteOutput MoELayer::forward_route(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) {
+  Index seq_length = hidden_states.rows(), bsz = 1;
+  if (args.lead.size() == 2) {
+    seq_length = args.lead[0];
+    bsz = args.lead[1];
+  }
+  if (seq_length * bsz != hidden_states.rows())
+    throw ShapeError("MoELayer: hidden_states has " + std::to_string(hidden_states.rows()) + " rows, lead " +
+                     shape_str(args.lead) + " says " + std::to_string(seq_length * bsz));
+  if (hidden_states.cols() != config_.hidden_size)
+    throw ShapeError("MoELayer: hidden_states last dimension " + std::to_string(hidden_states.cols()) +
+                     " != hidden_size " + std::to_string(config_.hidden_size));
+  std::optional<std::vector<bool>> padding_mask;
+  if (args.padding_mask) padding_mask = padding_mask_tokens(*args.padding_mask, seq_length, bsz);
+  router.training = args.training;
+  aux_losses.clear();
+
+  MoERouteOutput r;
+  r.shared_expert_output = shared_experts_compute(hidden_states, {seq_length, bsz}, taps);
+  const RouterOutput routed = route(hidden_states, seq_length, bsz, padding_mask ? &*padding_mask : nullptr, taps);
+  r.hidden_states_and_probs = preprocess(hidden_states, seq_length, bsz, routed.probs, routed.routing_map);
+  r.token_dispatcher_attrs = token_dispatcher->state;
+  return r;
+}
+
+OutputWithBias MoELayer::forward_expert_compute(const DispatchTensors& hidden_states_and_probs,
+                                                const DispatcherState& token_dispatcher_attrs, const Taps& taps) {
+  token_dispatcher->state = token_dispatcher_attrs;  // restore the attributes (setattr in Megatron)
+  DispatchTensors dispatched_input = dispatch(hidden_states_and_probs);
+  OutputWithBias out = routed_experts_compute(std::move(dispatched_input), taps);
+  out.output = combine(std::move(out.output));
+  return out;
+}
+
+Mat MoELayer::forward_postprocess(const Mat& output, const std::optional<Mat>& shared_expert_output,
+                                  const Taps& taps) {
+  Mat result = postprocess(output, shared_expert_output);  // [T, h]
+  const DispatcherState& st = token_dispatcher->state;
+  if (taps.enabled()) taps.record("0", p_.to_tensor(result, {st.seq_length, st.bsz, result.cols()}));
+  return result;
+}
+
+OutputWithBias MoELayer::forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) {
+  const MoERouteOutput r = forward_route(hidden_states, args, taps);
+  const OutputWithBias expert = forward_expert_compute(r.hidden_states_and_probs, r.token_dispatcher_attrs, taps);
+  OutputWithBias out;
+  out.output = forward_postprocess(expert.output, r.shared_expert_output, taps);
+  out.bias = expert.bias;
+  return out;
+}
+
+}  // namespace twin::reference::moe

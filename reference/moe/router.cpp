@@ -1,0 +1,276 @@
+#include "reference/moe/router.h"
+
+#include <cmath>
+
+namespace twin::reference::moe {
+
+namespace {
+
+// Counter-based uniform in [0, 1): splitmix64 of (seed, call, element), 53 bits.
+double uniform01(std::uint64_t seed, std::uint64_t call, std::uint64_t i) {
+  std::uint64_t z = seed ^ (call * 0x9E3779B97F4A7C15ull) ^ (i * 0xD1B54A32D192ED03ull);
+  for (int r = 0; r < 2; ++r) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+  }
+  return static_cast<double>(z >> 11) * 0x1.0p-53;
+}
+
+}  // namespace
+
+TopKRouter::TopKRouter(const TransformerConfig& config, Precision precision)
+    : config_(config), precision_(precision) {
+  if (!config.num_moe_experts || *config.num_moe_experts <= 0)
+    throw MoEError("TopKRouter: num_moe_experts must be set and positive");
+  num_experts_ = *config.num_moe_experts;
+  topk_ = config.moe_router_topk;
+  // gating(): router_dtype = input dtype unless moe_router_dtype asks for fp32 / fp64.
+  if (config.moe_router_dtype == std::optional<std::string>("fp32")) router_dtype_ = precision.fp32_storage_dtype();
+  else if (config.moe_router_dtype == std::optional<std::string>("fp64")) router_dtype_ = DType::F64;
+  else if (!config.moe_router_dtype) router_dtype_ = precision.storage_dtype();
+  else throw MoEError("moe_router_dtype must be None, 'fp32' or 'fp64', got '" + *config.moe_router_dtype + "'");
+  local_tokens_per_expert.assign(num_experts_, 0.0);
+  global_tokens_per_expert.assign(num_experts_, 0.0);
+}
+
+void TopKRouter::load_state_dict(const StateDict& sd, const std::string& prefix) {
+  const Rounding rnd = Rounding::of(precision_);
+  weight = sd.matrix(prefix + "weight", num_experts_, config_.hidden_size);  // [E, h]
+  if (config_.add_bias_linear) bias = sd.vector(prefix + "bias", num_experts_);
+  if (config_.moe_router_enable_expert_bias) {
+    std::vector<double> eb(num_experts_, 0.0);  // a zero buffer until trained
+    if (sd.has(prefix + "expert_bias")) {
+      const RowVec v = sd.vector(prefix + "expert_bias", num_experts_);
+      for (int e = 0; e < num_experts_; ++e) eb[e] = rnd(DType::F32, v[e]);  // _maintain_float32_expert_bias
+    }
+    expert_bias = eb;
+  }
+}
+
+Mat TopKRouter::apply_input_jitter(const Mat& input) {
+  if (!config_.moe_input_jitter_eps) return input;
+  const double eps = *config_.moe_input_jitter_eps;
+  const Rounding rnd = Rounding::of(precision_);
+  const DType dt = precision_.storage_dtype();
+  const std::uint64_t call = jitter_calls++;
+  Mat out(input.rows(), input.cols());
+  for (Index i = 0; i < input.size(); ++i) {
+    // Uniform(1 - eps, 1 + eps).rsample in the input dtype, then input * noise.
+    const double noise = rnd(dt, rnd(dt, 1.0 - eps) + uniform01(jitter_seed, call, i) * (rnd(dt, 1.0 + eps) - rnd(dt, 1.0 - eps)));
+    out.data()[i] = rnd(dt, input.data()[i] * noise);
+  }
+  return out;
+}
+
+Mat TopKRouter::gating(const Mat& input) const {
+  if (input.cols() != config_.hidden_size)
+    throw ShapeError("TopKRouter.gating: input has " + std::to_string(input.cols()) + " features, hidden_size is " +
+                     std::to_string(config_.hidden_size));
+  // router_gating_linear: mm(inp.to(router_dtype), weight.to(router_dtype).t()) (+ bias), stored in router dtype.
+  Mat logits = input * weight.transpose();  // [T, E]
+  if (bias) logits.rowwise() += *bias;
+  return Rounding::of(precision_)(router_dtype_, logits);
+}
+
+double TopKRouter::get_aux_loss_coeff(const std::string& aux_loss_type) const {
+  return config_.moe_router_load_balancing_type == aux_loss_type ? config_.moe_aux_loss_coeff : 0.0;
+}
+
+bool TopKRouter::is_aux_loss_enabled() const {
+  for (const char* t : {"aux_loss", "seq_aux_loss", "global_aux_loss"})
+    if (get_aux_loss_coeff(t) > 0) return true;
+  return false;
+}
+
+Mat sinkhorn(const Mat& cost_in, double tol) {
+  const Mat cost = cost_in.array().exp();
+  Eigen::VectorXd d0 = Eigen::VectorXd::Ones(cost.rows());
+  Eigen::RowVectorXd d1 = Eigen::RowVectorXd::Ones(cost.cols());
+  const double eps = 0.00000001;
+  double error = 1e9;
+  Eigen::RowVectorXd d1_old = d1;
+  while (error > tol) {
+    d0 = ((cost * d1.transpose()).array() + eps).inverse() / static_cast<double>(d0.size());
+    d1 = ((d0.transpose() * cost).array() + eps).inverse() / static_cast<double>(d1.size());
+    error = (d1_old - d1).array().abs().mean();
+    d1_old = d1;
+  }
+  return (d0.asDiagonal() * cost) * d1.asDiagonal();
+}
+
+RouterOutput TopKRouter::sinkhorn_load_balancing(const Mat& logits) const {
+  const Rounding rnd = Rounding::of(precision_);
+  auto activation = [&](const Mat& x) -> Mat {
+    if (topk_ == 1) return rnd(router_dtype_, x.unaryExpr([](double v) { return 1.0 / (1.0 + std::exp(-v)); }));
+    Mat y(x.rows(), x.cols());  // softmax in fp32, .type_as(logits)
+    for (Index r = 0; r < x.rows(); ++r) {
+      const Eigen::RowVectorXd e = (x.row(r).array() - x.row(r).maxCoeff()).exp();
+      y.row(r) = e / e.sum();
+    }
+    return rnd(router_dtype_, rnd(DType::F32, y));
+  };
+  const Mat act = activation(logits);
+  const TopK top = training ? topk_rows(sinkhorn(rnd(DType::F32, logits)), topk_) : topk_rows(act, topk_);
+  RouterOutput r;
+  r.routing_map = BoolMat::Constant(logits.rows(), logits.cols(), false);
+  for (Index t = 0; t < top.indices.rows(); ++t)
+    for (Index j = 0; j < top.indices.cols(); ++j) r.routing_map(t, top.indices(t, j)) = true;
+  r.probs = act.array() * r.routing_map.cast<double>().array();
+  return r;
+}
+
+void TopKRouter::use_recorded_routing_map(RouterOutput& r, const RouterOutput& before_drop) const {
+  const BoolMat& rec = *recorded_routing_map;
+  if (rec.rows() != r.routing_map.rows() || rec.cols() != r.routing_map.cols())
+    throw MoEError("recorded routing map is [" + std::to_string(rec.rows()) + ", " + std::to_string(rec.cols()) +
+                   "], the router produced [" + std::to_string(r.routing_map.rows()) + ", " +
+                   std::to_string(r.routing_map.cols()) + "]");
+  // A valid tie resolution keeps the same number of tokens per expert and, unless padding to
+  // capacity, only (token, expert) pairs the top-k chose.
+  for (Index e = 0; e < rec.cols(); ++e) {
+    if (rec.col(e).count() != r.routing_map.col(e).count())
+      throw MoEError("recorded routing map gives expert " + std::to_string(e) + " " +
+                     std::to_string(rec.col(e).count()) + " tokens, the capacity rule gives " +
+                     std::to_string(r.routing_map.col(e).count()));
+    if (!config_.moe_pad_expert_input_to_capacity)
+      for (Index t = 0; t < rec.rows(); ++t)
+        if (rec(t, e) && !before_drop.routing_map(t, e))
+          throw MoEError("recorded routing map routes token " + std::to_string(t) + " to expert " + std::to_string(e) +
+                         ", which its top-k did not choose");
+  }
+  r.routing_map = rec;
+  r.probs = before_drop.probs.array() * rec.cast<double>().array();
+}
+
+Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length, Index bsz,
+                                            const std::vector<bool>* padding_mask, AuxLosses* aux_losses) {
+  const Rounding rnd = Rounding::of(precision_);
+  const bool with_padding_mask = padding_mask != nullptr;
+  const AuxScores aux = compute_routing_scores_for_aux_loss(logits, topk_, config_.moe_router_score_function,
+                                                            padding_mask, router_dtype_, rnd);
+  const Mat& scores_for_aux_loss = aux.scores;              // [T, E]
+  const BoolMat& routing_map_for_aux_loss = aux.routing_map;  // [T, E]
+  const DType loss_dt = precision_.fp32_storage_dtype();  // the losses are fp32 tensors
+  auto log = [&](const std::string& name, double loss, double coeff) {
+    if (aux_losses) (*aux_losses)[name] += rnd(loss_dt, rnd(loss_dt, loss) / coeff);  // loss / coeff
+  };
+
+  // _apply_aux_loss
+  if (const double coeff = get_aux_loss_coeff("aux_loss"); coeff != 0) {
+    const TokenCounts c = get_tokens_per_expert_and_token_count(routing_map_for_aux_loss, topk_, with_padding_mask);
+    log("load_balancing_loss",
+        switch_load_balancing_loss_func(scores_for_aux_loss, c.global_tokens_per_expert, c.total_num_tokens, topk_,
+                                        num_experts_, coeff),
+        coeff);
+  }
+  // _apply_seq_aux_loss: [T, E] viewed as [s, b * E], so every sequence counts on its own.
+  if (const double coeff = get_aux_loss_coeff("seq_aux_loss"); coeff != 0) {
+    const Index cols = bsz * num_experts_;
+    const Mat scores = Eigen::Map<const Mat>(scores_for_aux_loss.data(), seq_length, cols);  // [s, b*E]
+    const BoolMat routing_map =
+        Eigen::Map<const BoolMat>(routing_map_for_aux_loss.data(), seq_length, cols);      // [s, b*E]
+    const TokenCounts c =
+        get_tokens_per_expert_and_token_count(routing_map, topk_ * static_cast<int>(bsz), with_padding_mask);
+    log("seq_load_balancing_loss",
+        switch_load_balancing_loss_func(scores, c.global_tokens_per_expert, c.total_num_tokens, topk_, num_experts_,
+                                        coeff) /
+            static_cast<double>(bsz),
+        coeff);
+  }
+  // _apply_global_aux_loss: tokens per expert averaged over the forwards since the last reset.
+  if (const double coeff = get_aux_loss_coeff("global_aux_loss"); coeff != 0) {
+    const TokenCounts c = get_tokens_per_expert_and_token_count(routing_map_for_aux_loss, topk_, with_padding_mask);
+    ga_steps += 1;
+    std::vector<double> averaged_tokens_per_expert(num_experts_);
+    for (int e = 0; e < num_experts_; ++e) {
+      global_tokens_per_expert[e] += c.global_tokens_per_expert[e];
+      averaged_tokens_per_expert[e] = global_tokens_per_expert[e] / ga_steps;
+    }
+    log("global_load_balancing_loss",
+        switch_load_balancing_loss_func(scores_for_aux_loss, averaged_tokens_per_expert, c.total_num_tokens, topk_,
+                                        num_experts_, coeff),
+        coeff);
+  }
+  return scores_for_aux_loss;
+}
+
+RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
+                                 const std::vector<bool>* padding_mask, AuxLosses* aux_losses) {
+  if (logits.rows() != seq_length * bsz || logits.cols() != num_experts_)
+    throw ShapeError("TopKRouter.routing: logits [" + std::to_string(logits.rows()) + ", " +
+                     std::to_string(logits.cols()) + "], expected [" + std::to_string(seq_length * bsz) + ", " +
+                     std::to_string(num_experts_) + "]");
+  if (padding_mask && static_cast<Index>(padding_mask->size()) != logits.rows())
+    throw ShapeError("TopKRouter.routing: padding_mask has " + std::to_string(padding_mask->size()) +
+                     " tokens, logits " + std::to_string(logits.rows()));
+  const Rounding rnd = Rounding::of(precision_);
+
+  // apply_z_loss (logged as z_loss / coeff)
+  if (config_.moe_z_loss_coeff && training) {
+    const double moe_z_loss_coeff = *config_.moe_z_loss_coeff;  // / tp_cp size (1)
+    const DType loss_dt = router_dtype_;
+    const double z_loss = rnd(loss_dt, z_loss_func(logits, moe_z_loss_coeff, padding_mask));
+    if (aux_losses) (*aux_losses)["z_loss"] += rnd(loss_dt, z_loss / moe_z_loss_coeff);
+  }
+
+  RouterOutput r;
+  r.logits = logits;
+  if (config_.moe_router_load_balancing_type == "sinkhorn") {
+    const RouterOutput s = sinkhorn_load_balancing(logits);
+    r.probs = s.probs;
+    r.routing_map = s.routing_map;
+  } else {
+    RoutingOptions opt;
+    opt.topk = topk_;
+    opt.use_pre_softmax = config_.moe_router_pre_softmax;
+    opt.num_groups = config_.moe_router_num_groups;
+    opt.group_topk = config_.moe_router_group_topk;
+    opt.scaling_factor = config_.moe_router_topk_scaling_factor;
+    opt.score_function = config_.moe_router_score_function;
+    const Routing routed = topk_routing_with_score_function(logits, opt, expert_bias ? &*expert_bias : nullptr,
+                                                            router_dtype_, rnd);
+    r.probs = routed.probs;
+    r.routing_map = routed.routing_map;
+  }
+
+  // Token dropping under the expert capacity.
+  if (config_.moe_expert_capacity_factor) {
+    const RouterOutput before_drop = r;
+    const Routing dropped =
+        apply_router_token_dropping(Routing{r.probs, r.routing_map}, topk_, *config_.moe_expert_capacity_factor,
+                                    config_.moe_token_drop_policy, config_.moe_pad_expert_input_to_capacity);
+    r.probs = dropped.probs;
+    r.routing_map = dropped.routing_map;
+    if (recorded_routing_map) use_recorded_routing_map(r, before_drop);
+  }
+
+  // Load-balancing losses (they leave probs unchanged in the forward).
+  if (training && is_aux_loss_enabled()) apply_load_balancing_losses(logits, seq_length, bsz, padding_mask, aux_losses);
+
+  // _apply_expert_bias: count the routed non-padding tokens per expert.
+  if (expert_bias) {
+    for (Index t = 0; t < r.routing_map.rows(); ++t) {
+      if (padding_mask && (*padding_mask)[t]) continue;
+      for (int e = 0; e < num_experts_; ++e) local_tokens_per_expert[e] += r.routing_map(t, e) ? 1.0 : 0.0;
+    }
+  }
+  return r;
+}
+
+RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz,
+                                 const std::vector<bool>* padding_mask, const Taps& taps, AuxLosses* aux_losses) {
+  if (config_.moe_router_force_load_balancing)
+    throw MoEError("moe_router_force_load_balancing (random benchmark logits) is not supported by the reference");
+  const Mat jittered = apply_input_jitter(input);  // [T, h]
+  const Mat logits = gating(jittered);             // [T, E]
+  const DType rdt = router_dtype_;
+  taps.record("logits", to_tensor(logits, rdt, {seq_length, bsz, num_experts_}));
+  RouterOutput r = routing(logits, seq_length, bsz, padding_mask, aux_losses);
+  taps.record("0", to_tensor(r.probs, rdt, {r.probs.rows(), r.probs.cols()}));
+  taps.record("1", to_tensor(r.routing_map));
+  return r;
+}
+
+}  // namespace twin::reference::moe

@@ -1,0 +1,82 @@
+// TopKRouter, mirroring megatron/core/transformer/moe/router.py (Megatron-LM 93ddc24):
+//   forward: apply_input_jitter -> gating (logits) -> routing:
+//     apply_z_loss -> topk_routing_with_score_function (or sinkhorn) -> apply_router_token_dropping
+//     -> _apply_aux_loss / _apply_seq_aux_loss / _apply_global_aux_loss -> _apply_expert_bias.
+// Losses are logged as Megatron's save_to_aux_losses_tracker logs them: loss / coeff.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "reference/moe/moe_utils.h"
+#include "reference/taps.h"
+
+namespace twin::reference::moe {
+
+// The MoE losses of one forward, by the name Megatron logs them under, as loss / coeff.
+using AuxLosses = std::map<std::string, double>;
+
+struct RouterOutput {
+  Mat logits;           // [T, E] gating output, router dtype
+  Mat probs;            // [T, E] routing probabilities (zero off the map), router dtype
+  BoolMat routing_map;  // [T, E]
+};
+
+class TopKRouter {
+ public:
+  TopKRouter(const TransformerConfig& config, Precision precision);
+
+  // state_dict keys under `prefix` ("mlp.router."): weight [E, h], bias [E] (add_bias_linear),
+  // expert_bias [E] (moe_router_enable_expert_bias; a zero buffer when absent).
+  void load_state_dict(const StateDict& sd, const std::string& prefix);
+
+  // input: [T, h] with T = seq_length * bsz tokens (t = s_idx * bsz + b_idx); padding_mask: [T],
+  // True = padding. Records taps "logits" [s, b, E], "0" (probs) and "1" (routing_map).
+  RouterOutput forward(const Mat& input, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
+                       const Taps& taps, AuxLosses* aux_losses);
+
+  Mat apply_input_jitter(const Mat& input);                     // [T, h]
+  Mat gating(const Mat& input) const;                           // [T, h] -> [T, E]
+  RouterOutput routing(const Mat& logits, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
+                       AuxLosses* aux_losses);
+  double get_aux_loss_coeff(const std::string& aux_loss_type) const;
+  bool is_aux_loss_enabled() const;
+  DType router_dtype() const { return router_dtype_; }
+
+  // --- state (public so tests and handlers can set and read it)
+  bool training = true;
+  Mat weight;                                         // [E, h]
+  std::optional<RowVec> bias;                         // [E]
+  std::optional<std::vector<double>> expert_bias;     // [E] fp32 buffer
+  std::vector<double> local_tokens_per_expert;        // [E] expert-bias token counter
+  std::vector<double> global_tokens_per_expert;       // [E] global_aux_loss accumulator
+  double ga_steps = 0;
+  // Ground truth for the post-drop routing map where the drop depends on torch.topk's tie order
+  // (fixtures with tie_break_dependent = true). Checked to be a valid outcome, then used.
+  std::optional<BoolMat> recorded_routing_map;
+  // Input jitter: uniform(1 - eps, 1 + eps) from a counter-based generator keyed by this seed,
+  // the call number and the element index, so a run is reproducible.
+  std::uint64_t jitter_seed = 0;
+  std::uint64_t jitter_calls = 0;
+
+ private:
+  RouterOutput sinkhorn_load_balancing(const Mat& logits) const;
+  Mat apply_load_balancing_losses(const Mat& logits, Index seq_length, Index bsz,
+                                  const std::vector<bool>* padding_mask, AuxLosses* aux_losses);
+  void use_recorded_routing_map(RouterOutput& r, const RouterOutput& before_drop) const;
+
+  TransformerConfig config_;
+  Precision precision_;
+  DType router_dtype_;
+  int num_experts_;
+  int topk_;
+};
+
+// Megatron's sinkhorn normalisation (moe_utils.sinkhorn), tol 1e-4.
+Mat sinkhorn(const Mat& cost, double tol = 0.0001);
+
+}  // namespace twin::reference::moe
