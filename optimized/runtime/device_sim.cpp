@@ -1,6 +1,6 @@
 // device_sim.cpp: the simulated device runtime (memory, copies, streams, events, graphs).
 //
-// Design: device memory is host memory from aligned_alloc, registered in a table so that copies
+// Design: device memory is host memory from posix_memalign (256-byte aligned, like cudaMalloc), registered in a table so that copies
 // and frees can check that a "device" pointer lies inside a live allocation (a wrong pointer is an
 // error naming the call, not a silent host write). Work runs synchronously when enqueued, so a
 // stream synchronize is a no-op and an event records the host time at which it was reached; under
@@ -41,7 +41,9 @@ class SimDevice final : public Device {
 
   void* malloc(std::size_t bytes) override {
     if (bytes == 0) return nullptr;
-    void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    // Exactly `bytes` (no rounding up), so ASan's redzone starts right after the last element.
+    void* p = nullptr;
+    if (posix_memalign(&p, 256, bytes) != 0) p = nullptr;
     if (!p) throw CudaError("cudaMalloc(" + std::to_string(bytes) + " bytes) [sim]: out of host memory");
     std::lock_guard<std::mutex> lock(m_);
     allocs_[static_cast<char*>(p)] = bytes;
