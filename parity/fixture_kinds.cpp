@@ -18,6 +18,7 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin) {
       {{"retro_decoder_layer", TwinKind::Reference}, reference::run_retro_decoder_layer_fixture},
       {{"retro_block", TwinKind::Reference}, reference::run_retro_block_fixture},
       {{"dense_layer", TwinKind::Reference}, reference::run_dense_layer_fixture},
+      {{"moe_layer", TwinKind::Reference}, reference::run_moe_layer_fixture},
   };
   auto it = handlers.find({kind, twin});
   return it == handlers.end() ? nullptr : it->second;

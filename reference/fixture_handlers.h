@@ -23,5 +23,8 @@ std::vector<Comparison> run_retro_block_fixture(const Fixture& fixture);
 // dense_layer: TransformerLayer from get_gpt_layer_local_spec; output and every tap compared
 // (reference/dense_layer_fixture.cpp).
 std::vector<Comparison> run_dense_layer_fixture(const Fixture& fixture);
+// moe_layer: MoETransformerLayer (dense layer + MoELayer); output, every tap, tap_in, aux loss and
+// the expert-bias counter compared (reference/moe/moe_fixture.cpp).
+std::vector<Comparison> run_moe_layer_fixture(const Fixture& fixture);
 
 }  // namespace twin::reference

@@ -3,8 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <set>
 
 #include "parity/compare.h"
+#include "parity/fixture_kinds.h"
+#include "reference/fixture_handlers.h"
 #include "reference/moe/moe_layer.h"
 #include "tests/reference/moe/moe_test_util.h"
 
@@ -63,6 +66,33 @@ TEST(MoELayerFixture, MlpHalfMatchesEveryMoeFixture) {
       ++compared;
     }
     EXPECT_GT(compared, 5);
+  }
+}
+
+// The `moe_layer` handler (what `twin fixture --twin reference` runs) on every moe_* file: every
+// comparison passes, and the output, routing map and expert inputs are among them.
+TEST(MoELayerFixture, HandlerPassesEveryMoeFixture) {
+  const auto paths = moe_fixture_paths();
+  ASSERT_FALSE(paths.empty()) << "no moe_* fixtures under " << testing::source_dir();
+  ASSERT_EQ(find_fixture_handler("moe_layer", TwinKind::Reference), &run_moe_layer_fixture);
+  for (const std::string& path : paths) {
+    SCOPED_TRACE(path);
+    const Fixture f = load_fixture(path);
+    ASSERT_EQ(f.kind, "moe_layer");
+    const std::vector<Comparison> cs = run_moe_layer_fixture(f);
+    std::set<std::string> names;
+    double worst = 0.0;
+    for (const Comparison& c : cs) {
+      EXPECT_TRUE(c.pass) << c.name << ": max_abs " << c.max_abs << " (" << c.tol.reason << ") " << c.message
+                          << " at " << c.worst_index_str();
+      names.insert(c.name);
+      if (c.name != "tap.mlp.router.1") worst = std::max(worst, c.max_abs);
+    }
+    std::printf("%s: %zu comparisons, max |a - e| %.3g\n", f.case_name.c_str(), cs.size(), worst);
+    for (const char* n : {"output.hidden_states", "tap.mlp.router.1", "tap.mlp.0", "tap_in.mlp.experts.dispatched_input",
+                          "tap_in.mlp.experts.tokens_per_expert", "tap.self_attention.0"})
+      EXPECT_TRUE(names.count(n)) << n << " not compared";
+    for (const std::string& n : f.names_with_prefix("aux.")) EXPECT_TRUE(names.count(n)) << n << " not compared";
   }
 }
 
