@@ -7,6 +7,7 @@
 #include "parity/cli_common.h"
 #include "parity/fixture_cmd.h"
 #include "parity/inspect.h"
+#include "reference/retro/decoder_spec.h"
 
 int main(int argc, char** argv) {
   using namespace twin::cli;
@@ -32,6 +33,12 @@ int main(int argc, char** argv) {
   auto* check_cmd = app.add_subcommand("check", "The main job: check the twins against their references (ci/check runs it)");
   check_cmd->add_flag("--json", check.json, "One JSON object on stdout");
 
+  int layout_num_layers = 0;
+  bool layout_json = false;
+  auto* layout_cmd = app.add_subcommand("layout", "Print a Retro decoder block's layout: one line per layer (gpt, retro, retro_with_encoder)");
+  layout_cmd->add_option("--num-layers", layout_num_layers, "Layers in the decoder block (at least 6)")->required();
+  layout_cmd->add_flag("--json", layout_json, "One JSON object: num_layers, layers[]");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -43,6 +50,16 @@ int main(int argc, char** argv) {
     if (*inspect_cmd) return run_inspect(inspect, std::cout, std::cerr);
     if (*fixture_cmd) return run_fixture(fixture, std::cout, std::cerr);
     if (*check_cmd) return run_check(check, std::cout, std::cerr);
+    if (*layout_cmd) {
+      namespace retro = twin::reference::retro;
+      try {
+        std::cout << retro::format_retro_layout(retro::get_retro_decoder_block_layout(layout_num_layers), layout_json);
+        return 0;
+      } catch (const twin::ConfigError& e) {
+        std::cerr << "error: " << one_line(e.what()) << "\n";
+        return 2;
+      }
+    }
   } catch (const std::exception& e) {
     std::cerr << "error: internal error: " << one_line(e.what()) << "\n";
     return 2;

@@ -64,9 +64,9 @@ std::vector<RetroLayerKind> get_retro_decoder_block_layout(int num_layers) {
 
 std::string format_retro_layout(const std::vector<RetroLayerKind>& layout, bool json) {
   if (json) {
-    nlohmann::json j;
+    nlohmann::ordered_json j;  // keys in the table's order
     j["num_layers"] = layout.size();
-    j["layers"] = nlohmann::json::array();
+    j["layers"] = nlohmann::ordered_json::array();
     for (RetroLayerKind k : layout) j["layers"].push_back(retro_layer_kind_name(k));
     return j.dump() + "\n";
   }

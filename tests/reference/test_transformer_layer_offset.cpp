@@ -144,7 +144,7 @@ rc::Gen<Split> gen_split() {
     const int pp = *rc::gen::inRange(2, 9);
     const bool interleaved = *rc::gen::arbitrary<bool>();
     const int vp = interleaved ? *rc::gen::inRange(1, 5) : 1;
-    const int mode = *rc::gen::inRange(0, 3);  // 0 even, 1 uneven first / last, 2 embedding / loss
+    const int mode = *rc::gen::element(0, 1, 2);  // 0 even, 1 uneven first / last, 2 embedding / loss
     const int chunk = *rc::gen::inRange(1, 5);
     TransformerConfig c = pipeline_config(pp * vp * chunk, pp, interleaved ? std::optional<int>(vp) : std::nullopt);
     if (mode == 1) {
@@ -182,6 +182,10 @@ RC_GTEST_PROP(LayerOffset, StagesTileTheLayersInOrder, ()) {
   const TransformerConfig& c = s.config;
   validate_transformer_config(c);  // a valid split is accepted
   const bool interleaved = c.virtual_pipeline_model_parallel_size.has_value();
+  RC_TAG(interleaved ? "interleaved" : "contiguous",
+         c.num_layers_in_first_pipeline_stage || c.num_layers_in_last_pipeline_stage ? "uneven"
+         : c.account_for_embedding_in_pipeline_split || c.account_for_loss_in_pipeline_split ? "embedding/loss"
+                                                                                               : "even");
   std::int64_t next = 0;
   for (int vp = 0; vp < s.vp_stages; ++vp)
     for (int pp = 0; pp < c.pipeline_model_parallel_size; ++pp) {
