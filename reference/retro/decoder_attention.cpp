@@ -1,0 +1,129 @@
+#include "reference/retro/decoder_attention.h"
+
+#include <string>
+
+#include "reference/retro/chunking.h"
+#include "reference/transformer_block.h"
+
+namespace twin::reference::retro {
+
+RetroDecoderCrossAttention::RetroDecoderCrossAttention(const TransformerConfig& config, int layer_number,
+                                                       AttnMaskType attn_mask_type, Precision p,
+                                                       std::unique_ptr<TransformerBlock> enc)
+    : BaseRetroCrossAttention(config, layer_number, attn_mask_type, p), encoder(std::move(enc)) {}
+
+RetroDecoderCrossAttention::~RetroDecoderCrossAttention() = default;
+
+void RetroDecoderCrossAttention::load_state_dict(const StateDict& sd, const std::string& prefix) {
+  BaseRetroCrossAttention::load_state_dict(sd, prefix);
+  if (encoder) encoder->load_state_dict(sd, prefix + "encoder.");
+}
+
+AttentionOutput RetroDecoderCrossAttention::forward(const Mat& hidden_states, const AttentionArgs& args,
+                                                    const Taps& taps) {
+  // hidden_states: [ ns, bs, d ]
+  const std::int64_t m = retro_chunk_length, k = retro_num_neighbors, r = retro_retrieved_length;
+  const std::int64_t ns = args.s, bs = args.b, d = config_.hidden_size;
+  if (ns <= 0 || bs <= 0 || hidden_states.rows() != ns * bs || hidden_states.cols() != d)
+    throw ShapeError("RetroDecoderCrossAttention: hidden_states expected shape [ns, bs, " + std::to_string(d) +
+                     "] with ns = " + std::to_string(ns) + ", bs = " + std::to_string(bs) + ", got " +
+                     std::to_string(hidden_states.rows()) + " x " + std::to_string(hidden_states.cols()) + " rows");
+  if (!args.key_value_states)
+    throw std::invalid_argument(std::string("RetroDecoderCrossAttention: key_value_states (") +
+                                (encoder ? "the neighbour embeddings" : "the encoder output") + ") cannot be None");
+  const Tensor& kv_in = *args.key_value_states;
+  const std::int64_t l = num_chunks(ns, m);
+  const std::string sizes = " (r = retro_retrieved_length = " + std::to_string(r) + ", k = retro_num_neighbors = " +
+                            std::to_string(k) + ", bs = " + std::to_string(bs) + ", l = ceil(ns / m) = ceil(" +
+                            std::to_string(ns) + " / " + std::to_string(m) + ") = " + std::to_string(l) + ")";
+
+  Tensor key_value_states;  // [ r*k, bs*l, d ]
+  // Retrieve neighbors.
+  if (encoder) {
+    const Shape want{r, k * bs * l, d};
+    if (kv_in.shape() != want)
+      throw ShapeError("RetroDecoderCrossAttention: neighbour embeddings (context) expected shape [r, k * bs * l, d] = " +
+                       shape_str(want) + sizes + ", got " + shape_str(kv_in.shape()));
+    // Chunk & permute hidden states; the first ns % m tokens are right-padded into chunk 0.
+    // - hidden_states:  [ l*m, bs, d ]
+    // - chunked_output: [ m, bs*l, d ]
+    const Tensor chunked_output =
+        p_.to_tensor(gather_rows(hidden_states, chunk_encoder_context_map(ns, bs, m)), {m, bs * l, d});
+
+    // Encode neighbors. (Note: 'key_value_states' re-assigned here.) [ r, k*bs*l, d ]
+    LayerInputs encoder_inputs;
+    encoder_inputs.attention_mask = args.attention_mask;
+    encoder_inputs.context = &chunked_output;
+    encoder_inputs.context_mask = nullptr;  // get_all_true_mask returns None
+    DropoutRng encoder_rng = args.rng.with_offset(args.rng.offset + (std::uint64_t{1} << 40));
+    const Tensor encoded = encoder->forward(kv_in, encoder_inputs, args.training, encoder_rng, taps.child("encoder"));
+    if (taps.enabled()) taps.record("encoder", encoded);
+    key_value_states = encoded.reshape({r * k, bs * l, d});  // [ r*k, bs*l, d ]
+  } else {
+    const Shape want{r * k, bs * l, d};
+    if (kv_in.shape() != want)
+      throw ShapeError("RetroDecoderCrossAttention: encoder output (context) expected shape [r * k, bs * l, d] = " +
+                       shape_str(want) + sizes + ", got " + shape_str(kv_in.shape()));
+    key_value_states = kv_in;
+  }
+
+  // Attend starting at last token of first chunk; pad attending tokens to l*m and permute.
+  // - padded_chunked_output: [ m, bs*l, d ]
+  const std::int64_t pad = attending_pad(ns, m);
+  const Mat padded_chunked_output = gather_rows(hidden_states, pad_attending_chunks_map(ns, bs, m));
+
+  // Attend to encoded neighbors (mask None).
+  AttentionOutput out = attn.forward_mats(
+      padded_chunked_output, static_cast<int>(m), static_cast<int>(bs * l),
+      to_mat(key_value_states, r * k * bs * l, d, "key_value_states"), static_cast<int>(r * k),
+      /*attention_mask=*/nullptr, args.training, args.rng, taps.child("attn"));
+
+  // Return dimensions for bias-dropout step.
+  out.context = key_value_states;
+  out.extra = std::make_shared<RetroDecoderChunking>(RetroDecoderChunking{ns, bs, d, l, pad, m});
+  if (taps.enabled()) {
+    taps.record("attention_output", p_.to_tensor(out.output, {m, bs * l, d}));
+    if (out.bias) taps.record("attention_bias", p_.to_tensor(*out.bias, {d}));
+    taps.record("context", key_value_states);
+  }
+  return out;
+}
+
+Mat retro_decoder_bias_dropout_add(const AttentionOutput& x_with_bias, const Mat& residual, double prob, bool training,
+                                   const DropoutRng& rng, const Precision& prec) {
+  const auto* dims = static_cast<const RetroDecoderChunking*>(x_with_bias.extra.get());
+  if (!dims) throw std::logic_error("RetroDecoderBiasDropoutAdd needs the output of RetroDecoderCrossAttention");
+  const auto& [ns, bs, d, l, pad, m] = *dims;
+  const Mat& attention_output = x_with_bias.output;  // [ m, bs*l, d ]
+  if (attention_output.rows() != m * bs * l || attention_output.cols() != d)
+    throw ShapeError("RetroDecoderBiasDropoutAdd: attention_output has " + std::to_string(attention_output.rows()) +
+                     " x " + std::to_string(attention_output.cols()) + " rows, expected [m, bs*l, d] = [" +
+                     std::to_string(m) + ", " + std::to_string(bs * l) + ", " + std::to_string(d) + "]");
+  if (residual.rows() != ns * bs || residual.cols() != d)
+    throw ShapeError("RetroDecoderBiasDropoutAdd: residual has " + std::to_string(residual.rows()) + " x " +
+                     std::to_string(residual.cols()) + " rows, expected [ns, bs, d] = [" + std::to_string(ns) + ", " +
+                     std::to_string(bs) + ", " + std::to_string(d) + "]");
+
+  // Bias-dropout-add with a zero residual. [ m, bs*l, d ]
+  const Mat x = bias_dropout_add(attention_output, x_with_bias.bias, Mat::Zero(attention_output.rows(), d), prob,
+                                 training, rng, prec);
+
+  // Permute chunks back to sequence dimension and prepend zeros for non-attending tokens.
+  // [ m, bs*l, d ] -> [ m, bs, l, d ] -> [ l, m, bs, d ] -> [ m*l, bs, d ] -> [ ns, bs, d ]
+  Mat out = gather_rows(x, unchunk_decoder_output_map(m, ns, bs, l, pad));
+
+  // Add residual. [ ns, bs, d ]
+  out += residual;
+  prec.act_inplace(out);  // rounds: x + residual, activation dtype
+  return out;
+}
+
+BdaBuilder retro_decoder_bias_dropout_add_builder() {
+  return [](bool training, bool /*fused: same math*/, DropoutRng rng, Precision p) -> BdaFunc {
+    return [training, rng, p](const AttentionOutput& x_with_bias, const Mat& residual, double prob) {
+      return retro_decoder_bias_dropout_add(x_with_bias, residual, prob, training, rng, p);
+    };
+  };
+}
+
+}  // namespace twin::reference::retro

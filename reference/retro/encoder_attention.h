@@ -1,0 +1,90 @@
+// megatron/core/models/retro/encoder_attention.py: the Retro encoder layer's cross attention,
+// bias-dropout-add and pre-MLP layernorm. Each iterates over the k retrieved neighbours.
+//
+// Notation: r retrieved tokens per neighbour, k neighbours, bs*l chunks, d hidden, m chunk length.
+//   RetroEncoderCrossAttention: hidden_states [r, bs*l*k, d] (batch column (b*l + chunk)*k + n)
+//     reshaped to [r, bs*l, k, d]; for each neighbour n: chunked_output = [:, :, n] ([r, bs*l, d]),
+//     attn(Q = chunked_output, K/V = key_value_states [m, bs*l, d], mask None). The residual of
+//     neighbour n is chunked_output itself (the pre-cross-attn-layernorm output, not the layer's
+//     residual). Returns k tuples (attention_output, attention_bias, residual).
+//   RetroEncoderBiasDropoutAdd: bias-dropout-add per tuple, then torch.stack(dim=1).reshape(r, -1, d):
+//     the output's batch column is n*(bs*l) + (b*l + chunk), neighbour-major.
+//   RetroEncoderLayerNorm: split the columns into k blocks, norm each, stack back (same layout).
+//
+// Taps (relative to "cross_attention."): "n.0", "n.1" (bias, when present), "n.2" for neighbour
+// n, as the fixture hooks flatten the list of tuples; `attn` records under "attn." ("#1", ... on
+// the repeated calls).
+//
+// Dropout streams: neighbour n's attention dropout and bias-dropout-add use offset
+// rng.offset + (n + 1) * 2^32 of the stream the layer hands them (layer offsets stay below 2^32).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "reference/fused_bias_dropout.h"
+#include "reference/retro/base_attention.h"
+#include "reference/transformer_layer.h"
+
+namespace twin::reference::retro {
+
+// The offset of neighbour n's dropout call within a stream.
+inline DropoutRng neighbour_rng(const DropoutRng& rng, std::int64_t n) {
+  return rng.with_offset(rng.offset + (static_cast<std::uint64_t>(n) + 1) * (std::uint64_t{1} << 32));
+}
+
+struct RetroEncoderAttentionTuple {
+  Mat attention_output;                  // [r * bs*l, d]
+  std::optional<RowVec> attention_bias;  // [d]
+  Mat residual;                          // [r * bs*l, d]
+};
+// What RetroEncoderCrossAttention hands its bda (AttentionOutput::extra).
+struct RetroEncoderAttentionTuples {
+  std::vector<RetroEncoderAttentionTuple> tuples;
+  std::int64_t batch = 0;  // bs * l
+};
+
+class RetroEncoderCrossAttention : public BaseRetroCrossAttention {
+ public:
+  RetroEncoderCrossAttention(const TransformerConfig& config, int layer_number, AttnMaskType attn_mask_type,
+                             Precision p)
+      : BaseRetroCrossAttention(config, layer_number, attn_mask_type, p) {}
+
+  // hidden_states [r * (bs*l*k), d] with args.s = r, args.b = k * bs*l; args.key_value_states:
+  // the chunked decoder hidden states [m, bs*l, d]. ShapeError naming both shapes when they do
+  // not fit. The tuples go to AttentionOutput::extra (output and bias stay empty).
+  AttentionOutput forward(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) override;
+  std::vector<RetroEncoderAttentionTuple> forward_tuples(const Mat& hidden_states, const AttentionArgs& args,
+                                                         const Taps& taps);
+};
+
+// RetroEncoderBiasDropoutAdd._forward: k tuples of [r * bs*l, d] -> [r * (k*bs*l), d],
+// neighbour-major columns. The layer's `residual` is not used: each tuple carries its own.
+Mat retro_encoder_bias_dropout_add(const std::vector<RetroEncoderAttentionTuple>& x_with_bias, std::int64_t batch,
+                                   double prob, bool training, const DropoutRng& rng, const Precision& prec);
+// The cross_attn_bda builder (ModuleSpec(module=RetroEncoderBiasDropoutAdd)).
+BdaBuilder retro_encoder_bias_dropout_add_builder();
+
+class RetroEncoderLayerNorm : public Norm {
+ public:
+  // `norm`: the `submodules` norm (FusedLayerNorm / TENorm); its parameters live under "norm.".
+  RetroEncoderLayerNorm(int retro_num_neighbors, std::unique_ptr<Norm> norm);
+
+  // [n, d] rows -> [n, d]. The norm is per token (row), so splitting the columns into k blocks,
+  // norming each and stacking them back (forward_split) leaves every row where it was: this is
+  // the same as norming every row.
+  Mat forward(const Mat& x) const override;
+  // The literal steps on input [r * K, d], K = k * bs*l columns: torch.split(K // k, dim=1), norm,
+  // torch.stack(dim=1).reshape(r, -1, d). ShapeError when K is not a multiple of k.
+  Mat forward_split(const Mat& input, std::int64_t K) const;
+  void load_state_dict(const StateDict& sd, const std::string& prefix) override;  // prefix + "norm."
+  int hidden_size() const override { return norm->hidden_size(); }
+  RowVec weight() const override { return norm->weight(); }
+
+  std::unique_ptr<Norm> norm;
+  int retro_num_neighbors;
+};
+
+}  // namespace twin::reference::retro
