@@ -125,7 +125,6 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
   const int tp = o.tp;
   // ---- what this twin implements (everything else is rejected, never silently ignored)
   reject(c.normalization != "LayerNorm" && c.normalization != "RMSNorm", "normalization '" + c.normalization + "' (LayerNorm, RMSNorm)");
-  reject(c.fp32_residual_connection, "fp32_residual_connection is not supported");
   reject(c.window_size.has_value(), "window_size (sliding-window attention) is not supported");
   reject(c.softmax_type != "vanilla", "softmax_type '" + c.softmax_type + "' is not supported (vanilla)");
   reject(c.attention_output_gate, "attention_output_gate is not supported");
@@ -179,7 +178,10 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
     p.h = m.h; p.np = m.np; p.ng = m.ng; p.hn = m.hn; p.ffn = m.ffn; p.tp = tp; p.rank = r; p.sp = o.sp;
     p.dt = m.dt; p.rms = !ln; p.eps = c.layernorm_epsilon; p.zero_centered_gamma = c.layernorm_zero_centered_gamma;
     p.qk_layernorm = c.qk_layernorm; p.glu = c.gated_linear_unit; p.act = act;
-    p.post_ln_residual = c.apply_residual_connection_post_layernorm;
+    // Megatron-Core's TransformerLayer reads neither apply_residual_connection_post_layernorm nor
+    // fp32_residual_connection at this commit (reference/transformer_layer.h): the residual is
+    // always the layer input, in the params dtype.
+    p.post_ln_residual = false;
     double scale = c.softmax_scale ? *c.softmax_scale : 1.0 / std::sqrt(static_cast<double>(m.hn));
     if (c.apply_query_key_layer_scaling) {
       p.coeff = static_cast<float>(std::max(1, o.layer_number));
@@ -326,7 +328,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     p.seed = fo.seed;
     p.offset_attention = fo.offset;
     p.offset_self_attn_bda = fo.offset + 1;
-    p.offset_mlp_bda = fo.offset + 2;
+    p.offset_mlp_bda = fo.offset + 4;  // + 2, + 3: the cross-attention calls a dense layer lacks
     p.mask_mode = mask_mode;
     p.mask_b = mask_b;
     p.mask_h = mask_h;

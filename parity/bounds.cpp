@@ -19,6 +19,14 @@ Tolerance reduction_bound(DType out, std::int64_t k, double magnitude) {
   return t;
 }
 
+Tolerance op_bound(DType out, int stores, std::int64_t k, double magnitude) {
+  Tolerance t = Tolerance::for_dtype(out);
+  const double per = 2.0 * stores * unit_roundoff(out) + 2.0 * gamma_n(k, unit_roundoff(DType::F32));
+  t.atol += per * magnitude;
+  t.reason = fmt::format("{} + ({} stores x 2u + 2 gamma_{}(fp32)) x magnitude {:.3g}", t.reason, stores, k, magnitude);
+  return t;
+}
+
 Tolerance reference_error_bound(DType dt, double ref_err) {
   Tolerance t = Tolerance::for_dtype(dt);
   t.atol += 2.0 * ref_err;

@@ -17,6 +17,12 @@ double gamma_n(std::int64_t n, double u);
 // magnitude bounds sum |a_i b_i| over the output; the final rounding is covered by the dtype's rtol.
 Tolerance reduction_bound(DType out, std::int64_t k, double magnitude);
 
+// One op computed twice in fp32 with different (but correctly rounded) math-library calls and
+// reduction orders, with `stores` rounding points to dtype out on the way: each store may land one
+// ulp apart (2 u relative) when the fp32 values before it differ; a length-k fp32 reduction adds
+// 2 gamma_k. Both act on values of size up to `magnitude`: atol grows with it.
+Tolerance op_bound(DType out, int stores, std::int64_t k, double magnitude);
+
 // A whole layer: the optimized twin may be off from the reference by the dtype's default plus twice
 // the reference's own max error against the fp64 ("exact") run of the same inputs. This is the
 // FlashAttention test rule (no worse than twice the reference's own error); the absolute part covers
