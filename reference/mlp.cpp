@@ -47,10 +47,30 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
         glu(activation_func, intermediate_parallel, glu_linear_offset, activation_func_clamp_value, p_);
   else
     intermediate_parallel = apply_activation(activation_func, intermediate_parallel, p_);
+  const std::vector<double>* per_token_scale = args.per_token_scale;
+  if (per_token_scale) {
+    if (static_cast<Eigen::Index>(per_token_scale->size()) != intermediate_parallel.rows())
+      throw ShapeError("MLP: per_token_scale has " + std::to_string(per_token_scale->size()) + " entries for " +
+                       std::to_string(intermediate_parallel.rows()) + " rows");
+    for (Eigen::Index t = 0; t < intermediate_parallel.rows(); ++t)
+      for (Eigen::Index j = 0; j < intermediate_parallel.cols(); ++j)  // rounds: (x * scale).to(original_dtype)
+        intermediate_parallel(t, j) = p_.act(intermediate_parallel(t, j) * (*per_token_scale)[t]);
+  }
 
   // [s, b, h]
   OutputWithBias out = linear_fc2.forward(intermediate_parallel);
   record_output_with_bias(taps, "linear_fc2", out, args.lead, p_);
+  if (per_token_scale && out.bias) {
+    // output += output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1); output_bias = None.
+    // The product is stored in the promoted dtype (fp32 scale: fp32), the sum in the output's.
+    const bool scale_fp32 = args.per_token_scale_dtype == DType::F32 || args.per_token_scale_dtype == DType::F64;
+    for (Eigen::Index t = 0; t < out.output.rows(); ++t)
+      for (Eigen::Index j = 0; j < out.output.cols(); ++j) {
+        const double b = (*out.bias)[j] * (*per_token_scale)[t];
+        out.output(t, j) = p_.act(out.output(t, j) + (scale_fp32 ? p_.f32(b) : p_.act(b)));  // rounds: product, sum
+      }
+    out.bias.reset();
+  }
   return out;
 }
 

@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "reference/activations.h"
 #include "reference/linear.h"
@@ -31,6 +32,11 @@ struct MlpArgs {
   Shape lead;                            // leading dims of the input for tap shapes: {s, b} or {tokens}
   const Tensor* padding_mask = nullptr;  // [b, s] True = padding (MoE only; MLP ignores it)
   bool training = false;
+  // MLP.forward's per_token_scale (MoE experts: the routing probability of each row, [n], stored
+  // in per_token_scale_dtype): multiplies the activation before linear_fc2; an fc2 bias is then
+  // added scaled by it and returned as none.
+  const std::vector<double>* per_token_scale = nullptr;
+  DType per_token_scale_dtype = DType::F32;
 };
 
 class MlpModule {

@@ -2,9 +2,10 @@
 // MLP per local expert (the dense reference/mlp.h MLP with ffn_hidden_size = moe_ffn_hidden_size),
 // each run on its contiguous slice of the expert-major dispatched tokens.
 //
-// An expert is MLP.forward(tokens, per_token_scale=probs): the routing probability multiplies the
-// ACTIVATION (before linear_fc2), stored back in the activation dtype; an fc2 bias is added
-// scaled by the probability too (output += bias * prob), so the experts return no bias.
+// An expert is MLP.forward(tokens, per_token_scale=probs) (reference/mlp.h MlpArgs::per_token_scale):
+// the routing probability multiplies the ACTIVATION (before linear_fc2), stored back in the
+// activation dtype; an fc2 bias is added scaled by the probability too (output += bias * prob), so
+// the experts return no bias.
 // moe_apply_probs_on_input (top-1 only) scales the input instead and then uses probability 1.
 //
 // Taps (under "mlp.experts."): local_experts.<i>.linear_fc1.0 / .1, local_experts.<i>.linear_fc2.0,
@@ -20,11 +21,6 @@
 #include "reference/taps.h"
 
 namespace twin::reference::moe {
-
-// MLP.forward(hidden_states, per_token_scale) of one expert: hidden_states [n, h], scale [n] in
-// dtype `probs_dtype`. Records the MLP's linear taps under `taps`.
-Mat expert_mlp_forward(const MLP& expert, const Mat& hidden_states, const std::vector<double>& per_token_scale,
-                       DType probs_dtype, const Precision& p, const Taps& taps);
 
 class SequentialMLP {
  public:
