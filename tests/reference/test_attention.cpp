@@ -1,0 +1,320 @@
+// SelfAttention / CrossAttention / DotProductAttention / RoPE (reference/attention.h,
+// dot_product_attention.h, rotary_pos_embedding.h) against a naive per-head oracle.
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+
+#include "dense_test_util.h"
+#include "reference/attention.h"
+#include "reference/rotary_pos_embedding.h"
+
+using namespace twin;
+using namespace twin::reference;
+using namespace twin::reference::testing;
+
+namespace {
+
+struct Sizes { int np, ng, hn, s, b, h; };
+
+rc::Gen<Sizes> gen_sizes(bool gqa) {
+  return rc::gen::exec([gqa] {
+    Sizes z;
+    z.ng = *rc::gen::inRange(1, 4);
+    z.np = gqa ? z.ng * *rc::gen::inRange(1, 4) : z.ng;
+    z.hn = 2 * *rc::gen::inRange(1, 5);
+    z.s = *rc::gen::inRange(1, 7);
+    z.b = *rc::gen::inRange(1, 3);
+    z.h = *rc::gen::inRange(2, 17);
+    return z;
+  });
+}
+
+TransformerConfig config_for(const Sizes& z) {
+  TransformerConfig c = small_config(z.h, z.np, z.ng, 2 * z.h);
+  c.kv_channels = z.hn;
+  return c;
+}
+
+// Separate projections: Wq [np*hn, h], Wk / Wv [ng*hn, h], Wo [h, np*hn].
+struct SeparateWeights { Mat wq, wk, wv, wo; };
+
+SeparateWeights random_weights(std::mt19937_64& g, const Sizes& z) {
+  return {random_mat(g, z.np * z.hn, z.h, 0.5), random_mat(g, z.ng * z.hn, z.h, 0.5), random_mat(g, z.ng * z.hn, z.h, 0.5),
+          random_mat(g, z.h, z.np * z.hn, 0.5)};
+}
+
+// The fused linear_qkv weight through the documented group layout (qkv_row_offset).
+Mat fuse_qkv(const SeparateWeights& w, const Sizes& z) {
+  const int r = z.np / z.ng;
+  Mat fused(z.np * z.hn + 2 * z.ng * z.hn, z.h);
+  for (int g = 0; g < z.ng; ++g) {
+    for (int i = 0; i < r; ++i)
+      fused.middleRows(qkv_row_offset(z.np, z.ng, z.hn, g, i), z.hn) = w.wq.middleRows((g * r + i) * z.hn, z.hn);
+    fused.middleRows(qkv_row_offset(z.np, z.ng, z.hn, g, r), z.hn) = w.wk.middleRows(g * z.hn, z.hn);
+    fused.middleRows(qkv_row_offset(z.np, z.ng, z.hn, g, r + 1), z.hn) = w.wv.middleRows(g * z.hn, z.hn);
+  }
+  return fused;
+}
+
+// Naive causal attention computing Q, K, V separately, per batch and head. x [s*b, h] rows.
+Mat naive_attention(const Mat& x, const SeparateWeights& w, const Sizes& z, bool causal) {
+  const int r = z.np / z.ng;
+  Mat ctx(z.s * z.b, z.np * z.hn);
+  for (int b = 0; b < z.b; ++b) {
+    Mat xb(z.s, z.h);
+    for (int i = 0; i < z.s; ++i) xb.row(i) = x.row(i * z.b + b);
+    for (int h = 0; h < z.np; ++h) {
+      const int g = h / r;
+      const Mat q = xb * w.wq.middleRows(h * z.hn, z.hn).transpose();
+      const Mat k = xb * w.wk.middleRows(g * z.hn, z.hn).transpose();
+      const Mat v = xb * w.wv.middleRows(g * z.hn, z.hn).transpose();
+      Mat sc = q * k.transpose() / std::sqrt(double(z.hn));
+      for (int i = 0; i < z.s; ++i) {
+        for (int j = 0; j < z.s; ++j)
+          if (causal && j > i) sc(i, j) = -10000.0;
+        const double mx = sc.row(i).maxCoeff();
+        sc.row(i) = (sc.row(i).array() - mx).exp().matrix();
+        sc.row(i) /= sc.row(i).sum();
+      }
+      const Mat o = sc * v;
+      for (int i = 0; i < z.s; ++i) ctx.row(i * z.b + b).segment(h * z.hn, z.hn) = o.row(i);
+    }
+  }
+  return ctx * w.wo.transpose();
+}
+
+std::unique_ptr<SelfAttention> make_self_attention(const TransformerConfig& c, const Mat& qkv, const Mat& wo,
+                                                   Precision p = exact()) {
+  auto a = std::make_unique<SelfAttention>(c, SelfAttentionSubmodules{}, 1, AttnMaskType::causal, p);
+  a->linear_qkv.weight = qkv;
+  a->linear_qkv.bias.setZero();
+  a->linear_proj.weight = wo;
+  a->linear_proj.bias.setZero();
+  return a;
+}
+
+AttentionArgs args_for(const Sizes& z) {
+  AttentionArgs a;
+  a.s = z.s;
+  a.b = z.b;
+  return a;
+}
+
+}  // namespace
+
+// Acceptance: a QKV weight built from separate Q, K, V through the documented group layout gives
+// the same attention as computing Q, K, V separately (GQA included).
+RC_GTEST_PROP(SelfAttention, FusedQkvLayoutEqualsSeparateProjections, ()) {
+  const Sizes z = *gen_sizes(true);
+  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  const SeparateWeights w = random_weights(g, z);
+  const Mat x = random_mat(g, z.s * z.b, z.h);
+  auto attn = make_self_attention(config_for(z), fuse_qkv(w, z), w.wo);
+  const AttentionOutput out = attn->forward(x, args_for(z), Taps());
+  RC_ASSERT(max_abs_diff(out.output, naive_attention(x, w, z, true)) < 1e-9);
+}
+
+// Acceptance: GQA with groups == heads equals MHA; and GQA equals MHA with each group's K/V head
+// replicated for its query heads (repeat_interleave).
+RC_GTEST_PROP(SelfAttention, GqaEqualsMhaWithReplicatedKeyValueHeads, ()) {
+  const Sizes z = *gen_sizes(true);
+  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  const SeparateWeights w = random_weights(g, z);
+  const Mat x = random_mat(g, z.s * z.b, z.h);
+  const int r = z.np / z.ng;
+  SeparateWeights mha = w;
+  mha.wk.resize(z.np * z.hn, z.h);
+  mha.wv.resize(z.np * z.hn, z.h);
+  for (int h = 0; h < z.np; ++h) {
+    mha.wk.middleRows(h * z.hn, z.hn) = w.wk.middleRows((h / r) * z.hn, z.hn);
+    mha.wv.middleRows(h * z.hn, z.hn) = w.wv.middleRows((h / r) * z.hn, z.hn);
+  }
+  Sizes zm = z;
+  zm.ng = z.np;
+  auto gqa = make_self_attention(config_for(z), fuse_qkv(w, z), w.wo);
+  TransformerConfig cm = config_for(zm);
+  cm.num_query_groups.reset();  // None -> num_attention_heads: plain MHA
+  auto mhaa = make_self_attention(cm, fuse_qkv(mha, zm), w.wo);
+  const Mat a = gqa->forward(x, args_for(z), Taps()).output, b = mhaa->forward(x, args_for(zm), Taps()).output;
+  RC_ASSERT(max_abs_diff(a, b) < 1e-10);
+  TransformerConfig cg = cm;
+  cg.num_query_groups = z.np;  // groups == heads
+  auto explicit_groups = make_self_attention(cg, fuse_qkv(mha, zm), w.wo);
+  RC_ASSERT(max_abs_diff(explicit_groups->forward(x, args_for(zm), Taps()).output, b) == 0.0);
+}
+
+// With a causal mask, changing tokens after position t leaves outputs up to t unchanged.
+RC_GTEST_PROP(SelfAttention, CausalMaskPrefixProperty, ()) {
+  const Sizes z = *gen_sizes(true);
+  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  const SeparateWeights w = random_weights(g, z);
+  const Mat x = random_mat(g, z.s * z.b, z.h);
+  const int t = *rc::gen::inRange(0, z.s);
+  Mat y = x;
+  for (int i = t + 1; i < z.s; ++i)
+    for (int b = 0; b < z.b; ++b) y.row(i * z.b + b) = random_mat(g, 1, z.h, 3.0);
+  auto attn = make_self_attention(config_for(z), fuse_qkv(w, z), w.wo, Precision{});
+  const Mat a = attn->forward(x, args_for(z), Taps()).output, b = attn->forward(y, args_for(z), Taps()).output;
+  RC_ASSERT(a.topRows((t + 1) * z.b) == b.topRows((t + 1) * z.b));  // bitwise: masked terms are exactly 0
+}
+
+TEST(SelfAttention, ExplicitMaskReplacesTheCausalMask) {
+  const Sizes z{2, 2, 4, 5, 2, 8};
+  std::mt19937_64 g(1);
+  const SeparateWeights w = random_weights(g, z);
+  const Mat x = random_mat(g, z.s * z.b, z.h);
+  auto attn = make_self_attention(config_for(z), fuse_qkv(w, z), w.wo);
+  std::vector<bool> none(z.b * z.s * z.s, false), causal(z.b * z.s * z.s);
+  for (int b = 0; b < z.b; ++b)
+    for (int i = 0; i < z.s; ++i)
+      for (int j = 0; j < z.s; ++j) causal[(b * z.s + i) * z.s + j] = j > i;
+  const Tensor mask_none = Tensor::from_vector<bool>({z.b, 1, z.s, z.s}, none);
+  const Tensor mask_causal = Tensor::from_vector<bool>({z.b, 1, z.s, z.s}, causal);
+  AttentionArgs a = args_for(z);
+  const Mat implicit = attn->forward(x, a, Taps()).output;
+  a.attention_mask = &mask_causal;
+  EXPECT_LT(max_abs_diff(attn->forward(x, a, Taps()).output, implicit), 1e-12);
+  a.attention_mask = &mask_none;
+  EXPECT_LT(max_abs_diff(attn->forward(x, a, Taps()).output, naive_attention(x, w, z, false)), 1e-9);
+}
+
+TEST(SelfAttention, QueryKeyLayerScalingAndSoftmaxScale) {
+  const Sizes z{2, 1, 4, 4, 1, 8};
+  std::mt19937_64 g(2);
+  const SeparateWeights w = random_weights(g, z);
+  const Mat x = random_mat(g, z.s * z.b, z.h);
+  TransformerConfig c = config_for(z);
+  const Mat base = make_self_attention(c, fuse_qkv(w, z), w.wo)->forward(x, args_for(z), Taps()).output;
+  c.apply_query_key_layer_scaling = true;  // divided by layer_number, multiplied back: same math
+  auto scaled = std::make_unique<SelfAttention>(c, SelfAttentionSubmodules{}, 3, AttnMaskType::causal, exact());
+  EXPECT_DOUBLE_EQ(scaled->core_attention.softmax_scale, 0.5 / 3.0);
+  scaled->linear_qkv.weight = fuse_qkv(w, z);
+  scaled->linear_proj.weight = w.wo;
+  EXPECT_LT(max_abs_diff(scaled->forward(x, args_for(z), Taps()).output, base), 1e-10);
+  // softmax_scale = s' equals the default scale with the query weight multiplied by s' sqrt(hn)
+  c.apply_query_key_layer_scaling = false;
+  c.softmax_scale = 0.3;
+  SeparateWeights w2 = w;
+  w2.wq *= 0.3 * 2.0;
+  const Mat a = make_self_attention(c, fuse_qkv(w, z), w.wo)->forward(x, args_for(z), Taps()).output;
+  EXPECT_LT(max_abs_diff(a, naive_attention(x, w2, z, true)), 1e-9);
+}
+
+TEST(SelfAttention, BadInputErrors) {
+  TransformerConfig c = small_config(16, 6, 4, 32);  // 6 heads, 4 groups
+  c.kv_channels = 4;
+  EXPECT_TRUE(throws_with<ConfigError>([&] { SelfAttention(c, {}, 1, AttnMaskType::causal, exact()); },
+                                       {"num_attention_heads (6)", "num_query_groups (4)"}));
+  const Sizes z{2, 2, 4, 3, 2, 8};
+  std::mt19937_64 g(3);
+  const SeparateWeights w = random_weights(g, z);
+  auto attn = make_self_attention(config_for(z), fuse_qkv(w, z), w.wo);
+  const Mat x = random_mat(g, z.s * z.b, z.h);
+  AttentionArgs a = args_for(z);
+  const Tensor bad = Tensor::from_vector<bool>({z.b, 1, z.s, z.s + 1}, std::vector<bool>(z.b * z.s * (z.s + 1)));
+  a.attention_mask = &bad;
+  EXPECT_TRUE(throws_with<ShapeError>([&] { attn->forward(x, a, Taps()); }, {"attention_mask", "[2, 1, 3, 3]", "[2, 1, 3, 4]"}));
+  const Tensor not_bool = Tensor::zeros(DType::F32, {z.b, 1, z.s, z.s});
+  a.attention_mask = &not_bool;
+  EXPECT_TRUE(throws_with<ShapeError>([&] { attn->forward(x, a, Taps()); }, {"attention_mask", "BOOL"}));
+  a.attention_mask = nullptr;
+  const Tensor short_rope = RotaryEmbedding(z.hn, 1.0).forward(z.s - 1);
+  a.rotary_pos_emb = &short_rope;
+  EXPECT_TRUE(throws_with<ShapeError>([&] { attn->forward(x, a, Taps()); }, {"rotary_pos_emb", "shorter than the sequence", "s = 3"}));
+  a.rotary_pos_emb = nullptr;
+  EXPECT_TRUE(throws_with<ShapeError>([&] { attn->forward(random_mat(g, z.s * z.b, z.h + 1), a, Taps()); },
+                                      {"hidden_states", "[3, 2, 8]"}));
+}
+
+TEST(SelfAttention, TapsInComputationOrder) {
+  TransformerConfig c = small_config(8, 2, 1, 16);
+  c.qk_layernorm = true;
+  SelfAttentionSubmodules sub;
+  sub.q_layernorm = sub.k_layernorm = [](const TransformerConfig& cc, int h, double eps, Precision p) {
+    return wrapped_torch_norm(cc, h, eps, p);
+  };
+  SelfAttention attn(c, sub, 1, AttnMaskType::causal, exact());
+  TapRecord rec;
+  AttentionArgs a;
+  a.s = 3;
+  a.b = 2;
+  attn.forward(Mat::Ones(6, 8), a, Taps(&rec, "self_attention."));
+  std::vector<std::string> names;
+  for (const auto& [n, t] : rec.tensors) names.push_back(n);
+  EXPECT_EQ(names, (std::vector<std::string>{"self_attention.linear_qkv.0", "self_attention.q_layernorm",
+                                             "self_attention.k_layernorm", "self_attention.core_attention",
+                                             "self_attention.linear_proj.0", "self_attention.linear_proj.1",
+                                             "self_attention.0", "self_attention.1"}));
+  EXPECT_EQ(rec.find("self_attention.k_layernorm")->shape(), (Shape{3, 2, 1, 4}));
+}
+
+TEST(CrossAttention, EqualsNaiveAttentionOverTheContext) {
+  TransformerConfig c = small_config(8, 2, 2, 16);
+  c.add_bias_linear = false;
+  CrossAttention attn(c, 1, AttnMaskType::padding, exact());
+  std::mt19937_64 g(4);
+  const int sq = 3, sk = 5, b = 2, hn = 4;
+  attn.linear_q.weight = random_mat(g, 8, 8);
+  attn.linear_kv.weight = random_mat(g, 16, 8);
+  attn.linear_proj.weight = random_mat(g, 8, 8);
+  const Mat x = random_mat(g, sq * b, 8), ctx = random_mat(g, sk * b, 8);
+  const Tensor context = mat_tensor(ctx, {sk, b, 8});
+  AttentionArgs a;
+  a.s = sq;
+  a.b = b;
+  a.key_value_states = &context;
+  const Mat out = attn.forward(x, a, Taps()).output;
+  Mat expect_ctx(sq * b, 8);
+  for (int bi = 0; bi < b; ++bi)
+    for (int h = 0; h < 2; ++h) {
+      Mat q(sq, hn), k(sk, hn), v(sk, hn);
+      for (int i = 0; i < sq; ++i) q.row(i) = (x.row(i * b + bi) * attn.linear_q.weight.transpose()).segment(h * hn, hn);
+      for (int j = 0; j < sk; ++j) {
+        const RowVec kv = ctx.row(j * b + bi) * attn.linear_kv.weight.transpose();  // [np, 2 hn] per token
+        k.row(j) = kv.segment(h * 2 * hn, hn);
+        v.row(j) = kv.segment(h * 2 * hn + hn, hn);
+      }
+      Mat sc = q * k.transpose() / 2.0;
+      for (int i = 0; i < sq; ++i) {
+        sc.row(i) = (sc.row(i).array() - sc.row(i).maxCoeff()).exp().matrix();
+        sc.row(i) /= sc.row(i).sum();
+      }
+      const Mat o = sc * v;
+      for (int i = 0; i < sq; ++i) expect_ctx.row(i * b + bi).segment(h * hn, hn) = o.row(i);
+    }
+  EXPECT_LT(max_abs_diff(out, expect_ctx * attn.linear_proj.weight.transpose()), 1e-10);
+  c.num_query_groups = 1;
+  EXPECT_TRUE(throws_with<ConfigError>([&] { CrossAttention(c, 1, AttnMaskType::padding, exact()); }, {"Group query attention"}));
+}
+
+TEST(RotaryEmbedding, AnglesAsMegatronComputesThem) {
+  const Tensor emb = RotaryEmbedding(8, 1.0).forward(3);
+  EXPECT_EQ(emb.shape(), (Shape{3, 1, 1, 8}));
+  const auto v = emb.to_f64();
+  // position 2, inv_freq[1] = 1 / 10000^(2/8) = 0.1; halves: cat(freqs, freqs)
+  EXPECT_NEAR(v[2 * 8 + 1], 0.2, 1e-7);
+  EXPECT_EQ(v[2 * 8 + 1], v[2 * 8 + 5]);
+  const auto vi = RotaryEmbedding(8, 1.0, true).forward(3).to_f64();  // interleaved: f0 f0 f1 f1
+  EXPECT_EQ(vi[2 * 8 + 2], v[2 * 8 + 1]);
+  EXPECT_EQ(vi[2 * 8 + 3], v[2 * 8 + 1]);
+  EXPECT_EQ(RotaryEmbedding(8, 0.5).dim(), 4);
+}
+
+// RoPE rotates pairs: norms of each rotated pair are kept, position 0 is the identity, channels
+// past rot_dim (rotary_percent < 1) pass through.
+RC_GTEST_PROP(RotaryEmbedding, RotatesPairsAndPassesTheTail, (bool interleaved)) {
+  const int hn = 2 * *rc::gen::inRange(1, 6);
+  const int rot = 2 * *rc::gen::inRange(1, hn / 2 + 1);
+  const int s = *rc::gen::inRange(1, 6), rows = *rc::gen::inRange(1, 4);
+  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  const Mat t = random_mat(g, s * rows, hn);
+  const Tensor emb = RotaryEmbedding(hn, double(rot) / hn, interleaved).forward(s);
+  const Mat freqs = rotary_freqs(emb, s, hn);
+  const Mat y = apply_rotary_pos_emb(t, freqs, rows, interleaved, exact());
+  RC_ASSERT(max_abs_diff(y.topRows(rows), t.topRows(rows)) < 1e-15);     // angle 0
+  RC_ASSERT(max_abs_diff(y.rightCols(hn - rot), t.rightCols(hn - rot)) == 0.0);
+  for (Eigen::Index r = 0; r < y.rows(); ++r)
+    for (int i = 0; i < rot / 2; ++i) {
+      const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + rot / 2;
+      RC_ASSERT(std::abs(std::hypot(y(r, a), y(r, b)) - std::hypot(t(r, a), t(r, b))) < 1e-12);
+    }
+}
