@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -139,7 +140,15 @@ SafetensorsFile read_safetensors(const std::string& path) {
       fail(path, "tensor '" + name + "': data_offsets span " + std::to_string(e - b) + " bytes but shape " +
                      shape_str(shape) + " x " + dtype_name(*dt) + " needs " + std::to_string(static_cast<unsigned long long>(want)));
     entries.push_back({name, b, e});
-    f.tensors_[name] = Tensor::borrow(*dt, shape, holder, bytes + data_begin + b);
+    const unsigned char* at = bytes + data_begin + b;
+    if (reinterpret_cast<std::uintptr_t>(at) % dtype_size(*dt) == 0) {
+      f.tensors_[name] = Tensor::borrow(*dt, shape, holder, at);
+    } else {
+      // Other writers need not align the data section: copy rather than load misaligned values.
+      Tensor owned = Tensor::empty(*dt, shape);
+      if (owned.nbytes()) std::memcpy(owned.raw_mut(), at, owned.nbytes());
+      f.tensors_[name] = std::move(owned);
+    }
   }
   std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.begin < b.begin || (a.begin == b.begin && a.end < b.end); });
   for (std::size_t i = 1; i < entries.size(); ++i)

@@ -1,3 +1,7 @@
+// The LibTorch side of core/torch_io.h, built as a plugin (libtwin_torchio_plugin.so) that
+// core/torch_io_loader.cpp loads on the first .pt file: LibTorch pulls in some 270 shared
+// libraries, and the `twin` tool should not pay for them on every start. This is the only
+// translation unit that includes LibTorch headers.
 #include "core/torch_io.h"
 
 #include <algorithm>
@@ -8,10 +12,8 @@
 #include <optional>
 #include <sstream>
 
-#if TWIN_HAVE_TORCH
 #include <ATen/ATen.h>
 #include <torch/csrc/jit/serialization/pickle.h>
-#endif
 
 namespace twin {
 namespace {
@@ -21,12 +23,6 @@ namespace {
   std::replace(line.begin(), line.end(), '\n', ' ');
   throw TorchFileError(path + ": " + line);
 }
-
-}  // namespace
-
-#if TWIN_HAVE_TORCH
-
-namespace {
 
 // c10 messages carry a backtrace after the first line; keep the message only.
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
@@ -100,9 +96,7 @@ void flatten(const std::string& path, const std::string& name, const c10::IValue
 
 }  // namespace
 
-bool torch_io_available() { return true; }
-
-TorchFile read_torch_file(const std::string& path) {
+TorchFile read_torch_file_impl(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(path, std::string("cannot open: ") + std::strerror(errno));
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -122,7 +116,7 @@ TorchFile read_torch_file(const std::string& path) {
   return f;
 }
 
-void write_torch_file(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors) {
+void write_torch_file_impl(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors) {
   const auto to_at = [](const Tensor& t) {
     std::vector<int64_t> sizes(t.shape().begin(), t.shape().end());
     return at::from_blob(const_cast<std::byte*>(t.raw()), sizes, at::TensorOptions().dtype(to_torch(t.dtype()))).clone();
@@ -145,18 +139,29 @@ void write_torch_file(const std::string& path, const std::vector<std::pair<std::
   if (!out) fail(path, "write failed");
 }
 
-#else  // no LibTorch
 
-bool torch_io_available() { return false; }
-
-TorchFile read_torch_file(const std::string& path) {
-  fail(path, ".pt files are unsupported: this twin was built without LibTorch (install libtorch-dev and rebuild)");
-}
-
-void write_torch_file(const std::string& path, const std::vector<std::pair<std::string, Tensor>>&) {
-  fail(path, ".pt files are unsupported: this twin was built without LibTorch (install libtorch-dev and rebuild)");
-}
-
-#endif
 
 }  // namespace twin
+
+// Entry points looked up by the loader; errors come back as text, never as exceptions across the
+// library boundary.
+extern "C" int twin_torchio_read_v1(const std::string* path, twin::TorchFile* out, std::string* error) {
+  try {
+    *out = twin::read_torch_file_impl(*path);
+    return 0;
+  } catch (const std::exception& e) {
+    *error = e.what();
+    return 1;
+  }
+}
+
+extern "C" int twin_torchio_write_v1(const std::string* path, const std::vector<std::pair<std::string, twin::Tensor>>* tensors,
+                                     std::string* error) {
+  try {
+    twin::write_torch_file_impl(*path, *tensors);
+    return 0;
+  } catch (const std::exception& e) {
+    *error = e.what();
+    return 1;
+  }
+}

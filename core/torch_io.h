@@ -4,7 +4,9 @@
 // LibTorch's own writer.
 //
 // core/torch_io.cpp is the only translation unit that includes LibTorch headers (they are slow
-// to compile). Without LibTorch the functions throw TorchFileError saying .pt is unsupported.
+// to compile). It is a plugin loaded on the first .pt file (core/torch_io_loader.cpp), so tools
+// that never meet a .pt file never load LibTorch. Without LibTorch (or without the plugin) the
+// functions throw TorchFileError saying .pt is unsupported.
 #pragma once
 
 #include <map>
