@@ -45,7 +45,7 @@ std::string message_for(const std::function<void(TransformerConfig&)>& edit) {
 
 std::string source_dir() {
   const char* d = std::getenv("TWIN_SOURCE_DIR");
-  return d ? d : ".";
+  return d ? d : TWIN_SOURCE_DIR_DEFAULT;
 }
 
 }  // namespace

@@ -29,7 +29,7 @@ TransformerConfig pipeline_config(int num_layers, int pp, std::optional<int> vp 
 
 std::string source_dir() {
   const char* d = std::getenv("TWIN_SOURCE_DIR");
-  return d ? d : ".";
+  return d ? d : TWIN_SOURCE_DIR_DEFAULT;
 }
 
 std::string python_error_of(const std::function<void()>& fn) {

@@ -19,7 +19,7 @@ namespace {
 
 std::string source_dir() {
   const char* d = std::getenv("TWIN_SOURCE_DIR");
-  return d ? d : ".";
+  return d ? d : TWIN_SOURCE_DIR_DEFAULT;
 }
 
 std::string error_of(const std::function<void()>& fn) {
