@@ -130,6 +130,7 @@ struct Fiber {
   unsigned mask = 0;
   std::uint64_t value = 0, result = 0;
   int arg = 0, width = 32;
+  int pred = 0;  // __syncthreads_count/and/or predicate
   char* stack_lo = nullptr;
   std::size_t stack_size = 0;
   void* asan_fake = nullptr;
@@ -178,6 +179,7 @@ struct Worker {
   bool in_block = false;
   bool stacks_dirty = false;
   unsigned n = 0, live = 0, runnable = 0, at_barrier = 0, exited = 0;
+  int barrier_count = 0;  // predicates of the last released barrier
   std::exception_ptr fiber_error;
   const void* asan_bottom = nullptr;
   std::size_t asan_size = 0;
@@ -439,7 +441,11 @@ void run_block(Worker& w, Launch& L, std::uint64_t block_linear) {
       failure = diagnose_stall(w);
       break;
     }
-    for (unsigned i = 0; i < n; ++i) w.fibers[i].state = State::Runnable;
+    w.barrier_count = 0;
+    for (unsigned i = 0; i < n; ++i) {
+      w.fibers[i].state = State::Runnable;
+      w.barrier_count += w.fibers[i].pred;
+    }
     w.runnable = n;
     w.at_barrier = 0;
   }
@@ -580,15 +586,17 @@ void enqueue(cudaStream_t stream, std::function<void()> work) {
   work();
 }
 
-void syncthreads(const char* file, int line) {
+int syncthreads(const char* file, int line, int pred) {
   Worker& w = kernel_worker("__syncthreads()");
   Fiber& f = *w.current;
+  f.pred = pred;
   f.state = State::AtBarrier;
   f.file = file;
   f.line = line;
   ++w.at_barrier;
   --w.runnable;
   suspend(w, f);
+  return w.barrier_count;  // stable until every thread reaches the next barrier
 }
 
 unsigned activemask() {

@@ -78,7 +78,8 @@ inline const ThreadCtx& thread_ctx() {
 
 enum class WarpOp : int { Shfl, ShflUp, ShflDown, ShflXor, Ballot, Any, All, SyncWarp };
 
-void syncthreads(const char* file, int line);
+// Block barrier; returns how many threads passed a non-zero `pred` (for __syncthreads_count/and/or).
+int syncthreads(const char* file, int line, int pred = 0);
 // One warp operation of the calling lane; returns the result bits (shuffles: the source lane's
 // value; ballot: the mask; any/all: 0/1).
 std::uint64_t warp_op(WarpOp op, const char* file, int line, unsigned mask, std::uint64_t value,
@@ -137,6 +138,11 @@ void launch_kernel_at(const char* args, const char* file, int line, void (*kerne
 }
 
 inline void syncthreads(const char* file, int line) { detail::syncthreads(file, line); }
+inline int syncthreads_count(const char* file, int line, int pred) { return detail::syncthreads(file, line, pred != 0); }
+inline int syncthreads_and(const char* file, int line, int pred) {
+  return detail::syncthreads(file, line, pred != 0) == static_cast<int>(detail::tl_block_dim.x * detail::tl_block_dim.y * detail::tl_block_dim.z);
+}
+inline int syncthreads_or(const char* file, int line, int pred) { return detail::syncthreads(file, line, pred != 0) != 0; }
 
 template <class T>
 T shfl_sync(const char* f, int l, unsigned mask, T v, int src_lane, int width = 32) {
@@ -181,6 +187,9 @@ struct SyncWarpAt {
 #define gridDim (static_cast<const dim3&>(::cudasim::detail::tl_grid_dim))
 
 #define __syncthreads() ::cudasim::syncthreads(__FILE__, __LINE__)
+#define __syncthreads_count(pred) ::cudasim::syncthreads_count(__FILE__, __LINE__, (pred))
+#define __syncthreads_and(pred) ::cudasim::syncthreads_and(__FILE__, __LINE__, (pred))
+#define __syncthreads_or(pred) ::cudasim::syncthreads_or(__FILE__, __LINE__, (pred))
 #define __syncwarp ::cudasim::SyncWarpAt{__FILE__, __LINE__}
 #define __shfl_sync(...) ::cudasim::shfl_sync(__FILE__, __LINE__, __VA_ARGS__)
 #define __shfl_up_sync(...) ::cudasim::shfl_up_sync(__FILE__, __LINE__, __VA_ARGS__)

@@ -7,6 +7,8 @@
 
 #include "cuda_compat.h"
 
+#include <thread>
+
 TEST_F(SimTest, DynamicSharedMemoryIsPoisonedBeforeEachBlock) {
   using namespace semantics_test;
   const int blocks = 3, threads = 64;
@@ -35,6 +37,29 @@ TEST_F(SimTest, BadLaunchConfigurationsAreErrors) {
   expect_error(dim3(1), dim3(64, 32), 0, "more than 1024 threads");
   expect_error(dim3(0), dim3(32), 0, "zero dimension");
   expect_error(dim3(1), dim3(32), 300 * 1024, "227 KiB");
+}
+
+TEST_F(SimTest, ConcurrentLaunchesFromSeveralHostThreads) {
+  // Simulated ranks are host threads that launch kernels at the same time.
+  using namespace semantics_test;
+  const int nthreads = 4, blocks = 16, threads = 128, n = blocks * threads;
+  std::vector<std::vector<float>> results(nthreads);
+  std::vector<std::thread> hosts;
+  for (int h = 0; h < nthreads; ++h)
+    hosts.emplace_back([&, h] {
+      std::vector<float> in(n);
+      for (int i = 0; i < n; ++i) in[i] = static_cast<float>(h * n + i);
+      auto din = upload(dev(), in);
+      twin::rt::DeviceBuffer dout(dev(), n * 4);
+      for (int rep = 0; rep < 5; ++rep)
+        launch_kernel(semantics::shared_reverse_dynamic_kernel, blocks, threads, threads * 4, nullptr, din.as<const float>(), dout.as<float>());
+      results[h] = download<float>(dout, n);
+    });
+  for (auto& t : hosts) t.join();
+  for (int h = 0; h < nthreads; ++h)
+    for (int b = 0; b < blocks; ++b)
+      for (int t = 0; t < threads; ++t)
+        ASSERT_EQ(results[h][b * threads + t], static_cast<float>(h * n + b * threads + threads - 1 - t)) << h << " " << b << " " << t;
 }
 
 TEST_F(SimTest, ThreadIdxOutsideAKernelIsAnError) {

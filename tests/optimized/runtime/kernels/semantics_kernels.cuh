@@ -137,4 +137,13 @@ __global__ void bf16_arith_forward_kernel(const __nv_bfloat16* a, const __nv_bfl
   from_float[i] = __float2bfloat16(f[i]);
 }
 
+// __syncthreads_count / _and / _or: per thread, the block-wide results for pred[].
+__global__ void barrier_vote_forward_kernel(const int* pred, int* count, int* all, int* any) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  const int p = pred[t];
+  count[t] = __syncthreads_count(p);
+  all[t] = __syncthreads_and(p);
+  any[t] = __syncthreads_or(p);
+}
+
 }  // namespace semantics
