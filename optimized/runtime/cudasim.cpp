@@ -25,6 +25,7 @@
 #include "optimized/runtime/sim_stream.h"
 
 #include <boost/context/detail/fcontext.hpp>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -214,11 +215,65 @@ struct Worker {
 };
 
 thread_local Worker* tl_worker = nullptr;
+
+#if !defined(TWIN_ASAN)
+// A fiber that overflows its stack hits the guard page below it: say so instead of a bare SIGSEGV
+// (then crash as before; ASan builds have their own report). Other faults go to the previous handler.
+struct sigaction g_prev_segv;
+void segv_handler(int sig, siginfo_t* info, void* uctx) {
+  const Worker* w = tl_worker;
+  const char* addr = static_cast<const char*>(info->si_addr);
+  if (w && w->in_block) {
+    for (const auto& st : w->stacks) {
+      if (addr >= st.lo - Worker::page() && addr < st.lo) {
+        static const char msg[] =
+            "cudasim: a kernel thread overflowed its fiber stack (guard page hit); "
+            "raise CUDASIM_STACK_KB (default 128) or shrink the kernel's local arrays\n";
+        ssize_t ignored = write(2, msg, sizeof(msg) - 1);
+        (void)ignored;
+        signal(SIGSEGV, SIG_DFL);
+        raise(SIGSEGV);
+        return;
+      }
+    }
+  }
+  if (g_prev_segv.sa_flags & SA_SIGINFO) {
+    if (g_prev_segv.sa_sigaction) return g_prev_segv.sa_sigaction(sig, info, uctx);
+  } else if (g_prev_segv.sa_handler != SIG_DFL && g_prev_segv.sa_handler != SIG_IGN && g_prev_segv.sa_handler) {
+    return g_prev_segv.sa_handler(sig);
+  }
+  signal(SIGSEGV, SIG_DFL);
+  raise(SIGSEGV);
+}
+// The handler needs its own stack (the faulting one is exhausted): one per thread that runs blocks.
+void install_overflow_report() {
+  thread_local std::unique_ptr<char[]> alt;
+  if (!alt) {
+    alt.reset(new char[64 * 1024]);
+    stack_t ss{};
+    ss.ss_sp = alt.get();
+    ss.ss_size = 64 * 1024;
+    sigaltstack(&ss, nullptr);
+  }
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa {};
+    sa.sa_sigaction = &segv_handler;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_prev_segv);
+  });
+}
+#endif
+
 Worker& this_worker() {
   thread_local std::unique_ptr<Worker> w;
   if (!w) {
     w = std::make_unique<Worker>();
     tl_worker = w.get();
+#if !defined(TWIN_ASAN)
+    install_overflow_report();
+#endif
   }
   return *w;
 }

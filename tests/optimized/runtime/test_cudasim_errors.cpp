@@ -133,3 +133,28 @@ TEST_F(SimTest, SimulatorRecoversAfterAFailedLaunch) {
   out.download(got.data(), 64 * 4);
   for (float v : got) EXPECT_EQ(v, 2.0f);
 }
+
+namespace {
+// Simulator-only kernel (a .cpp file): unbounded recursion exhausts the thread's fiber stack.
+__device__ int deep_recursion(int n) {
+  volatile char pad[512];
+  pad[n % 512] = static_cast<char>(n);
+  return n == 0 ? 0 : deep_recursion(n - 1) + pad[n % 512];
+}
+__global__ void stack_overflow_forward_kernel(int* out, int depth) { out[threadIdx.x] = deep_recursion(depth); }
+}  // namespace
+
+TEST(SimDeathTest, FiberStackOverflowIsReportedNotASilentCrash) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+#if defined(TWIN_ASAN)
+  const char* pattern = "AddressSanitizer";  // ASan reports the overflow itself
+#else
+  const char* pattern = "overflowed its fiber stack.*CUDASIM_STACK_KB";
+#endif
+  EXPECT_DEATH(
+      {
+        twin::rt::DeviceBuffer out(twin::rt::device(twin::rt::Backend::Sim), 32 * 4);
+        launch_kernel(stack_overflow_forward_kernel, 1, 32, 0, nullptr, out.as<int>(), 1 << 20);
+      },
+      pattern);
+}
