@@ -135,6 +135,10 @@ void validate_moe(const TransformerConfig& c) {
     reject("moe_ffn_hidden_size must be None when num_moe_experts is not set (moe_ffn_hidden_size=" +
            str(c.moe_ffn_hidden_size) + ")");
 
+  // moe_flex_dispatcher_backend defaults to "deepep" (not a twin field).
+  if (c.moe_token_dispatcher_type == "flex" && c.moe_pad_expert_input_to_capacity)
+    reject("Flex token dispatcher with deepep backend does not support moe_pad_expert_input_to_capacity");
+
   if (c.moe_shared_expert_intermediate_size) {
     if (*c.moe_shared_expert_intermediate_size <= 0)
       reject("moe_shared_expert_intermediate_size must be num_shared_experts * ffn_size_of_each_shared_expert, "

@@ -207,6 +207,20 @@ TEST(TransformerConfigValidation, Moe) {
                               c.moe_router_load_balancing_type = "sinkhorn";
                             }),
                             "moe_expert_capacity_factor only works with aux_loss"));
+  EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
+                              moe(c);
+                              c.moe_expert_capacity_factor = 1.0;
+                              c.moe_pad_expert_input_to_capacity = true;
+                              c.moe_token_dispatcher_type = "flex";
+                            }),
+                            "Flex token dispatcher with deepep backend does not support"));
+  EXPECT_EQ(message_for([&](auto& c) {
+              moe(c);
+              c.moe_expert_capacity_factor = 1.0;
+              c.moe_pad_expert_input_to_capacity = true;
+              c.moe_token_dispatcher_type = "alltoall";
+            }),
+            "");
   EXPECT_TRUE(rejected_with(message_for([&](auto& c) { moe(c); c.moe_shared_expert_intermediate_size = 0; }),
                             "moe_shared_expert_intermediate_size must be"));
   EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
