@@ -172,6 +172,7 @@ struct Worker {
   std::vector<Stack> stacks;
   std::vector<Fiber> fibers;
   std::vector<unsigned> order;
+  std::vector<unsigned> warp_waiting;  // per warp: bit l set while lane l waits at a warp operation
   unsigned char* smem = nullptr;
   std::size_t smem_cap = 0;
   fctx::fcontext_t sched = nullptr;
@@ -463,13 +464,15 @@ void run_block(Worker& w, Launch& L, std::uint64_t block_linear) {
     f.fc = fctx::make_fcontext(f.stack_lo + f.stack_size, f.stack_size, &fiber_entry);
     w.order[i] = L.opts.order == Order::Reverse ? n - 1 - i : i;
   }
+  w.warp_waiting.assign((n + 31) / 32, 0u);
   w.n = n;
   w.live = w.runnable = n;
   w.at_barrier = w.exited = 0;
   w.fiber_error = nullptr;
   w.launch = &L;
   w.in_block = true;
-  std::mt19937_64 rng(L.opts.seed * 0x9E3779B97F4A7C15ull + block_linear);
+  std::mt19937_64 rng;
+  if (L.opts.order == Order::Random) rng.seed(L.opts.seed * 0x9E3779B97F4A7C15ull + block_linear);
 
   std::string failure;
   while (w.live > 0) {
@@ -707,16 +710,21 @@ std::uint64_t warp_op(WarpOp op, const char* file, int line, unsigned mask, std:
   f.width = width;
   f.file = file;
   f.line = line;
-  // Complete when every lane of the mask waits at the same operation with the same mask.
-  for (unsigned l = 0; l < 32; ++l) {
+  // Complete when every lane of the mask waits at the same operation with the same mask (the
+  // bitmask makes the common "not everyone is here yet" answer O(1)).
+  unsigned& waiting = w.warp_waiting[f.warp];
+  bool complete = ((waiting | (1u << f.lane)) & mask) == mask;
+  for (unsigned l = 0; complete && l < 32; ++l) {
     if (!((mask >> l) & 1u) || l == f.lane) continue;
     const Fiber& g = w.fibers[base + l];
-    if (g.state != State::AtWarp || g.op != op || g.mask != mask) {
-      f.state = State::AtWarp;
-      --w.runnable;
-      suspend(w, f);
-      return f.result;
-    }
+    if (g.op != op || g.mask != mask) complete = false;
+  }
+  if (!complete) {
+    f.state = State::AtWarp;
+    --w.runnable;
+    waiting |= 1u << f.lane;
+    suspend(w, f);
+    return f.result;
   }
   std::uint64_t ballot = 0;
   if (op == WarpOp::Ballot || op == WarpOp::Any || op == WarpOp::All)
@@ -750,6 +758,7 @@ std::uint64_t warp_op(WarpOp op, const char* file, int line, unsigned mask, std:
       ++w.runnable;
     }
   }
+  waiting &= ~mask;
   return f.result;
 }
 
