@@ -172,7 +172,8 @@ struct Worker {
   std::vector<Stack> stacks;
   std::vector<Fiber> fibers;
   std::vector<unsigned> order;
-  std::vector<unsigned> warp_waiting;  // per warp: bit l set while lane l waits at a warp operation
+  std::vector<unsigned> warp_waiting;
+  std::mt19937_64 rng;  // per warp: bit l set while lane l waits at a warp operation
   unsigned char* smem = nullptr;
   std::size_t smem_cap = 0;
   fctx::fcontext_t sched = nullptr;
@@ -471,7 +472,7 @@ void run_block(Worker& w, Launch& L, std::uint64_t block_linear) {
   w.fiber_error = nullptr;
   w.launch = &L;
   w.in_block = true;
-  std::mt19937_64 rng;
+  std::mt19937_64& rng = w.rng;  // a member: constructing one per block costs a full state init
   if (L.opts.order == Order::Random) rng.seed(L.opts.seed * 0x9E3779B97F4A7C15ull + block_linear);
 
   std::string failure;
