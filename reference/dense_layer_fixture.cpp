@@ -92,7 +92,8 @@ std::vector<Comparison> run_dense_layer_fixture(const Fixture& f) {
   for (const auto& n : f.names_with_prefix("input."))
     if (!known_inputs.count(n)) throw FixtureError(f.path + ": unexpected input tensor " + n + " for kind dense_layer");
 
-  const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm);
+  const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
+                                                   attn_mask_type_from_name(cfg.attn_mask_type));
   TransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, precision);
   layer.training = f.training;
 

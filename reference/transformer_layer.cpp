@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "reference/transformer_layer_offset.h"
+
 namespace twin::reference {
 
 // ---- builders of the local spec ---------------------------------------------------------------
@@ -41,7 +43,7 @@ std::unique_ptr<BaseTransformerLayer> ModuleSpec::build(const TransformerConfig&
 }
 
 ModuleSpec get_gpt_layer_local_spec(std::optional<int> num_experts, bool qk_layernorm, const std::string& normalization,
-                                    bool qk_l2_norm) {
+                                    bool qk_l2_norm, AttnMaskType attn_mask_type) {
   if (num_experts)
     throw std::invalid_argument("get_gpt_layer_local_spec: num_experts is set; the MoE spec (reference/moe) "
                                 "provides the MoELayer for submodules.mlp");
@@ -60,7 +62,7 @@ ModuleSpec get_gpt_layer_local_spec(std::optional<int> num_experts, bool qk_laye
     return std::make_unique<TransformerLayer>(c, s, layer_number, std::nullopt, p);
   };
   spec.submodules.input_layernorm = layer_norm;
-  spec.submodules.self_attention = self_attention_builder(attn, AttnMaskType::causal);
+  spec.submodules.self_attention = self_attention_builder(attn, attn_mask_type);
   spec.submodules.self_attn_bda = get_bias_dropout_add();
   spec.submodules.pre_mlp_layernorm = layer_norm;
   spec.submodules.mlp = mlp_builder();
@@ -72,7 +74,8 @@ ModuleSpec get_gpt_layer_local_spec(std::optional<int> num_experts, bool qk_laye
 TransformerLayer::TransformerLayer(const TransformerConfig& config_, const TransformerLayerSubmodules& submodules,
                                    int layer_number_, std::optional<double> hidden_dropout_, Precision precision_)
     : config(config_),
-      layer_number(layer_number_),  // + get_transformer_layer_offset(): 0 at pipeline size 1
+      // layer_number + get_transformer_layer_offset(config, vp_stage, pp rank 0): the twins run world size 1
+      layer_number(layer_number_ + static_cast<int>(get_transformer_layer_offset(config_, std::nullopt, 0))),
       hidden_dropout(hidden_dropout_.value_or(config_.hidden_dropout)),
       precision(precision_),
       submodules_config(submodules) {

@@ -120,8 +120,11 @@ struct ModuleSpec {
 // normalization "RMSNorm" or anything else (LayerNorm: Megatron's else-branch); both resolve to
 // WrappedTorchNorm, which reads config.normalization when built. num_experts must be unset here:
 // the MoE spec puts an MoELayer builder into submodules.mlp (reference/moe).
+// attn_mask_type is the self_attention ModuleSpec's params={"attn_mask_type": causal}; a caller
+// may override that param as a ModuleSpec allows (the fixtures record it as config.attn_mask_type).
 ModuleSpec get_gpt_layer_local_spec(std::optional<int> num_experts = std::nullopt, bool qk_layernorm = false,
-                                    const std::string& normalization = "LayerNorm", bool qk_l2_norm = false);
+                                    const std::string& normalization = "LayerNorm", bool qk_l2_norm = false,
+                                    AttnMaskType attn_mask_type = AttnMaskType::causal);
 
 // forward's keyword arguments (all optional).
 struct LayerInputs {
