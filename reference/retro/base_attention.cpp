@@ -2,20 +2,15 @@
 
 namespace twin::reference::retro {
 
-namespace {
-RetroConfig checked(const TransformerConfig& config) { return validate_retro_config(config); }
-}  // namespace
-
 BaseRetroCrossAttention::BaseRetroCrossAttention(const TransformerConfig& config, int layer_number,
                                                  AttnMaskType attn_mask_type, Precision p)
-    : attn((checked(config), config), layer_number, attn_mask_type, p),
+    : retro_config(validate_retro_config(config)),
+      attn(config, layer_number, attn_mask_type, p),
+      retro_num_neighbors(retro_config.retro_num_neighbors),
+      retro_chunk_length(retro_config.retro_chunk_length),
+      retro_retrieved_length(retro_config.retro_retrieved_length),
       config_(config),
-      p_(p) {
-  const RetroConfig retro = validate_retro_config(config);
-  retro_num_neighbors = retro.retro_num_neighbors;
-  retro_chunk_length = retro.retro_chunk_length;
-  retro_retrieved_length = retro.retro_retrieved_length;
-}
+      p_(p) {}
 
 void BaseRetroCrossAttention::load_state_dict(const StateDict& sd, const std::string& prefix) {
   attn.load_state_dict(sd, prefix + "attn.");

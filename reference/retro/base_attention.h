@@ -21,10 +21,11 @@ class BaseRetroCrossAttention : public AttentionModule {
 
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;  // prefix + "attn."
 
+  const RetroConfig retro_config;  // validated first, before attn is built
   CrossAttention attn;
-  int retro_num_neighbors;     // k
-  int retro_chunk_length;      // m
-  int retro_retrieved_length;  // r = retro_num_retrieved_chunks * m
+  const int retro_num_neighbors;     // k
+  const int retro_chunk_length;      // m
+  const int retro_retrieved_length;  // r = retro_num_retrieved_chunks * m
 
  protected:
   TransformerConfig config_;
