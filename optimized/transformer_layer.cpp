@@ -143,6 +143,8 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
   reject(o.sp && tp == 1, "sequence parallelism needs tp > 1");
   reject(c.apply_query_key_layer_scaling && (c.fp16 || c.bf16) && !c.attention_softmax_in_fp32,
          "apply_query_key_layer_scaling needs attention_softmax_in_fp32");
+  reject(o.attn_mask_type != "causal" && o.attn_mask_type != "no_mask" && o.attn_mask_type != "padding" && o.attn_mask_type != "arbitrary",
+         "attn_mask_type '" + o.attn_mask_type + "' (causal, no_mask, padding, arbitrary)");
   if (o.backend == rt::Backend::Cuda) reject(tp != 1, "tp > 1 on the GPU backend needs one device per rank (simulate ranks with Backend::Sim)");
   const int act = static_cast<int>(sim::act_from_name(c.activation_func));
   m.dev = &rt::device(o.backend);
@@ -315,7 +317,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   if (rot) m.freqs.upload(rotary_pos_emb->raw(), rotary_pos_emb->nbytes());  // [s, 1, 1, rot] == [s, rot]
 
   const int mask_mode = attention_mask ? static_cast<int>(sim::MaskMode::Explicit)
-                        : (config_.attn_mask_type == "causal" && s > 1) ? static_cast<int>(sim::MaskMode::Causal)
+                        : (options_.attn_mask_type == "causal" && s > 1) ? static_cast<int>(sim::MaskMode::Causal)
                                                                         : static_cast<int>(sim::MaskMode::None);
   LayerOutput result;
   for (int r = 0; r < tp; ++r) {
@@ -436,6 +438,19 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   for (auto& R : m.ranks) R.plan.on_tap = nullptr;
   result.hidden_states = out;
   return result;
+}
+
+double DenseTransformerLayer::time_forward_ms(int iters) {
+  Impl& m = *impl_;
+  Impl::Rank& R = m.ranks.at(0);
+  if (!R.graph) throw std::logic_error("time_forward_ms: call forward() with use_graph first (tp = 1)");
+  rt::Event start(*m.dev), stop(*m.dev);
+  R.graph->launch(*R.stream);  // warm
+  start.record(*R.stream);
+  for (int i = 0; i < iters; ++i) R.graph->launch(*R.stream);
+  stop.record(*R.stream);
+  stop.synchronize();
+  return static_cast<double>(stop.elapsed_ms_since(start)) / std::max(1, iters);
 }
 
 }  // namespace twin::opt

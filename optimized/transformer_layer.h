@@ -29,6 +29,10 @@ struct LayerOptions {
   bool sp = false;
   rt::Backend backend = rt::Backend::Sim;
   int layer_number = 1;
+  // The self-attention's attn_mask_type: a spec parameter in Megatron (the local GPT spec fixes
+  // "causal"), not the config's run description. "causal": causal mask when no attention_mask is
+  // given; "no_mask" / "padding" / "arbitrary": only a given mask applies.
+  std::string attn_mask_type = "causal";
 };
 
 struct ForwardOptions {
@@ -59,6 +63,11 @@ class DenseTransformerLayer {
   // rotary_pos_emb [s, 1, 1, rot_dim] fp32 angles or null (required with RoPE).
   LayerOutput forward(const Tensor& hidden_states, const Tensor* attention_mask, const Tensor* rotary_pos_emb,
                       const ForwardOptions& options = {});
+
+  // Device time of one forward (ms), averaged over `iters` replays of the layer captured by the
+  // last forward() call with use_graph (tp == 1): the kernels and GEMMs only, no host copies.
+  // Throws std::logic_error when no graph has been captured.
+  double time_forward_ms(int iters);
 
   const TransformerConfig& config() const { return config_; }
   const LayerOptions& options() const { return options_; }

@@ -27,10 +27,11 @@ Tolerance op_bound(DType out, int stores, std::int64_t k, double magnitude) {
   return t;
 }
 
-Tolerance reference_error_bound(DType dt, double ref_err) {
+Tolerance reference_error_bound(DType dt, double ref_err, double magnitude) {
   Tolerance t = Tolerance::for_dtype(dt);
-  t.atol += 2.0 * ref_err;
-  t.reason = fmt::format("{} + 2 x reference's own max error vs fp64 ({:.3g})", t.reason, ref_err);
+  const double ulp = 2.0 * unit_roundoff(dt) * magnitude;
+  t.atol += 2.0 * ref_err + ulp;
+  t.reason = fmt::format("{} + 2 x reference's own max error vs fp64 ({:.3g}) + one output ulp 2u x {:.3g}", t.reason, ref_err, magnitude);
   return t;
 }
 

@@ -1,9 +1,16 @@
 #include "parity/check.h"
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <filesystem>
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
 
+#include "parity/cli_common.h"
+#include "parity/dense_run.h"
 #include "parity/fixture_kinds.h"
 
 namespace twin::cli {
@@ -15,23 +22,182 @@ const std::vector<std::string>& known_fixture_kinds() {
   return kinds;
 }
 
-int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& /*err*/) {
-  nlohmann::json kinds = nlohmann::json::array();
-  if (!opt.json) {
-    out << "twin check: no checks run yet; fixture kinds and the twins that support them:\n";
-    out << fmt::format("  {:<27}  {:<11}  {:<11}\n", "kind", "reference", "optimized");
+namespace {
+
+// The embedded dense-layer configurations: small enough for the simulator (CI), and realistic
+// shapes added when a GPU is present. Each runs through the reference (mirroring Megatron, and
+// exactly in fp64 for the bound) and the optimized twin (GPU if present, else the simulator).
+struct DenseConfig {
+  const char* name;
+  const char* id;  // a canonical case id; dtype / tp / sp are overridden per row
+};
+const DenseConfig kSimConfigs[] = {
+    {"gpt-ln-gelu",
+     "dense(h=64,a=4,g=4,d=16,ffn=256,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=16,b=2,dtype=fp32,tp=1,sp=0,drop=0,seed=11)"},
+    {"llama-rms-swiglu-gqa-rope",
+     "dense(h=64,a=8,g=4,d=16,ffn=128,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s=16,b=2,dtype=fp32,tp=1,sp=0,drop=0,seed=12)"},
+    {"qkln-interleaved-padding-dropout",
+     "dense(h=48,a=4,g=4,d=16,ffn=96,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=1,rope=interleaved,rot=0.5,qkln=1,mask=padding,s=12,b=2,dtype=fp32,tp=1,sp=0,drop=0.1,seed=13)"},
+};
+const DenseConfig kGpuConfigs[] = {
+    {"gpu-llama-gqa-512",
+     "dense(h=512,a=8,g=4,d=64,ffn=1024,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s=256,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=21)"},
+    {"gpu-gpt-1024",
+     "dense(h=1024,a=16,g=16,d=64,ffn=4096,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=128,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=22)"},
+};
+struct Variant {
+  DType dt;
+  int tp;
+  bool sp;
+};
+const Variant kSimVariants[] = {{DType::F32, 1, false}, {DType::BF16, 1, false}, {DType::F16, 1, false},
+                                {DType::BF16, 2, false}, {DType::BF16, 2, true}, {DType::F32, 4, false}, {DType::BF16, 4, true}};
+
+const char* short_dtype(DType d) { return d == DType::F32 ? "fp32" : d == DType::BF16 ? "bf16" : d == DType::F16 ? "fp16" : dtype_name(d); }
+
+struct Row {
+  std::string layer, dtype, backend, tp, detail;
+  double max_err = 0, bound = 0, share = 0, seconds = 0;
+  Status status = Status::Pass;
+};
+
+std::string fixtures_dir() {
+  for (std::string d : {std::string("fixtures/megatron-core")}) {
+    if (const char* src = std::getenv("TWIN_SOURCE_DIR")) d = std::string(src) + "/" + d;
+    if (std::filesystem::is_directory(d)) return d;
   }
-  for (const auto& k : known_fixture_kinds()) {
-    const bool ref = find_fixture_handler(k, TwinKind::Reference) != nullptr;
-    const bool opt_twin = find_fixture_handler(k, TwinKind::Optimized) != nullptr;
-    kinds.push_back({{"kind", k}, {"reference", ref}, {"optimized", opt_twin}});
-    if (!opt.json)
-      out << fmt::format("  {:<27}  {:<11}  {:<11}\n", k, ref ? "yes" : "not yet", opt_twin ? "yes" : "not yet");
+  return "";
+}
+
+}  // namespace
+
+int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
+  std::vector<Row> rows;
+  std::string why;
+  const bool gpu = rt::available(rt::Backend::Cuda, &why);
+  const rt::Backend be = gpu ? rt::Backend::Cuda : rt::Backend::Sim;
+
+  // ---- the plan: dense cases, then every golden fixture through each twin that has its kind
+  struct Job {
+    std::string label;
+    std::function<Row()> run;
+  };
+  std::vector<Job> jobs;
+  auto dense_job = [&](const DenseConfig& cfg, Variant v, rt::Backend backend) {
+    parity::DenseCase c = parity::parse_case_id(cfg.id);
+    c.dtype = v.dt;
+    c.tp = v.tp;
+    c.sp = v.sp;
+    const std::string tp = std::to_string(v.tp) + (v.sp ? "+sp" : "");
+    jobs.push_back({fmt::format("dense {} {} tp{} ({})", cfg.name, short_dtype(v.dt), tp, rt::backend_name(backend)), [=]() {
+                      Row r{std::string("dense ") + cfg.name, short_dtype(c.dtype), rt::backend_name(backend), tp, ""};
+                      parity::RunOptions ro;
+                      ro.backend = backend;
+                      const auto res = parity::run_case(c, ro);
+                      r.max_err = res.output.max_abs;
+                      r.bound = res.output.tol.atol + res.output.tol.rtol * std::fabs(res.output.worst_expected);
+                      r.share = res.output.share_used;
+                      r.seconds = res.seconds_reference + res.seconds_optimized;
+                      r.status = res.pass() ? Status::Pass : Status::Fail;
+                      if (!res.pass()) r.detail = "rerun: twin case '" + res.id + "'";
+                      return r;
+                    }});
+  };
+  for (const auto& cfg : kSimConfigs)
+    for (const auto& v : kSimVariants) {
+      parity::DenseCase c = parity::parse_case_id(cfg.id);
+      if (c.groups % v.tp || c.ffn % v.tp || (v.sp && c.s % v.tp)) continue;
+      // on a GPU machine the TP > 1 rows still run on simulated ranks (one device here)
+      dense_job(cfg, v, v.tp == 1 ? be : rt::Backend::Sim);
+    }
+  if (gpu)
+    for (const auto& cfg : kGpuConfigs) dense_job(cfg, Variant{DType::BF16, 1, false}, rt::Backend::Cuda);
+
+  const std::string fdir = fixtures_dir();
+  if (!fdir.empty()) {
+    std::vector<std::string> files;
+    for (const auto& e : std::filesystem::directory_iterator(fdir))
+      if (e.path().extension() == ".safetensors" || e.path().extension() == ".json") files.push_back(e.path().string());
+    std::sort(files.begin(), files.end());
+    for (const auto& path : files)
+      for (TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) {
+        const std::string name = std::filesystem::path(path).filename().string();
+        jobs.push_back({fmt::format("fixture {} ({})", name, twin_kind_name(twin)), [=]() {
+                          Row r{"fixture " + name, "", twin == TwinKind::Reference ? "cpu" : rt::backend_name(rt::Backend::Sim), "1", ""};
+                          const auto t0 = std::chrono::steady_clock::now();
+                          try {
+                            const Fixture f = load_fixture(path);
+                            r.layer = f.kind + " " + f.case_name;
+                            FixtureHandler h = find_fixture_handler(f.kind, twin);
+                            if (!h) {
+                              r.status = Status::Unsupported;
+                              r.detail = std::string(twin_kind_name(twin)) + " twin has no " + f.kind;
+                              return r;
+                            }
+                            const auto cmps = h(f);
+                            r.dtype = !f.config_json.is_object() ? "-" : f.config.bf16 ? "bf16" : f.config.fp16 ? "fp16" : "fp32";
+                            for (const auto& c : cmps) {
+                              if (c.share_used >= r.share) {
+                                r.share = c.share_used;
+                                r.max_err = c.max_abs;
+                                r.bound = c.tol.atol + c.tol.rtol * std::fabs(c.worst_expected);
+                              }
+                              if (!c.pass) {
+                                r.status = Status::Fail;
+                                if (r.detail.empty()) r.detail = "first failing: " + c.name + (c.message.empty() ? "" : " (" + c.message + ")");
+                              }
+                            }
+                          } catch (const std::exception&) {
+                            r.status = Status::Error;
+                            r.detail = describe_exception(std::current_exception());
+                          }
+                          r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+                          return r;
+                        }});
+      }
+  } else {
+    err << "twin check: fixtures/megatron-core not found (run from the repository root or set TWIN_SOURCE_DIR); fixture rows skipped\n";
   }
-  if (opt.json)
-    out << nlohmann::json{{"command", "check"}, {"status", "pass"}, {"message", "no checks run yet"}, {"kinds", kinds}}.dump()
-        << "\n";
-  return 0;
+
+  // ---- run, with progress on stderr
+  if (!gpu) err << "twin check: no GPU (" << why << "): the optimized twin runs on the CUDA simulator\n";
+  for (std::size_t i = 0; i < jobs.size(); ++i) {
+    err << fmt::format("[{}/{}] {} ...", i + 1, jobs.size(), jobs[i].label) << std::flush;
+    Row r;
+    try {
+      r = jobs[i].run();
+    } catch (const std::exception&) {
+      r.layer = jobs[i].label;
+      r.status = Status::Error;
+      r.detail = describe_exception(std::current_exception());
+    }
+    err << " " << status_name(r.status) << fmt::format(" ({:.2f} s)\n", r.seconds);
+    rows.push_back(std::move(r));
+  }
+
+  // ---- report: failures make the exit code; a kind a twin lacks is listed, not a failure
+  int failures = 0, errors = 0;
+  for (const auto& r : rows) {
+    failures += r.status == Status::Fail;
+    errors += r.status == Status::Error;
+  }
+  const int code = errors ? 2 : failures ? 1 : 0;
+  if (opt.json) {
+    nlohmann::json js = nlohmann::json::array();
+    for (const auto& r : rows)
+      js.push_back({{"layer", r.layer}, {"dtype", r.dtype}, {"backend", r.backend}, {"tp", r.tp}, {"max_error", r.max_err},
+                    {"bound", r.bound}, {"share", r.share}, {"seconds", r.seconds}, {"status", status_name(r.status)}, {"detail", r.detail}});
+    out << nlohmann::json{{"command", "check"}, {"status", code == 0 ? "pass" : code == 1 ? "fail" : "error"}, {"rows", js}}.dump() << "\n";
+    return code;
+  }
+  out << fmt::format("{:<52} {:<5} {:<4} {:<5} {:>11} {:>11} {:>7} {:>8}  {}\n", "layer", "dtype", "back", "TP", "max error", "bound",
+                     "share", "time s", "status");
+  for (const auto& r : rows)
+    out << fmt::format("{:<52} {:<5} {:<4} {:<5} {:>11} {:>11} {:>7} {:>8.2f}  {}{}\n", r.layer.substr(0, 52), r.dtype, r.backend, r.tp,
+                       num(r.max_err), num(r.bound), num(r.share), r.seconds, status_name(r.status),
+                       r.detail.empty() ? "" : "  " + r.detail);
+  out << fmt::format("twin check: {} rows, {} failed, {} errors\n", rows.size(), failures, errors);
+  return code;
 }
 
 }  // namespace twin::cli

@@ -3,6 +3,7 @@
 #include <map>
 #include <utility>
 
+#include "parity/dense_run.h"
 #include "reference/fixture_handlers.h"
 
 namespace twin {
@@ -18,6 +19,7 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin) {
       {{"retro_decoder_layer", TwinKind::Reference}, reference::run_retro_decoder_layer_fixture},
       {{"retro_block", TwinKind::Reference}, reference::run_retro_block_fixture},
       {{"dense_layer", TwinKind::Reference}, reference::run_dense_layer_fixture},
+      {{"dense_layer", TwinKind::Optimized}, parity::run_optimized_dense_layer_fixture},
       {{"moe_layer", TwinKind::Reference}, reference::run_moe_layer_fixture},
   };
   auto it = handlers.find({kind, twin});

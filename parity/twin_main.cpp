@@ -3,6 +3,7 @@
 
 #include <iostream>
 
+#include "parity/case_cmd.h"
 #include "parity/check.h"
 #include "parity/cli_common.h"
 #include "parity/fixture_cmd.h"
@@ -33,6 +34,12 @@ int main(int argc, char** argv) {
   auto* check_cmd = app.add_subcommand("check", "The main job: check the twins against their references (ci/check runs it)");
   check_cmd->add_flag("--json", check.json, "One JSON object on stdout");
 
+  CaseOptions case_opt;
+  auto* case_cmd = app.add_subcommand("case", "Rerun one dense-layer parity case from its id (printed by a failing property test)");
+  case_cmd->add_option("ID", case_opt.id, "The case id, dense(h=...,seed=...)")->required();
+  case_cmd->add_option("--backend", case_opt.backend, "Where the optimized twin runs")->check(CLI::IsMember({"sim", "cuda"}))->capture_default_str();
+  case_cmd->add_flag("--graph", case_opt.graph, "Replay the optimized layer from a captured CUDA graph");
+
   int layout_num_layers = 0;
   bool layout_json = false;
   auto* layout_cmd = app.add_subcommand("layout", "Print a Retro decoder block's layout: one line per layer (gpt, retro, retro_with_encoder)");
@@ -50,6 +57,7 @@ int main(int argc, char** argv) {
     if (*inspect_cmd) return run_inspect(inspect, std::cout, std::cerr);
     if (*fixture_cmd) return run_fixture(fixture, std::cout, std::cerr);
     if (*check_cmd) return run_check(check, std::cout, std::cerr);
+    if (*case_cmd) return run_case_command(case_opt, std::cout, std::cerr);
     if (*layout_cmd) {
       namespace retro = twin::reference::retro;
       try {

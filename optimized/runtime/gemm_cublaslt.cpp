@@ -5,14 +5,15 @@
 // (rows/cols of the stored matrix, ld, batch count and strided batch offset), the epilogue and
 // bias pointer/dtype set on the descriptor, and the first algorithm of the heuristic. Arguments
 // are validated first by validate_gemm, the same check the simulator applies. Grouped GEMMs run
-// as one matmul per non-empty group; a group with k == 0 is computed as D = beta * C (+ bias),
-// which cuBLASLt is given as a matmul with k = 0 (untested on hardware).
+// as one matmul per non-empty group. k == 0 (D = beta * C + bias, then the activation) is run as
+// a k = 1 matmul of a zero column by a zero row, since cuBLASLt does not accept k = 0.
 #include "optimized/runtime/cuda_check.h"
 #include "optimized/runtime/gemm.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -110,9 +111,16 @@ class CublasLtGemm final : public Gemm {
     });
   }
 
-  void matmul(const GemmArgs& g, cudaStream_t stream) {
-    if (g.m == 0 || g.n == 0) return;
+  void matmul(const GemmArgs& g_in, cudaStream_t stream) {
+    if (g_in.m == 0 || g_in.n == 0) return;
     init();
+    GemmArgs g = g_in;
+    if (g.k == 0) {  // op(A) = 0 [m, 1], op(B) = 0 [1, n]: the product adds exactly zero
+      const void* zeros = zero_buffer(static_cast<std::size_t>(std::max(g.m, g.n)) * dtype_size(g.ab_dtype), stream);
+      g.k = 1;
+      g.transa = Op::N, g.a = zeros, g.lda = g.m, g.stride_a = 0;
+      g.transb = Op::N, g.b = zeros, g.ldb = 1, g.stride_b = 0;
+    }
     MatmulDesc desc;
     cublasOperation_t ta = g.transa == Op::N ? CUBLAS_OP_N : CUBLAS_OP_T;
     cublasOperation_t tb = g.transb == Op::N ? CUBLAS_OP_N : CUBLAS_OP_T;
@@ -153,7 +161,22 @@ class CublasLtGemm final : public Gemm {
              "cublasLtMatmul");
   }
 
+  // A zeroed device buffer of at least `bytes` (grown on demand, kept for later calls).
+  const void* zero_buffer(std::size_t bytes, cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(zero_mutex_);
+    if (zero_bytes_ < bytes) {
+      if (zeros_) cuda_check(cudaFree(zeros_), "cudaFree(gemm zero buffer)");
+      cuda_check(cudaMalloc(&zeros_, bytes), "cudaMalloc(gemm zero buffer)");
+      cuda_check(cudaMemsetAsync(zeros_, 0, bytes, stream), "cudaMemsetAsync(gemm zero buffer)");
+      zero_bytes_ = bytes;
+    }
+    return zeros_;
+  }
+
   static constexpr std::size_t kWorkspace = 32u << 20;
+  std::mutex zero_mutex_;
+  void* zeros_ = nullptr;
+  std::size_t zero_bytes_ = 0;
   std::once_flag once_;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

@@ -1,0 +1,94 @@
+// Google Benchmark suite of the dense TransformerLayer forward (issue 7, acceptance 4):
+//   BM_ReferenceDenseLayer/<config>  the Eigen reference on the CPU (mirroring Megatron's rounding)
+//   BM_OptimizedDenseLayer/<config>  the optimized twin on the GPU when one is present (device time of
+//                                    a CUDA-graph replay of the layer; skipped with the reason otherwise)
+// Counters: TFLOP/s (the layer's GEMM + attention FLOPs per second) and, on the GPU, the fraction of
+// the device's dense peak for the dtype (H100/H200 SXM: 989 TFLOP/s bf16/fp16 tensor cores, 67 fp32;
+// override with TWIN_PEAK_TFLOPS). Write JSON with --benchmark_out=<file> --benchmark_out_format=json.
+#include <benchmark/benchmark.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "optimized/transformer_layer.h"
+#include "parity/dense_run.h"
+
+using namespace twin;
+
+namespace {
+
+// Forward FLOPs: 2 m n k per GEMM; attention 2 s^2 hn per head for q k^T and for p v (halved when
+// causal: the kernel skips the masked half), counted once although the kernel computes q k^T twice.
+double layer_flops(const parity::DenseCase& c) {
+  const double tok = double(c.s) * c.b, h = c.hidden, d = c.kv_channels;
+  const double qkv = (c.heads + 2.0 * c.groups) * d, fc1 = (c.glu ? 2.0 : 1.0) * c.ffn;
+  const double gemm = 2.0 * tok * h * (qkv + c.heads * d + fc1) + 2.0 * tok * c.ffn * h;
+  double attn = 4.0 * c.b * c.heads * double(c.s) * c.s * d;
+  if (c.mask == parity::MaskKind::Causal) attn /= 2.0;
+  return gemm + attn;
+}
+
+double peak_flops(DType dt) {
+  if (const char* p = std::getenv("TWIN_PEAK_TFLOPS")) return std::atof(p) * 1e12;
+  return dt == DType::F32 ? 66.9e12 : 989.4e12;
+}
+
+const char* kCpuConfigs[] = {
+    "dense(h=256,a=8,g=8,d=32,ffn=1024,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=1)",
+    "dense(h=256,a=8,g=2,d=32,ffn=512,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s=64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=2)",
+};
+const char* kGpuConfigs[] = {
+    // Llama-3-8B-like layer, GQA 32/8, SwiGLU
+    "dense(h=4096,a=32,g=8,d=128,ffn=14336,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s=2048,b=1,dtype=bf16,tp=1,sp=0,drop=0,seed=3)",
+    // GPT-3-1.3B-like layer
+    "dense(h=2048,a=16,g=16,d=128,ffn=8192,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=2048,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=4)",
+};
+
+void BM_ReferenceDenseLayer(benchmark::State& state, const char* id) {
+  const parity::DenseCase c = parity::parse_case_id(id);
+  const parity::DenseInputs in = parity::make_inputs(c);
+  for (auto _ : state) benchmark::DoNotOptimize(parity::reference_forward(c, in, false));
+  state.counters["TFLOP/s"] = benchmark::Counter(layer_flops(c) / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(id);
+}
+
+void BM_OptimizedDenseLayer(benchmark::State& state, const char* id) {
+  std::string why;
+  if (!rt::available(rt::Backend::Cuda, &why)) {
+    state.SkipWithError(("no GPU: " + why).c_str());
+    for (auto _ : state) {
+    }
+    return;
+  }
+  const parity::DenseCase c = parity::parse_case_id(id);
+  const parity::DenseInputs in = parity::make_inputs(c);
+  opt::LayerOptions lo;
+  lo.backend = rt::Backend::Cuda;
+  opt::DenseTransformerLayer layer(in.config, in.params, lo);
+  opt::ForwardOptions fo;
+  fo.use_graph = true;
+  layer.forward(in.hidden_states, nullptr, in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, fo);  // capture
+  for (auto _ : state) state.SetIterationTime(layer.time_forward_ms(10) / 1e3);
+  const double flops = layer_flops(c);
+  state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["fraction_of_peak"] = benchmark::Counter(flops / peak_flops(c.dtype), benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(id);
+}
+
+int register_all() {
+  int i = 0;
+  for (const char* id : kCpuConfigs)
+    benchmark::RegisterBenchmark(("BM_ReferenceDenseLayer/cpu" + std::to_string(i++)).c_str(), BM_ReferenceDenseLayer, id)
+        ->Unit(benchmark::kMillisecond);
+  i = 0;
+  for (const char* id : kGpuConfigs)
+    benchmark::RegisterBenchmark(("BM_OptimizedDenseLayer/gpu" + std::to_string(i++)).c_str(), BM_OptimizedDenseLayer, id)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  return 0;
+}
+const int registered = register_all();
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,35 @@
+#include "parity/case_cmd.h"
+
+#include <fmt/format.h>
+
+#include "parity/cli_common.h"
+#include "parity/dense_run.h"
+
+namespace twin::cli {
+
+int run_case_command(const CaseOptions& opt, std::ostream& out, std::ostream& err) {
+  parity::DenseCase c;
+  try {
+    c = parity::parse_case_id(opt.id);
+  } catch (const std::exception& e) {
+    err << "error: " << one_line(e.what()) << "\n";
+    return 2;
+  }
+  parity::RunOptions ro;
+  ro.backend = opt.backend == "cuda" ? rt::Backend::Cuda : rt::Backend::Sim;
+  ro.taps = c.tp == 1 && !opt.graph;
+  ro.use_graph = opt.graph;
+  std::string why;
+  if (!rt::available(ro.backend, &why)) {
+    err << "error: backend " << opt.backend << " not available: " << why << "\n";
+    return 2;
+  }
+  const parity::CaseResult r = parity::run_case(c, ro);
+  out << r.report();
+  if (r.pass() && !r.taps.rows.empty()) out << r.taps.format();
+  out << fmt::format("{}: reference {:.3f} s, optimized ({}) {:.3f} s\n", r.pass() ? "PASS" : "FAIL", r.seconds_reference, opt.backend,
+                     r.seconds_optimized);
+  return r.pass() ? 0 : 1;
+}
+
+}  // namespace twin::cli

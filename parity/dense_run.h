@@ -1,0 +1,50 @@
+// Running a dense-layer case through both twins, and the optimized twin's `dense_layer` fixture
+// handler. Shared by the property tests, `twin check` and `twin case <id>`.
+//
+// The bound (parity/bounds.h reference_error_bound): the reference runs twice, mirroring Megatron
+// (ComputeMode::FP32, rounding where Megatron stores) and exactly (fp64, no rounding); the
+// optimized twin may differ from the reference by the dtype default plus twice the reference's
+// own max error against the exact run.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "fixtures/fixture.h"
+#include "optimized/runtime/device.h"
+#include "parity/compare.h"
+#include "parity/dense_case.h"
+#include "parity/tap_diff.h"
+
+namespace twin::parity {
+
+struct RunOptions {
+  rt::Backend backend = rt::Backend::Sim;
+  bool taps = false;       // record taps (tp == 1)
+  bool use_graph = false;  // optimized: capture a CUDA graph and replay it
+};
+
+// The reference layer (local GPT spec) on the case's inputs. mode FP32 mirrors Megatron; Exact is
+// fp64 without rounding (the output is then F64).
+Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, TapList* taps = nullptr);
+// The optimized layer at the case's tp / sp.
+Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOptions& o, TapList* taps = nullptr);
+
+struct CaseResult {
+  std::string id;
+  Comparison output;        // optimized vs reference (FP32 mode), bound from the reference's own error
+  double reference_error = 0.0;  // max |reference - exact|
+  TapDiff taps;             // tp == 1 with RunOptions::taps: every tap, first divergence named
+  double seconds_reference = 0.0, seconds_optimized = 0.0;
+  bool pass() const { return output.pass; }
+  std::string report() const;  // one paragraph: id, errors, bound, tap table on failure
+};
+CaseResult run_case(const DenseCase& c, const RunOptions& o = {});
+
+// `twin fixture --twin optimized` for kind dense_layer: the optimized layer (tp = 1, simulator, or
+// the GPU when TWIN_BACKEND=cuda) on the file's inputs; output and every tap compared with the
+// reference handler's rule (fp32: 1e-5 + 1e-4 |e|; bf16/fp16: n u max|e| + n u |e| with n the
+// rounding points before the tensor).
+std::vector<Comparison> run_optimized_dense_layer_fixture(const Fixture& f);
+
+}  // namespace twin::parity
