@@ -318,3 +318,58 @@ RC_GTEST_PROP(RotaryEmbedding, RotatesPairsAndPassesTheTail, (bool interleaved))
       RC_ASSERT(std::abs(std::hypot(y(r, a), y(r, b)) - std::hypot(t(r, a), t(r, b))) < 1e-12);
     }
 }
+
+// window_size (w0, w1) applies the sliding-window causal mask: query i sees keys i - w0 .. i + w1
+// (sq == sk), replacing any other mask.
+TEST(DotProductAttention, SlidingWindowEqualsTheExplicitBandMask) {
+  const Sizes z{2, 2, 4, 6, 2, 8};
+  std::mt19937_64 g(8);
+  const SeparateWeights w = random_weights(g, z);
+  const Mat x = random_mat(g, z.s * z.b, z.h);
+  TransformerConfig c = config_for(z);
+  std::vector<bool> band(z.b * z.s * z.s);
+  for (int b = 0; b < z.b; ++b)
+    for (int i = 0; i < z.s; ++i)
+      for (int j = 0; j < z.s; ++j) band[(b * z.s + i) * z.s + j] = !(j >= i - 2 && j <= i);
+  const Tensor mask = Tensor::from_vector<bool>({z.b, 1, z.s, z.s}, band);
+  AttentionArgs a = args_for(z);
+  a.attention_mask = &mask;
+  const Mat explicit_band = make_self_attention(c, fuse_qkv(w, z), w.wo)->forward(x, a, Taps()).output;
+  c.window_size = std::vector<int>{2, 0};
+  a.attention_mask = nullptr;
+  EXPECT_LT(max_abs_diff(make_self_attention(c, fuse_qkv(w, z), w.wo)->forward(x, a, Taps()).output, explicit_band), 1e-12);
+}
+
+// softmax_type off-by-one: softmax over [scores, 0] without the sink column.
+TEST(DotProductAttention, OffByOneSoftmaxAddsAZeroSink) {
+  TransformerConfig c = small_config(4, 1, 1, 8);
+  c.softmax_type = "off-by-one";
+  DotProductAttention dpa(c, 1, AttnMaskType::causal, exact());
+  Mat q(1, 4), k(1, 4), v(1, 4);
+  q << 1, 2, 0, -1;
+  k << 0.5, 1, 1, 0;
+  v << 1, -2, 3, 4;
+  const double score = q.row(0).dot(k.row(0)) / 2.0;  // 1 / sqrt(4)
+  const Mat out = dpa.forward(q, k, v, 1, 1, 1, nullptr, false, DropoutRng{});
+  EXPECT_LT(max_abs_diff(out, v * (std::exp(score) / (std::exp(score) + 1.0))), 1e-15);
+}
+
+// attention_output_gate: per group [q heads | gate heads | k | v]; context * sigmoid(gate).
+TEST(SelfAttention, OutputGateMultipliesTheContextBySigmoidOfTheGate) {
+  const Sizes z{2, 1, 4, 3, 2, 8};
+  std::mt19937_64 g(9);
+  const SeparateWeights w = random_weights(g, z);
+  const Mat wgate = random_mat(g, z.np * z.hn, z.h, 0.5);
+  const Mat x = random_mat(g, z.s * z.b, z.h);
+  TransformerConfig c = config_for(z);
+  c.attention_output_gate = true;
+  const Mat plain = fuse_qkv(w, z);  // [q q | k | v] for the one group
+  Mat gated(plain.rows() + wgate.rows(), z.h);
+  gated << plain.topRows(z.np * z.hn), wgate, plain.bottomRows(2 * z.hn);
+  auto attn = make_self_attention(c, gated, Mat::Identity(z.h, z.np * z.hn));
+  const Mat out = attn->forward(x, args_for(z), Taps()).output;
+  const Mat ctx = naive_attention(x, SeparateWeights{w.wq, w.wk, w.wv, Mat::Identity(z.h, z.np * z.hn)}, z, true);
+  const Mat gate = x * wgate.transpose();
+  const Mat expect = ctx.cwiseProduct(gate.unaryExpr([](double v) { return 1.0 / (1.0 + std::exp(-v)); }));
+  EXPECT_LT(max_abs_diff(out, expect), 1e-10);
+}
