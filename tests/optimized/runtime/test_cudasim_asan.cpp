@@ -41,6 +41,24 @@ TEST(SimAsan, OutOfBoundsGlobalWriteIsReportedWithItsSourceLine) {
 #endif
 }
 
+TEST(SimAsan, OutOfBoundsWriteToAThreadsLocalArrayIsReported) {
+#if !defined(TWIN_ASAN)
+  GTEST_SKIP() << "needs the AddressSanitizer build (cmake --preset asan)";
+#else
+  // The local array is on a fiber stack: this checks the fiber-switch annotations too.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const int line = marked_line(oob::source_file(), "oob_local");
+  ASSERT_GT(line, 0);
+  const std::string pattern = "stack-buffer-overflow.*WRITE of size 4.*oob_kernels.cuh:" + std::to_string(line);
+  EXPECT_DEATH(
+      {
+        twin::rt::DeviceBuffer out(twin::rt::device(twin::rt::Backend::Sim), 64 * sizeof(float));
+        launch_kernel(oob::local_array_overflow_forward_kernel, 1, 64, 0, nullptr, out.as<float>(), 37);
+      },
+      pattern);
+#endif
+}
+
 TEST(SimAsan, InBoundsKernelRunsCleanUnderAsan) {
   const int n = 255;  // 256 threads write elements 0..255 = 0..n
   twin::rt::DeviceBuffer out(twin::rt::device(twin::rt::Backend::Sim), (n + 1) * sizeof(float));

@@ -1,5 +1,6 @@
-// oob_kernels.cuh: an out-of-bounds global write (off by one), which the AddressSanitizer build
-// must report with this file and the line marked `// @oob_write`.
+// oob_kernels.cuh: out-of-bounds writes (off by one) to global memory and to a thread's local
+// array (which lives on the thread's fiber stack), which the AddressSanitizer build must report
+// with this file and the marked line.
 #pragma once
 
 #include "cuda_compat.h"
@@ -11,6 +12,16 @@ inline const char* source_file() { return __FILE__; }
 __global__ void off_by_one_write_forward_kernel(float* out, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i <= n) out[i] = 1.0f;  // @oob_write
+}
+
+// Thread `bad` writes one element past its local array.
+__global__ void local_array_overflow_forward_kernel(float* out, int bad) {
+  float local[8];
+  const int t = threadIdx.x;
+  for (int i = 0; i < 8; ++i) local[i] = static_cast<float>(t + i);
+  const int idx = t == bad ? 8 : t % 8;
+  local[idx] = 1.0f;  // @oob_local
+  out[t] = local[t % 8];
 }
 
 }  // namespace oob
