@@ -10,7 +10,7 @@
 #include <string>
 
 namespace {
-int marked_line(const char* file, const std::string& marker) {
+[[maybe_unused]] int marked_line(const char* file, const std::string& marker) {
   std::ifstream f(file);
   std::string line;
   for (int n = 1; std::getline(f, line); ++n)
