@@ -16,8 +16,14 @@
 
 namespace twin::test {
 
+// TWIN_SOURCE_DIR from the environment (ctest sets it), else the source tree this test was built
+// from: ctest drops the ENVIRONMENT property of tests with more than one label (twin_add_test
+// passes LABELS as an unescaped list to gtest_discover_tests).
 inline std::string fixture_dir() {
   const char* d = std::getenv("TWIN_SOURCE_DIR");
+#ifdef TWIN_RETRO_TEST_SOURCE_DIR
+  if (!d) d = TWIN_RETRO_TEST_SOURCE_DIR;
+#endif
   return std::string(d ? d : ".") + "/fixtures/megatron-core/";
 }
 
