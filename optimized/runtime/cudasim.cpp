@@ -25,12 +25,15 @@
 #include "optimized/runtime/sim_stream.h"
 
 #include <boost/context/detail/fcontext.hpp>
+#include <link.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <tuple>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -176,6 +179,8 @@ struct Worker {
   std::mt19937_64 rng;  // per warp: bit l set while lane l waits at a warp operation
   unsigned char* smem = nullptr;
   std::size_t smem_cap = 0;
+  char* static_smem = nullptr;  // this worker thread's "cudasim_shared" section
+  std::size_t static_smem_size = 0;
   fctx::fcontext_t sched = nullptr;
   Fiber* current = nullptr;
   Launch* launch = nullptr;
@@ -217,6 +222,50 @@ struct Worker {
 };
 
 thread_local Worker* tl_worker = nullptr;
+
+// ---- static __shared__ memory: the "cudasim_shared" TLS section ----
+// The linker defines __start_/__stop_ for a section named like a C identifier; the marker makes
+// sure the section exists even in programs without a __shared__ variable. A thread's copy of the
+// section is found the way general-dynamic TLS code finds a variable: __tls_get_addr with the
+// executable's module id (1) and the section's offset in the executable's TLS segment.
+extern "C" char __start_cudasim_shared[], __stop_cudasim_shared[];
+thread_local __attribute__((section("cudasim_shared"), used)) char g_shared_marker[16];
+struct TlsIndex {
+  unsigned long module, offset;
+};
+extern "C" void* __tls_get_addr(TlsIndex*);
+
+// This thread's copy of the section and its size; {nullptr, 0} if it cannot be located safely.
+std::pair<char*, std::size_t> static_shared_section() {
+  static const std::uintptr_t tls_start = [] {
+    std::uintptr_t start = 0;
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, std::size_t, void* out) {
+          for (int i = 0; i < info->dlpi_phnum; ++i)
+            if (info->dlpi_phdr[i].p_type == PT_TLS)
+              *static_cast<std::uintptr_t*>(out) = info->dlpi_addr + info->dlpi_phdr[i].p_vaddr;
+          return 1;  // the first object is the executable
+        },
+        &start);
+    return start;
+  }();
+  const std::size_t size = static_cast<std::size_t>(__stop_cudasim_shared - __start_cudasim_shared);
+  const auto sec = reinterpret_cast<std::uintptr_t>(__start_cudasim_shared);
+  if (tls_start == 0 || sec < tls_start) return {nullptr, 0};
+  TlsIndex ti{1, sec - tls_start};
+  char* start = static_cast<char*>(__tls_get_addr(&ti));
+  // Sanity check: this thread's marker must lie inside the range found.
+  char* marker = g_shared_marker;
+  if (marker < start || marker + sizeof(g_shared_marker) > start + size) {
+    static std::once_flag warned;
+    std::call_once(warned, [] {
+      std::fprintf(stderr, "cudasim: cannot locate static __shared__ memory (kernels in a shared library?); "
+                           "it will not be poisoned between blocks\n");
+    });
+    return {nullptr, 0};
+  }
+  return {start, size};
+}
 
 #if !defined(TWIN_ASAN)
 // A fiber that overflows its stack hits the guard page below it: say so instead of a bare SIGSEGV
@@ -273,6 +322,7 @@ Worker& this_worker() {
   if (!w) {
     w = std::make_unique<Worker>();
     tl_worker = w.get();
+    std::tie(w->static_smem, w->static_smem_size) = static_shared_section();
 #if !defined(TWIN_ASAN)
     install_overflow_report();
 #endif
@@ -446,6 +496,7 @@ void run_block(Worker& w, Launch& L, std::uint64_t block_linear) {
   w.ensure_threads(n);
   w.ensure_smem(sp.smem);
   std::memset(w.smem, 0xFF, std::max<std::size_t>(sp.smem, 1));  // poison: NaN for floats, -1 for ints
+  if (w.static_smem) std::memset(w.static_smem, 0xFF, w.static_smem_size);
   tl_dyn_smem = w.smem;
 #if defined(TWIN_ASAN)
   if (w.stacks_dirty) {  // frames of an abandoned block left redzones behind

@@ -7,13 +7,13 @@
 //   threads; the launching thread is one of them).
 // - threadIdx is fiber-local (the scheduler sets a thread_local pointer before resuming a fiber);
 //   blockIdx/blockDim/gridDim are worker-thread-local, since a block never changes worker.
-// - Static `__shared__ T x[N];` becomes `static thread_local T x[N];`: one instance per worker
-//   thread, hence shared by exactly the fibers of the block running there and separate from
-//   blocks running concurrently on other workers. It is NOT cleared between blocks (it holds the
-//   previous block's bytes, as real shared memory holds garbage); a macro cannot learn the address
-//   of the array it prefixes, so it cannot be poisoned. Dynamic shared memory (DYNAMIC_SHARED) is
-//   a per-worker buffer filled with 0xFF bytes (NaN for float/bf16/fp16, -1 for ints) before
-//   every block.
+// - Static `__shared__ T x[N];` becomes `static thread_local T x[N];` placed in the TLS section
+//   "cudasim_shared": one instance per worker thread, hence shared by exactly the fibers of the
+//   block running there and separate from blocks running concurrently on other workers. A macro
+//   cannot learn the address of the array it prefixes, but the linker gathers the section, so
+//   before every block the engine fills the worker's whole copy of it (every kernel's static
+//   shared arrays) with 0xFF bytes: NaN for float/bf16/fp16, -1 for ints, as it does for dynamic
+//   shared memory (DYNAMIC_SHARED, a per-worker buffer). Stale values never carry over.
 // - __nv_bfloat16/__half come from the CUDA toolkit's own headers, which implement conversions and
 //   arithmetic for the host; math functions the toolkit keeps device-only are supplied below.
 // - Barriers and warp operations record __FILE__/__LINE__ (they are macros) so the simulator
@@ -38,7 +38,7 @@
 
 // ---- CUDA keywords the toolkit leaves undefined (or empty) for a host compiler ----------------
 #undef __shared__
-#define __shared__ static thread_local
+#define __shared__ static thread_local __attribute__((section("cudasim_shared")))
 #ifndef __launch_bounds__
 #define __launch_bounds__(...)
 #endif

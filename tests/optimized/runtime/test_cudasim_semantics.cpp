@@ -22,6 +22,16 @@ TEST_F(SimTest, DynamicSharedMemoryIsPoisonedBeforeEachBlock) {
   for (unsigned v : download<unsigned>(out, blocks * threads)) ASSERT_EQ(v, 0xffffffffu);
 }
 
+TEST_F(SimTest, StaticSharedMemoryIsPoisonedBeforeEachBlock) {
+  using namespace semantics_test;
+  const int blocks = 6, threads = 64;
+  twin::rt::DeviceBuffer out(dev(), blocks * threads * 4);
+  // Blocks that write 7 run first (on the same workers); the next launch must not see the 7s.
+  launch_kernel(semantics::static_shared_probe_kernel, blocks, threads, 0, nullptr, out.as<unsigned>(), true);
+  launch_kernel(semantics::static_shared_probe_kernel, blocks, threads, 0, nullptr, out.as<unsigned>(), false);
+  for (unsigned v : download<unsigned>(out, blocks * threads)) ASSERT_EQ(v, 0xffffffffu);
+}
+
 TEST_F(SimTest, BadLaunchConfigurationsAreErrors) {
   twin::rt::DeviceBuffer out(dev(), 4096 * 4);
   auto expect_error = [&](dim3 grid, dim3 block, std::size_t smem, const char* what) {

@@ -106,6 +106,14 @@ __global__ void shared_read_uninitialized_kernel(unsigned* out) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = raw[threadIdx.x];
 }
 
+// With `write`, fills its static shared array; without, reads it before writing (the simulator
+// poisons static shared memory before every block, so a read-before-write shows 0xFFFFFFFF).
+__global__ void static_shared_probe_kernel(unsigned* out, bool write) {
+  __shared__ unsigned probe[64];
+  if (write) probe[threadIdx.x] = 7u;
+  else out[blockIdx.x * blockDim.x + threadIdx.x] = probe[threadIdx.x];
+}
+
 // sum[b] = sum of x[b * n + i] over i: warp shuffles, then one warp over the per-warp sums.
 __global__ void block_sum_forward_kernel(const float* x, float* sum, int n) {
   __shared__ float warp_sums[32];
