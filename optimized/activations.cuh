@@ -76,8 +76,8 @@ inline void bias_activation_forward(DType dt, const void* in, const void* bias, 
   if (n == 0) return;
   dispatch_dtype(dt, "bias_activation_forward", [&](auto tag) {
     using T = decltype(tag);
-    const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(ceil_div(n * f, 256), 65535));
-    launch_kernel(bias_activation_forward_kernel<T>, dim3(blocks), dim3(256), 0, stream, static_cast<const T*>(in),
+    const unsigned threads = elementwise_threads(n * f);
+    launch_kernel(bias_activation_forward_kernel<T>, dim3(elementwise_blocks(n * f, threads)), dim3(threads), 0, stream, static_cast<const T*>(in),
                   static_cast<const T*>(bias), static_cast<T*>(out), n, f, act, glu);
   });
 }

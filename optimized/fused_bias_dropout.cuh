@@ -40,8 +40,8 @@ inline void bias_dropout_add_forward(DType dt, const void* x, const void* bias, 
   dispatch_dtype(dt, "bias_dropout_add_forward", [&](auto tag) {
     using T = decltype(tag);
     const std::int64_t n = n_rows * h;
-    const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(ceil_div(n, 256), 65535));
-    launch_kernel(bias_dropout_add_forward_kernel<T>, dim3(blocks), dim3(256), 0, stream, static_cast<const T*>(x),
+    const unsigned threads = elementwise_threads(n);
+    launch_kernel(bias_dropout_add_forward_kernel<T>, dim3(elementwise_blocks(n, threads)), dim3(threads), 0, stream, static_cast<const T*>(x),
                   static_cast<const T*>(bias), static_cast<const T*>(residual), static_cast<T*>(out), n_rows, h, drop,
                   element_base);
   });

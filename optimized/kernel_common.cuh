@@ -9,6 +9,7 @@
  * throw std::invalid_argument naming the op and the offending sizes. */
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -82,5 +83,15 @@ void dispatch_dtype(DType dt, const char* op, F&& f) {
 }
 
 inline unsigned ceil_div(std::int64_t a, std::int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+
+// Threads per block of an element-wise kernel over n elements: 256, or fewer (a multiple of 32)
+// when n is small, so no block is mostly idle (and the simulator makes no idle fibers).
+inline unsigned elementwise_threads(std::int64_t n) {
+  return static_cast<unsigned>(std::min<std::int64_t>(256, std::max<std::int64_t>(32, (n + 31) / 32 * 32)));
+}
+// Grid of a grid-stride element-wise kernel.
+inline unsigned elementwise_blocks(std::int64_t n, unsigned threads) {
+  return static_cast<unsigned>(std::min<std::int64_t>(ceil_div(n, threads), 65535));
+}
 
 }  // namespace twin::opt::TWIN_BACKEND

@@ -51,8 +51,8 @@ inline void rotary_pos_emb_forward(DType dt, void* t, const float* freqs, const 
   dispatch_dtype(dt, "rotary_pos_emb_forward", [&](auto tag) {
     using T = decltype(tag);
     const std::int64_t total = rows.n_rows * (rot_dim / 2);
-    const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(ceil_div(total, 256), 65535));
-    launch_kernel(rotary_pos_emb_forward_kernel<T>, dim3(blocks), dim3(256), 0, stream, static_cast<T*>(t), freqs, rows,
+    const unsigned threads = elementwise_threads(total);
+    launch_kernel(rotary_pos_emb_forward_kernel<T>, dim3(elementwise_blocks(total, threads)), dim3(threads), 0, stream, static_cast<T*>(t), freqs, rows,
                   rows_per_position, rot_dim, interleaved);
   });
 }

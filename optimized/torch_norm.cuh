@@ -1,7 +1,7 @@
 /* LayerNorm and RMSNorm forward (reference/torch_norm.h; megatron/core/transformer/torch_norm.py).
  *
  * Design: one row per warp when the row is short (<= 1024 elements: qk-layernorm over kv_channels,
- * small hidden sizes; 4 rows per 128-thread block, shuffle-only reductions, no barrier), one row per
+ * small hidden sizes; up to 4 rows per 128-thread block, shuffle-only reductions, no barrier), one row per
  * block otherwise (256 threads, warp shuffles + one shared-memory step). Statistics in fp32:
  * LayerNorm takes the mean first, then the biased variance of (x - mean) (two passes over the row,
  * which stays in L1/L2; no catastrophic cancellation of E[x^2] - mean^2). The output is stored once
@@ -109,7 +109,8 @@ inline void norm_forward(bool rms, DType dt, const void* x, void* y, const void*
     const T* b = static_cast<const T*>(bias);
     const float e = static_cast<float>(eps);
     if (rows.width <= 1024) {
-      const dim3 grid(ceil_div(rows.n_rows, kNormWarpRowsPerBlock)), block(32 * kNormWarpRowsPerBlock);
+      const int warps = static_cast<int>(std::min<std::int64_t>(kNormWarpRowsPerBlock, rows.n_rows));  // no idle warps on tiny inputs
+      const dim3 grid(ceil_div(rows.n_rows, warps)), block(32 * warps);
       if (rms)
         launch_kernel(rmsnorm_forward_kernel<T, true>, grid, block, 0, stream, xx, yy, w, rows, e, zero_centered_gamma);
       else

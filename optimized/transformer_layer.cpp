@@ -143,8 +143,9 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
   reject(o.sp && tp == 1, "sequence parallelism needs tp > 1");
   reject(c.apply_query_key_layer_scaling && (c.fp16 || c.bf16) && !c.attention_softmax_in_fp32,
          "apply_query_key_layer_scaling needs attention_softmax_in_fp32");
-  reject(o.attn_mask_type != "causal" && o.attn_mask_type != "no_mask" && o.attn_mask_type != "padding" && o.attn_mask_type != "arbitrary",
-         "attn_mask_type '" + o.attn_mask_type + "' (causal, no_mask, padding, arbitrary)");
+  reject(o.attn_mask_type != "causal" && o.attn_mask_type != "no_mask" && o.attn_mask_type != "padding" && o.attn_mask_type != "arbitrary" &&
+             o.attn_mask_type != "padding_causal",
+         "attn_mask_type '" + o.attn_mask_type + "' (causal, no_mask, padding, padding_causal, arbitrary)");
   if (o.backend == rt::Backend::Cuda) reject(tp != 1, "tp > 1 on the GPU backend needs one device per rank (simulate ranks with Backend::Sim)");
   const int act = static_cast<int>(sim::act_from_name(c.activation_func));
   m.dev = &rt::device(o.backend);

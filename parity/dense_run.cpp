@@ -20,14 +20,6 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The mask the reference sees: the local spec's attention is causal unless a mask is given, so
-// "none" is an explicit all-False mask there (the same math as no mask); the optimized twin runs
-// its no-mask path instead (LayerOptions::attn_mask_type = no_mask).
-Tensor reference_mask(const DenseCase& c, const DenseInputs& in) {
-  if (c.mask == MaskKind::None) return Tensor::from_vector<bool>({c.b, 1, c.s, c.s}, std::vector<bool>(std::size_t(c.b) * c.s * c.s, false));
-  return in.attention_mask;
-}
-
 }  // namespace
 
 Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, TapList* taps) {
@@ -36,14 +28,15 @@ Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, 
   cfg.tensor_model_parallel_size = 1;  // the reference is the unsharded layer
   cfg.sequence_parallel = false;
   const Precision p = Precision::from_config(cfg, exact ? ComputeMode::Exact : ComputeMode::FP32);
-  const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization);
+  // The spec's attn_mask_type param: causal, or no_mask / padding / arbitrary for the other cases.
+  const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
+                                                   attn_mask_type_from_name(cfg.attn_mask_type));
   TransformerLayer layer(cfg, spec.submodules, 1, std::nullopt, p);
   layer.load_state_dict(in.params);
   layer.training = in.training;
   layer.rng = DropoutRng{in.dropout_seed, 0};
-  const Tensor mask = reference_mask(c, in);
   LayerInputs li;
-  li.attention_mask = mask.defined() ? &mask : nullptr;
+  li.attention_mask = in.attention_mask.defined() ? &in.attention_mask : nullptr;
   li.rotary_pos_emb = in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr;
   TapRecord rec;
   auto [out, ctx] = layer.forward(in.hidden_states, li, taps ? Taps(&rec) : Taps());
@@ -56,7 +49,7 @@ Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOpt
   lo.tp = c.tp;
   lo.sp = c.sp;
   lo.backend = o.backend;
-  lo.attn_mask_type = c.mask == MaskKind::Causal ? "causal" : "no_mask";
+  lo.attn_mask_type = in.config.attn_mask_type;
   opt::DenseTransformerLayer layer(in.config, in.params, lo);
   opt::ForwardOptions fo;
   fo.training = in.training;
@@ -154,6 +147,7 @@ std::vector<Comparison> run_optimized_dense_layer_fixture(const Fixture& f) {
   opt::LayerOptions lo;
   lo.backend = be && std::string(be) == "cuda" ? rt::Backend::Cuda : rt::Backend::Sim;
   lo.layer_number = f.layer_number;
+  lo.attn_mask_type = cfg.attn_mask_type;  // the spec param the fixture ran with
   std::map<std::string, Tensor> params;
   for (const auto& n : f.names_with_prefix("param.")) params[n.substr(6)] = f.tensor(n);
   for (const auto& [k, v] : params) {
