@@ -223,3 +223,40 @@ TEST(RetroDecoderAttention, RetrievedLengthNotChunksTimesChunkLengthIsAClearErro
     }
   }
 }
+
+// The reach of the neighbours does not depend on the numerics: in bf16 (rounding at Megatron's
+// storage points) and in training with dropout (the same seed gives the same masks), the first
+// pad tokens stay bitwise unaffected and only the attending tokens change.
+TEST(RetroDecoderAttention, ReachHoldsInBf16AndWithDropout) {
+  for (int mode = 0; mode < 2; ++mode) {
+    SCOPED_TRACE(mode == 0 ? "bf16" : "dropout 0.3, training");
+    TransformerConfig config = retro_config(4, 2, 2);
+    if (mode == 0) {
+      config.bf16 = true;
+      config.params_dtype = "bfloat16";
+    } else {
+      config.hidden_dropout = config.attention_dropout = 0.3;
+      config.retro_encoder_hidden_dropout = config.retro_encoder_attention_dropout = 0.3;
+    }
+    auto layer = retro_decoder_layer(config, true);
+    layer->training = mode == 1;
+    layer->rng = reference::DropoutRng{1234, 0};
+    const Case cs{4, 2, 2, 10, 2, true};  // pad = 1
+    const DType dt = mode == 0 ? DType::BF16 : DType::F32;
+    const Tensor hidden = random_tensor({10, 2, 64}, 31).to(dt);
+    const Tensor context = random_tensor(cs.context_shape(64), 32).to(dt);
+    const auto [out, ctx] = run(*layer, hidden, context);
+    EXPECT_EQ(out.dtype(), dt);
+    EXPECT_EQ(ctx->dtype(), dt);
+    const auto [again, ctx_again] = run(*layer, hidden, context);
+    EXPECT_EQ(out.to_f64(), again.to_f64());  // reproducible
+    const auto [out2, ctx2] = run(*layer, hidden, random_tensor(cs.context_shape(64), 33).to(dt));
+    const auto changed = changed_tokens(out, out2);
+    EXPECT_EQ(static_cast<std::int64_t>(changed.size()), (10 - cs.pad()) * 2);
+    for (const auto& [s, b] : changed) EXPECT_GE(s, cs.pad());
+    if (mode == 1) {  // dropout is really applied in training
+      layer->training = false;
+      EXPECT_NE(run(*layer, hidden, context).first.to_f64(), out.to_f64());
+    }
+  }
+}
