@@ -1,5 +1,7 @@
 #include "reference/mlp.h"
 
+#include <cmath>
+
 namespace twin::reference {
 
 void record_output_with_bias(const Taps& taps, const std::string& name, const OutputWithBias& o,
@@ -26,7 +28,47 @@ MLP::MLP(const TransformerConfig& config, Precision p, std::optional<int> input_
       gated_linear_unit(config.gated_linear_unit),
       glu_linear_offset(config.glu_linear_offset),
       activation_func_clamp_value(config.activation_func_clamp_value),
-      p_(p) {}
+      bias_activation_fusion(config.bias_activation_fusion),
+      p_(p) {
+  if (bias_activation_fusion) {
+    const bool gelu = activation_func == ActivationFunc::Gelu, silu = activation_func == ActivationFunc::Silu;
+    if (!(gelu || (silu && gated_linear_unit)))
+      throw ConfigError("bias_activation_fusion: Only support fusion of gelu and swiglu (activation_func " +
+                        std::string(activation_name(activation_func)) + ", gated_linear_unit " +
+                        (gated_linear_unit ? "true" : "false") + ")");
+    if (gelu && !gated_linear_unit && !config.add_bias_linear)
+      throw ConfigError("bias_activation_fusion: the fused gelu requires add_bias_linear (bias_gelu_impl)");
+  }
+}
+
+namespace {
+// fused_bias_gelu.py bias_gelu / fused_bias_geglu.py geglu: the tanh form, one jit-fused store.
+double tanh_gelu(double x) { return x * 0.5 * (1.0 + std::tanh(0.79788456 * x * (1 + 0.044715 * x * x))); }
+}  // namespace
+
+// The bias_activation_fusion branch of MLP.forward (no per_token_scale).
+static Mat fused_bias_activation(const Mat& y_in, const std::optional<RowVec>& bias, ActivationFunc f, bool glu_unit,
+                                 const Precision& p) {
+  Mat y = y_in;
+  if (bias) {
+    y.rowwise() += *bias;
+    p.act_inplace(y);  // rounds: y + bias
+  }
+  if (!glu_unit) {  // bias_gelu_impl
+    for (Eigen::Index i = 0; i < y.size(); ++i) y.data()[i] = p.act(tanh_gelu(y.data()[i]));  // rounds: fused gelu
+    return y;
+  }
+  const Eigen::Index half = y.cols() / 2;  // torch.chunk(y, 2, -1)
+  Mat out(y.rows(), half);
+  for (Eigen::Index r = 0; r < y.rows(); ++r)
+    for (Eigen::Index c = 0; c < half; ++c) {
+      const double y1 = y(r, c), y2 = y(r, c + half);
+      const double a = f == ActivationFunc::Gelu ? p.act(tanh_gelu(y1))             // rounds: geglu's gelu
+                                                 : p.act(y1 / (1.0 + std::exp(-y1)));  // rounds: F.silu(y_1)
+      out(r, c) = p.act(a * y2);                                                      // rounds: * y_2
+    }
+  return out;
+}
 
 void MLP::load_state_dict(const StateDict& sd, const std::string& prefix) {
   linear_fc1.load_state_dict(sd, prefix + "linear_fc1.");
@@ -38,17 +80,40 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
   OutputWithBias fc1 = linear_fc1.forward(hidden_states);
   record_output_with_bias(taps, "linear_fc1", fc1, args.lead, p_);
   Mat intermediate_parallel = fc1.output;
-  if (fc1.bias) {
+  bool weighted_fused = false;  // the fused weighted swiglu already applied per_token_scale
+  if (bias_activation_fusion && args.per_token_scale) {
+    // weighted_bias_swiglu_impl: weighted_swiglu(y, w) = (swiglu(y) * w).to(y.dtype)
+    if (!(activation_func == ActivationFunc::Silu && gated_linear_unit))
+      throw ConfigError("MLP: bias_activation_fusion with per_token_scale is mirrored for swiglu only "
+                        "(weighted_bias_quick_geglu_impl is not)");
+    if (fc1.bias) throw ConfigError("MLP: Bias is not supported for weighted swiglu fusion");
+    if (static_cast<Eigen::Index>(args.per_token_scale->size()) != intermediate_parallel.rows())
+      throw ShapeError("MLP: per_token_scale has " + std::to_string(args.per_token_scale->size()) + " entries for " +
+                       std::to_string(intermediate_parallel.rows()) + " rows");
+    const bool scale_fp32 = args.per_token_scale_dtype == DType::F32 || args.per_token_scale_dtype == DType::F64;
+    Mat sw = fused_bias_activation(intermediate_parallel, std::nullopt, activation_func, true, p_);
+    for (Eigen::Index t = 0; t < sw.rows(); ++t)
+      for (Eigen::Index j = 0; j < sw.cols(); ++j) {
+        const double prod = sw(t, j) * (*args.per_token_scale)[t];
+        sw(t, j) = p_.act(scale_fp32 ? p_.f32(prod) : p_.act(prod));  // rounds: promoted product, .to(dtype)
+      }
+    intermediate_parallel = sw;
+    weighted_fused = true;
+  } else if (bias_activation_fusion) {
+    intermediate_parallel = fused_bias_activation(intermediate_parallel, fc1.bias, activation_func, gated_linear_unit, p_);
+  } else if (fc1.bias) {
     intermediate_parallel.rowwise() += *fc1.bias;
     p_.act_inplace(intermediate_parallel);  // rounds: intermediate_parallel + bias_parallel
   }
-  if (gated_linear_unit)
+  if (bias_activation_fusion) {
+    // done above
+  } else if (gated_linear_unit)
     intermediate_parallel =
         glu(activation_func, intermediate_parallel, glu_linear_offset, activation_func_clamp_value, p_);
   else
     intermediate_parallel = apply_activation(activation_func, intermediate_parallel, p_);
   const std::vector<double>* per_token_scale = args.per_token_scale;
-  if (per_token_scale) {
+  if (per_token_scale && !weighted_fused) {
     if (static_cast<Eigen::Index>(per_token_scale->size()) != intermediate_parallel.rows())
       throw ShapeError("MLP: per_token_scale has " + std::to_string(per_token_scale->size()) + " entries for " +
                        std::to_string(intermediate_parallel.rows()) + " rows");

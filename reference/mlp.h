@@ -1,7 +1,12 @@
-// megatron/core/transformer/mlp.py: MLP (linear_fc1 -> activation -> linear_fc2), the unfused
-// path (bias_activation_fusion only changes kernels, not the math, apart from the fused gelu's
-// tanh approximation, which the local spec does not use: the config's bias_activation_fusion is
-// rejected by validation when it would apply).
+// megatron/core/transformer/mlp.py: MLP (linear_fc1 -> activation -> linear_fc2).
+// With bias_activation_fusion (and no per_token_scale) Megatron calls the fused functions, whose
+// math differs from the unfused path and is mirrored as such:
+//   gelu, no GLU:  bias_gelu_impl  (fusions/fused_bias_gelu.py):  tanh gelu of (y + bias),
+//                  x * 0.5 * (1 + tanh(0.79788456 x (1 + 0.044715 x^2)))
+//   gelu, GLU:     bias_geglu_impl (fused_bias_geglu.py): the same tanh gelu of the first half
+//                  times the second half (no clamp, no glu_linear_offset)
+//   silu, GLU:     bias_swiglu_impl (fused_bias_swiglu.py): silu(y1) * y2 (no clamp, no offset)
+//   otherwise:     ValueError "Only support fusion of gelu and swiglu" (ConfigError here).
 //
 //   intermediate_parallel, bias_parallel = linear_fc1(hidden_states)   # [s, b, ffn (x2 GLU)]
 //   intermediate_parallel = intermediate_parallel + bias_parallel      # if bias
@@ -71,6 +76,7 @@ class MLP : public MlpModule {
   bool gated_linear_unit;
   double glu_linear_offset;
   std::optional<double> activation_func_clamp_value;
+  bool bias_activation_fusion;
 
  private:
   Precision p_;

@@ -114,3 +114,36 @@ TEST(MLP, GatedLinearUnitDoublesFc1) {
   EXPECT_TRUE(throws_with<ShapeError>([&] { mlp.load_state_dict(sd, "mlp."); },
                                       {"mlp.linear_fc1.weight", "expected shape [24, 8]", "got [12, 8]"}));
 }
+
+// bias_activation_fusion: gelu becomes bias_gelu_impl's tanh form; swiglu is silu(y1) * y2.
+TEST(MLP, BiasActivationFusionMirrorsTheFusedFunctions) {
+  TransformerConfig c = small_config(4, 2, 2, 6);
+  c.bias_activation_fusion = true;
+  std::mt19937_64 g(12);
+  const Mat x = random_mat(g, 5, 4);
+  auto run = [&](const TransformerConfig& cc) {
+    MLP mlp(cc, exact());
+    std::mt19937_64 gw(13);
+    mlp.linear_fc1.weight = random_mat(gw, mlp.linear_fc1.output_size(), 4);
+    if (mlp.linear_fc1.has_bias()) mlp.linear_fc1.bias = random_mat(gw, 1, mlp.linear_fc1.output_size()).row(0);
+    mlp.linear_fc2.weight = Mat::Identity(4, 6);
+    MlpArgs args;
+    args.lead = {5};
+    return mlp.forward(x, args, Taps()).output;
+  };
+  std::mt19937_64 gw(13);
+  const Mat w1 = random_mat(gw, 6, 4);
+  const RowVec b1 = random_mat(gw, 1, 6).row(0);
+  Mat h = x * w1.transpose();
+  h.rowwise() += b1;
+  const Mat tanh_gelu = h.unaryExpr([](double v) { return v * 0.5 * (1.0 + std::tanh(0.79788456 * v * (1 + 0.044715 * v * v))); });
+  EXPECT_LT(max_abs_diff(run(c), tanh_gelu.leftCols(4)), kExactTol);
+  TransformerConfig unfused = c;
+  unfused.bias_activation_fusion = false;
+  EXPECT_GT(max_abs_diff(run(c), run(unfused)), 1e-6);  // erf vs tanh gelu differ
+  c.activation_func = unfused.activation_func = "silu";
+  c.gated_linear_unit = unfused.gated_linear_unit = true;
+  EXPECT_LT(max_abs_diff(run(c), run(unfused)), kExactTol);  // swiglu: same math
+  c.activation_func = "quick_gelu";
+  EXPECT_TRUE(throws_with<ConfigError>([&] { MLP(c, exact()); }, {"Only support fusion of gelu and swiglu"}));
+}
