@@ -72,6 +72,11 @@ Mat L2Norm::forward(const Mat& x) const {
 
 std::unique_ptr<Norm> wrapped_torch_norm(const TransformerConfig& config, int hidden_size, double eps,
                                          Precision p) {
+  // WrappedTorchNorm's assertion: torch's norms have no zero-centred gamma (TE norms do; the
+  // LayerNorm / RMSNorm classes here support it for such specs).
+  if (config.layernorm_zero_centered_gamma)
+    throw ConfigError("layernorm_zero_centered_gamma: zero_centered_gamma not supported by torch LayerNorm "
+                      "(WrappedTorchNorm, the local spec's norm)");
   if (config.normalization == "LayerNorm")
     return std::make_unique<LayerNorm>(hidden_size, eps, config.layernorm_zero_centered_gamma, p);
   if (config.normalization == "RMSNorm")

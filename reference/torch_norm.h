@@ -76,7 +76,7 @@ class L2Norm : public Norm {
 };
 
 // WrappedTorchNorm(config, hidden_size, eps): LayerNorm or RMSNorm by config.normalization
-// (ConfigError for anything else).
+// (ConfigError for anything else, and for layernorm_zero_centered_gamma, as its assertion).
 std::unique_ptr<Norm> wrapped_torch_norm(const TransformerConfig& config, int hidden_size, double eps,
                                          Precision p);
 

@@ -108,6 +108,9 @@ TEST(Norms, WrongWidthAndWrongWeightShapeAreErrors) {
   EXPECT_TRUE(throws_with<ShapeError>([&] { ln.load_state_dict(sd, "input_layernorm."); },
                                       {"input_layernorm.weight", "expected shape [8]", "got [7]"}));
   TransformerConfig c;
+  c.layernorm_zero_centered_gamma = true;
+  EXPECT_TRUE(throws_with<ConfigError>([&] { wrapped_torch_norm(c, 8, 1e-5, exact()); }, {"zero_centered_gamma not supported"}));
+  c.layernorm_zero_centered_gamma = false;
   c.normalization = "BatchNorm";
   EXPECT_TRUE(throws_with<ConfigError>([&] { wrapped_torch_norm(c, 8, 1e-5, exact()); }, {"normalization", "BatchNorm"}));
 }
