@@ -1,6 +1,9 @@
 // The `twin` command line, run as a user runs it: exit codes, one-line errors, --json lines.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "core/safetensors.h"
@@ -44,38 +47,46 @@ TEST(TwinCli, UsageErrorsExit2OnOneLine) {
   }
 }
 
-TEST(TwinCli, CheckListsKindsAndExits0) {
-  const TwinRun text = run_twin("check");
-  EXPECT_EQ(text.code, 0);
-  EXPECT_TRUE(has(text.out, "dense_layer") && has(text.out, "moe_layer") && has(text.out, "retro_block")) << text.out;
-  const TwinRun j = run_twin("check --json");
-  EXPECT_EQ(j.code, 0);
-  ASSERT_EQ(lines(j.out).size(), 1u);
-  const json v = json::parse(j.out);
-  EXPECT_EQ(v["kinds"].size(), 7u);
+// Acceptance 3: every corrupt file is exit 2 and one line naming the file and the fault, from
+// both commands. One ctest test per case (they run in parallel).
+class TwinCliCorrupt : public ::testing::TestWithParam<CorruptCase> {};
+
+TEST_P(TwinCliCorrupt, Exit2WithOneLine) {
+  const CorruptCase& c = GetParam();
+  TempDir dir;
+  const std::string path = dir.file(c.name + ".safetensors");
+  write_bytes(path, c.bytes);
+  for (const char* cmd : {"fixture", "inspect"}) {
+    const TwinRun text = run_twin(std::string(cmd) + " " + quote(path));
+    EXPECT_EQ(text.code, 2) << cmd << " " << c.name;
+    EXPECT_TRUE(text.out.empty()) << cmd << " " << c.name << ": " << text.out;
+    ASSERT_EQ(lines(text.err).size(), 1u) << cmd << " " << c.name << ": " << text.err;
+    EXPECT_TRUE(has(text.err, path) && has(text.err, c.fault)) << text.err;
+  }
 }
 
-// Acceptance 3: every corrupt file is exit 2 and one line, from both commands, text and JSON.
-TEST(TwinCli, CorruptFilesExit2WithOneLine) {
-  TempDir dir;
-  for (const auto& c : corrupt_safetensors_cases()) {
-    const std::string path = dir.file(c.name + ".safetensors");
-    write_bytes(path, c.bytes);
-    for (const char* cmd : {"fixture", "inspect"}) {
-      const TwinRun text = run_twin(std::string(cmd) + " " + quote(path));
-      EXPECT_EQ(text.code, 2) << cmd << " " << c.name;
-      EXPECT_TRUE(text.out.empty()) << cmd << " " << c.name << ": " << text.out;
-      ASSERT_EQ(lines(text.err).size(), 1u) << cmd << " " << c.name << ": " << text.err;
-      EXPECT_TRUE(has(text.err, path) && has(text.err, c.fault)) << text.err;
+INSTANTIATE_TEST_SUITE_P(EveryFault, TwinCliCorrupt, ::testing::ValuesIn(corrupt_safetensors_cases()),
+                         [](const auto& info) { return info.param.name; });
 
-      const TwinRun j = run_twin(std::string(cmd) + " --json " + quote(path));
-      EXPECT_EQ(j.code, 2) << cmd << " --json " << c.name;
-      EXPECT_TRUE(j.err.empty()) << j.err;
-      ASSERT_EQ(lines(j.out).size(), 1u) << j.out;
-      const json v = json::parse(j.out);
-      EXPECT_EQ(v["status"], "error");
-      EXPECT_EQ(v["file"], path);
-      EXPECT_TRUE(has(v["message"].get<std::string>(), c.fault)) << v.dump();
+// --json: one object per corrupt file, status error, nothing on stderr.
+TEST(TwinCli, CorruptFilesJsonOneErrorObjectEach) {
+  TempDir dir;
+  const auto cases = corrupt_safetensors_cases();
+  for (const auto& c : cases) write_bytes(dir.file(c.name + ".safetensors"), c.bytes);
+  for (const char* cmd : {"fixture", "inspect"}) {
+    const TwinRun j = run_twin(std::string(cmd) + " --json " + quote(dir.path().string()) + "/*");
+    EXPECT_EQ(j.code, 2) << cmd;
+    EXPECT_TRUE(j.err.empty()) << j.err;
+    const auto ls = lines(j.out);
+    ASSERT_EQ(ls.size(), cases.size()) << j.out;
+    for (const auto& l : ls) {
+      const json v = json::parse(l);
+      EXPECT_EQ(v["status"], "error") << l;
+      const std::string file = v["file"];
+      const std::string name = std::filesystem::path(file).stem().string();
+      const auto it = std::find_if(cases.begin(), cases.end(), [&](const CorruptCase& c) { return c.name == name; });
+      ASSERT_NE(it, cases.end()) << l;
+      EXPECT_TRUE(has(v["message"].get<std::string>(), file) && has(v["message"].get<std::string>(), it->fault)) << l;
     }
   }
 }
@@ -108,6 +119,7 @@ TEST(TwinCli, FixtureJsonOneObjectPerFileUnsupportedExit3) {
     EXPECT_TRUE(r.err.empty()) << r.err;
     const auto ls = lines(r.out);
     ASSERT_EQ(ls.size(), 4u) << r.out;
+    std::map<std::string, json> by_name;
     for (const auto& l : ls) {
       const json v = json::parse(l);  // throws on malformed JSON
       for (const char* key : {"file", "kind", "twin", "status", "message", "tensors"}) EXPECT_TRUE(v.contains(key)) << key << " in " << l;
@@ -115,10 +127,13 @@ TEST(TwinCli, FixtureJsonOneObjectPerFileUnsupportedExit3) {
       EXPECT_EQ(v["twin"], twin);
       EXPECT_TRUE(v["tensors"].empty());
       EXPECT_FALSE(v["message"].get<std::string>().empty());
+      by_name[std::filesystem::path(v["file"].get<std::string>()).filename().string()] = v;
     }
-    EXPECT_EQ(json::parse(ls[0])["kind"], "no_such_kind");
-    EXPECT_EQ(json::parse(ls[2])["kind"], "no_such_table");
-    EXPECT_TRUE(json::parse(ls[3])["kind"].is_null());  // README.md
+    ASSERT_EQ(by_name.size(), 4u);
+    EXPECT_EQ(by_name["a.safetensors"]["kind"], "no_such_kind");
+    EXPECT_EQ(by_name["b.safetensors"]["kind"], "no_such_kind_either");
+    EXPECT_EQ(by_name["c_table.json"]["kind"], "no_such_table");
+    EXPECT_TRUE(by_name["README.md"]["kind"].is_null());
   }
   // --twin both: one object per file and twin.
   const TwinRun both = run_twin("fixture --json --twin both " + quote(files[0]));
