@@ -17,8 +17,7 @@
 namespace twin::test {
 
 // TWIN_SOURCE_DIR from the environment (ctest sets it), else the source tree this test was built
-// from: ctest drops the ENVIRONMENT property of tests with more than one label (twin_add_test
-// passes LABELS as an unescaped list to gtest_discover_tests).
+// from, so the binary also finds the fixtures when run directly.
 inline std::string fixture_dir() {
   const char* d = std::getenv("TWIN_SOURCE_DIR");
 #ifdef TWIN_RETRO_TEST_SOURCE_DIR
