@@ -3,7 +3,6 @@
 #include <cmath>
 #include <vector>
 
-#include "reference/fused_bias_dropout.h"
 
 namespace twin::reference {
 
