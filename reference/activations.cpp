@@ -51,7 +51,9 @@ static double act1(ActivationFunc f, double x, const Precision& p) {
       return p.act(x * s);                                // rounds: product
     }
     case ActivationFunc::Silu:
-      return p.act(x * sigmoid(x));  // rounds: output (one torch kernel)
+      // torch 1.13's CPU silu kernel is x / (1 + exp(-x)) on Vectorized<scalar_t>: for bf16/fp16
+      // each op stores (verified bitwise against LibTorch 1.13, tests/reference/moe/test_moe_torch_crosscheck.cpp).
+      return p.act(x / p.act(1.0 + p.act(std::exp(-x))));  // rounds: exp(-x), 1 + ..., x / ...
     case ActivationFunc::Relu:
       return x > 0.0 ? x : 0.0;      // exact
     case ActivationFunc::SquaredRelu: {
