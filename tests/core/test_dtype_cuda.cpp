@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <random>
+#include <sstream>
 
 #include "core/dtype.h"
 
@@ -46,8 +47,10 @@ const Format kFormats[] = {
   const std::uint16_t ours = fmt.ours_from_float(f), cuda = fmt.cuda_from_float(f);
   if (ours == cuda) return ::testing::AssertionSuccess();
   if (std::isnan(fmt.ours_to_float(ours)) && std::isnan(fmt.cuda_to_float(cuda))) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << fmt.name << "(" << std::hexfloat << f << ", bits 0x" << std::hex
-                                       << float_bits(f) << "): ours 0x" << ours << ", CUDA 0x" << cuda;
+  std::ostringstream m;  // one stream: AssertionResult would drop the manipulators between pieces
+  m << fmt.name << "(" << std::hexfloat << f << ", bits 0x" << std::hex << float_bits(f) << "): ours 0x" << ours
+    << ", CUDA 0x" << cuda;
+  return ::testing::AssertionFailure() << m.str();
 }
 
 bool is_finite_bits(const Format& fmt, std::uint16_t b) { return std::isfinite(fmt.ours_to_float(b)); }
