@@ -74,7 +74,15 @@ Compared compare_mats(const Mat& a, const Mat& e) {
   return c;
 }
 
-void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::string& dispatcher, std::uint64_t seed) {
+struct Extra {
+  bool sigmoid = false;      // moe_router_score_function = sigmoid
+  bool bias = false;         // add_bias_linear: router and expert biases
+  bool router_fp32 = false;  // moe_router_dtype = fp32
+  double capacity = 0.0;     // moe_expert_capacity_factor (probs drop policy) when > 0
+};
+
+void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::string& dispatcher, std::uint64_t seed,
+                 Extra x_opt = {}) {
   const int E = 4, k = 2;
   TransformerConfig c = small_moe_config(E, k);
   c.hidden_size = 32;
@@ -87,6 +95,10 @@ void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::s
   c.activation_func = glu ? "silu" : "gelu";
   c.moe_token_dispatcher_type = dispatcher;
   if (shared) c.moe_shared_expert_intermediate_size = 40;
+  if (x_opt.sigmoid) c.moe_router_score_function = "sigmoid";
+  c.add_bias_linear = x_opt.bias;
+  if (x_opt.router_fp32) c.moe_router_dtype = "fp32";
+  if (x_opt.capacity > 0) c.moe_expert_capacity_factor = x_opt.capacity;
   const Index h = c.hidden_size, f = *c.moe_ffn_hidden_size, g = glu ? 2 : 1, T = 24;
 
   std::mt19937_64 rng(seed);
@@ -94,13 +106,21 @@ void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::s
   const Both router_w = make(random_mat(rng, E, h, 0.3), dt);
   StateDict sd;
   sd.set("mlp.router.weight", f64_tensor(router_w.m, {E, h}));
-  std::vector<Both> w1, w2;
+  const Both router_b = make(random_mat(rng, 1, E, 0.3), dt);
+  if (x_opt.bias) sd.set("mlp.router.bias", f64_tensor(router_b.m, {E}));
+  std::vector<Both> w1, w2, b1, b2;
   for (int e = 0; e < E; ++e) {
     w1.push_back(make(random_mat(rng, g * f, h, 0.2), dt));
     w2.push_back(make(random_mat(rng, h, f, 0.2), dt));
+    b1.push_back(make(random_mat(rng, 1, g * f, 0.2), dt));
+    b2.push_back(make(random_mat(rng, 1, h, 0.2), dt));
     const std::string key = "mlp.experts.local_experts." + std::to_string(e) + ".";
     sd.set(key + "linear_fc1.weight", f64_tensor(w1.back().m, {g * f, h}));
     sd.set(key + "linear_fc2.weight", f64_tensor(w2.back().m, {h, f}));
+    if (x_opt.bias) {
+      sd.set(key + "linear_fc1.bias", f64_tensor(b1.back().m, {g * f}));
+      sd.set(key + "linear_fc2.bias", f64_tensor(b2.back().m, {h}));
+    }
   }
   const Index sf = 40;
   const Both s1 = make(random_mat(rng, g * sf, h, 0.2), dt), s2 = make(random_mat(rng, h, sf, 0.2), dt);
@@ -120,9 +140,16 @@ void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::s
 
   // ---- Megatron's ops in torch
   torch::NoGradGuard no_grad;
-  const torch::Tensor logits = torch::mm(x.t, router_w.t.t());  // router_gating_linear
+  const auto rdt = x_opt.router_fp32 ? torch::kFloat32 : torch_dtype(dt);
+  const torch::Tensor logits = x_opt.bias  // router_gating_linear
+                                   ? torch::addmm(router_b.t.reshape({E}).to(rdt), x.t.to(rdt), router_w.t.to(rdt).t())
+                                   : torch::mm(x.t.to(rdt), router_w.t.to(rdt).t());
   torch::Tensor probs, top_indices;
-  if (pre_softmax) {
+  if (x_opt.sigmoid) {
+    torch::Tensor scores = torch::sigmoid(logits.to(torch::kFloat32)).type_as(logits);
+    std::tie(scores, top_indices) = torch::topk(scores, k, 1);
+    probs = scores / (scores.sum(-1, true) + 1e-20);
+  } else if (pre_softmax) {
     const torch::Tensor scores = torch::softmax(logits, -1, torch::kFloat32).type_as(logits);
     std::tie(probs, top_indices) = torch::topk(scores, k, 1);
   } else {
@@ -130,8 +157,17 @@ void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::s
     std::tie(scores, top_indices) = torch::topk(logits, k, 1);
     probs = torch::softmax(scores, -1, torch::kFloat32).type_as(logits);
   }
-  const torch::Tensor routing_probs = torch::zeros_like(logits).scatter(1, top_indices, probs);
-  const torch::Tensor routing_map = torch::zeros_like(logits).to(torch::kInt).scatter(1, top_indices, 1).to(torch::kBool);
+  torch::Tensor routing_probs = torch::zeros_like(logits).scatter(1, top_indices, probs);
+  torch::Tensor routing_map = torch::zeros_like(logits).to(torch::kInt).scatter(1, top_indices, 1).to(torch::kBool);
+  if (x_opt.capacity > 0) {  // apply_router_token_dropping, drop_policy "probs"
+    const Index capacity = get_capacity(T * k, E, x_opt.capacity);
+    if (capacity <= T) {
+      const torch::Tensor capacity_indices = std::get<1>(torch::topk(routing_probs, capacity, 0, true, false));
+      const torch::Tensor capacity_mask = torch::zeros_like(routing_probs).scatter(0, capacity_indices, 1).to(torch::kBool);
+      routing_map = torch::logical_and(routing_map, capacity_mask);
+      routing_probs = routing_probs * routing_map;
+    }
+  }
   // permute
   const torch::Tensor map_t = routing_map.t().contiguous();
   const torch::Tensor token_indices = torch::arange(T).unsqueeze(0).expand({E, T});
@@ -145,10 +181,13 @@ void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::s
   for (int e = 0; e < E; ++e) {
     const Index n = tokens_per_expert[e].item<std::int64_t>();
     const torch::Tensor tokens = permuted.narrow(0, start, n), p = permuted_probs.narrow(0, start, n);
-    const torch::Tensor fc1 = torch::matmul(tokens, w1[e].t.t());
+    torch::Tensor fc1 = torch::matmul(tokens, w1[e].t.t());
+    if (x_opt.bias) fc1 = fc1 + b1[e].t.reshape({-1});
     torch::Tensor inter = activation(c, fc1);
     inter = (inter * p.unsqueeze(-1)).to(inter.scalar_type());
-    outs.push_back(torch::matmul(inter, w2[e].t.t()));
+    torch::Tensor o = torch::matmul(inter, w2[e].t.t());
+    if (x_opt.bias) o += b2[e].t.reshape({-1}).unsqueeze(0) * p.unsqueeze(-1);
+    outs.push_back(o);
     start += n;
   }
   const torch::Tensor expert_output = torch::cat(outs, 0);
@@ -161,20 +200,22 @@ void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::s
   const torch::Tensor map_i = routing_map.to(torch::kInt64).contiguous();
   for (Index t = 0; t < T; ++t)
     for (Index e = 0; e < E; ++e) ASSERT_EQ(map_ref(t, e), map_i[t][e].item<std::int64_t>() != 0) << "routing " << t << ", " << e;
-  const double u = unit_roundoff(dt);
   struct Item {
     const char* name;
     Mat actual, expected;
+    DType stored;  // the dtype torch stores the tensor in
   };
+  const DType router_dt = x_opt.router_fp32 ? DType::F32 : dt;
   const std::vector<Item> items = {
-      {"logits", to_mat(*rec.find("mlp.router.logits"), T, E, "logits"), to_eigen(logits)},
-      {"probs", to_mat(*rec.find("mlp.router.0"), T, E, "probs"), to_eigen(routing_probs)},
-      {"experts", to_mat(*rec.find("mlp.experts.0"), expert_output.size(0), h, "experts"), to_eigen(expert_output)},
-      {"output", out, to_eigen(output)},
+      {"logits", to_mat(*rec.find("mlp.router.logits"), T, E, "logits"), to_eigen(logits), router_dt},
+      {"probs", to_mat(*rec.find("mlp.router.0"), T, E, "probs"), to_eigen(routing_probs), router_dt},
+      {"experts", to_mat(*rec.find("mlp.experts.0"), expert_output.size(0), h, "experts"), to_eigen(expert_output), dt},
+      {"output", out, to_eigen(output), dt},
   };
   for (const Item& it : items) {
     const Compared r = compare_mats(it.actual, it.expected);
-    if (dt == DType::BF16) {
+    const double u = unit_roundoff(it.stored);
+    if (it.stored == DType::BF16) {
       // fp32 accumulation inside a bf16 GEMM is far below a bf16 rounding step: (nearly) bitwise.
       EXPECT_GE(r.bitwise_share, 0.97) << it.name << ": bitwise share " << r.bitwise_share;
       EXPECT_LE(r.max_err, 4 * u * r.scale) << it.name << ": max error " << r.max_err << " scale " << r.scale;
@@ -183,7 +224,7 @@ void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::s
       // reference in double: most elements differ in the last bits. Bound: 16 u max|e|.
       EXPECT_LE(r.max_err, 16 * u * r.scale) << it.name << ": max error " << r.max_err << " scale " << r.scale;
     }
-    std::printf("%s %-7s bitwise %.4f  max err %.3g (scale %.3g)\n", dt == DType::BF16 ? "bf16" : "fp32", it.name,
+    std::printf("%s %-7s bitwise %.4f  max err %.3g (scale %.3g)\n", dtype_name(it.stored), it.name,
                 r.bitwise_share, r.max_err, r.scale);
   }
 }
@@ -192,6 +233,9 @@ TEST(MoETorchCrossCheck, Bf16RoundingPointsMatchTorchKernels) {
   cross_check(DType::BF16, false, false, false, "allgather", 1);
   cross_check(DType::BF16, true, true, true, "alltoall", 2);
   cross_check(DType::BF16, false, true, true, "allgather", 3);
+  cross_check(DType::BF16, false, false, false, "allgather", 6, Extra{true, true, true, 1.0});
+  cross_check(DType::BF16, false, true, false, "alltoall", 7, Extra{false, true, false, 0.75});
+  cross_check(DType::BF16, true, false, false, "alltoall", 8, Extra{true, false, true, 0.0});
 }
 
 TEST(MoETorchCrossCheck, Fp32MatchesTorchKernels) {
