@@ -12,7 +12,6 @@
 
 #include <Eigen/Core>
 #include <cstdint>
-#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
