@@ -349,13 +349,15 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     m.ranks[0].stream->synchronize();
     return t;
   };
+  // Declared at function scope: on_tap runs inside the forward below and uses these by reference.
+  RankPlan& p0 = m.ranks[0].plan;
+  const std::int64_t S = s, B = b, H = m.h;
+  auto bias_tap = [&](const std::string& name, const std::string& key) {
+    if (m.full.count(key)) result.taps.emplace_back(name, m.full.at(key).clone());
+  };
   if (fo.record_taps) {
-    RankPlan& p = m.ranks[0].plan;
-    const std::int64_t S = s, B = b, H = m.h;
-    auto bias_tap = [&](const std::string& name, const std::string& key) {
-      if (m.full.count(key)) result.taps.emplace_back(name, m.full.at(key).clone());
-    };
-    p.on_tap = [&, S, B, H](TapPoint t) {
+    RankPlan& p = p0;
+    p.on_tap = [&](TapPoint t) {
       switch (t) {
         case TapPoint::InputLayernorm: result.taps.emplace_back("input_layernorm", download(p.ln1, {S, B, H})); break;
         case TapPoint::LinearQkv: result.taps.emplace_back("self_attention.linear_qkv.0", download(p.qkv, {S, B, p.qkv_width()})); break;
