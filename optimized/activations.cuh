@@ -21,7 +21,8 @@ template <class T>
 __device__ inline float activation(Act a, float x) {
   switch (a) {
     case Act::Gelu: return round_to<T>(x * 0.5f * (1.0f + erff(x * 0.70710678118654752f)));  // rounds: output
-    case Act::Silu: return round_to<T>(x / (1.0f + expf(-x)));                               // rounds: output
+    case Act::Silu:  // torch 1.13's CPU silu: x / (1 + exp(-x)), each op stored in T (reference/activations.cpp)
+      return round_to<T>(x / round_to<T>(1.0f + round_to<T>(expf(-x))));  // rounds: exp(-x), 1 + ..., x / ...
     case Act::Relu: return x > 0.0f ? x : 0.0f;                                              // exact
     case Act::SquaredRelu: {
       const float r = x > 0.0f ? x : 0.0f;

@@ -125,6 +125,8 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
   const int tp = o.tp;
   // ---- what this twin implements (everything else is rejected, never silently ignored)
   reject(c.normalization != "LayerNorm" && c.normalization != "RMSNorm", "normalization '" + c.normalization + "' (LayerNorm, RMSNorm)");
+  reject(c.bias_activation_fusion, "bias_activation_fusion (Megatron's tanh bias_gelu / swiglu fusions) is not supported; "
+                                   "the optimized twin fuses bias and activation with the unfused path's numerics");
   reject(c.window_size.has_value(), "window_size (sliding-window attention) is not supported");
   reject(c.softmax_type != "vanilla", "softmax_type '" + c.softmax_type + "' is not supported (vanilla)");
   reject(c.attention_output_gate, "attention_output_gate is not supported");
