@@ -1,6 +1,8 @@
 #include "core/config.h"
 
+#include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -15,8 +17,16 @@ const char* json_type(const json& v) { return v.type_name(); }
   throw ConfigError("config field '" + field + "': expected " + want + ", got " + json_type(v) + " " + v.dump());
 }
 
+// An integer outside int's range is refused, not narrowed: get<int>() would silently wrap it
+// (4294967312 would read as 16).
+bool is_int(const json& v) {
+  if (v.is_number_unsigned()) return v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<int>::max());
+  return v.is_number_integer() && v.get<std::int64_t>() >= std::numeric_limits<int>::min() &&
+         v.get<std::int64_t>() <= std::numeric_limits<int>::max();
+}
+
 void read(const std::string& f, const json& v, int& out) {
-  if (!v.is_number_integer()) bad_type(f, "an integer", v);
+  if (!is_int(v)) bad_type(f, v.is_number_integer() ? "an integer within int range" : "an integer", v);
   out = v.get<int>();
 }
 void read(const std::string& f, const json& v, double& out) {
@@ -35,7 +45,7 @@ void read(const std::string& f, const json& v, std::vector<int>& out) {
   if (!v.is_array()) bad_type(f, "a list of integers", v);
   out.clear();
   for (const auto& e : v) {
-    if (!e.is_number_integer()) bad_type(f, "a list of integers", v);
+    if (!is_int(e)) bad_type(f, "a list of integers", v);
     out.push_back(e.get<int>());
   }
 }
@@ -120,7 +130,9 @@ TransformerConfig parse_transformer_config(const std::string& text) {
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // Every way the text can fail to be JSON is a ConfigError: syntax errors (parse_error) and
+    // numbers beyond double's range such as 1e400 (nlohmann reports those as out_of_range).
     throw ConfigError(std::string("config is not valid JSON: ") + e.what());
   }
   return parse_transformer_config(j);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 namespace twin {
@@ -69,15 +70,26 @@ SafetensorsFile read_safetensors(const std::string& path) {
     }
   }
   ::close(fd);
-  const auto* bytes = static_cast<const unsigned char*>(map->addr);
+  return read_safetensors_bytes(path, map, map->addr, map->size);
+}
 
-  if (map->size < 8) fail(path, "truncated: " + std::to_string(map->size) + " bytes, shorter than the 8-byte header length");
+SafetensorsFile read_safetensors_bytes(const std::string& name, const void* data, std::size_t size) {
+  auto copy = std::shared_ptr<unsigned char[]>(new unsigned char[std::max<std::size_t>(size, 1)]);
+  if (size) std::memcpy(copy.get(), data, size);
+  return read_safetensors_bytes(name, std::shared_ptr<const void>(copy, copy.get()), copy.get(), size);
+}
+
+SafetensorsFile read_safetensors_bytes(const std::string& path, std::shared_ptr<const void> holder,
+                                       const void* data, std::size_t size) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+
+  if (size < 8) fail(path, "truncated: " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
   if (n > kSafetensorsMaxHeader)
     fail(path, "header length " + std::to_string(n) + " is absurdly large (limit " + std::to_string(kSafetensorsMaxHeader) + ")");
-  if (n > map->size - 8)
-    fail(path, "header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(map->size) + " bytes)");
+  if (n > size - 8)
+    fail(path, "header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(size) + " bytes)");
 
   // nlohmann's json object is a std::map: a duplicate key would silently keep one value, so the
   // top-level keys are collected by a parser callback and checked for repeats.
@@ -99,13 +111,12 @@ SafetensorsFile read_safetensors(const std::string& path) {
 
   SafetensorsFile f;
   f.path_ = path;
-  f.file_size_ = map->size;
+  f.file_size_ = size;
   const std::uint64_t data_begin = 8 + n;
-  const std::uint64_t data_size = map->size - data_begin;
+  const std::uint64_t data_size = size - data_begin;
 
   struct Entry { std::string name; std::uint64_t begin, end; };
   std::vector<Entry> entries;
-  std::shared_ptr<const void> holder = map;
   for (const auto& [name, v] : header.items()) {
     if (name == "__metadata__") {
       if (!v.is_object()) fail(path, "__metadata__ is not an object");
@@ -124,8 +135,18 @@ SafetensorsFile read_safetensors(const std::string& path) {
     if (!v["shape"].is_array()) fail(path, "tensor '" + name + "': shape is not a list");
     for (const auto& d : v["shape"]) {
       if (!d.is_number_unsigned()) fail(path, "tensor '" + name + "': shape " + v["shape"].dump() + " has a non-natural entry");
+      // Tensor counts in int64: a dimension past INT64_MAX would turn negative.
+      if (d.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+        fail(path, "tensor '" + name + "': shape " + v["shape"].dump() + " has an entry beyond int64");
       shape.push_back(d.get<std::int64_t>());
     }
+    // The product of the nonzero dimensions (so every partial product of the shape) must fit in
+    // int64: a zero dimension makes the byte count checked below 0 whatever the other dimensions
+    // are, so without this [2^62, 2^62, 0] would pass and overflow where the elements are counted.
+    std::int64_t count = 1;
+    for (auto d : shape)
+      if (d != 0 && __builtin_mul_overflow(count, d, &count))
+        fail(path, "tensor '" + name + "': shape " + shape_str(shape) + " has more elements than int64 can count");
     const auto& off = v["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
       fail(path, "tensor '" + name + "': data_offsets " + off.dump() + " is not [begin, end]");
@@ -138,7 +159,9 @@ SafetensorsFile read_safetensors(const std::string& path) {
     for (auto d : shape) want *= static_cast<long double>(d);
     if (want != static_cast<long double>(e - b))
       fail(path, "tensor '" + name + "': data_offsets span " + std::to_string(e - b) + " bytes but shape " +
-                     shape_str(shape) + " x " + dtype_name(*dt) + " needs " + std::to_string(static_cast<unsigned long long>(want)));
+                     shape_str(shape) + " x " + dtype_name(*dt) + " needs " +
+                     // Converting a long double past 2^64 to an integer is undefined: say so instead.
+                     (want < 18446744073709551616.0L ? std::to_string(static_cast<unsigned long long>(want)) : std::string("over 2^64")));
     entries.push_back({name, b, e});
     const unsigned char* at = bytes + data_begin + b;
     if (reinterpret_cast<std::uintptr_t>(at) % dtype_size(*dt) == 0) {

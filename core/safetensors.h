@@ -5,6 +5,8 @@
 //
 // Files are memory-mapped, never copied: tensors borrow the mapping and keep it alive.
 // Every malformed file raises SafetensorsError whose what() is one line "<path>: <fault>".
+// read_safetensors_bytes parses an image already in memory with the same checks (the file reader
+// is a mapping plus that parse), so the parser can be tested and fuzzed without files.
 #pragma once
 
 #include <map>
@@ -34,7 +36,8 @@ class SafetensorsFile {
   std::string meta(const std::string& key) const;  // throws when the key is missing
   std::size_t file_size() const { return file_size_; }
 
-  friend SafetensorsFile read_safetensors(const std::string& path);
+  friend SafetensorsFile read_safetensors_bytes(const std::string& name, std::shared_ptr<const void> holder,
+                                                const void* data, std::size_t size);
 
  private:
   std::string path_;
@@ -45,6 +48,14 @@ class SafetensorsFile {
 };
 
 SafetensorsFile read_safetensors(const std::string& path);
+
+// Parses the `size` bytes at `data` as a safetensors file; `name` stands in for the path (in
+// path() and in messages). Tensors borrow `data`; `holder` keeps it alive (may be null when the
+// caller keeps `data` alive longer than the result).
+SafetensorsFile read_safetensors_bytes(const std::string& name, std::shared_ptr<const void> holder,
+                                       const void* data, std::size_t size);
+// Copies the bytes first: the result does not refer to `data`.
+SafetensorsFile read_safetensors_bytes(const std::string& name, const void* data, std::size_t size);
 
 // Writes tensors in the given order, 8-byte aligned header as the reference writer does.
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,

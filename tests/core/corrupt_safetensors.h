@@ -88,6 +88,18 @@ inline std::vector<CorruptCase> corrupt_safetensors_cases() {
        "lacks dtype, shape or data_offsets"},
       {"negative_dim", safetensors_bytes(R"({"a":{"dtype":"F32","shape":[-2,2],"data_offsets":[0,16]}})", 16),
        "non-natural"},
+      // Found by fuzz/fuzz_safetensors.cpp: a dimension past INT64_MAX turned negative (an
+      // undocumented ShapeError), a zero dimension let an int64-overflowing shape through (signed
+      // overflow counting its elements), and a byte count past 2^64 was converted to an integer.
+      {"dim_beyond_int64",
+       safetensors_bytes(R"({"a":{"dtype":"F32","shape":[18446744073709551615,0],"data_offsets":[0,0]}})", 0),
+       "beyond int64"},
+      {"elements_beyond_int64",
+       safetensors_bytes(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4611686018427387904,0],"data_offsets":[0,0]}})", 0),
+       "more elements than int64"},
+      {"bytes_beyond_2_64",
+       safetensors_bytes(R"({"a":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]}})", 8),
+       "needs over 2^64"},
       {"metadata_not_strings", safetensors_bytes(R"({"__metadata__":{"k":3}})", 0), "is not a string"},
   };
 }

@@ -67,6 +67,25 @@ TEST(Config, NotJsonOrNotAnObject) {
   EXPECT_TRUE(has(config_error("[1, 2]"), "JSON object"));
 }
 
+// Found by fuzz/fuzz_config.cpp: a number beyond double's range made nlohmann throw
+// out_of_range, which escaped as a non-ConfigError.
+TEST(Config, NumberBeyondDoubleRangeIsAConfigError) {
+  EXPECT_TRUE(has(config_error(R"({"hidden_dropout": 1e400})"), "not valid JSON"));
+  EXPECT_TRUE(has(config_error(R"({"hidden_dropout": -1e3333333333333})"), "not valid JSON"));
+}
+
+// Found by fuzz/fuzz_config.cpp: integers beyond int were narrowed (4294967312 read as 16).
+TEST(Config, IntegerBeyondIntRangeIsRefusedNotWrapped) {
+  for (const char* text : {R"({"hidden_size": 4294967312})", R"({"hidden_size": 2147483648})",
+                           R"({"num_layers": -2147483649})", R"({"hidden_size": 18446744073709551615})",
+                           R"({"num_query_groups": 4294967298})", R"({"window_size": [8, 4294967296]})"}) {
+    const std::string m = config_error(text);
+    EXPECT_TRUE(has(m, "integer")) << text << " -> " << m;
+  }
+  EXPECT_EQ(parse_transformer_config(std::string(R"({"hidden_size": 2147483647})")).hidden_size, 2147483647);
+  EXPECT_EQ(parse_transformer_config(std::string(R"({"num_layers": -2147483648})")).num_layers, -2147483648);
+}
+
 TEST(Config, ToJsonRoundTripsEveryField) {
   TransformerConfig c;
   c.hidden_size = 96;

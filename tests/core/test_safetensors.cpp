@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
+#include <iterator>
 #include <limits>
 
 #include "core/safetensors.h"
@@ -148,3 +150,33 @@ TEST_P(CorruptSafetensors, IsOneLineErrorNamingFileAndFault) {
 
 INSTANTIATE_TEST_SUITE_P(EveryFault, CorruptSafetensors, ::testing::ValuesIn(twin::testing::corrupt_safetensors_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// The in-memory reader (what fuzz/fuzz_safetensors.cpp drives) gives the same one-line error for
+// every corrupt image, naming the given name in place of a path.
+TEST_P(CorruptSafetensors, FromBytesIsTheSameOneLineError) {
+  const auto& c = GetParam();
+  try {
+    read_safetensors_bytes("mem:" + c.name, c.bytes.data(), c.bytes.size());
+    FAIL() << c.name << ": no error";
+  } catch (const SafetensorsError& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("mem:" + c.name + ": ", 0), 0u) << m;
+    EXPECT_NE(m.find(c.fault), std::string::npos) << "expected '" << c.fault << "' in: " << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+}
+
+TEST(Safetensors, FromBytesReadsWhatTheWriterWrote) {
+  TempDir dir;
+  const std::string path = dir.file("all.safetensors");
+  const auto tensors = every_dtype();
+  write_safetensors(path, tensors, {{"k", "v"}});
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const SafetensorsFile f = read_safetensors_bytes("mem", bytes.data(), bytes.size());
+  EXPECT_EQ(f.path(), "mem");
+  EXPECT_EQ(f.file_size(), bytes.size());
+  EXPECT_EQ(f.meta("k"), "v");
+  ASSERT_EQ(f.names().size(), tensors.size());
+  for (const auto& [name, t] : tensors) EXPECT_TRUE(same_bytes(f.at(name), t)) << name;
+}
