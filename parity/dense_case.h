@@ -1,22 +1,24 @@
 // Dense-layer parity cases: a small struct naming every knob of a dense TransformerLayer run
-// (shape, numerics, parallelism), its canonical id string, deterministic inputs built from it, and
-// a RapidCheck generator that shrinks toward the smallest case.
+// (shape, numerics, parallelism), its canonical id string and deterministic inputs built from it.
+// The property-test generator that draws cases lives with the tests (tests/parity/dense_case_gen.h)
+// so the `twin` tool does not carry RapidCheck.
 //
 // The id is the way to rerun a case: `twin case '<id>'`. Every field appears, in a fixed order,
 // so to_id(parse_case_id(id)) == id and parse_case_id(to_id(c)) == c.
 //   dense(h=16,a=4,g=2,d=8,ffn=32,norm=rms,act=silu,glu=1,bias=1,qkv_bias=0,rope=half,rot=0.5,
 //         qkln=0,mask=causal,s=8,b=2,dtype=bf16,tp=2,sp=1,drop=0,seed=7)
+// One table (dense_case_fields) spells each field once: its key, its domain, how it prints and
+// parses; printing, parsing, validation messages and the generator all read it.
 #pragma once
 
 #include <cstdint>
 #include <map>
-#include <stdexcept>
 #include <string>
-
-#include <rapidcheck.h>
+#include <vector>
 
 #include "core/config.h"
 #include "core/tensor.h"
+#include "parity/case_field.h"
 
 namespace twin::parity {
 
@@ -53,17 +55,20 @@ struct DenseCase {
   bool operator!=(const DenseCase& o) const { return !(*this == o); }
 };
 
-struct CaseIdError : std::invalid_argument {
-  using std::invalid_argument::invalid_argument;
-};
+// The field table of `dense(...)` ids, in id order (CaseIdError comes from parity/case_field.h).
+const std::vector<CaseField<DenseCase>>& dense_case_fields();
 
 std::string to_id(const DenseCase& c);
 // Strict: every key once, in any order; unknown keys, bad values and invalid combinations throw
-// CaseIdError naming the key.
+// CaseIdError naming the key (for a bad value also the allowed values).
 DenseCase parse_case_id(const std::string& id);
-// Throws CaseIdError when Megatron would reject the combination (heads % groups, groups % tp,
-// ffn % tp, SP without TP, s % tp with SP, odd rotary dims, unknown activation).
+// Throws CaseIdError when a field is outside its domain (the message names the field, its value
+// and the allowed values) or Megatron would reject the combination (heads % groups, heads % tp,
+// groups % tp, ffn % tp, SP without TP, s % tp with SP, odd rotary dims).
 void validate(const DenseCase& c);
+
+// The number of channels RoPE rotates: RotaryEmbedding's dim, int(d * rot) when rot < 1.
+int rotary_dim(const DenseCase& c);
 
 // The Megatron TransformerConfig of the case (tensor_model_parallel_size and sequence_parallel set
 // from tp/sp; the reference ignores them, the optimized twin shards by them).
@@ -71,7 +76,8 @@ TransformerConfig to_config(const DenseCase& c);
 
 // Deterministic inputs from c.seed: full (unsharded) parameters under Megatron's state_dict keys,
 // hidden_states [s, b, h], attention_mask [b, 1, s, s] (bool, True = masked; only for padding and
-// arbitrary masks), rotary_pos_emb [s, 1, 1, rot_dim] (fp32 angles, as RotaryEmbedding.get_emb).
+// arbitrary masks), rotary_pos_emb [s, 1, 1, rot_dim] (fp32 angles from the reference's
+// RotaryEmbedding, which computes them as Megatron's RotaryEmbedding.get_emb does).
 struct DenseInputs {
   TransformerConfig config;
   std::map<std::string, Tensor> params;
@@ -83,31 +89,4 @@ struct DenseInputs {
 };
 DenseInputs make_inputs(const DenseCase& c);
 
-// Sizes the generator draws from; defaults are tiny so the simulator runs 100 cases quickly.
-struct CaseLimits {
-  int max_tp = 4;            // tp drawn from {1, 2, 4} up to this
-  int max_groups_per_rank = 2;
-  int max_heads_per_group = 2;
-  int max_s_per_rank = 4;
-  int max_b = 2;
-  bool allow_dropout = false;
-  bool any_dtype = true;     // false: only `dtype`
-  DType dtype = DType::F32;
-  bool force_tp = false;     // true: tp = `tp` exactly
-  int tp = 1;
-};
-rc::Gen<DenseCase> gen_dense_case(CaseLimits limits = {});
-
-}  // namespace twin::parity
-
-namespace rc {
-template <>
-struct Arbitrary<twin::parity::DenseCase> {
-  static Gen<twin::parity::DenseCase> arbitrary() { return twin::parity::gen_dense_case(); }
-};
-}  // namespace rc
-
-namespace twin::parity {
-// RapidCheck prints a counterexample with this: the id, rerunnable with `twin case`.
-inline void showValue(const DenseCase& c, std::ostream& os) { os << to_id(c); }
 }  // namespace twin::parity

@@ -8,6 +8,7 @@
 
 #include "parity/bounds.h"
 #include "parity/dense_run.h"
+#include "tests/parity/dense_case_gen.h"
 
 using namespace twin;
 using namespace twin::parity;

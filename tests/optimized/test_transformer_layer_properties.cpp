@@ -1,6 +1,6 @@
-// Property tests of the optimized dense layer on the simulator (issue 7, acceptance 2). RapidCheck
-// draws >= 100 tiny cases per property (parity/dense_case.h) and shrinks a failure to a minimal
-// case whose id reruns it: `twin case '<id>'`.
+// Property tests of the optimized dense layer on the simulator. RapidCheck draws >= 100 tiny cases
+// per property (tests/parity/dense_case_gen.h) and shrinks a failure to a minimal case whose id
+// reruns it: `twin case '<id>'`.
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
@@ -8,6 +8,7 @@
 
 #include "parity/bounds.h"
 #include "parity/dense_run.h"
+#include "tests/parity/dense_case_gen.h"
 
 using namespace twin;
 using namespace twin::parity;

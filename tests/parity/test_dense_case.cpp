@@ -4,6 +4,7 @@
 #include <rapidcheck/gtest.h>
 
 #include "parity/dense_case.h"
+#include "tests/parity/dense_case_gen.h"
 
 using namespace twin;
 using namespace twin::parity;
