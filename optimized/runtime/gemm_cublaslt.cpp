@@ -7,7 +7,9 @@
 // are validated first by validate_gemm, the same check the simulator applies. Grouped GEMMs run
 // as one matmul per non-empty group. k == 0 (D = beta * C + bias, then the activation) is run as
 // a k = 1 matmul of a zero column by a zero row, since cuBLASLt does not accept k = 0.
+// libcublasLt is opened at the first GEMM (dynlib.h says why); cublasLt.h only gives the types.
 #include "optimized/runtime/cuda_check.h"
+#include "optimized/runtime/dynlib.h"
 #include "optimized/runtime/gemm.h"
 
 #include <cublasLt.h>
@@ -18,8 +20,36 @@
 #include <mutex>
 #include <string>
 
+#ifndef TWIN_CUBLASLT_DIR
+#define TWIN_CUBLASLT_DIR ""
+#endif
+
 namespace twin::rt {
 namespace {
+
+// Every cuBLASLt entry point this file calls; each is called as lt().<name>.
+#define TWIN_CUBLASLT_FUNCTIONS(X)                                                               \
+  X(cublasLtCreate) X(cublasLtMatrixLayoutCreate) X(cublasLtMatrixLayoutSetAttribute)              \
+  X(cublasLtMatrixLayoutDestroy) X(cublasLtMatmulDescCreate) X(cublasLtMatmulDescDestroy)          \
+  X(cublasLtMatmulDescSetAttribute) X(cublasLtMatmulPreferenceCreate)                              \
+  X(cublasLtMatmulPreferenceDestroy) X(cublasLtMatmulPreferenceSetAttribute)                       \
+  X(cublasLtMatmulAlgoGetHeuristic) X(cublasLtMatmul)
+
+struct CublasLtApi {
+  TWIN_CUBLASLT_FUNCTIONS(TWIN_DYNLIB_DECLARE_FN)
+};
+
+bool resolve_cublaslt(DynLib& lib, CublasLtApi& api) { return true TWIN_CUBLASLT_FUNCTIONS(TWIN_DYNLIB_RESOLVE_FN); }
+
+// Opened at the first GEMM. The soname is that of the major version the header describes:
+// another major is another ABI.
+LazyLibrary<CublasLtApi>& cublaslt() {
+  static LazyLibrary<CublasLtApi> lib("cuBLASLt",
+                                      library_candidates("libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR), TWIN_CUBLASLT_DIR),
+                                      resolve_cublaslt);
+  return lib;
+}
+const CublasLtApi& lt() { return cublaslt().api(); }
 
 const char* status_name(cublasStatus_t st) {  // cublasGetStatusString lives in libcublas, not cublasLt
   switch (st) {
@@ -65,25 +95,25 @@ cublasLtEpilogue_t to_cuda(Epilogue e) {
 struct Layout {
   cublasLtMatrixLayout_t h = nullptr;
   Layout(DType dt, std::int64_t rows, std::int64_t cols, std::int64_t ld, std::int64_t batch, std::int64_t stride) {
-    lt_check(cublasLtMatrixLayoutCreate(&h, to_cuda(dt), static_cast<std::uint64_t>(rows), static_cast<std::uint64_t>(cols), ld),
+    lt_check(lt().cublasLtMatrixLayoutCreate(&h, to_cuda(dt), static_cast<std::uint64_t>(rows), static_cast<std::uint64_t>(cols), ld),
              "cublasLtMatrixLayoutCreate");
     if (batch > 1) {
       int b = static_cast<int>(batch);
-      lt_check(cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &b, sizeof(b)),
+      lt_check(lt().cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &b, sizeof(b)),
                "cublasLtMatrixLayoutSetAttribute(BATCH_COUNT)");
-      lt_check(cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)),
+      lt_check(lt().cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)),
                "cublasLtMatrixLayoutSetAttribute(STRIDED_BATCH_OFFSET)");
     }
   }
-  ~Layout() { if (h) cublasLtMatrixLayoutDestroy(h); }
+  ~Layout() { if (h) cublaslt().loaded_api().cublasLtMatrixLayoutDestroy(h); }
 };
 struct MatmulDesc {
   cublasLtMatmulDesc_t h = nullptr;
-  MatmulDesc() { lt_check(cublasLtMatmulDescCreate(&h, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate"); }
-  ~MatmulDesc() { if (h) cublasLtMatmulDescDestroy(h); }
+  MatmulDesc() { lt_check(lt().cublasLtMatmulDescCreate(&h, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate"); }
+  ~MatmulDesc() { if (h) cublaslt().loaded_api().cublasLtMatmulDescDestroy(h); }
   template <class T>
   void set(cublasLtMatmulDescAttributes_t a, const T& v, const char* name) {
-    lt_check(cublasLtMatmulDescSetAttribute(h, a, &v, sizeof(v)), std::string("cublasLtMatmulDescSetAttribute(") + name + ")");
+    lt_check(lt().cublasLtMatmulDescSetAttribute(h, a, &v, sizeof(v)), std::string("cublasLtMatmulDescSetAttribute(") + name + ")");
   }
 };
 
@@ -106,7 +136,7 @@ class CublasLtGemm final : public Gemm {
  private:
   void init() {
     std::call_once(once_, [this] {
-      lt_check(cublasLtCreate(&handle_), "cublasLtCreate");
+      lt_check(lt().cublasLtCreate(&handle_), "cublasLtCreate");
       cuda_check(cudaMalloc(&workspace_, kWorkspace), "cudaMalloc(cuBLASLt workspace)");
     });
   }
@@ -140,23 +170,23 @@ class CublasLtGemm final : public Gemm {
     Layout ld(g.cd_dtype, g.m, g.n, g.ldd, g.batch, g.stride_d);
 
     cublasLtMatmulPreference_t pref = nullptr;
-    lt_check(cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
+    lt_check(lt().cublasLtMatmulPreferenceCreate(&pref), "cublasLtMatmulPreferenceCreate");
     std::unique_ptr<void, void (*)(void*)> pref_guard(pref, [](void* p) {
-      cublasLtMatmulPreferenceDestroy(static_cast<cublasLtMatmulPreference_t>(p));
+      cublaslt().loaded_api().cublasLtMatmulPreferenceDestroy(static_cast<cublasLtMatmulPreference_t>(p));
     });
     std::size_t ws = kWorkspace;
-    lt_check(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
+    lt_check(lt().cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
              "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)");
     cublasLtMatmulHeuristicResult_t heur{};
     int found = 0;
-    lt_check(cublasLtMatmulAlgoGetHeuristic(handle_, desc.h, la.h, lb.h, lc.h, ld.h, pref, 1, &heur, &found),
+    lt_check(lt().cublasLtMatmulAlgoGetHeuristic(handle_, desc.h, la.h, lb.h, lc.h, ld.h, pref, 1, &heur, &found),
              "cublasLtMatmulAlgoGetHeuristic");
     if (found == 0)
       throw CudaError("cublasLtMatmulAlgoGetHeuristic: no algorithm for m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) +
                       " k=" + std::to_string(g.k) + " dtype " + dtype_name(g.ab_dtype) + " -> " + dtype_name(g.cd_dtype) +
                       " epilogue " + epilogue_name(g.epilogue));
     const void* c = reads_c ? g.c : g.d;
-    lt_check(cublasLtMatmul(handle_, desc.h, &g.alpha, g.a, la.h, g.b, lb.h, &g.beta, c, lc.h, g.d, ld.h, &heur.algo,
+    lt_check(lt().cublasLtMatmul(handle_, desc.h, &g.alpha, g.a, la.h, g.b, lb.h, &g.beta, c, lc.h, g.d, ld.h, &heur.algo,
                             workspace_, kWorkspace, stream),
              "cublasLtMatmul");
   }
@@ -183,6 +213,8 @@ class CublasLtGemm final : public Gemm {
 };
 
 }  // namespace
+
+std::string load_cublaslt() { return cublaslt().error(); }
 
 Gemm& cublaslt_gemm() {
   static CublasLtGemm g;
