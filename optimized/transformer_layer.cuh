@@ -54,6 +54,21 @@ inline void linear_forward(DType dt, const void* x, const void* w, const void* b
   rt::gemm(this_backend()).run(g, stream);
 }
 
+// A row-parallel linear (linear_proj, fc2): y = x[s, b, in_local] @ w[h, in_local]^T summed over
+// the tensor-parallel ranks: each rank's product goes to `partial` [s, b, h], then all-reduced
+// into y [s, b, h], or with sequence parallelism reduce-scattered into this rank's y [s_local, b, h].
+// With tp == 1 the product is y itself. The bias is left to the bias-dropout-add, as in Megatron.
+inline void row_parallel_linear_forward(const RankPlan& p, const void* x, const void* w, std::int64_t in_local,
+                                        void* partial, void* y, cudaStream_t st) {
+  const std::int64_t n_local = std::int64_t(p.s_local()) * p.b, n_full = std::int64_t(p.s) * p.b;
+  linear_forward(p.dt, x, w, nullptr, p.tp > 1 ? partial : y, n_full, in_local, p.h, st);
+  if (p.tp == 1) return;
+  if (p.sp)
+    p.comm->reduce_scatter(partial, y, std::size_t(n_local) * p.h, p.dt, st);
+  else
+    p.comm->all_reduce(partial, y, std::size_t(n_full) * p.h, p.dt, st);
+}
+
 inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
   const DType dt = p.dt;
   const std::int64_t n_local = std::int64_t(p.s_local()) * p.b, n_full = std::int64_t(p.s) * p.b;
@@ -108,14 +123,7 @@ inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
   tap(TapPoint::CoreAttention);
 
   // ---- self_attention.linear_proj (row parallel; bias returned for the bda)   // [s_local, b, h]
-  linear_forward(dt, p.ctx, p.proj_w, nullptr, p.tp > 1 ? p.proj_partial : p.proj, n_full, std::int64_t(p.np_local()) * hn,
-                 p.h, st);
-  if (p.tp > 1) {
-    if (p.sp)
-      p.comm->reduce_scatter(p.proj_partial, p.proj, std::size_t(n_local) * p.h, dt, st);
-    else
-      p.comm->all_reduce(p.proj_partial, p.proj, std::size_t(n_full) * p.h, dt, st);
-  }
+  row_parallel_linear_forward(p, p.ctx, p.proj_w, std::int64_t(p.np_local()) * hn, p.proj_partial, p.proj, st);
   tap(TapPoint::LinearProj);
 
   // ---- self_attn_bda: h1 = residual + dropout(proj + bias)   // [s_local, b, h]
@@ -134,13 +142,7 @@ inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
   linear_forward(dt, p.sp ? p.ln2_full : p.ln2, p.fc1_w, nullptr, p.fc1, n_full, p.h, fc1_w, st);  // [s, b, fc1_w]
   tap(TapPoint::LinearFc1);
   bias_activation_forward(dt, p.fc1, p.fc1_b, p.act_out, n_full, f_l, static_cast<Act>(p.act), p.glu, st);  // [s, b, f_l]
-  linear_forward(dt, p.act_out, p.fc2_w, nullptr, p.tp > 1 ? p.fc2_partial : p.fc2, n_full, f_l, p.h, st);
-  if (p.tp > 1) {
-    if (p.sp)
-      p.comm->reduce_scatter(p.fc2_partial, p.fc2, std::size_t(n_local) * p.h, dt, st);
-    else
-      p.comm->all_reduce(p.fc2_partial, p.fc2, std::size_t(n_full) * p.h, dt, st);
-  }
+  row_parallel_linear_forward(p, p.act_out, p.fc2_w, f_l, p.fc2_partial, p.fc2, st);  // [s_local, b, h]
   tap(TapPoint::LinearFc2);
 
   // ---- mlp_bda: out = h1 + dropout(fc2 + bias)           // [s_local, b, h]

@@ -24,6 +24,26 @@
 #include <string>
 #include <utility>
 
+namespace cuda_compat {
+
+// The kernel's name from launch_kernel's stringified argument list ("k<a, b>, grid, ..." ->
+// "k<a, b>"), for the launch errors of both builds (the simulator's in runtime/cudasim.cpp).
+inline std::string kernel_name_from_args(const char* args) {
+  std::string s;
+  int depth = 0;
+  for (const char* p = args; *p; ++p) {
+    char c = *p;
+    if (c == '<' || c == '(' || c == '[') ++depth;
+    if (c == '>' || c == ')' || c == ']') --depth;
+    if (c == ',' && depth == 0) break;
+    s += c;
+  }
+  while (!s.empty() && s.back() == ' ') s.pop_back();
+  return s;
+}
+
+}  // namespace cuda_compat
+
 #if defined(__CUDACC__)
 // ------------------------------------------------------------------------------------- nvcc ----
 #include <cuda_runtime.h>
@@ -39,20 +59,6 @@ namespace cuda_compat {
 struct LaunchError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-
-// The kernel's name from the stringified argument list ("k<a, b>, grid, ..." -> "k<a, b>").
-inline std::string kernel_name_from_args(const char* args) {
-  std::string s;
-  int depth = 0;
-  for (const char* p = args; *p; ++p) {
-    char c = *p;
-    if (c == '<' || c == '(' || c == '[') ++depth;
-    if (c == '>' || c == ')' || c == ']') --depth;
-    if (c == ',' && depth == 0) break;
-    s += c;
-  }
-  return s;
-}
 
 inline void check_launch(cudaError_t err, const char* args, const char* file, int line) {
   if (err != cudaSuccess)

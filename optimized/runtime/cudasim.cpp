@@ -103,20 +103,6 @@ const char* order_name(Order o) {
   return "?";
 }
 
-std::string kernel_name_from_args(const char* args) {
-  std::string s;
-  int depth = 0;
-  for (const char* p = args; *p; ++p) {
-    char c = *p;
-    if (c == '<' || c == '(' || c == '[') ++depth;
-    if (c == '>' || c == ')' || c == ']') --depth;
-    if (c == ',' && depth == 0) break;
-    s += c;
-  }
-  while (!s.empty() && s.back() == ' ') s.pop_back();
-  return s;
-}
-
 namespace detail {
 
 namespace {

@@ -125,7 +125,7 @@ struct KernelCall {
 
 }  // namespace detail
 
-std::string kernel_name_from_args(const char* args);
+using cuda_compat::kernel_name_from_args;  // cuda_compat.h, shared with the nvcc build
 
 template <class... P, class... A>
 void launch_kernel_at(const char* args, const char* file, int line, void (*kernel)(P...), dim3 grid,
