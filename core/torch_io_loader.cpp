@@ -1,4 +1,5 @@
-// The LibTorch-free side of core/torch_io.h: loads the plugin built from torch_io.cpp on first use.
+// The LibTorch-free side of core/torch_io.h's writer: loads the plugin built from torch_io.cpp on
+// the first write. (Reading is core/torch_io_read.cpp and needs no plugin.)
 #include <dlfcn.h>
 #include <unistd.h>
 
@@ -10,11 +11,9 @@
 namespace twin {
 namespace {
 
-using ReadFn = int (*)(const std::string*, TorchFile*, std::string*);
 using WriteFn = int (*)(const std::string*, const std::vector<std::pair<std::string, Tensor>>*, std::string*);
 
 struct Plugin {
-  ReadFn read = nullptr;
   WriteFn write = nullptr;
   std::string why_not;  // set when the plugin is unavailable
 };
@@ -28,7 +27,7 @@ std::string exe_dir() {
 }
 
 // Beside the executable first (build/bin holds twin, the tests and the plugin), then where the
-// build put it. Never unloaded: tensors it made hold deleters that live in it.
+// build put it. Never unloaded: LibTorch does not support being unloaded.
 const Plugin& plugin() {
   static const Plugin p = [] {
     Plugin r;
@@ -40,16 +39,14 @@ const Plugin& plugin() {
         errors += std::string(errors.empty() ? "" : "; ") + dlerror();
         continue;
       }
-      r.read = reinterpret_cast<ReadFn>(dlsym(h, "twin_torchio_read_v1"));
       r.write = reinterpret_cast<WriteFn>(dlsym(h, "twin_torchio_write_v1"));
-      if (r.read && r.write) return r;
-      errors += "; " + path + " lacks the twin_torchio_*_v1 entry points";
+      if (r.write) return r;
+      errors += "; " + path + " lacks the twin_torchio_write_v1 entry point";
     }
-    r.read = nullptr;
     r.write = nullptr;
-    r.why_not = ".pt files are unsupported: cannot load the LibTorch plugin (" + errors + ")";
+    r.why_not = "writing .pt files is unsupported: cannot load the LibTorch plugin (" + errors + ")";
 #else
-    r.why_not = ".pt files are unsupported: this twin was built without LibTorch (install libtorch-dev and rebuild)";
+    r.why_not = "writing .pt files is unsupported: this twin was built without LibTorch (install libtorch-dev and rebuild)";
 #endif
     return r;
   }();
@@ -58,16 +55,8 @@ const Plugin& plugin() {
 
 }  // namespace
 
-bool torch_io_available() { return plugin().read != nullptr; }
-
-TorchFile read_torch_file(const std::string& path) {
-  const Plugin& p = plugin();
-  if (!p.read) throw TorchFileError(path + ": " + p.why_not);
-  TorchFile f;
-  std::string error;
-  if (p.read(&path, &f, &error) != 0) throw TorchFileError(error);
-  return f;
-}
+bool torch_write_available() { return plugin().write != nullptr; }
+bool torch_io_available() { return torch_write_available(); }
 
 void write_torch_file(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors) {
   const Plugin& p = plugin();
