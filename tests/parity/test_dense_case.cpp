@@ -226,8 +226,11 @@ TEST(DenseCase, EveryShrinkIsValidAndShrinkingReachesTheMinimalCase) {
     EXPECT_EQ(cur.seed, 1u) << to_id(cur);
     // Every field drawn from the table's samples ends at its first (tp may have to stay above 1
     // to keep heads at 4).
-    for (const auto& f : dense_case_fields())
-      if (!f.samples.empty() && f.key != "tp") EXPECT_EQ(f.print(cur), f.samples.front()) << f.key << " in " << to_id(cur);
+    for (const auto& f : dense_case_fields()) {
+      if (!f.samples.empty() && f.key != "tp") {
+        EXPECT_EQ(f.print(cur), f.samples.front()) << f.key << " in " << to_id(cur);
+      }
+    }
   }
   EXPECT_GT(found, 0);
 }
