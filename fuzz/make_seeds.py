@@ -7,13 +7,16 @@
 #                section missing: the offsets run past the end), and tiny files of every dtype
 #                (scalars, empty and unaligned tensors) that the fuzzer mutates fastest.
 #   config:      each fixture's `config` and `config_full` metadata JSON.
+#   torch:       small files written by torch.save (every dtype, views, shared storages, nested
+#                containers, non-tensor leaves, both pickle protocols, the legacy format); only
+#                when this python has torch (Debian's python3-torch), else skipped with a note.
 import json
 import os
 import struct
 import sys
 
 fixtures, out = sys.argv[1], sys.argv[2]
-for sub in ("safetensors", "config"):
+for sub in ("safetensors", "config", "torch"):
     os.makedirs(os.path.join(out, sub), exist_ok=True)
 
 
@@ -69,3 +72,53 @@ for fname in sorted(os.listdir(fixtures)):
     for key in ("config", "config_full"):
         if key in metadata:
             write("config", f"{stem}.{key}.json", metadata[key].encode())
+
+
+def torch_seeds():
+    try:
+        import collections
+        import torch
+    except ImportError:
+        print("make_seeds.py: no torch in this python: no .pt seeds", file=sys.stderr)
+        return
+    d = os.path.join(out, "torch")
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    every = {
+        "f64": torch.tensor([1.0, -2.5], dtype=torch.float64),
+        "f32": torch.tensor([[1.5, -3.0], [0.25, 7.0]]),
+        "bf16": torch.tensor([1.0, -0.333], dtype=torch.bfloat16),
+        "f16": torch.tensor([65504.0, 0.1], dtype=torch.float16),
+        "i64": torch.tensor([-(2**63), 2**63 - 1]),
+        "i32": torch.tensor([-7, 0, 2**31 - 1], dtype=torch.int32),
+        "bool": torch.tensor([True, False, True]),
+    }
+    files = {
+        "bare": torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]),
+        "scalar": torch.tensor(42.0),
+        "empty": torch.zeros(0, 3),
+        "one_entry": {"w": torch.ones(2)},
+        "every_dtype": every,
+        "views": {"base": base, "cols": base[:, 1:3], "t": base.t(), "row": base[2]},
+        "nested": collections.OrderedDict(
+            model={"layers": [{"weight": torch.ones(2, 2)}, {"weight": torch.zeros(2, 2)}]},
+            step=3, lr=1.5e-4, name="run", flag=True, nothing=None, dtype=torch.float32,
+            pair=(torch.ones(1), 2)),
+        "linear": torch.nn.Linear(3, 2).state_dict(),
+    }
+    torch.manual_seed(0)
+    for name, obj in files.items():
+        torch.save(obj, os.path.join(d, name + ".pt"))
+    torch.save(every, os.path.join(d, "every_dtype.protocol4.pt"), pickle_protocol=4)
+    torch.save(files["views"], os.path.join(d, "views.legacy.pt"), _use_new_zipfile_serialization=False)
+    # The pickles alone too: fuzz_torch wraps such inputs in a valid zip, so their mutations reach
+    # the pickle machine (storage keys 0..7 of 256 bytes each, as the target provides them).
+    import zipfile
+    for name in list(os.listdir(d)):
+        if name.endswith(".pt") and zipfile.is_zipfile(os.path.join(d, name)):
+            with zipfile.ZipFile(os.path.join(d, name)) as z:
+                pkl = [n for n in z.namelist() if n.endswith("/data.pkl")]
+                if pkl:
+                    write("torch", name[: -len(".pt")] + ".pkl", z.read(pkl[0]))
+
+
+torch_seeds()
