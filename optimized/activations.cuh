@@ -74,6 +74,9 @@ inline void bias_activation_forward(DType dt, const void* in, const void* bias, 
                                     Act act, bool glu, cudaStream_t stream) {
   require(n >= 0 && f > 0, "bias_activation_forward: bad shape n=" + std::to_string(n) + " f=" + std::to_string(f));
   require(in && out && in != out, "bias_activation_forward: null or aliased in / out");
+  // counts: the bias add, the activation's stores on its longest path, the GLU product.
+  const int act_stores = act == Act::Silu || act == Act::QuickGelu ? 3 : act == Act::Relu ? 0 : 1;
+  rounding_store(dt, (bias ? 1 : 0) + act_stores + (glu ? 1 : 0));
   if (n == 0) return;
   dispatch_dtype(dt, "bias_activation_forward", [&](auto tag) {
     using T = decltype(tag);

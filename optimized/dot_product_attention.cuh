@@ -191,6 +191,17 @@ inline void dot_product_attention_forward(DType dt, const void* qkv, const QkvLa
                                           const AttnParams& p, cudaStream_t stream) {
   const std::string op = "dot_product_attention_forward";
   require(qkv && context, op + ": null qkv / context");
+  // counts: q k^T (stored in T), * coeff in fp32, the softmax's sum and its output (fp32, then T
+  // when the softmax runs in fp32 for a 16-bit T), the dropout product, probs @ v (stored in T).
+  rounding_reduce(p.hn);
+  rounding_store(dt);
+  if (p.coeff != 0.0f) rounding_store(DType::F32);
+  rounding_reduce(p.sk);
+  if (p.softmax_fp32 && dt != DType::F32) rounding_store(DType::F32);
+  rounding_store(dt);
+  if (p.drop.active) rounding_store(dt);
+  rounding_reduce(p.sk);
+  rounding_store(dt);
   require(p.hn > 0 && p.hn <= kAttnMaxHeadDim,
           op + ": head dim " + std::to_string(p.hn) + " must be in [1, " + std::to_string(kAttnMaxHeadDim) + "]");
   require(p.sq > 0 && p.sk > 0 && p.b > 0 && p.np_local > 0, op + ": empty shape");

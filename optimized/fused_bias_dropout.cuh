@@ -36,6 +36,8 @@ inline void bias_dropout_add_forward(DType dt, const void* x, const void* bias, 
                                      cudaStream_t stream) {
   require(h > 0 && n_rows >= 0, "bias_dropout_add_forward: bad shape [" + std::to_string(n_rows) + ", " + std::to_string(h) + "]");
   require(x && residual && out, "bias_dropout_add_forward: null x / residual / out");
+  // counts: x + bias, the dropout product, residual + out (the residual was computed before x).
+  rounding_store(dt, (bias ? 1 : 0) + (drop.active ? 1 : 0) + 1);
   if (n_rows == 0) return;
   dispatch_dtype(dt, "bias_dropout_add_forward", [&](auto tag) {
     using T = decltype(tag);

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "core/dtype.h"
+#include "core/rounding.h"
 #include "cuda_compat.h"
 
 namespace twin::opt::TWIN_BACKEND {

@@ -46,6 +46,9 @@ inline void rotary_pos_emb_forward(DType dt, void* t, const float* freqs, const 
           "rotary_pos_emb_forward: rot_dim " + std::to_string(rot_dim) + " must be even, > 0 and at most the head dim " +
               std::to_string(rows.width));
   require(rows_per_position > 0, "rotary_pos_emb_forward: rows_per_position must be > 0");
+  // counts: t * cos_, rotate_half(t) * sin_, the sum. q and k are rotated by two calls on parallel
+  // branches: the layer forks and joins around them.
+  rounding_store(dt, 3);
   require(t && freqs, "rotary_pos_emb_forward: null tensor");
   if (rows.n_rows == 0) return;
   dispatch_dtype(dt, "rotary_pos_emb_forward", [&](auto tag) {

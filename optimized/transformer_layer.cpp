@@ -355,14 +355,14 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   RankPlan& p0 = m.ranks[0].plan;
   const std::int64_t S = s, B = b, H = m.h;
   auto bias_tap = [&](const std::string& name, const std::string& key) {
-    if (m.full.count(key)) result.taps.emplace_back(name, m.full.at(key).clone());
+    if (m.full.count(key)) result.record.add_exact(Role::Tap, name, m.full.at(key).clone());
   };
   if (fo.record_taps) {
     RankPlan& p = p0;
     p.on_tap = [&](TapPoint t) {
       switch (t) {
-        case TapPoint::InputLayernorm: result.taps.emplace_back("input_layernorm", download(p.ln1, {S, B, H})); break;
-        case TapPoint::LinearQkv: result.taps.emplace_back("self_attention.linear_qkv.0", download(p.qkv, {S, B, p.qkv_width()})); break;
+        case TapPoint::InputLayernorm: result.record.add(Role::Tap, "input_layernorm", download(p.ln1, {S, B, H})); break;
+        case TapPoint::LinearQkv: result.record.add(Role::Tap, "self_attention.linear_qkv.0", download(p.qkv, {S, B, p.qkv_width()})); break;
         case TapPoint::QkLayernorm: {
           // q [s, b, np, hn] and k [s, b, ng, hn] out of the grouped qkv rows
           const Tensor qkv = download(p.qkv, {S * B, p.qkv_width()});
@@ -375,31 +375,31 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
               std::memcpy(q.raw_mut() + (std::size_t(t2) * m.np + std::size_t(g) * hpg) * head, grp, hpg * head);
               std::memcpy(k.raw_mut() + (std::size_t(t2) * m.ng + g) * head, grp + hpg * head, head);
             }
-          result.taps.emplace_back("self_attention.q_layernorm", q);
-          result.taps.emplace_back("self_attention.k_layernorm", k);
+          result.record.add(Role::Tap, "self_attention.q_layernorm", q);
+          result.record.add(Role::Tap, "self_attention.k_layernorm", k);
           break;
         }
         case TapPoint::CoreAttention:
-          result.taps.emplace_back("self_attention.core_attention", download(p.ctx, {S, B, std::int64_t(m.np) * m.hn}));
+          result.record.add(Role::Tap, "self_attention.core_attention", download(p.ctx, {S, B, std::int64_t(m.np) * m.hn}));
           break;
         case TapPoint::LinearProj: {
           Tensor y = download(p.proj, {S, B, H});
-          result.taps.emplace_back("self_attention.linear_proj.0", y);
+          result.record.add(Role::Tap, "self_attention.linear_proj.0", y);
           bias_tap("self_attention.linear_proj.1", "self_attention.linear_proj.bias");
-          result.taps.emplace_back("self_attention.0", y);
+          result.record.add(Role::Tap, "self_attention.0", y);
           bias_tap("self_attention.1", "self_attention.linear_proj.bias");
           break;
         }
-        case TapPoint::PreMlpLayernorm: result.taps.emplace_back("pre_mlp_layernorm", download(p.ln2, {S, B, H})); break;
+        case TapPoint::PreMlpLayernorm: result.record.add(Role::Tap, "pre_mlp_layernorm", download(p.ln2, {S, B, H})); break;
         case TapPoint::LinearFc1:
-          result.taps.emplace_back("mlp.linear_fc1.0", download(p.fc1, {S, B, (p.glu ? 2 : 1) * std::int64_t(m.ffn)}));
+          result.record.add(Role::Tap, "mlp.linear_fc1.0", download(p.fc1, {S, B, (p.glu ? 2 : 1) * std::int64_t(m.ffn)}));
           bias_tap("mlp.linear_fc1.1", "mlp.linear_fc1.bias");
           break;
         case TapPoint::LinearFc2: {
           Tensor y = download(p.fc2, {S, B, H});
-          result.taps.emplace_back("mlp.linear_fc2.0", y);
+          result.record.add(Role::Tap, "mlp.linear_fc2.0", y);
           bias_tap("mlp.linear_fc2.1", "mlp.linear_fc2.bias");
-          result.taps.emplace_back("mlp.0", y);
+          result.record.add(Role::Tap, "mlp.0", y);
           bias_tap("mlp.1", "mlp.linear_fc2.bias");
           break;
         }

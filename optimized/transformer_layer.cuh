@@ -52,6 +52,10 @@ inline void linear_forward(DType dt, const void* x, const void* w, const void* b
     g.bias_dtype = dt;
   }
   rt::gemm(this_backend()).run(g, stream);
+  // counts: Megatron stores the GEMM output and then the biased sum; an epilogue storing once
+  // differs from that by at most the one rounding counted for the bias.
+  rounding_reduce(in);
+  rounding_store(dt, bias ? 2 : 1);
 }
 
 // A row-parallel linear (linear_proj, fc2): y = x[s, b, in_local] @ w[h, in_local]^T summed over
@@ -93,14 +97,23 @@ inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
   const NormRows k_rows{n_full * p.ng_local(), hn, 1, gs, 0};
   char* qkv = static_cast<char*>(p.qkv);
   void* k_base = qkv + std::size_t(hpg) * hn * esz;
+  // q and k are parallel branches from linear_qkv: neither inherits the other's rounding points.
   if (p.qk_layernorm) {
+    const RoundingCount at_split = rounding_now();
     norm_forward(p.rms, dt, qkv, qkv, p.qln_w, p.qln_b, q_rows, p.eps, p.zero_centered_gamma, st);
+    const RoundingCount query_path = rounding_now();
+    rounding_set(at_split);
     norm_forward(p.rms, dt, k_base, k_base, p.kln_w, p.kln_b, k_rows, p.eps, p.zero_centered_gamma, st);
+    rounding_join(query_path);
     tap(TapPoint::QkLayernorm);
   }
   if (p.rot_dim > 0) {
+    const RoundingCount at_split = rounding_now();
     rotary_pos_emb_forward(dt, qkv, p.freqs, q_rows, std::int64_t(p.b) * p.ng_local() * hpg, p.rot_dim, p.rope_interleaved, st);
+    const RoundingCount query_path = rounding_now();
+    rounding_set(at_split);
     rotary_pos_emb_forward(dt, k_base, p.freqs, k_rows, std::int64_t(p.b) * p.ng_local(), p.rot_dim, p.rope_interleaved, st);
+    rounding_join(query_path);
   }
 
   // ---- core_attention                                    // [s, b, np_l * hn]

@@ -17,12 +17,11 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/record.h"
 #include "core/tensor.h"
 #include "optimized/runtime/device.h"
 
 namespace twin::opt {
-
-using TapList = std::vector<std::pair<std::string, Tensor>>;
 
 struct LayerOptions {
   int tp = 1;
@@ -40,13 +39,14 @@ struct ForwardOptions {
   std::uint64_t seed = 0;      // Philox key of every dropout call of this forward
   std::uint64_t offset = 0;    // base Philox offset; the calls use offset + 0 (attention), + 1
                                // (self_attn_bda), + 4 (mlp_bda), as the reference layer does
-  bool record_taps = false;    // tp == 1 only: download each submodule output under its module path
+  bool record_taps = false;    // tp == 1 only: download each submodule output under its module path,
+                               // with the rounding points counted before it (in a CountRoundings scope)
   bool use_graph = false;      // capture the forward into a CUDA graph once, then replay it
 };
 
 struct LayerOutput {
   Tensor hidden_states;  // [s, b, h] in the params dtype (SP: the ranks' slices gathered)
-  TapList taps;          // when record_taps
+  Record record;         // taps, when record_taps
 };
 
 class DenseTransformerLayer {

@@ -35,6 +35,20 @@ Tolerance reference_error_bound(DType dt, double ref_err, double magnitude) {
   return t;
 }
 
+Tolerance golden_bound(const RecordEntry& e, const Tensor& expected) {
+  const RoundingCount& r = e.rounding;
+  if (r.none()) return {0.0, 0.0, "no rounding point before this tensor (a parameter or a copy): exact"};
+  const double u32 = unit_roundoff(DType::F32);
+  const double eps = r.bf16 * unit_roundoff(DType::BF16) + r.fp16 * unit_roundoff(DType::F16) + r.fp32 * u32 +
+                     (r.reduction ? 2.0 * gamma_n(r.reduction, u32) : 0.0);
+  const bool own = e.magnitude < 0;
+  const double magnitude = own ? max_abs(expected) : e.magnitude;
+  return {eps * magnitude, eps,
+          fmt::format("{} before this tensor: eps = sum n u{} = {:.3g}; atol = eps x {} {:.3g}, rtol = eps",
+                      r.describe(), r.reduction ? fmt::format(" + 2 gamma_{}(fp32)", r.reduction) : "", eps,
+                      own ? "max|e|" : "the magnitude its error follows", magnitude)};
+}
+
 double max_abs(const Tensor& t) {
   double m = 0.0;
   for (std::int64_t i = 0; i < t.numel(); ++i) m = std::max(m, std::fabs(t.at_f64(i)));

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/record.h"
 #include "parity/compare.h"
 
 namespace twin::parity {
@@ -31,6 +32,15 @@ Tolerance op_bound(DType out, int stores, std::int64_t k, double magnitude);
 // tensors) is below an ulp. The absolute part covers outputs that cancel (residual adds), where a
 // relative bound says nothing.
 Tolerance reference_error_bound(DType dt, double reference_max_error_vs_exact, double magnitude);
+
+// A golden comparison, from the rounding points the twin executed before the value (its
+// RoundingCount): two implementations of Megatron's math that store at the same points may land
+// one rounding apart at each store (unit roundoff u of that dtype, relative to the magnitude the
+// error propagates with) and 2 gamma_R(u_fp32) apart over fp32-accumulated reductions of total
+// length R, so eps = sum over dtypes of n u + 2 gamma_R(fp32), atol = eps x magnitude, rtol = eps.
+// The magnitude is max |expected| unless the entry names another (RecordEntry::magnitude). No
+// rounding point (a parameter, a copy): exact.
+Tolerance golden_bound(const RecordEntry& e, const Tensor& expected);
 
 // max |x| over a tensor (0 for empty): the magnitude used by the bounds above.
 double max_abs(const Tensor& t);

@@ -62,11 +62,8 @@ struct Row {
 };
 
 std::string fixtures_dir() {
-  for (std::string d : {std::string("fixtures/megatron-core")}) {
-    if (const char* src = std::getenv("TWIN_SOURCE_DIR")) d = std::string(src) + "/" + d;
-    if (std::filesystem::is_directory(d)) return d;
-  }
-  return "";
+  const std::string d = golden_dir();
+  return std::filesystem::is_directory(d) ? d : "";
 }
 
 }  // namespace
@@ -134,7 +131,7 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
                               r.detail = std::string(twin_kind_name(twin)) + " twin has no " + f.kind;
                               return r;
                             }
-                            const auto cmps = h(f);
+                            const auto cmps = compare_fixture(h, f, twin);
                             r.dtype = !f.config_json.is_object() ? "-" : f.config.bf16 ? "bf16" : f.config.fp16 ? "fp16" : "fp32";
                             for (const auto& c : cmps) {
                               if (c.share_used >= r.share) {

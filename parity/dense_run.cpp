@@ -10,6 +10,7 @@
 
 #include "optimized/transformer_layer.h"
 #include "parity/bounds.h"
+#include "parity/fixture_kinds.h"
 #include "reference/transformer_layer.h"
 
 namespace twin::parity {
@@ -22,7 +23,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, TapList* taps) {
+Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, Record* record) {
   using namespace twin::reference;
   TransformerConfig cfg = in.config;
   cfg.tensor_model_parallel_size = 1;  // the reference is the unsharded layer
@@ -38,13 +39,13 @@ Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, 
   LayerInputs li;
   li.attention_mask = in.attention_mask.defined() ? &in.attention_mask : nullptr;
   li.rotary_pos_emb = in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr;
-  TapRecord rec;
-  auto [out, ctx] = layer.forward(in.hidden_states, li, taps ? Taps(&rec) : Taps());
-  if (taps) *taps = rec.tensors;
+  CountRoundings counting;
+  auto [out, ctx] = layer.forward(in.hidden_states, li, record ? Taps(record) : Taps());
+  if (record) record->add(Role::Output, "hidden_states", out);
   return out;
 }
 
-Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOptions& o, TapList* taps) {
+Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOptions& o, Record* record) {
   opt::LayerOptions lo;
   lo.tp = c.tp;
   lo.sp = c.sp;
@@ -54,11 +55,15 @@ Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOpt
   opt::ForwardOptions fo;
   fo.training = in.training;
   fo.seed = in.dropout_seed;
-  fo.record_taps = taps != nullptr;
+  fo.record_taps = record != nullptr;
   fo.use_graph = o.use_graph;
+  CountRoundings counting;
   auto out = layer.forward(in.hidden_states, in.attention_mask.defined() ? &in.attention_mask : nullptr,
                            in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, fo);
-  if (taps) *taps = std::move(out.taps);
+  if (record) {
+    *record = std::move(out.record);
+    record->add(Role::Output, "hidden_states", out.hidden_states);
+  }
   return out.hidden_states;
 }
 
@@ -67,26 +72,23 @@ CaseResult run_case(const DenseCase& c, const RunOptions& o) {
   r.id = to_id(c);
   const DenseInputs in = make_inputs(c);
   const bool want_taps = o.taps && c.tp == 1 && !o.use_graph;
-  TapList ref_taps, exact_taps, opt_taps;
+  Record ref_rec, exact_rec, opt_rec;
   auto t0 = std::chrono::steady_clock::now();
-  const Tensor ref = reference_forward(c, in, false, want_taps ? &ref_taps : nullptr);
-  const Tensor exact = reference_forward(c, in, true, want_taps ? &exact_taps : nullptr);
+  const Tensor ref = reference_forward(c, in, false, want_taps ? &ref_rec : nullptr);
+  const Tensor exact = reference_forward(c, in, true, want_taps ? &exact_rec : nullptr);
   r.seconds_reference = seconds_since(t0);
   r.reference_error = max_abs_diff(ref, exact);
   t0 = std::chrono::steady_clock::now();
-  const Tensor got = optimized_forward(c, in, o, want_taps ? &opt_taps : nullptr);
+  const Tensor got = optimized_forward(c, in, o, want_taps ? &opt_rec : nullptr);
   r.seconds_optimized = seconds_since(t0);
   r.output = compare("output.hidden_states", got, ref, reference_error_bound(c.dtype, r.reference_error, max_abs(ref)));
   if (want_taps) {
-    // Each tap gets the same rule from its own reference error (taps absent from the exact run,
-    // e.g. bias parameters, must match exactly).
-    std::map<std::string, const Tensor*> ex;
-    for (const auto& [n, t] : exact_taps) ex[n] = &t;
-    r.taps = diff_taps(opt_taps, ref_taps, [&](const std::string& name, const Tensor& e) {
-      auto it = ex.find(name);
-      const bool bias = name.size() > 2 && name.compare(name.size() - 2, 2, ".1") == 0;
-      if (bias || it == ex.end()) return Tolerance{0.0, 0.0, "a parameter (bias) tap: exact"};
-      return reference_error_bound(c.dtype, max_abs_diff(e, *it->second), max_abs(e));
+    // Each tap gets the same rule from its own reference error; a parameter tap (a bias: no
+    // rounding point before it) must match exactly.
+    r.taps = diff_taps(opt_rec, ref_rec, [&](const RecordEntry& e, const Tensor& expected) {
+      const Tensor* ex = exact_rec.find(e.name, e.role);
+      if (e.rounding.none() || !ex) return Tolerance{0.0, 0.0, "a parameter (bias) tap: exact"};
+      return reference_error_bound(c.dtype, max_abs_diff(expected, *ex), max_abs(expected));
     });
   }
   return r;
@@ -108,84 +110,32 @@ std::string CaseResult::report() const {
 
 // ---- the optimized twin's dense_layer fixture handler -------------------------------------------
 
-namespace {
-// Rounding points to the activation dtype before each tap (the reference handler's count).
-int rounding_depth(const std::string& name, bool rope) {
-  static const std::map<std::string, int> depth = {
-      {"input_layernorm", 1}, {"self_attention.linear_qkv.0", 3}, {"self_attention.q_layernorm", 5},
-      {"self_attention.k_layernorm", 5}, {"self_attention.core_attention", 8}, {"self_attention.linear_proj.0", 9},
-      {"self_attention.0", 9}, {"pre_mlp_layernorm", 13}, {"mlp.linear_fc1.0", 14}, {"mlp.linear_fc2.0", 18},
-      {"mlp.0", 18}, {"output.hidden_states", 21}};
-  auto it = depth.find(name);
-  int n = it == depth.end() ? 21 : it->second;
-  const bool after_rope = name.rfind("self_attention.core_attention", 0) == 0 || name.rfind("self_attention.linear_proj", 0) == 0 ||
-                          name == "self_attention.0" || name.rfind("mlp", 0) == 0 || name == "pre_mlp_layernorm" ||
-                          name == "output.hidden_states";
-  if (rope && after_rope) n += 3;
-  return n;
-}
-Tolerance fixture_tolerance(const std::string& name, const Tensor& expected, bool rope) {
-  const bool bias_tap = name.size() > 2 && name.compare(name.size() - 2, 2, ".1") == 0;
-  if (bias_tap) return {0.0, 0.0, "a bias parameter returned by skip_bias_add: exact"};
-  if (expected.dtype() == DType::F32)
-    return {1e-5, 1e-4, "fp32 golden: per-op fp32 rounding on both sides, reductions differ in accumulation order; "
-                        "the issue's cap 1e-5 + 1e-4 |e|"};
-  const double u = unit_roundoff(expected.dtype());
-  const int n = rounding_depth(name, rope);
-  return {n * u * max_abs(expected), n * u,
-          fmt::format("{} golden: {} rounding points (u = {:.3g}) before this tensor, one may differ at each: atol = n u max|e|, rtol = n u",
-                      dtype_name(expected.dtype()), n, u)};
-}
-}  // namespace
-
-std::vector<Comparison> run_optimized_dense_layer_fixture(const Fixture& f) {
+TwinRun run_optimized_dense_layer(const Fixture& f) {
   const TransformerConfig& cfg = f.config;
-  static const std::set<std::string> known_inputs = {"input.hidden_states", "input.attention_mask", "input.rotary_pos_emb"};
-  for (const auto& n : f.names_with_prefix("input."))
-    if (!known_inputs.count(n)) throw FixtureError(f.path + ": unexpected input tensor " + n + " for kind dense_layer");
+  check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb"});
   const char* be = std::getenv("TWIN_BACKEND");
   opt::LayerOptions lo;
   lo.backend = be && std::string(be) == "cuda" ? rt::Backend::Cuda : rt::Backend::Sim;
   lo.layer_number = f.layer_number;
   lo.attn_mask_type = cfg.attn_mask_type;  // the spec param the fixture ran with
-  std::map<std::string, Tensor> params;
-  for (const auto& n : f.names_with_prefix("param.")) params[n.substr(6)] = f.tensor(n);
-  for (const auto& [k, v] : params) {
-    const auto keys = opt::dense_layer_param_keys(cfg);
+  const std::map<std::string, Tensor> params = params_of(f);
+  const auto keys = opt::dense_layer_param_keys(cfg);
+  for (const auto& [k, v] : params)
     if (std::find(keys.begin(), keys.end(), k) == keys.end())
       throw FixtureError(f.path + ": parameter '" + k + "' is not one the dense layer owns");
-  }
   opt::DenseTransformerLayer layer(cfg, params, lo);
   opt::ForwardOptions fo;
   fo.training = f.training;  // the fixtures' dropout probabilities are 0
   fo.record_taps = true;
-  const Tensor* mask = f.has("input.attention_mask") ? &f.tensor("input.attention_mask") : nullptr;
-  const Tensor* rope = f.has("input.rotary_pos_emb") ? &f.tensor("input.rotary_pos_emb") : nullptr;
+  const Tensor* rope = optional_input(f, "rotary_pos_emb");
   if (cfg.position_embedding_type == "rope" && !rope)
     throw FixtureError(f.path + ": position_embedding_type is rope but input.rotary_pos_emb is missing");
-  auto out = layer.forward(f.tensor("input.hidden_states"), mask, rope, fo);
-  const bool is_rope = cfg.position_embedding_type == "rope";
-  std::vector<Comparison> res;
-  std::set<std::string> compared;
-  for (const auto& [name, actual] : out.taps) {
-    const std::string key = "tap." + name;
-    if (!f.has(key)) continue;
-    const Tensor& e = f.tensor(key);
-    res.push_back(compare(key, actual, e, fixture_tolerance(name, e, is_rope)));
-    compared.insert(key);
-  }
-  const Tensor& e = f.tensor("output.hidden_states");
-  res.push_back(compare("output.hidden_states", out.hidden_states, e, fixture_tolerance("output.hidden_states", e, is_rope)));
-  for (const auto& key : f.names_with_prefix("tap."))
-    if (!compared.count(key)) {
-      Comparison c;
-      c.name = key;
-      c.shape = f.tensor(key).shape();
-      c.pass = false;
-      c.message = "the optimized twin produces no tensor for this tap";
-      res.push_back(c);
-    }
-  return res;
+  TwinRun run;
+  CountRoundings counting;
+  auto out = layer.forward(input(f, "hidden_states", 3), optional_input(f, "attention_mask"), rope, fo);
+  run.record = std::move(out.record);
+  run.record.add(Role::Output, "hidden_states", out.hidden_states);
+  return run;
 }
 
 }  // namespace twin::parity

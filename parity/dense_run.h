@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "fixtures/fixture.h"
+#include "core/record.h"
 #include "optimized/runtime/device.h"
 #include "parity/compare.h"
 #include "parity/dense_case.h"
@@ -26,9 +26,10 @@ struct RunOptions {
 
 // The reference layer (local GPT spec) on the case's inputs. mode FP32 mirrors Megatron; Exact is
 // fp64 without rounding (the output is then F64).
-Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, TapList* taps = nullptr);
+// With `record`: taps and rounding counts recorded there.
+Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, Record* record = nullptr);
 // The optimized layer at the case's tp / sp.
-Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOptions& o, TapList* taps = nullptr);
+Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOptions& o, Record* record = nullptr);
 
 struct CaseResult {
   std::string id;
@@ -40,11 +41,5 @@ struct CaseResult {
   std::string report() const;  // one paragraph: id, errors, bound, tap table on failure
 };
 CaseResult run_case(const DenseCase& c, const RunOptions& o = {});
-
-// `twin fixture --twin optimized` for kind dense_layer: the optimized layer (tp = 1, simulator, or
-// the GPU when TWIN_BACKEND=cuda) on the file's inputs; output and every tap compared with the
-// reference handler's rule (fp32: 1e-5 + 1e-4 |e|; bf16/fp16: n u max|e| + n u |e| with n the
-// rounding points before the tensor).
-std::vector<Comparison> run_optimized_dense_layer_fixture(const Fixture& f);
 
 }  // namespace twin::parity

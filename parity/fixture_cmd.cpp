@@ -37,7 +37,7 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
     return r;
   }
   try {
-    r.rows = handler(fx);
+    r.rows = compare_fixture(handler, fx, twin);
   } catch (...) {
     r.status = Status::Error;
     r.message = describe_exception(std::current_exception());

@@ -1,24 +1,64 @@
-// Where each twin plugs in its support for a fixture kind. `twin fixture` loads a file, finds the
-// handler for (kind, twin) and reports the comparisons the handler returns, in the order the layer
-// computes them.
+// Where each twin plugs in its support for a fixture kind. A handler builds its twin's layer from
+// the golden's config and params, runs it on the golden's inputs and returns what the twin
+// computed (a Record); compare_fixture turns that into comparison rows with the one comparison
+// (parity/golden.h), so adding a kind or a twin adds no comparison code.
 #pragma once
 
+#include <map>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
+#include "core/record.h"
 #include "fixtures/fixture.h"
 #include "parity/compare.h"
+#include "parity/golden.h"
 
 namespace twin {
 
 enum class TwinKind { Reference, Optimized };
 const char* twin_kind_name(TwinKind t);  // "reference" | "optimized"
 
-// A handler runs the fixture through its twin and compares every output, tap and aux value the
-// file holds. It throws FixtureError / ConfigError / ShapeError for bad input.
-using FixtureHandler = std::vector<Comparison> (*)(const Fixture&);
+struct TwinRun {
+  Record record;
+  // JSON table goldens: the expected columns the handler read from the table. Unset: the golden's
+  // own tensors (parity::expected_of).
+  std::optional<parity::Expected> expected;
+};
+
+// Throws FixtureError / ConfigError / ShapeError for bad input.
+using FixtureHandler = TwinRun (*)(const Fixture&);
 
 // nullptr when that twin does not support the kind (yet).
 FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin);
 
+// Runs the handler and compares its record with the golden: the one path from a golden to rows.
+std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin);
+// The same with the handler of the golden's kind; FixtureError when that twin has none.
+std::vector<Comparison> compare_fixture(const Fixture& f, TwinKind twin);
+
+namespace parity {
+
+// What the handlers share: reading a layer golden's inputs.
+// Throws FixtureError naming any input.* tensor outside `known` (bad input, not something to ignore).
+void check_inputs(const Fixture& f, const std::set<std::string>& known);
+// param.<key> tensors under their state-dict keys.
+std::map<std::string, Tensor> params_of(const Fixture& f, const std::string& prefix = "param.");
+// input.<name>, checked to have `rank` dimensions (-1: any), or null when the golden has none.
+const Tensor* optional_input(const Fixture& f, const std::string& name, int rank = -1);
+const Tensor& input(const Fixture& f, const std::string& name, int rank = -1);
+
+// The handlers of each twin (parity/reference_handlers.cpp, parity/table_handlers.cpp,
+// parity/dense_run.cpp).
+TwinRun run_reference_dense_layer(const Fixture& f);
+TwinRun run_reference_moe_layer(const Fixture& f);
+TwinRun run_reference_retro_decoder_layer_first(const Fixture& f);
+TwinRun run_reference_retro_decoder_layer(const Fixture& f);
+TwinRun run_reference_retro_block(const Fixture& f);
+TwinRun run_reference_layer_offset_table(const Fixture& f);
+TwinRun run_reference_retro_layout_table(const Fixture& f);
+TwinRun run_optimized_dense_layer(const Fixture& f);
+
+}  // namespace parity
 }  // namespace twin

@@ -1,7 +1,6 @@
 #include "parity/tap_diff.h"
 
 #include <fmt/format.h>
-#include <map>
 
 namespace twin::parity {
 
@@ -22,39 +21,15 @@ std::string TapDiff::format() const {
     if (static_cast<int>(i) == first_divergence) out += "   <-- first divergence (" + c.tol.reason + ")";
     out += "\n";
   }
-  for (const auto& e : extra) out += fmt::format("{:<40} only in the actual run\n", e);
   return out;
 }
 
-TapDiff diff_taps(const TapList& actual, const TapList& expected,
-                  const std::function<Tolerance(const std::string&, const Tensor&)>& tol_for) {
+TapDiff diff_taps(const Record& actual, const Record& expected, const BoundFn& bound) {
   TapDiff d;
-  std::map<std::string, const Tensor*> by_name;
-  for (const auto& [n, t] : actual) by_name.emplace(n, &t);
-  std::map<std::string, bool> seen;
-  for (const auto& [name, e] : expected) {
-    seen[name] = true;
-    auto it = by_name.find(name);
-    Comparison c;
-    if (it == by_name.end()) {
-      c.name = name;
-      c.shape = e.shape();
-      c.pass = false;
-      c.message = "missing in actual";
-    } else {
-      c = compare(name, *it->second, e, tol_for(name, e));
-    }
-    if (!c.pass && d.first_divergence < 0) d.first_divergence = static_cast<int>(d.rows.size());
-    d.rows.push_back(std::move(c));
-  }
-  for (const auto& [n, t] : actual)
-    if (!seen.count(n)) d.extra.push_back(n);
+  d.rows = compare_record(actual, expected_of(expected), "actual", bound);
+  for (std::size_t i = 0; i < d.rows.size() && d.first_divergence < 0; ++i)
+    if (!d.rows[i].pass) d.first_divergence = static_cast<int>(i);
   return d;
-}
-
-std::string first_divergence(const TapList& actual, const TapList& expected,
-                             const std::function<Tolerance(const std::string&, const Tensor&)>& tol_for) {
-  return diff_taps(actual, expected, tol_for).first_divergence_name();
 }
 
 }  // namespace twin::parity

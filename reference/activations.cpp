@@ -64,9 +64,21 @@ static double act1(ActivationFunc f, double x, const Precision& p) {
   return x;
 }
 
+// Stores on the longest path through act1 (the `rounds:` marks above).
+static int act1_stores(ActivationFunc f) {
+  switch (f) {
+    case ActivationFunc::ErfGelu: return 4;  // x / 1.41421, erf, + 1, product
+    case ActivationFunc::QuickGelu: return 3;
+    case ActivationFunc::Silu: return 3;
+    case ActivationFunc::Relu: return 0;
+    default: return 1;
+  }
+}
+
 Mat apply_activation(ActivationFunc f, const Mat& x, const Precision& p) {
   Mat y(x.rows(), x.cols());
   for (Eigen::Index i = 0; i < x.size(); ++i) y.data()[i] = act1(f, x.data()[i], p);
+  p.count_act(act1_stores(f));
   return y;
 }
 
@@ -82,7 +94,13 @@ Mat glu(ActivationFunc f, const Mat& x, double glu_linear_offset, std::optional<
     x_glu = x_glu.cwiseMin(val);
     x_linear = x_linear.cwiseMin(val).cwiseMax(-val);
   }
+  const RoundingCount at_input = rounding_now();
   const Mat a = apply_activation(f, x_glu, p);
+  const RoundingCount activation_path = rounding_now();
+  rounding_set(at_input);
+  if (glu_linear_offset != 0.0) p.count_act();  // the x_linear branch
+  rounding_join(activation_path);
+  p.count_act();  // the product
   Mat y(x.rows(), half);
   for (Eigen::Index i = 0; i < y.size(); ++i) {
     const double lin = glu_linear_offset == 0.0 ? x_linear.data()[i]

@@ -16,7 +16,7 @@ void record_mat(const Taps& taps, const std::string& name, const Mat& m, Shape s
 void record_own_output(const Taps& taps, const AttentionOutput& out, int s, int b, const Precision& p) {
   if (!taps.enabled()) return;
   taps.record("0", p.to_tensor(out.output, {s, b, out.output.cols()}));
-  if (out.bias) taps.record("1", p.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
+  if (out.bias) taps.record_param("1", p.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
 }
 
 int checked_groups(const TransformerConfig& c) {
@@ -95,14 +95,19 @@ SelfAttention::QKV SelfAttention::get_query_key_value_tensors(const Mat& hidden_
       out.value.row(t * ng_ + g) = mixed_qkv.row(t).segment(base + col, hn_);
     }
   }
+  // q and k are parallel branches from linear_qkv: neither inherits the other's roundings.
+  const RoundingCount at_split = rounding_now();
   if (q_layernorm) {
     out.query = q_layernorm->forward(out.query);
     record_mat(taps, "q_layernorm", out.query, {a.s, a.b, np_, hn_}, p_);
   }
+  const RoundingCount query_path = rounding_now();
+  rounding_set(at_split);
   if (k_layernorm) {
     out.key = k_layernorm->forward(out.key);
     record_mat(taps, "k_layernorm", out.key, {a.s, a.b, ng_, hn_}, p_);
   }
+  rounding_join(query_path);
   return out;
 }
 
@@ -116,6 +121,7 @@ AttentionOutput SelfAttention::forward(const Mat& hidden_states, const Attention
     const Mat freqs = rotary_freqs(*a.rotary_pos_emb, a.s, hn_);  // [s, rot_dim]
     qkv.query = apply_rotary_pos_emb(qkv.query, freqs, a.b * np_, rotary_interleaved_, p_);
     qkv.key = apply_rotary_pos_emb(qkv.key, freqs, a.b * ng_, rotary_interleaved_, p_);
+    p_.count_act(3);  // t * cos_, _rotate_half(t) * sin_, sum: on q and on k alike
   }
 
   Mat core_attn_out = core_attention.forward(qkv.query, qkv.key, qkv.value, a.s, a.s, a.b, a.attention_mask,
@@ -129,13 +135,15 @@ AttentionOutput SelfAttention::forward(const Mat& hidden_states, const Attention
         const double sig = p_.f32(1.0 / (1.0 + std::exp(-gate)));              // rounds: sigmoid in fp32
         core_attn_out(t, c) = p_.act(p_.f32(core_attn_out(t, c) * sig));         // rounds: fp32 product, .to(x_dtype)
       }
+    p_.count_f32();
+    p_.count_act();
   }
 
   AttentionOutput out;
   static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out);
   if (taps.enabled()) {
     record_mat(taps, "linear_proj.0", out.output, {a.s, a.b, out.output.cols()}, p_);
-    if (out.bias) taps.record("linear_proj.1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
+    if (out.bias) taps.record_param("linear_proj.1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
   }
   record_own_output(taps, out, a.s, a.b, p_);
   return out;
@@ -203,7 +211,7 @@ AttentionOutput CrossAttention::forward_mats(const Mat& hidden_states, int sq, i
   static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out);
   if (taps.enabled()) {
     record_mat(taps, "linear_proj.0", out.output, {sq, b, out.output.cols()}, p_);
-    if (out.bias) taps.record("linear_proj.1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
+    if (out.bias) taps.record_param("linear_proj.1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
   }
   record_own_output(taps, out, sq, b, p_);
   return out;

@@ -159,6 +159,19 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
       }
     }
   }
+  p_.count_reduce(hn_);  // q . k
+  p_.count_act();
+  if (coeff) p_.count_f32();
+  p_.count_reduce(sk);   // the softmax's sum
+  if (upcast) {
+    p_.count_f32();
+    p_.count_act();
+  } else {
+    p_.count_act();
+  }
+  if (training && attention_dropout > 0.0) p_.count_act();
+  p_.count_reduce(sk);   // probs @ v
+  p_.count_act();
   return context;
 }
 

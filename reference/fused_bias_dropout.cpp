@@ -15,6 +15,7 @@ Mat dropout(const Mat& x, double p, bool training, const DropoutRng& rng, const 
     const bool keep = (philox_word(rng.seed, rng.offset, static_cast<std::uint64_t>(e)) >> 8) < threshold;
     y.data()[e] = keep ? prec.act(x.data()[e] * scale) : 0.0;  // rounds: x * mask * scale, activation dtype
   }
+  prec.count_act();
   return y;
 }
 
@@ -32,9 +33,11 @@ Mat bias_dropout_add(const Mat& x, const std::optional<RowVec>& bias, const Mat&
                        "] does not match x's last dimension " + std::to_string(x.cols()));
     h.rowwise() += *bias;
     prec.act_inplace(h);  // rounds: x + bias, activation dtype
+    prec.count_act();
   }
   Mat out = residual + dropout(h, prob, training, rng, prec);
   prec.act_inplace(out);  // rounds: residual + out, activation dtype
+  prec.count_act();  // the residual was computed before x: its count is already included
   return out;
 }
 

@@ -21,12 +21,15 @@ OutputWithBias Linear::forward(const Mat& x) const {
   OutputWithBias out;
   out.output = x * weight.transpose();  // [n, out]
   p_.act_inplace(out.output);           // rounds: GEMM output (fp32 accumulation), activation dtype
+  p_.count_reduce(input_size_);
+  p_.count_act();
   if (has_bias_) {
     if (skip_bias_add_) {
       out.bias = bias;
     } else {
       out.output.rowwise() += bias;
       p_.act_inplace(out.output);       // rounds: output + bias, activation dtype
+      p_.count_act();
     }
   }
   return out;

@@ -10,7 +10,7 @@ void record_output_with_bias(const Taps& taps, const std::string& name, const Ou
   Shape shape = lead;
   shape.push_back(o.output.cols());
   taps.record(name + ".0", p.to_tensor(o.output, shape));
-  if (o.bias) taps.record(name + ".1", p.to_tensor(*o.bias, {static_cast<std::int64_t>(o.bias->size())}));
+  if (o.bias) taps.record_param(name + ".1", p.to_tensor(*o.bias, {static_cast<std::int64_t>(o.bias->size())}));
 }
 
 static int fc1_out(const TransformerConfig& c, std::optional<int> ffn) {
@@ -53,9 +53,11 @@ static Mat fused_bias_activation(const Mat& y_in, const std::optional<RowVec>& b
   if (bias) {
     y.rowwise() += *bias;
     p.act_inplace(y);  // rounds: y + bias
+    p.count_act();
   }
   if (!glu_unit) {  // bias_gelu_impl
     for (Eigen::Index i = 0; i < y.size(); ++i) y.data()[i] = p.act(tanh_gelu(y.data()[i]));  // rounds: fused gelu
+    p.count_act();
     return y;
   }
   const Eigen::Index half = y.cols() / 2;  // torch.chunk(y, 2, -1)
@@ -67,6 +69,7 @@ static Mat fused_bias_activation(const Mat& y_in, const std::optional<RowVec>& b
                                                  : p.act(y1 / (1.0 + std::exp(-y1)));  // rounds: F.silu(y_1)
       out(r, c) = p.act(a * y2);                                                      // rounds: * y_2
     }
+  p.count_act(2);
   return out;
 }
 
@@ -97,6 +100,8 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
         const double prod = sw(t, j) * (*args.per_token_scale)[t];
         sw(t, j) = p_.act(scale_fp32 ? p_.f32(prod) : p_.act(prod));  // rounds: promoted product, .to(dtype)
       }
+    if (scale_fp32) p_.count_f32();
+    p_.count_act();
     intermediate_parallel = sw;
     weighted_fused = true;
   } else if (bias_activation_fusion) {
@@ -104,6 +109,7 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
   } else if (fc1.bias) {
     intermediate_parallel.rowwise() += *fc1.bias;
     p_.act_inplace(intermediate_parallel);  // rounds: intermediate_parallel + bias_parallel
+    p_.count_act();
   }
   if (bias_activation_fusion) {
     // done above
@@ -120,6 +126,7 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
     for (Eigen::Index t = 0; t < intermediate_parallel.rows(); ++t)
       for (Eigen::Index j = 0; j < intermediate_parallel.cols(); ++j)  // rounds: (x * scale).to(original_dtype)
         intermediate_parallel(t, j) = p_.act(intermediate_parallel(t, j) * (*per_token_scale)[t]);
+    p_.count_act();
   }
 
   // [s, b, h]
@@ -134,6 +141,7 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
         const double b = (*out.bias)[j] * (*per_token_scale)[t];
         out.output(t, j) = p_.act(out.output(t, j) + (scale_fp32 ? p_.f32(b) : p_.act(b)));  // rounds: product, sum
       }
+    p_.count_act();  // the sum (the product is a parallel branch from parameters and scales)
     out.bias.reset();
   }
   return out;
@@ -145,7 +153,7 @@ OutputWithBias MLP::forward(const Mat& hidden_states, const MlpArgs& args, const
     Shape shape = args.lead;
     shape.push_back(out.output.cols());
     taps.record("0", p_.to_tensor(out.output, shape));
-    if (out.bias) taps.record("1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
+    if (out.bias) taps.record_param("1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
   }
   return out;
 }

@@ -36,6 +36,7 @@ namespace twin::reference {
 struct MlpArgs {
   Shape lead;                            // leading dims of the input for tap shapes: {s, b} or {tokens}
   const Tensor* padding_mask = nullptr;  // [b, s] True = padding (MoE only; MLP ignores it)
+  const Tensor* recorded_routing_map = nullptr;  // MoE only: LayerInputs::recorded_routing_map
   bool training = false;
   // MLP.forward's per_token_scale (MoE experts: the routing probability of each row, [n], stored
   // in per_token_scale_dtype): multiplies the activation before linear_fc2; an fc2 bias is then

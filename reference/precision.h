@@ -24,6 +24,7 @@
 
 #include "core/config.h"
 #include "core/dtype.h"
+#include "core/rounding.h"
 #include "core/tensor.h"
 
 namespace twin::reference {
@@ -51,6 +52,20 @@ struct Precision {
   }
   // rounds: to fp32; identity in Exact mode.
   double f32(double x) const { return exact() ? x : round_to(DType::F32, x); }
+
+  // Counts the rounding points a `rounds:` site executes (core/rounding.h), once per tensor, not
+  // per element: n stores to the activation dtype, n to fp32, a reduction of length k accumulated
+  // in fp32. Nothing in Exact mode, which rounds nowhere.
+  void count_act(int n = 1) const { count_store(params_dtype, n); }
+  void count_store(DType dt, int n = 1) const {
+    if (!exact()) rounding_store(dt, n);
+  }
+  void count_f32(int n = 1) const {
+    if (!exact()) rounding_store(DType::F32, n);
+  }
+  void count_reduce(std::int64_t k) const {
+    if (!exact()) rounding_reduce(k);
+  }
 
   void act_inplace(Mat& m) const;
   void f32_inplace(Mat& m) const;

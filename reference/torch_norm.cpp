@@ -32,6 +32,9 @@ Mat LayerNorm::forward(const Mat& x) const {
     for (Eigen::Index c = 0; c < x.cols(); ++c)
       y(r, c) = p_.act((x(r, c) - mean) * rstd * gamma[c] + bias_[c]);  // rounds: output, activation dtype
   }
+  p_.count_reduce(2 * x.cols());  // mean, then variance
+  p_.count_f32(2);
+  p_.count_act();
   return y;
 }
 
@@ -56,6 +59,9 @@ Mat RMSNorm::forward(const Mat& x) const {
       y(r, c) = p_.act(xhat * gamma[c]);            // rounds: output, activation dtype
     }
   }
+  p_.count_reduce(x.cols());
+  p_.count_f32();
+  p_.count_act(2);
   return y;
 }
 
@@ -67,6 +73,9 @@ Mat L2Norm::forward(const Mat& x) const {
     const double rstd = p_.f32(1.0 / std::sqrt(x.row(r).squaredNorm() / x.cols() + eps_));  // rounds: fp32 statistic
     for (Eigen::Index c = 0; c < x.cols(); ++c) y(r, c) = p_.act(x(r, c) * rstd);  // rounds: .type_as(x)
   }
+  p_.count_reduce(x.cols());
+  p_.count_f32();
+  p_.count_act();
   return y;
 }
 

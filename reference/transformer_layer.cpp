@@ -206,6 +206,7 @@ Mat TransformerLayer::_forward_mlp(const Mat& hidden_states, int s, int b, const
     MlpArgs args;
     args.lead = {s, b};
     args.padding_mask = inputs.padding_mask;
+    args.recorded_routing_map = inputs.recorded_routing_map;
     args.training = training;
     mlp_output_with_bias = mlp->forward(pre_mlp_layernorm_output, args, taps.child("mlp"));
   } else {

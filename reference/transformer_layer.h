@@ -133,6 +133,9 @@ struct LayerInputs {
   const Tensor* context_mask = nullptr;
   const Tensor* rotary_pos_emb = nullptr;  // [s, 1, 1, rot_dim] angles
   const Tensor* padding_mask = nullptr;    // MoE [b, s], True = padding
+  // MoE: BOOL [T, E], the post-drop routing map a golden fixes where torch.topk's order among tied
+  // values decides which tokens an expert drops (the router checks it is a valid outcome).
+  const Tensor* recorded_routing_map = nullptr;
 };
 
 class TransformerLayer : public BaseTransformerLayer {

@@ -41,7 +41,11 @@ Mat SequentialMLP::forward(const Mat& permuted_local_hidden_states, const std::v
   Mat output_local(hidden.rows(), hidden.cols());  // [N, h]
   const Taps local_taps = taps.child("local_experts");
   Index start = 0;
+  // Each expert is a branch from the dispatched input: none inherits another's roundings.
+  const RoundingCount at_input = rounding_now();
+  RoundingCount experts_end = at_input;
   for (std::size_t i = 0; i < local_experts.size(); ++i) {
+    rounding_set(at_input);
     const Index n = tokens_per_expert[i];
     const Taps expert_taps = local_taps.child(std::to_string(i));
     const std::vector<double> probs(permuted_probs.begin() + start, permuted_probs.begin() + start + n);
@@ -53,7 +57,9 @@ Mat SequentialMLP::forward(const Mat& permuted_local_hidden_states, const std::v
     if (expert_taps.enabled()) expert_taps.record("0", p_.to_tensor(output, {n, output.cols()}));
     output_local.middleRows(start, n) = output;
     start += n;
+    experts_end.join(rounding_now());
   }
+  rounding_set(experts_end);
   if (taps.enabled()) taps.record("0", p_.to_tensor(output_local, {output_local.rows(), output_local.cols()}));
   return output_local;
 }

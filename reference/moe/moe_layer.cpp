@@ -84,8 +84,10 @@ std::optional<Mat> MoELayer::shared_experts_compute(const Mat& hidden_states, co
 }
 
 RouterOutput MoELayer::route(const Mat& hidden_states, Index seq_length, Index bsz,
-                             const std::vector<bool>* padding_mask, const Taps& taps) {
-  return router.forward(hidden_states, seq_length, bsz, padding_mask, taps.child("router"), &aux_losses);
+                             const std::vector<bool>* padding_mask, const Taps& taps,
+                             const BoolMat* recorded_routing_map) {
+  return router.forward(hidden_states, seq_length, bsz, padding_mask, taps.child("router"), &aux_losses,
+                        recorded_routing_map);
 }
 
 DispatchTensors MoELayer::preprocess(const Mat& hidden_states, Index seq_length, Index bsz, const Mat& probs,
@@ -96,17 +98,19 @@ DispatchTensors MoELayer::preprocess(const Mat& hidden_states, Index seq_length,
 DispatchTensors MoELayer::dispatch(DispatchTensors x) { return token_dispatcher->token_dispatch(std::move(x)); }
 
 OutputWithBias MoELayer::routed_experts_compute(DispatchTensors x, const Taps& taps) {
+  const double probs_magnitude = x.probs_magnitude;
   const ExpertInputs in = token_dispatcher->dispatch_postprocess(std::move(x));
   const Taps experts_taps = taps.child("experts");
   if (taps.enabled()) {  // the experts' inputs (fixtures: tap_in.mlp.experts.*)
-    const Taps in_taps = experts_taps.child("input");
-    in_taps.record("dispatched_input",
+    const Taps& in_taps = experts_taps;
+    in_taps.record_input("dispatched_input",
                    p_.to_tensor(in.dispatched_input, {in.dispatched_input.rows(), in.dispatched_input.cols()}));
-    in_taps.record("tokens_per_expert", Tensor::from_vector<std::int64_t>(
+    in_taps.record_input("tokens_per_expert", Tensor::from_vector<std::int64_t>(
                                             {static_cast<Index>(in.tokens_per_expert.size())},
                                             std::vector<std::int64_t>(in.tokens_per_expert.begin(), in.tokens_per_expert.end())));
-    in_taps.record("permuted_probs", Tensor::from_doubles(router.router_dtype(), {static_cast<Index>(in.permuted_probs.size())},
+    in_taps.record_input("permuted_probs", Tensor::from_doubles(router.router_dtype(), {static_cast<Index>(in.permuted_probs.size())},
                                                           in.permuted_probs));
+    in_taps.set_magnitude(probs_magnitude);
   }
   const Mat expert_output = experts.forward(in.dispatched_input, in.tokens_per_expert, in.permuted_probs, experts_taps);
   OutputWithBias out;  // mlp_bias is None: expert biases are added inside the experts
@@ -114,13 +118,18 @@ OutputWithBias MoELayer::routed_experts_compute(DispatchTensors x, const Taps& t
   return out;
 }
 
-Mat MoELayer::combine(Mat output) { return token_dispatcher->token_combine(std::move(output)); }
+Mat MoELayer::combine(Mat output) {
+  Mat combined = token_dispatcher->token_combine(std::move(output));
+  p_.count_act(config_.moe_router_topk);  // unpermute: each token's top-k expert outputs summed, one store each
+  return combined;
+}
 
 Mat MoELayer::postprocess(Mat output, const std::optional<Mat>& shared_expert_output) {
   output = token_dispatcher->combine_postprocess(std::move(output));
   if (shared_expert_output) {
     output += *shared_expert_output;
     p_.act_inplace(output);  // rounds: output + shared_expert_output
+    p_.count_act();
   }
   return output;
 }
@@ -144,8 +153,18 @@ MoERouteOutput MoELayer::forward_route(const Mat& hidden_states, const MlpArgs& 
 
   MoERouteOutput r;
   r.shared_expert_output = shared_experts_compute(hidden_states, {seq_length, bsz}, taps);
-  const RouterOutput routed = route(hidden_states, seq_length, bsz, padding_mask ? &*padding_mask : nullptr, taps);
+  std::optional<BoolMat> recorded;
+  if (args.recorded_routing_map) {
+    const Tensor& m = *args.recorded_routing_map;
+    if (m.shape() != Shape{seq_length * bsz, *config_.num_moe_experts})
+      throw ShapeError("recorded routing map: expected [T, E] = " + shape_str({seq_length * bsz, *config_.num_moe_experts}) +
+                       ", got " + m.describe());
+    recorded = to_bool_mat(m, m.size(0), m.size(1));
+  }
+  const RouterOutput routed = route(hidden_states, seq_length, bsz, padding_mask ? &*padding_mask : nullptr, taps,
+                                    recorded ? &*recorded : nullptr);
   r.hidden_states_and_probs = preprocess(hidden_states, seq_length, bsz, routed.probs, routed.routing_map);
+  r.hidden_states_and_probs.probs_magnitude = 1.0 + (routed.logits.size() ? routed.logits.cwiseAbs().maxCoeff() : 0.0);
   r.token_dispatcher_attrs = token_dispatcher->state;
   return r;
 }

@@ -61,7 +61,7 @@ class MoELayer : public MlpModule {
   // --- the steps of forward, each callable on its own
   std::optional<Mat> shared_experts_compute(const Mat& hidden_states, const Shape& lead, const Taps& taps) const;
   RouterOutput route(const Mat& hidden_states, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
-                     const Taps& taps);
+                     const Taps& taps, const BoolMat* recorded_routing_map = nullptr);
   DispatchTensors preprocess(const Mat& hidden_states, Index seq_length, Index bsz, const Mat& probs,
                              const BoolMat& routing_map);
   DispatchTensors dispatch(DispatchTensors x);

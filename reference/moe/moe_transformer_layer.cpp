@@ -41,6 +41,7 @@ MoERouterPhaseOutput MoETransformerLayer::_forward_mlp_router(const Mat& hidden_
   MlpArgs args;
   args.lead = {s, b};
   args.padding_mask = inputs.padding_mask;
+  args.recorded_routing_map = inputs.recorded_routing_map;
   args.training = training;
   MoERouteOutput routed = moe_->forward_route(pre_mlp_layernorm_output, args, taps.child("mlp"));
   r.hidden_states_and_probs = std::move(routed.hidden_states_and_probs);

@@ -121,8 +121,7 @@ RouterOutput TopKRouter::sinkhorn_load_balancing(const Mat& logits) const {
   return r;
 }
 
-void TopKRouter::use_recorded_routing_map(RouterOutput& r, const RouterOutput& before_drop) const {
-  const BoolMat& rec = *recorded_routing_map;
+void TopKRouter::use_recorded_routing_map(RouterOutput& r, const RouterOutput& before_drop, const BoolMat& rec) const {
   if (rec.rows() != r.routing_map.rows() || rec.cols() != r.routing_map.cols())
     throw MoEError("recorded routing map is [" + std::to_string(rec.rows()) + ", " + std::to_string(rec.cols()) +
                    "], the router produced [" + std::to_string(r.routing_map.rows()) + ", " +
@@ -197,7 +196,8 @@ Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length,
 }
 
 RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
-                                 const std::vector<bool>* padding_mask, AuxLosses* aux_losses) {
+                                 const std::vector<bool>* padding_mask, AuxLosses* aux_losses,
+                                 const BoolMat* recorded_routing_map) {
   if (logits.rows() != seq_length * bsz || logits.cols() != num_experts_)
     throw ShapeError("TopKRouter.routing: logits [" + std::to_string(logits.rows()) + ", " +
                      std::to_string(logits.cols()) + "], expected [" + std::to_string(seq_length * bsz) + ", " +
@@ -243,7 +243,7 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
                                     config_.moe_token_drop_policy, config_.moe_pad_expert_input_to_capacity);
     r.probs = dropped.probs;
     r.routing_map = dropped.routing_map;
-    if (recorded_routing_map) use_recorded_routing_map(r, before_drop);
+    if (recorded_routing_map) use_recorded_routing_map(r, before_drop, *recorded_routing_map);
   }
 
   // Load-balancing losses (they leave probs unchanged in the forward).
@@ -260,16 +260,40 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
 }
 
 RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz,
-                                 const std::vector<bool>* padding_mask, const Taps& taps, AuxLosses* aux_losses) {
+                                 const std::vector<bool>* padding_mask, const Taps& taps, AuxLosses* aux_losses,
+                                 const BoolMat* recorded_routing_map) {
   if (config_.moe_router_force_load_balancing)
     throw MoEError("moe_router_force_load_balancing (random benchmark logits) is not supported by the reference");
   const Mat jittered = apply_input_jitter(input);  // [T, h]
+  if (config_.moe_input_jitter_eps) precision_.count_act();  // input * noise
   const Mat logits = gating(jittered);             // [T, E]
   const DType rdt = router_dtype_;
+  precision_.count_reduce(config_.hidden_size);  // the gating GEMM, stored in the router dtype
+  precision_.count_store(rdt);
   taps.record("logits", to_tensor(logits, rdt, {seq_length, bsz, num_experts_}));
-  RouterOutput r = routing(logits, seq_length, bsz, padding_mask, aux_losses);
+  AuxLosses logged;  // this call's losses, recorded below and added to *aux_losses
+  RouterOutput r = routing(logits, seq_length, bsz, padding_mask, &logged, recorded_routing_map);
+  if (aux_losses)
+    for (const auto& [name, v] : logged) (*aux_losses)[name] += v;
+  // Scores: the score function in fp32, stored in the router dtype; sigmoid top-k > 1 renormalises
+  // (sum, + 1e-20, division); the scaling factor is one more store.
+  precision_.count_reduce(num_experts_);
+  precision_.count_f32();
+  precision_.count_store(rdt, 1 + (config_.moe_router_score_function == "sigmoid" && topk_ > 1 ? 3 : 0) +
+                                  (config_.moe_router_topk_scaling_factor.value_or(0.0) != 0.0 ? 1 : 0));
+  // Probabilities move with the logits' absolute error (softmax and sigmoid are 1-Lipschitz).
+  double max_logit = 0.0;
+  for (Index i = 0; i < logits.size(); ++i) max_logit = std::max(max_logit, std::abs(logits.data()[i]));
   taps.record("0", to_tensor(r.probs, rdt, {r.probs.rows(), r.probs.cols()}));
+  taps.set_magnitude(1.0 + max_logit);
   taps.record("1", to_tensor(r.routing_map));
+  for (const auto& [name, v] : logged) {  // computed from the logits and probabilities above
+    taps.record_aux(name, Tensor::from_doubles(DType::F64, {}, {v}));
+    taps.set_magnitude(1.0 + max_logit);
+  }
+  if (expert_bias)
+    taps.record_state("local_tokens_per_expert_after",
+                      Tensor::from_doubles(DType::F64, {num_experts_}, local_tokens_per_expert));
   return r;
 }
 

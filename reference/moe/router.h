@@ -35,14 +35,18 @@ class TopKRouter {
   void load_state_dict(const StateDict& sd, const std::string& prefix);
 
   // input: [T, h] with T = seq_length * bsz tokens (t = s_idx * bsz + b_idx); padding_mask: [T],
-  // True = padding. Records taps "logits" [s, b, E], "0" (probs) and "1" (routing_map).
+  // True = padding. Records taps "logits" [s, b, E], "0" (probs) and "1" (routing_map), the aux
+  // losses this call logged and, with an expert bias, the token counter after the call (state
+  // "local_tokens_per_expert_after").
+  // recorded_routing_map: the post-drop map a golden fixes where the drop depends on torch.topk's
+  // order among tied values (tie_break_dependent); checked to be a valid outcome, then used.
   RouterOutput forward(const Mat& input, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
-                       const Taps& taps, AuxLosses* aux_losses);
+                       const Taps& taps, AuxLosses* aux_losses, const BoolMat* recorded_routing_map = nullptr);
 
   Mat apply_input_jitter(const Mat& input);                     // [T, h]
   Mat gating(const Mat& input) const;                           // [T, h] -> [T, E]
   RouterOutput routing(const Mat& logits, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
-                       AuxLosses* aux_losses);
+                       AuxLosses* aux_losses, const BoolMat* recorded_routing_map = nullptr);
   double get_aux_loss_coeff(const std::string& aux_loss_type) const;
   bool is_aux_loss_enabled() const;
   DType router_dtype() const { return router_dtype_; }
@@ -55,9 +59,6 @@ class TopKRouter {
   std::vector<double> local_tokens_per_expert;        // [E] expert-bias token counter
   std::vector<double> global_tokens_per_expert;       // [E] global_aux_loss accumulator
   double ga_steps = 0;
-  // Ground truth for the post-drop routing map where the drop depends on torch.topk's tie order
-  // (fixtures with tie_break_dependent = true). Checked to be a valid outcome, then used.
-  std::optional<BoolMat> recorded_routing_map;
   // Input jitter: uniform(1 - eps, 1 + eps) from a counter-based generator keyed by this seed,
   // the call number and the element index, so a run is reproducible.
   std::uint64_t jitter_seed = 0;
@@ -67,7 +68,7 @@ class TopKRouter {
   RouterOutput sinkhorn_load_balancing(const Mat& logits) const;
   Mat apply_load_balancing_losses(const Mat& logits, Index seq_length, Index bsz,
                                   const std::vector<bool>* padding_mask, AuxLosses* aux_losses);
-  void use_recorded_routing_map(RouterOutput& r, const RouterOutput& before_drop) const;
+  void use_recorded_routing_map(RouterOutput& r, const RouterOutput& before_drop, const BoolMat& rec) const;
 
   TransformerConfig config_;
   Precision precision_;

@@ -34,6 +34,7 @@ Mat SharedExpertMLP::forward(const Mat& hidden_states, const Shape& lead, const 
       const double gate_score = p_.act(1.0 / (1.0 + std::exp(-logits)));     // rounds: sigmoid
       for (Index j = 0; j < output.cols(); ++j) output(t, j) = p_.act(output(t, j) * gate_score);  // rounds: product
     }
+    p_.count_act();  // the product (the gate is a shorter branch from hidden_states)
   }
   return output;
 }

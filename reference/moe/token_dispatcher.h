@@ -35,6 +35,9 @@ struct DispatcherState {
 struct DispatchTensors {
   Mat hidden_states;  // [T, h] or [N, h]
   Mat probs;          // [T, E] or [N, 1]
+  // 1 + max |logits|: the magnitude the probabilities' error follows (softmax and sigmoid are
+  // 1-Lipschitz in the logits), for the bound of the permuted_probs tap.
+  double probs_magnitude = 1.0;
 };
 
 // The experts' inputs (the fixture taps tap_in.mlp.experts.*).

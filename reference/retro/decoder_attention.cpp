@@ -83,7 +83,7 @@ AttentionOutput RetroDecoderCrossAttention::forward(const Mat& hidden_states, co
   out.extra = std::make_shared<RetroDecoderChunking>(RetroDecoderChunking{ns, bs, d, l, pad, m});
   if (taps.enabled()) {
     taps.record("attention_output", p_.to_tensor(out.output, {m, bs * l, d}));
-    if (out.bias) taps.record("attention_bias", p_.to_tensor(*out.bias, {d}));
+    if (out.bias) taps.record_param("attention_bias", p_.to_tensor(*out.bias, {d}));
     taps.record("context", key_value_states);
   }
   return out;
@@ -115,6 +115,7 @@ Mat retro_decoder_bias_dropout_add(const AttentionOutput& x_with_bias, const Mat
   // Add residual. [ ns, bs, d ]
   out += residual;
   prec.act_inplace(out);  // rounds: x + residual, activation dtype
+  prec.count_act();
   return out;
 }
 

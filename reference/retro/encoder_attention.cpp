@@ -57,7 +57,7 @@ std::vector<RetroEncoderAttentionTuple> RetroEncoderCrossAttention::forward_tupl
     if (taps.enabled()) {
       const std::string i = std::to_string(n);
       taps.record(i + ".0", p_.to_tensor(t.attention_output, {r, N, d}));
-      if (t.attention_bias) taps.record(i + ".1", p_.to_tensor(*t.attention_bias, {d}));
+      if (t.attention_bias) taps.record_param(i + ".1", p_.to_tensor(*t.attention_bias, {d}));
       taps.record(i + ".2", p_.to_tensor(t.residual, {r, N, d}));
     }
     attention_output_tuples.push_back(std::move(t));

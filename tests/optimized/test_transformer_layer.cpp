@@ -8,25 +8,17 @@
 #include "fixtures/fixture.h"
 #include "optimized/transformer_layer.h"
 #include "parity/dense_run.h"
+#include "parity/fixture_kinds.h"
 
 using namespace twin;
 using namespace twin::parity;
 
-namespace {
-std::string source_dir() {
-  const char* d = std::getenv("TWIN_SOURCE_DIR");
-  return d ? d : ".";
-}
-}  // namespace
-
 TEST(OptimizedLayer, GoldenDenseFixturesPassThroughTheOptimizedHandler) {
   int files = 0;
-  for (const auto& e : std::filesystem::directory_iterator(source_dir() + "/fixtures/megatron-core")) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("dense_", 0) != 0 || e.path().extension() != ".safetensors") continue;
+  for (const std::string& name : golden_files("dense_")) {
     ++files;
-    const Fixture f = load_fixture(e.path().string());
-    const auto rows = run_optimized_dense_layer_fixture(f);
+    const Fixture f = load_fixture(name);
+    const auto rows = compare_fixture(f, TwinKind::Optimized);
     EXPECT_GE(rows.size(), 8u) << name;
     for (const auto& c : rows)
       EXPECT_TRUE(c.pass) << name << " " << c.name << ": max abs " << c.max_abs << " at " << c.worst_index_str() << " actual "
@@ -57,14 +49,14 @@ TEST(OptimizedLayer, TapDiffNamesTheFirstDivergingTap) {
   const DenseCase c = parse_case_id(
       "dense(h=16,a=2,g=2,d=8,ffn=32,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=4,b=1,dtype=fp32,tp=1,sp=0,drop=0,seed=5)");
   DenseInputs in = make_inputs(c);
-  TapList ref_taps, opt_taps;
+  Record ref_taps, opt_taps;
   reference_forward(c, in, false, &ref_taps);
   Tensor w = in.params.at("mlp.linear_fc1.weight").clone();
   w.data_mut<float>()[3] += 0.5f;
   in.params["mlp.linear_fc1.weight"] = w;
   optimized_forward(c, in, RunOptions{}, &opt_taps);
-  const TapDiff d = diff_taps(opt_taps, ref_taps, [](const std::string&, const Tensor&) { return Tolerance::for_dtype(DType::F32); });
-  EXPECT_EQ(d.first_divergence_name(), "mlp.linear_fc1.0") << d.format();
+  const TapDiff d = diff_taps(opt_taps, ref_taps, [](const RecordEntry&, const Tensor&) { return Tolerance::for_dtype(DType::F32); });
+  EXPECT_EQ(d.first_divergence_name(), "tap.mlp.linear_fc1.0") << d.format();
 }
 
 TEST(OptimizedLayer, BadInputGivesClearErrors) {

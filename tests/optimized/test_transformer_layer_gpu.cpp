@@ -8,6 +8,7 @@
 
 #include "parity/bounds.h"
 #include "parity/dense_run.h"
+#include "parity/fixture_kinds.h"
 #include "tests/parity/dense_case_gen.h"
 
 using namespace twin;
@@ -75,13 +76,12 @@ TEST(OptimizedLayerGpu, DropoutMasksAgreeWithTheReference) {
 TEST(OptimizedLayerGpu, GoldenDenseFixturesPass) {
   REQUIRE_GPU();
   setenv("TWIN_BACKEND", "cuda", 1);
-  const char* dir = std::getenv("TWIN_SOURCE_DIR");
   int files = 0;
   for (const char* name : {"dense_ln_gqa_gelu_bias_qkln", "dense_ln_mha_explicit_mask", "dense_ln_mha_gelu_bias",
                            "dense_ln_mha_gelu_nobias", "dense_ln_mha_gelu_rope_bias", "dense_rms_gqa_swiglu_rope",
                            "dense_rms_mha_swiglu_qkln"}) {
-    const Fixture f = load_fixture(std::string(dir ? dir : ".") + "/fixtures/megatron-core/" + name + ".safetensors");
-    for (const auto& c : run_optimized_dense_layer_fixture(f))
+    const Fixture f = load_fixture(golden_dir() + "/" + name + ".safetensors");
+    for (const auto& c : compare_fixture(f, TwinKind::Optimized))
       EXPECT_TRUE(c.pass) << name << " " << c.name << ": max abs " << c.max_abs << " (" << c.tol.reason << ") " << c.message;
     ++files;
   }

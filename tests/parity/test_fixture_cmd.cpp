@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
 
 #include "core/safetensors.h"
 #include "parity/fixture_cmd.h"
@@ -16,22 +17,37 @@ using json = nlohmann::json;
 
 namespace {
 
-std::vector<Comparison> all_pass(const Fixture& fx) {
-  const Tensor& x = fx.tensor("input.hidden_states");
-  return {compare("tap.a", x, x, Tolerance::for_dtype(DType::F32)), compare("output.hidden_states", x, x, Tolerance::for_dtype(DType::F32))};
+// A fake twin's run: what it "computed" beside what the "golden" expects, through the one comparison.
+TwinRun fake_run(const std::vector<std::tuple<std::string, Tensor, Tensor>>& rows) {
+  TwinRun run;
+  run.expected.emplace();
+  for (const auto& [key, actual, expected] : rows) {
+    const bool output = key.rfind("output.", 0) == 0;
+    // One bf16 store before each: the bound is eps = 2^-8, atol = eps max|e|.
+    run.record.add(output ? Role::Output : Role::Tap, key.substr(output ? 7 : 4), actual).rounding.bf16 = 1;
+    run.expected->emplace_back(key, expected);
+  }
+  return run;
 }
 
-std::vector<Comparison> second_and_third_fail(const Fixture& fx) {
+TwinRun all_pass(const Fixture& fx) {
+  const Tensor& x = fx.tensor("input.hidden_states");
+  return fake_run({{"tap.a", x, x}, {"output.hidden_states", x, x}});
+}
+
+TwinRun second_and_third_fail(const Fixture& fx) {
   const Tensor& x = fx.tensor("input.hidden_states");
   const Tensor y = Tensor::from_vector<float>({2}, {1.0f, 2.0f});
   const Tensor y_off = Tensor::from_vector<float>({2}, {1.0f, 2.5f});
-  const Tolerance tol{1e-3, 1e-3, "test bound"};
-  return {compare("tap.first", x, x, tol), compare("tap.second", y_off, y, tol), compare("tap.third", y, x, tol),
-          compare("output.hidden_states", x, x, tol)};
+  return fake_run({{"tap.first", x, x}, {"tap.second", y_off, y}, {"tap.third", y, x}, {"output.hidden_states", x, x}});
 }
 
-std::vector<Comparison> throws_shape(const Fixture&) { throw ShapeError("linear_qkv: expected shape [8, 8], got [8, 4]"); }
-std::vector<Comparison> compares_nothing(const Fixture&) { return {}; }
+TwinRun throws_shape(const Fixture&) { throw ShapeError("linear_qkv: expected shape [8, 8], got [8, 4]"); }
+TwinRun compares_nothing(const Fixture&) {
+  TwinRun run;
+  run.expected.emplace();
+  return run;
+}
 
 FixtureHandler fake_lookup(const std::string& kind, TwinKind twin) {
   if (twin == TwinKind::Optimized) return nullptr;
@@ -101,7 +117,7 @@ TEST(FixtureCommand, FailExits1AndMarksOnlyTheFirstOutOfTolerance) {
   }
   // The worst element of the first failure, and the shape mismatch of the next, are spelled out.
   EXPECT_NE(r.out.find("first out of tolerance: tap.second at [1]: actual 2.5, expected 2"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("test bound"), std::string::npos);
+  EXPECT_NE(r.out.find("1 bf16 stores before this tensor"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("FAIL: 2 of 4 tensors out of tolerance; first: tap.second"), std::string::npos) << r.out;
 }
 
@@ -119,8 +135,8 @@ TEST(FixtureCommand, JsonRowsCarryTheComparisons) {
   EXPECT_EQ(t["shape"], json::array({2}));
   EXPECT_DOUBLE_EQ(t["max_abs"].get<double>(), 0.5);
   EXPECT_DOUBLE_EQ(t["max_rel"].get<double>(), 0.25);
-  EXPECT_DOUBLE_EQ(t["tol_abs"].get<double>(), 1e-3);
-  EXPECT_DOUBLE_EQ(t["tol_rel"].get<double>(), 1e-3);
+  EXPECT_DOUBLE_EQ(t["tol_abs"].get<double>(), 2.0 / 256);  // eps max|e|: 2^-8 x 2
+  EXPECT_DOUBLE_EQ(t["tol_rel"].get<double>(), 1.0 / 256);
   EXPECT_EQ(t["pass"], false);
   EXPECT_EQ(v["tensors"][0]["pass"], true);
   EXPECT_EQ(v["tensors"][2]["pass"], false);  // shape mismatch

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "fixtures/fixture.h"
 #include "tests/parity/twin_cli_util.h"
 
 using namespace twin::testing;
@@ -12,10 +13,7 @@ using json = nlohmann::json;
 
 namespace {
 
-std::string fixtures_dir() {
-  const char* root = std::getenv("TWIN_SOURCE_DIR");
-  return root ? std::string(root) + "/fixtures/megatron-core" : "";
-}
+std::string fixtures_dir() { return twin::golden_dir(); }
 
 }  // namespace
 

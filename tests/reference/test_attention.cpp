@@ -239,7 +239,7 @@ TEST(SelfAttention, TapsInComputationOrder) {
   a.b = 2;
   attn.forward(Mat::Ones(6, 8), a, Taps(&rec, "self_attention."));
   std::vector<std::string> names;
-  for (const auto& [n, t] : rec.tensors) names.push_back(n);
+  for (const auto& e : rec.entries) names.push_back(e.name);
   EXPECT_EQ(names, (std::vector<std::string>{"self_attention.linear_qkv.0", "self_attention.q_layernorm",
                                              "self_attention.k_layernorm", "self_attention.core_attention",
                                              "self_attention.linear_proj.0", "self_attention.linear_proj.1",

@@ -95,7 +95,7 @@ TEST(MLP, ComputesFc1ActivationFc2AndRecordsTaps) {
   ASSERT_TRUE(out.bias);
   EXPECT_LT((*out.bias - mlp.linear_fc2.bias).cwiseAbs().maxCoeff(), kExactTol);
   std::vector<std::string> names;
-  for (const auto& [n, t] : rec.tensors) names.push_back(n);
+  for (const auto& e : rec.entries) names.push_back(e.name);
   EXPECT_EQ(names, (std::vector<std::string>{"mlp.linear_fc1.0", "mlp.linear_fc1.1", "mlp.linear_fc2.0",
                                              "mlp.linear_fc2.1", "mlp.0", "mlp.1"}));
   EXPECT_EQ(rec.find("mlp.linear_fc1.0")->shape(), (Shape{3, 2, 12}));

@@ -43,10 +43,7 @@ std::string message_for(const std::function<void(TransformerConfig&)>& edit) {
   return ::testing::AssertionSuccess();
 }
 
-std::string source_dir() {
-  const char* d = std::getenv("TWIN_SOURCE_DIR");
-  return d ? d : TWIN_SOURCE_DIR_DEFAULT;
-}
+
 
 }  // namespace
 
@@ -259,10 +256,9 @@ TEST(TransformerConfigValidation, BiasActivationFusion) {
 // Every golden fixture's config is one Megatron accepted.
 TEST(TransformerConfigValidation, EveryFixtureConfigIsAccepted) {
   int checked = 0;
-  for (const auto& e : std::filesystem::directory_iterator(source_dir() + "/fixtures/megatron-core")) {
-    if (e.path().extension() != ".safetensors") continue;
-    const Fixture f = load_fixture(e.path().string());
-    EXPECT_NO_THROW(validate_transformer_config(f.config)) << e.path();
+  for (const std::string& path : golden_files()) {
+    const Fixture f = load_fixture(path);
+    EXPECT_NO_THROW(validate_transformer_config(f.config)) << path;
     if (f.kind.rfind("retro", 0) == 0) {
       const RetroConfig r = validate_retro_config(f.config);
       EXPECT_EQ(r.retro_retrieved_length, r.retro_num_retrieved_chunks * r.retro_chunk_length);

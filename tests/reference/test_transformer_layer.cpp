@@ -158,7 +158,7 @@ TEST(TransformerLayer, Bf16ParamsStoreBf16Activations) {
   TapRecord rec;
   const Tensor y = layer->forward(random_tensor(g, {3, 2, 16}).to(DType::BF16), {}, Taps(&rec)).first;
   EXPECT_EQ(y.dtype(), DType::BF16);
-  for (const auto& [n, t] : rec.tensors) EXPECT_EQ(t.dtype(), DType::BF16) << n;
+  for (const auto& e : rec.entries) EXPECT_EQ(e.value.dtype(), DType::BF16) << e.name;
   // within bf16 rounding of the exact layer on the same (bf16) values: 21 rounding points, u = 2^-8
   auto e = local_layer(c, exact());
   e->load_state_dict(params);
@@ -260,8 +260,8 @@ TEST(TransformerLayer, MlpCrossAttentionAndBdaSlotsArePluggable) {
   // h = x + 5x = 6x; out = h + (2h + 1)
   const auto vx = x.to_f64(), vy = y.to_f64();
   for (std::size_t i = 0; i < vx.size(); ++i) EXPECT_NEAR(vy[i], 18.0 * vx[i] + 1.0, 1e-12);
-  ASSERT_EQ(rec.tensors.size(), 1u);
-  EXPECT_EQ(rec.tensors[0].first, "mlp.router.logits");
+  ASSERT_EQ(rec.entries.size(), 1u);
+  EXPECT_EQ(rec.entries[0].name, "mlp.router.logits");
 }
 
 TEST(TransformerLayer, LocalSpecShape) {

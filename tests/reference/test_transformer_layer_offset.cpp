@@ -8,7 +8,7 @@
 #include <string>
 
 #include "fixtures/fixture.h"
-#include "reference/fixture_handlers.h"
+#include "parity/fixture_kinds.h"
 #include "reference/transformer_config.h"
 #include "reference/transformer_layer_offset.h"
 
@@ -27,10 +27,7 @@ TransformerConfig pipeline_config(int num_layers, int pp, std::optional<int> vp 
   return c;
 }
 
-std::string source_dir() {
-  const char* d = std::getenv("TWIN_SOURCE_DIR");
-  return d ? d : TWIN_SOURCE_DIR_DEFAULT;
-}
+
 
 std::string python_error_of(const std::function<void()>& fn) {
   try {
@@ -201,9 +198,9 @@ RC_GTEST_PROP(LayerOffset, StagesTileTheLayersInOrder, ()) {
 
 // The golden table: every config_error case rejected, every other accepted, every number equal.
 TEST(LayerOffsetTable, EqualToMegatron) {
-  const Fixture f = load_fixture(source_dir() + "/fixtures/megatron-core/layer_offset_table.json");
+  const Fixture f = load_fixture(golden_dir() + "/layer_offset_table.json");
   ASSERT_EQ(f.kind, "layer_offset_table");
-  const std::vector<Comparison> rows = run_layer_offset_table_fixture(f);
+  const std::vector<Comparison> rows = compare_fixture(f, TwinKind::Reference);
   ASSERT_EQ(rows.size(), 4u);
   EXPECT_EQ(rows[0].name, "config_error (rejected)");
   EXPECT_EQ(rows[0].shape, Shape{static_cast<std::int64_t>(f.table["entries"].size())});
@@ -213,7 +210,7 @@ TEST(LayerOffsetTable, EqualToMegatron) {
 // Each rejection carries Megatron's sentence (compared without whitespace: Megatron's f-strings
 // drop spaces between their parts) and more context.
 TEST(LayerOffsetTable, RejectionMessagesContainMegatrons) {
-  const Fixture f = load_fixture(source_dir() + "/fixtures/megatron-core/layer_offset_table.json");
+  const Fixture f = load_fixture(golden_dir() + "/layer_offset_table.json");
   auto squeeze = [](std::string s) {
     s.erase(std::remove_if(s.begin(), s.end(), [](unsigned char ch) { return std::isspace(ch); }), s.end());
     return s;
@@ -239,7 +236,7 @@ TEST(LayerOffsetTable, RejectionMessagesContainMegatrons) {
 
 // The handler fails a table that disagrees, naming the row.
 TEST(LayerOffsetTable, HandlerDetectsAWrongCell) {
-  Fixture f = load_fixture(source_dir() + "/fixtures/megatron-core/layer_offset_table.json");
+  Fixture f = load_fixture(golden_dir() + "/layer_offset_table.json");
   auto& entries = f.table["entries"];
   std::size_t changed = entries.size();
   for (std::size_t i = 0; i < entries.size() && changed == entries.size(); ++i)
@@ -251,7 +248,7 @@ TEST(LayerOffsetTable, HandlerDetectsAWrongCell) {
       }
   ASSERT_LT(changed, entries.size());
   entries[0]["config_error"] = "ValueError: invented";
-  const std::vector<Comparison> rows = run_layer_offset_table_fixture(f);
+  const std::vector<Comparison> rows = compare_fixture(f, TwinKind::Reference);
   EXPECT_FALSE(rows[0].pass);
   EXPECT_EQ(rows[0].mismatches, 1);
   EXPECT_EQ(rows[0].worst_index, 0);
@@ -263,9 +260,9 @@ TEST(LayerOffsetTable, HandlerDetectsAWrongCell) {
 }
 
 TEST(LayerOffsetTable, MalformedTableIsAFixtureError) {
-  Fixture f = load_fixture(source_dir() + "/fixtures/megatron-core/layer_offset_table.json");
+  Fixture f = load_fixture(golden_dir() + "/layer_offset_table.json");
   f.table["entries"][0]["results"][0]["offset"] = "three";
-  EXPECT_THROW(run_layer_offset_table_fixture(f), FixtureError);
+  EXPECT_THROW(compare_fixture(f, TwinKind::Reference), FixtureError);
   f.table.erase("entries");
-  EXPECT_THROW(run_layer_offset_table_fixture(f), FixtureError);
+  EXPECT_THROW(compare_fixture(f, TwinKind::Reference), FixtureError);
 }

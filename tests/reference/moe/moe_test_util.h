@@ -17,22 +17,7 @@
 
 namespace twin::reference::moe::testing {
 
-inline std::string source_dir() {
-  const char* d = std::getenv("TWIN_SOURCE_DIR");
-  return d ? d : ".";
-}
-
-inline std::vector<std::string> moe_fixture_paths() {
-  std::vector<std::string> out;
-  const std::filesystem::path dir = std::filesystem::path(source_dir()) / "fixtures" / "megatron-core";
-  if (!std::filesystem::exists(dir)) return out;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    if (name.rfind("moe_", 0) == 0 && e.path().extension() == ".safetensors") out.push_back(e.path().string());
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
+inline std::vector<std::string> moe_fixture_paths() { return golden_files("moe_"); }
 
 inline StateDict fixture_state_dict(const Fixture& f) {
   StateDict sd;

@@ -7,7 +7,7 @@
 
 #include "parity/compare.h"
 #include "parity/fixture_kinds.h"
-#include "reference/fixture_handlers.h"
+#include "parity/golden.h"
 #include "reference/moe/moe_layer.h"
 #include "tests/reference/moe/moe_test_util.h"
 
@@ -19,7 +19,7 @@ using testing::moe_fixture_paths;
 
 TEST(MoELayerFixture, MlpHalfMatchesEveryMoeFixture) {
   const auto paths = moe_fixture_paths();
-  ASSERT_FALSE(paths.empty()) << "no moe_* fixtures under " << testing::source_dir();
+  ASSERT_FALSE(paths.empty()) << "no moe_* fixtures under " << golden_dir();
   for (const std::string& path : paths) {
     SCOPED_TRACE(path);
     std::printf("%s\n", path.c_str());
@@ -27,42 +27,28 @@ TEST(MoELayerFixture, MlpHalfMatchesEveryMoeFixture) {
     const Precision p = Precision::from_config(f.config);
     MoELayer layer(f.config, p, f.layer_number);
     layer.load_state_dict(fixture_state_dict(f), "mlp.");
-    if (f.meta("tie_break_dependent") == "true")
-      layer.router.recorded_routing_map = to_bool_mat(f.tensor("tap.mlp.router.1"), f.tensor("tap.mlp.router.1").size(0),
-                                                      f.tensor("tap.mlp.router.1").size(1));
     const Tensor& x = f.tensor("tap.pre_mlp_layernorm");  // [s, b, h]
     const Index s = x.size(0), b = x.size(1), h = x.size(2);
     MlpArgs args;
     args.lead = {s, b};
     args.training = f.training;
-    Tensor pm;
     if (f.has("input.padding_mask")) args.padding_mask = &f.tensor("input.padding_mask");
+    if (f.meta("tie_break_dependent") == "true") args.recorded_routing_map = &f.tensor("tap.mlp.router.1");
     TapRecord rec;
-    layer.forward(to_mat(x, s * b, h, "pre_mlp_layernorm"), args, Taps(&rec, "mlp."));
-
-    // fp32: |a - e| <= 1e-5 + 1e-4 |e| (torch's fp32 GEMM order vs. double accumulation rounded once).
-    const Tolerance tol{1e-5, 1e-4, "fp32 bound"};
-    int compared = 0;
-    for (const std::string& name : f.names_with_prefix("tap")) {
-      std::string key;
-      if (name.rfind("tap.mlp.", 0) == 0) key = name.substr(4);
-      else if (name.rfind("tap_in.mlp.experts.", 0) == 0) key = "mlp.experts.input." + name.substr(19);
-      else continue;
-      const Tensor* a = rec.find(key);
-      ASSERT_NE(a, nullptr) << "no tap " << key;
-      const Tensor& e = f.tensor(name);
-      const bool exact = e.dtype() == DType::BOOL || e.dtype() == DType::I64;
-      const Comparison c = exact ? compare_exact(name, *a, e) : compare(name, *a, e, tol);
-      EXPECT_TRUE(c.pass) << name << " max_abs " << c.max_abs << " " << c.message << " at " << c.worst_index_str();
-      std::printf("  %-45s max_abs %.3g share %.3g\n", name.c_str(), c.max_abs, c.share_used);
-      ++compared;
+    {
+      CountRoundings counting;
+      layer.forward(to_mat(x, s * b, h, "pre_mlp_layernorm"), args, Taps(&rec, "mlp."));
     }
-    for (const std::string& name : f.names_with_prefix("aux.")) {
-      const std::string loss = name.substr(4);
-      ASSERT_TRUE(layer.aux_losses.count(loss)) << "no aux loss " << loss;
-      const Comparison c = compare(name, Tensor::from_doubles(DType::F64, {}, {layer.aux_losses.at(loss)}), f.tensor(name), tol);
-      EXPECT_TRUE(c.pass) << name << " " << layer.aux_losses.at(loss) << " vs " << f.tensor(name).at_f64(0);
-      std::printf("  %-45s max_abs %.3g share %.3g\n", name.c_str(), c.max_abs, c.share_used);
+    // The MoE half of the golden: its taps, expert inputs and aux losses, through the one comparison.
+    parity::Expected expected;
+    for (const auto& [key, t] : parity::expected_of(f))
+      if (key.rfind("tap.mlp.", 0) == 0 || key.rfind("tap_in.mlp.", 0) == 0 || key.rfind("aux.", 0) == 0)
+        expected.emplace_back(key, t);
+    int compared = 0;
+    for (const Comparison& c : parity::compare_record(rec, expected, "reference")) {
+      EXPECT_TRUE(c.pass) << c.name << " max_abs " << c.max_abs << " " << c.message << " at " << c.worst_index_str()
+                          << " (" << c.tol.reason << ")";
+      std::printf("  %-45s max_abs %.3g share %.3g\n", c.name.c_str(), c.max_abs, c.share_used);
       ++compared;
     }
     EXPECT_GT(compared, 5);
@@ -99,13 +85,13 @@ TEST(MoELayerFixture, OwnTieRuleGivesTheRecordedCountsOnTieDependentFiles) {
 // comparison passes, and the output, routing map and expert inputs are among them.
 TEST(MoELayerFixture, HandlerPassesEveryMoeFixture) {
   const auto paths = moe_fixture_paths();
-  ASSERT_FALSE(paths.empty()) << "no moe_* fixtures under " << testing::source_dir();
-  ASSERT_EQ(find_fixture_handler("moe_layer", TwinKind::Reference), &run_moe_layer_fixture);
+  ASSERT_FALSE(paths.empty()) << "no moe_* fixtures under " << golden_dir();
+  ASSERT_EQ(find_fixture_handler("moe_layer", TwinKind::Reference), &parity::run_reference_moe_layer);
   for (const std::string& path : paths) {
     SCOPED_TRACE(path);
     const Fixture f = load_fixture(path);
     ASSERT_EQ(f.kind, "moe_layer");
-    const std::vector<Comparison> cs = run_moe_layer_fixture(f);
+    const std::vector<Comparison> cs = compare_fixture(f, TwinKind::Reference);
     std::set<std::string> names;
     double worst = 0.0;
     for (const Comparison& c : cs) {

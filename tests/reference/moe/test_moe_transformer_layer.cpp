@@ -78,10 +78,10 @@ RC_GTEST_PROP(MoETransformerLayerProperties, ThreePhasesComposeBitwiseToForwardM
   RC_ASSERT(whole.rows() == phased.rows() && whole.cols() == phased.cols());
   RC_ASSERT(std::equal(whole.data(), whole.data() + whole.size(), phased.data()));
   RC_ASSERT(whole_layer->moe_layer().aux_losses == phased_layer->moe_layer().aux_losses);
-  RC_ASSERT(whole_taps.tensors.size() == phased_taps.tensors.size());
-  for (std::size_t i = 0; i < whole_taps.tensors.size(); ++i) {
-    RC_ASSERT(whole_taps.tensors[i].first == phased_taps.tensors[i].first);
-    RC_ASSERT(same_bytes(whole_taps.tensors[i].second, phased_taps.tensors[i].second));
+  RC_ASSERT(whole_taps.entries.size() == phased_taps.entries.size());
+  for (std::size_t i = 0; i < whole_taps.entries.size(); ++i) {
+    RC_ASSERT(whole_taps.entries[i].key() == phased_taps.entries[i].key());
+    RC_ASSERT(same_bytes(whole_taps.entries[i].value, phased_taps.entries[i].value));
   }
 }
 
@@ -144,9 +144,9 @@ TEST(MoEConstructedAnswer, OutputsRevealTheExpertsOfEachToken) {
       }
     }
     // Every expert is chosen by 2 * (E - 1) = 6 tokens; dispatched rows are expert-major.
-    const Tensor& tokens_per_expert = *rec.find("mlp.experts.input.tokens_per_expert");
+    const Tensor& tokens_per_expert = *rec.find("mlp.experts.tokens_per_expert", Role::TapIn);
     for (int e = 0; e < E; ++e) EXPECT_EQ(tokens_per_expert.at_f64(e), 6.0);
-    const Tensor& dispatched = *rec.find("mlp.experts.input.dispatched_input");
+    const Tensor& dispatched = *rec.find("mlp.experts.dispatched_input", Role::TapIn);
     for (Index row = 0; row < dispatched.size(0); ++row) {
       const int e = static_cast<int>(row / 6);
       EXPECT_GE(dispatched.at_f64(row * h + e), 0.5) << "row " << row << " is not a token of expert " << e;
@@ -229,9 +229,10 @@ TEST(MoEErrors, RecordedRoutingMapThatIsNotACapacityOutcome) {
   std::mt19937_64 rng(11);
   MoELayer layer(c, kFp32);
   layer.load_state_dict(random_moe_state_dict(c, rng), "mlp.");
-  layer.router.recorded_routing_map = BoolMat::Constant(8, 4, true);  // every token to every expert
+  const Tensor every_pair = Tensor::from_vector<bool>({8, 4}, std::vector<bool>(32, true));  // every token to every expert
   MlpArgs args;
   args.lead = {4, 2};
+  args.recorded_routing_map = &every_pair;
   const std::string msg = error_of<MoEError>([&] { layer.forward(random_mat(rng, 8, c.hidden_size), args, Taps()); });
   EXPECT_NE(msg.find("recorded routing map gives expert 0"), std::string::npos) << msg;
 }

@@ -16,15 +16,7 @@
 
 namespace twin::test {
 
-// TWIN_SOURCE_DIR from the environment (ctest sets it), else the source tree this test was built
-// from, so the binary also finds the fixtures when run directly.
-inline std::string fixture_dir() {
-  const char* d = std::getenv("TWIN_SOURCE_DIR");
-#ifdef TWIN_RETRO_TEST_SOURCE_DIR
-  if (!d) d = TWIN_RETRO_TEST_SOURCE_DIR;
-#endif
-  return std::string(d ? d : ".") + "/fixtures/megatron-core/";
-}
+inline std::string fixture_dir() { return golden_dir() + "/"; }
 
 inline const Fixture& first_layer_fixture() {
   static const Fixture f = load_fixture(fixture_dir() + "retro_first_layer_divisible.safetensors");

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "fixtures/fixture.h"
-#include "reference/fixture_handlers.h"
+#include "parity/fixture_kinds.h"
 #include "reference/retro/decoder_spec.h"
 
 using namespace twin;
@@ -17,10 +17,7 @@ using namespace twin::reference::retro;
 
 namespace {
 
-std::string source_dir() {
-  const char* d = std::getenv("TWIN_SOURCE_DIR");
-  return d ? d : TWIN_SOURCE_DIR_DEFAULT;
-}
+
 
 std::string error_of(const std::function<void()>& fn) {
   try {
@@ -99,19 +96,19 @@ TEST(RetroDecoderLayout, Format) {
 }
 
 TEST(RetroLayoutTable, EqualToMegatron) {
-  const Fixture f = load_fixture(source_dir() + "/fixtures/megatron-core/retro_decoder_layout_table.json");
+  const Fixture f = load_fixture(golden_dir() + "/retro_decoder_layout_table.json");
   ASSERT_EQ(f.kind, "retro_layout_table");
-  const auto rows = run_retro_layout_table_fixture(f);
+  const auto rows = compare_fixture(f, TwinKind::Reference);
   ASSERT_EQ(rows.size(), 3u);
   for (const auto& c : rows) EXPECT_TRUE(c.pass) << c.name << ": " << c.message;
   EXPECT_EQ(rows[0].shape, Shape{static_cast<std::int64_t>(f.table["entries"].size())});
 }
 
 TEST(RetroLayoutTable, HandlerDetectsAWrongLayer) {
-  Fixture f = load_fixture(source_dir() + "/fixtures/megatron-core/retro_decoder_layout_table.json");
+  Fixture f = load_fixture(golden_dir() + "/retro_decoder_layout_table.json");
   for (auto& e : f.table["entries"])
     if (e["num_layers"] == 16) e["layers"][8] = "retro";  // Megatron's layer 9 owns the encoder
-  const auto rows = run_retro_layout_table_fixture(f);
+  const auto rows = compare_fixture(f, TwinKind::Reference);
   EXPECT_TRUE(rows[0].pass);
   EXPECT_FALSE(rows[2].pass);
   EXPECT_EQ(rows[2].mismatches, 1);

@@ -13,15 +13,13 @@ using namespace twin;
 
 TEST(RetroFixtures, EveryOutputAndTapWithinTolerance) {
   int files = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(test::fixture_dir())) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind("retro_", 0) != 0 || entry.path().extension() != ".safetensors") continue;
+  for (const std::string& name : golden_files("retro_")) {
     SCOPED_TRACE(name);
     ++files;
-    const Fixture f = load_fixture(entry.path().string());
+    const Fixture f = load_fixture(name);
     const FixtureHandler handler = find_fixture_handler(f.kind, TwinKind::Reference);
     ASSERT_NE(handler, nullptr) << f.kind;
-    const std::vector<Comparison> rows = handler(f);
+    const std::vector<Comparison> rows = compare_fixture(handler, f, TwinKind::Reference);
 
     std::set<std::string> expected, compared;
     for (const auto& n : f.names_with_prefix("output.")) expected.insert(n);

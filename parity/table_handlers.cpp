@@ -1,23 +1,24 @@
-// `twin fixture --twin reference` for the JSON table kinds: layer_offset_table
+// The reference twin's handlers of the JSON table goldens: layer_offset_table
 // (get_transformer_layer_offset / get_num_layers_to_build / TransformerConfig validation) and
-// retro_layout_table (get_retro_decoder_block_spec's layout). Every cell of a table is compared
-// exactly; each column is one Comparison whose worst index is the table row, and a failing
-// Comparison's message names the first mismatching row with both values.
+// retro_layout_table (get_retro_decoder_block_spec's layout). Each column of a table becomes one
+// integer record entry (a label per row) beside the expected column read from the table, so the
+// one comparison (parity/golden.h) checks every cell exactly and names the first mismatching row.
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "reference/fixture_handlers.h"
+#include "parity/fixture_kinds.h"
 #include "reference/retro/decoder_spec.h"
 #include "reference/transformer_config.h"
 #include "reference/transformer_layer_offset.h"
 
-namespace twin::reference {
+namespace twin::parity {
 
 namespace {
 
+using namespace twin::reference;
 using json = nlohmann::json;
 
 // A cell is a number, or the Python exception Megatron raised. Exceptions are coded far outside
@@ -79,17 +80,13 @@ struct Column {
     rows.push_back(std::move(row));
   }
 
-  Comparison compare(const std::function<std::string(std::int64_t)>& show = cell_str) const {
+  // The column into the run: the twin's cells as a record entry, Megatron's as the expected.
+  void add_to(TwinRun& run, const std::function<std::string(std::int64_t)>& show = cell_str) const {
     const Shape shape{static_cast<std::int64_t>(actual.size())};
-    Comparison c = compare_exact(name, Tensor::from_vector<std::int64_t>(shape, actual),
-                                 Tensor::from_vector<std::int64_t>(shape, expected));
-    for (std::size_t i = 0; i < actual.size(); ++i) {
-      if (actual[i] == expected[i]) continue;
-      c.message = std::to_string(c.mismatches) + " of " + std::to_string(actual.size()) + " rows differ; first: row " +
-                  std::to_string(i) + " " + rows[i] + ": twin " + show(actual[i]) + ", Megatron " + show(expected[i]);
-      break;
-    }
-    return c;
+    RecordEntry& e = run.record.add_exact(Role::Column, name, Tensor::from_vector<std::int64_t>(shape, actual));
+    e.row_labels = rows;
+    e.show = [show](double v) { return show(static_cast<std::int64_t>(v)); };
+    run.expected->emplace_back(name, Tensor::from_vector<std::int64_t>(shape, expected));
   }
 };
 
@@ -113,7 +110,7 @@ TransformerConfig table_config(const Fixture& f, const json& entry_config, std::
 
 }  // namespace
 
-std::vector<Comparison> run_layer_offset_table_fixture(const Fixture& f) {
+TwinRun run_reference_layer_offset_table(const Fixture& f) {
   const json& entries = f.table.contains("entries") ? f.table["entries"] : json();
   if (!entries.is_array() || entries.empty()) bad_table(f, "no 'entries' array");
 
@@ -175,14 +172,15 @@ std::vector<Comparison> run_layer_offset_table_fixture(const Fixture& f) {
   }
 
   auto yes_no = [](std::int64_t v) -> std::string { return v ? "rejected" : "accepted"; };
-  std::vector<Comparison> out;
-  out.push_back(rejected.compare(yes_no));
+  TwinRun run;
+  run.expected.emplace();
+  rejected.add_to(run, yes_no);
   for (const Column* c : {&offset, &num_layers_to_build, &raw_offset})
-    if (!c->actual.empty()) out.push_back(c->compare());
-  return out;
+    if (!c->actual.empty()) c->add_to(run);
+  return run;
 }
 
-std::vector<Comparison> run_retro_layout_table_fixture(const Fixture& f) {
+TwinRun run_reference_retro_layout_table(const Fixture& f) {
   const json& entries = f.table.contains("entries") ? f.table["entries"] : json();
   if (!entries.is_array() || entries.empty()) bad_table(f, "no 'entries' array");
 
@@ -241,11 +239,12 @@ std::vector<Comparison> run_retro_layout_table_fixture(const Fixture& f) {
   }
 
   auto yes_no = [](std::int64_t v) -> std::string { return v ? "error" : "a layout"; };
-  std::vector<Comparison> out;
-  out.push_back(error.compare(yes_no));
-  if (!num_layers.actual.empty()) out.push_back(num_layers.compare());
-  if (!layers.actual.empty()) out.push_back(layers.compare(kind_str));
-  return out;
+  TwinRun run;
+  run.expected.emplace();
+  error.add_to(run, yes_no);
+  if (!num_layers.actual.empty()) num_layers.add_to(run);
+  if (!layers.actual.empty()) layers.add_to(run, kind_str);
+  return run;
 }
 
-}  // namespace twin::reference
+}  // namespace twin::parity

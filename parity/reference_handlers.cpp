@@ -1,0 +1,113 @@
+// The reference twin's handlers of the layer goldens: dense_layer (TransformerLayer from
+// get_gpt_layer_local_spec), moe_layer (the same spec with num_experts: an MoETransformerLayer),
+// retro_decoder_layer_first / retro_decoder_layer (a Retro decoder layer owning the retriever
+// encoder, or not) and retro_block (a decoder TransformerBlock from get_retro_decoder_block_spec).
+// Each builds the layer from the golden's config and params, runs it on the golden's inputs while
+// counting rounding points, and returns the record; parity/golden.h compares.
+#include <memory>
+#include <string>
+
+#include "parity/fixture_kinds.h"
+#include "reference/moe/moe_transformer_layer.h"
+#include "reference/retro/decoder_layer_spec.h"
+#include "reference/retro/decoder_spec.h"
+#include "reference/transformer_block.h"
+#include "reference/transformer_config.h"
+#include "reference/transformer_layer.h"
+
+namespace twin::parity {
+
+namespace {
+
+using namespace twin::reference;
+
+LayerInputs layer_inputs(const Fixture& f) {
+  LayerInputs in;
+  in.attention_mask = optional_input(f, "attention_mask");
+  in.rotary_pos_emb = optional_input(f, "rotary_pos_emb");
+  if (f.config.position_embedding_type == "rope" && !in.rotary_pos_emb)
+    throw FixtureError(f.path + ": position_embedding_type is rope but input.rotary_pos_emb is missing");
+  return in;
+}
+
+// Runs `layer` (a TransformerLayer or a subclass) on the golden's hidden states.
+TwinRun run_layer(TransformerLayer& layer, const Fixture& f, const LayerInputs& in) {
+  layer.load_state_dict(StateDict(params_of(f)));
+  layer.training = f.training;
+  TwinRun run;
+  CountRoundings counting;
+  auto [hidden_states, context] = layer.forward(input(f, "hidden_states", 3), in, Taps(&run.record));
+  run.record.add(Role::Output, "hidden_states", hidden_states);
+  if (context) run.record.add(Role::Output, "context", *context);
+  return run;
+}
+
+TwinRun run_retro_layer(const Fixture& f, bool with_encoder) {
+  const TransformerConfig& config = f.config;
+  validate_retro_config(config);
+  check_inputs(f, {"hidden_states", "context", "context_mask"});
+  const ModuleSpec spec =
+      retro::get_retro_decoder_layer_local_spec(
+          with_encoder ? std::optional<TransformerBlockSubmodules>(retro::get_retro_encoder_block_spec(config, false))
+                       : std::nullopt)
+          .spec;
+  std::unique_ptr<BaseTransformerLayer> built = spec.build(config, f.layer_number, Precision::from_config(config));
+  auto& layer = dynamic_cast<TransformerLayer&>(*built);
+  LayerInputs in;
+  in.context = &input(f, "context", 3);
+  in.context_mask = optional_input(f, "context_mask");
+  return run_layer(layer, f, in);  // strict: every param.* key must be owned by the spec
+}
+
+}  // namespace
+
+TwinRun run_reference_dense_layer(const Fixture& f) {
+  const TransformerConfig& cfg = f.config;
+  validate_transformer_config(cfg);
+  check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb"});
+  const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
+                                                   attn_mask_type_from_name(cfg.attn_mask_type));
+  TransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
+  return run_layer(layer, f, layer_inputs(f));
+}
+
+TwinRun run_reference_moe_layer(const Fixture& f) {
+  const TransformerConfig& cfg = f.config;
+  if (!cfg.num_moe_experts) throw FixtureError(f.path + ": kind moe_layer but config.num_moe_experts is None");
+  check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb", "padding_mask"});
+  const ModuleSpec spec = moe::get_gpt_layer_local_moe_spec(*cfg.num_moe_experts, cfg.moe_grouped_gemm, cfg.qk_layernorm,
+                                                            cfg.normalization, cfg.qk_l2_norm);
+  moe::MoETransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
+  LayerInputs in = layer_inputs(f);
+  in.padding_mask = optional_input(f, "padding_mask");
+  // tie_break_dependent: which tied tokens survive the capacity cut is torch.topk's
+  // implementation-defined order; the golden's post-drop map (tap.mlp.router.1) is then the input.
+  const std::string tie = f.meta("tie_break_dependent", "false");
+  if (tie != "true" && tie != "false")
+    throw FixtureError(f.path + ": __metadata__.tie_break_dependent must be \"true\" or \"false\", got \"" + tie + "\"");
+  if (tie == "true") in.recorded_routing_map = &f.tensor("tap.mlp.router.1");
+  return run_layer(layer, f, in);
+}
+
+TwinRun run_reference_retro_decoder_layer_first(const Fixture& f) { return run_retro_layer(f, true); }
+TwinRun run_reference_retro_decoder_layer(const Fixture& f) { return run_retro_layer(f, false); }
+
+TwinRun run_reference_retro_block(const Fixture& f) {
+  const TransformerConfig& config = f.config;
+  check_inputs(f, {"hidden_states", "context", "context_mask"});
+  TransformerBlock block(config, retro::get_retro_decoder_block_spec(config, false), Precision::from_config(config));
+  const StateDict sd(params_of(f));
+  block.load_state_dict(sd);
+  sd.expect_all_used("TransformerBlock.load_state_dict (" + f.path + ")");
+  LayerInputs in;
+  in.context = &input(f, "context", 3);
+  in.context_mask = optional_input(f, "context_mask");
+  TwinRun run;
+  CountRoundings counting;
+  const Tensor hidden_states =
+      block.forward(input(f, "hidden_states", 3), in, f.training, DropoutRng{}, Taps(&run.record));
+  run.record.add(Role::Output, "hidden_states", hidden_states);
+  return run;
+}
+
+}  // namespace twin::parity
