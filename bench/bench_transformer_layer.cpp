@@ -1,4 +1,4 @@
-// Google Benchmark suite of the dense TransformerLayer forward (issue 7, acceptance 4):
+// Google Benchmark suite of the dense TransformerLayer forward:
 //   BM_ReferenceDenseLayer/<config>  the Eigen reference on the CPU (mirroring Megatron's rounding)
 //   BM_OptimizedDenseLayer/<config>  the optimized twin on the GPU when one is present (device time of
 //                                    a CUDA-graph replay of the layer; skipped with the reason otherwise)

@@ -146,4 +146,13 @@ json to_json(const TransformerConfig& c) {
   return j;
 }
 
+DType params_dtype(const TransformerConfig& c) {
+  if (c.bf16) return DType::BF16;
+  if (c.fp16) return DType::F16;
+  const auto dt = dtype_from_any_name(c.params_dtype);
+  if (!dt || (*dt != DType::F32 && *dt != DType::BF16 && *dt != DType::F16))
+    throw ConfigError("params_dtype: unsupported value '" + c.params_dtype + "' (float32, bfloat16 or float16)");
+  return *dt;
+}
+
 }  // namespace twin

@@ -14,6 +14,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "core/dtype.h"
+
 namespace twin {
 
 struct ConfigError : std::invalid_argument {
@@ -153,5 +155,10 @@ TransformerConfig parse_transformer_config(const std::string& json_text);
 nlohmann::json to_json(const TransformerConfig& c);
 // The names of every field the parser knows, in declaration order.
 const std::vector<std::string>& transformer_config_fields();
+
+// The dtype Megatron keeps parameters and activations in: the bf16 / fp16 flags win (as
+// Float16Module casts the model), else params_dtype. ConfigError for anything but float32,
+// bfloat16 and float16.
+DType params_dtype(const TransformerConfig& c);
 
 }  // namespace twin

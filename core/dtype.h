@@ -39,20 +39,16 @@ std::uint16_t float_to_fp16_bits(float f);
 float fp16_bits_to_float(std::uint16_t h);
 
 // Storage types for 16-bit floats in host tensors (plain bits; arithmetic goes through float).
-struct bf16_t {
+template <std::uint16_t (*ToBits)(float), float (*FromBits)(std::uint16_t)>
+struct half_storage {
   std::uint16_t bits = 0;
-  bf16_t() = default;
-  explicit bf16_t(float f) : bits(float_to_bf16_bits(f)) {}
-  static bf16_t from_bits(std::uint16_t b) { bf16_t r; r.bits = b; return r; }
-  explicit operator float() const { return bf16_bits_to_float(bits); }
+  half_storage() = default;
+  explicit half_storage(float f) : bits(ToBits(f)) {}
+  static half_storage from_bits(std::uint16_t b) { half_storage r; r.bits = b; return r; }
+  explicit operator float() const { return FromBits(bits); }
 };
-struct fp16_t {
-  std::uint16_t bits = 0;
-  fp16_t() = default;
-  explicit fp16_t(float f) : bits(float_to_fp16_bits(f)) {}
-  static fp16_t from_bits(std::uint16_t b) { fp16_t r; r.bits = b; return r; }
-  explicit operator float() const { return fp16_bits_to_float(bits); }
-};
+using bf16_t = half_storage<float_to_bf16_bits, bf16_bits_to_float>;
+using fp16_t = half_storage<float_to_fp16_bits, fp16_bits_to_float>;
 
 // Rounds a value to the nearest value representable in dt (identity for F64; F32 rounds once).
 double round_to(DType dt, double x);

@@ -18,6 +18,8 @@
 //   result (tensor bytes, names, metadata) in size: more than 16x the input plus 64 MiB can only
 //   come from a pickle that references the same objects over and over;
 // - every fault is one TorchFileError line "<name>: <fault>".
+#include <zlib.h>
+
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -86,19 +88,15 @@ std::uint64_t u64(const std::uint8_t* p) { return u32(p) | (static_cast<std::uin
 
 // ---- zip ---------------------------------------------------------------------------------------
 
-std::uint32_t crc32(const std::uint8_t* p, std::size_t n) {
-  static const std::array<std::uint32_t, 256> table = [] {
-    std::array<std::uint32_t, 256> t{};
-    for (std::uint32_t i = 0; i < 256; ++i) {
-      std::uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-      t[i] = c;
-    }
-    return t;
-  }();
-  std::uint32_t c = 0xFFFFFFFFu;
-  for (std::size_t i = 0; i < n; ++i) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
-  return c ^ 0xFFFFFFFFu;
+// The zip CRC-32 (zlib's, the one the format names).
+std::uint32_t crc32_of(const std::uint8_t* p, std::size_t n) {
+  uLong c = ::crc32(0L, Z_NULL, 0);
+  for (std::size_t done = 0; done < n;) {  // zlib takes uInt lengths
+    const uInt chunk = static_cast<uInt>(std::min<std::size_t>(n - done, 1u << 30));
+    c = ::crc32(c, p + done, chunk);
+    done += chunk;
+  }
+  return static_cast<std::uint32_t>(c);
 }
 
 struct ZipEntry {
@@ -205,7 +203,7 @@ class Zip {
     const std::uint8_t* p = data_ + start;
     const std::size_t n = static_cast<std::size_t>(z.size);
 #ifndef FUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION  // fuzz builds: let mutated bytes reach the pickle machine
-    if (crc32(p, n) != z.crc) fail_("zip entry " + quoted(name) + " fails its CRC check (corrupt file)");
+    if (crc32_of(p, n) != z.crc) fail_("zip entry " + quoted(name) + " fails its CRC check (corrupt file)");
 #endif
     checked_.emplace(name, std::make_pair(p, n));
     return {p, n};

@@ -9,6 +9,8 @@
 // - anything else: the bytes of data.pkl, which this target wraps in a valid zip (CRCs right,
 //   storages "0".."7" of 256 bytes each) so that mutations reach the pickle machine instead of
 //   failing the zip CRC check.
+#include <zlib.h>
+
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -19,21 +21,6 @@
 #include "fuzz/fuzz_common.h"
 
 namespace {
-
-std::uint32_t crc32(const std::uint8_t* p, std::size_t n) {
-  static const std::array<std::uint32_t, 256> table = [] {
-    std::array<std::uint32_t, 256> t{};
-    for (std::uint32_t i = 0; i < 256; ++i) {
-      std::uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-      t[i] = c;
-    }
-    return t;
-  }();
-  std::uint32_t c = 0xFFFFFFFFu;
-  for (std::size_t i = 0; i < n; ++i) c = table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
-  return c ^ 0xFFFFFFFFu;
-}
 
 void put16(std::vector<std::uint8_t>& out, std::uint32_t v) {
   out.push_back(v & 0xFF);
@@ -48,7 +35,7 @@ void put32(std::vector<std::uint8_t>& out, std::uint32_t v) {
 std::vector<std::uint8_t> stored_zip(const std::vector<std::pair<std::string, std::vector<std::uint8_t>>>& entries) {
   std::vector<std::uint8_t> out, dir;
   for (const auto& [name, bytes] : entries) {
-    const std::uint32_t crc = crc32(bytes.data(), bytes.size()), local = static_cast<std::uint32_t>(out.size());
+    const std::uint32_t crc = static_cast<std::uint32_t>(::crc32(0L, bytes.data(), static_cast<uInt>(bytes.size()))), local = static_cast<std::uint32_t>(out.size());
     const auto n = static_cast<std::uint32_t>(bytes.size());
     put32(out, 0x04034b50u); put16(out, 20); put16(out, 0); put16(out, 0); put32(out, 0);
     put32(out, crc); put32(out, n); put32(out, n); put16(out, name.size()); put16(out, 0);

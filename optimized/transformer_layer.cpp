@@ -16,14 +16,6 @@ namespace twin::opt {
 
 namespace {
 
-DType params_dtype(const TransformerConfig& c) {
-  if (c.bf16) return DType::BF16;
-  if (c.fp16) return DType::F16;
-  const auto dt = dtype_from_any_name(c.params_dtype);
-  if (!dt || (*dt != DType::F32 && *dt != DType::BF16 && *dt != DType::F16))
-    throw ConfigError("optimized dense layer: params_dtype '" + c.params_dtype + "' is not float32, bfloat16 or float16");
-  return *dt;
-}
 
 void reject(bool bad, const std::string& what) {
   if (bad) throw ConfigError("optimized dense layer: " + what);
@@ -357,6 +349,16 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   auto bias_tap = [&](const std::string& name, const std::string& key) {
     if (m.full.count(key)) result.record.add_exact(Role::Tap, name, m.full.at(key).clone());
   };
+  // A row-parallel linear's output and bias (<module>.<linear>.0 / .1), which are also its
+  // module's (<module>.0 / .1): the bias is added later, in the bias-dropout-add.
+  auto row_parallel_taps = [&](const void* y_dev, const std::string& module, const std::string& linear) {
+    const Tensor y = download(y_dev, {S, B, H});
+    const std::string bias_key = module + "." + linear + ".bias";
+    result.record.add(Role::Tap, module + "." + linear + ".0", y);
+    bias_tap(module + "." + linear + ".1", bias_key);
+    result.record.add(Role::Tap, module + ".0", y);
+    bias_tap(module + ".1", bias_key);
+  };
   if (fo.record_taps) {
     RankPlan& p = p0;
     p.on_tap = [&](TapPoint t) {
@@ -382,27 +384,13 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
         case TapPoint::CoreAttention:
           result.record.add(Role::Tap, "self_attention.core_attention", download(p.ctx, {S, B, std::int64_t(m.np) * m.hn}));
           break;
-        case TapPoint::LinearProj: {
-          Tensor y = download(p.proj, {S, B, H});
-          result.record.add(Role::Tap, "self_attention.linear_proj.0", y);
-          bias_tap("self_attention.linear_proj.1", "self_attention.linear_proj.bias");
-          result.record.add(Role::Tap, "self_attention.0", y);
-          bias_tap("self_attention.1", "self_attention.linear_proj.bias");
-          break;
-        }
+        case TapPoint::LinearProj: row_parallel_taps(p.proj, "self_attention", "linear_proj"); break;
         case TapPoint::PreMlpLayernorm: result.record.add(Role::Tap, "pre_mlp_layernorm", download(p.ln2, {S, B, H})); break;
         case TapPoint::LinearFc1:
           result.record.add(Role::Tap, "mlp.linear_fc1.0", download(p.fc1, {S, B, (p.glu ? 2 : 1) * std::int64_t(m.ffn)}));
           bias_tap("mlp.linear_fc1.1", "mlp.linear_fc1.bias");
           break;
-        case TapPoint::LinearFc2: {
-          Tensor y = download(p.fc2, {S, B, H});
-          result.record.add(Role::Tap, "mlp.linear_fc2.0", y);
-          bias_tap("mlp.linear_fc2.1", "mlp.linear_fc2.bias");
-          result.record.add(Role::Tap, "mlp.0", y);
-          bias_tap("mlp.1", "mlp.linear_fc2.bias");
-          break;
-        }
+        case TapPoint::LinearFc2: row_parallel_taps(p.fc2, "mlp", "linear_fc2"); break;
       }
     };
   }

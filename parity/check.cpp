@@ -132,7 +132,7 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
                               return r;
                             }
                             const auto cmps = compare_fixture(h, f, twin);
-                            r.dtype = !f.config_json.is_object() ? "-" : f.config.bf16 ? "bf16" : f.config.fp16 ? "fp16" : "fp32";
+                            r.dtype = !f.config_json.is_object() ? "-" : short_dtype(params_dtype(f.config));
                             for (const auto& c : cmps) {
                               if (c.share_used >= r.share) {
                                 r.share = c.share_used;

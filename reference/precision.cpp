@@ -8,16 +8,7 @@ namespace twin::reference {
 Precision Precision::from_config(const TransformerConfig& c, ComputeMode mode) {
   Precision p;
   p.mode = mode;
-  if (c.bf16) {
-    p.params_dtype = DType::BF16;
-  } else if (c.fp16) {
-    p.params_dtype = DType::F16;
-  } else {
-    auto dt = dtype_from_any_name(c.params_dtype);
-    if (!dt || !is_floating(*dt) || *dt == DType::F64)
-      throw ConfigError("params_dtype: unsupported value '" + c.params_dtype + "' (float32, bfloat16 or float16)");
-    p.params_dtype = *dt;
-  }
+  p.params_dtype = twin::params_dtype(c);
   return p;
 }
 

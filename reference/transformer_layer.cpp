@@ -150,15 +150,20 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   const Mat input_layernorm_output = apply_norm(input_layernorm, hidden_states_in, "input_layernorm", s, b, taps);
 
   // Self attention.
-  AttentionOutput attention_output_with_bias;
-  if (self_attention) {
+  // The attention's arguments: its mask and its dropout stream (offset 0 self, 2 cross attention).
+  auto attention_args = [&](const Tensor* mask, std::uint64_t offset) {
     AttentionArgs args;
     args.s = s;
     args.b = b;
-    args.attention_mask = inputs.attention_mask;
-    args.rotary_pos_emb = inputs.rotary_pos_emb;
+    args.attention_mask = mask;
     args.training = training;
-    args.rng = rng.with_offset(rng.offset + 0);
+    args.rng = rng.with_offset(rng.offset + offset);
+    return args;
+  };
+  AttentionOutput attention_output_with_bias;
+  if (self_attention) {
+    AttentionArgs args = attention_args(inputs.attention_mask, 0);
+    args.rotary_pos_emb = inputs.rotary_pos_emb;
     attention_output_with_bias = self_attention->forward(input_layernorm_output, args, taps.child("self_attention"));
   } else {
     attention_output_with_bias.output = input_layernorm_output;  // IdentityOp
@@ -175,13 +180,8 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   std::optional<Tensor> context;
   if (inputs.context) context = *inputs.context;
   if (cross_attention) {
-    AttentionArgs args;
-    args.s = s;
-    args.b = b;
-    args.attention_mask = inputs.context_mask;
+    AttentionArgs args = attention_args(inputs.context_mask, 2);
     args.key_value_states = inputs.context;
-    args.training = training;
-    args.rng = rng.with_offset(rng.offset + 2);
     attention_output_with_bias = cross_attention->forward(pre_cross_attn_layernorm_output, args, taps.child("cross_attention"));
     if (attention_output_with_bias.context) context = attention_output_with_bias.context;
   } else {

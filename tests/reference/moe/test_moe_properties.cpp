@@ -1,4 +1,4 @@
-// Property tests of the MoE reference (issue 5, acceptance 2): random router configs and random
+// Property tests of the MoE reference: random router configs and random
 // normal inputs (ties have probability zero), checked against invariants rather than a second
 // implementation.
 #include <gtest/gtest.h>

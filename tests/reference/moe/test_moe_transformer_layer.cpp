@@ -1,4 +1,4 @@
-// MoETransformerLayer and MoELayer (issue 5, acceptance 2-4): the three _forward_mlp phases
+// MoETransformerLayer and MoELayer: the three _forward_mlp phases
 // compose bitwise to the whole _forward_mlp; a constructed-answer test whose outputs reveal which
 // experts processed each token; clear errors for inconsistent configs and a bad padding_mask.
 #include <gtest/gtest.h>

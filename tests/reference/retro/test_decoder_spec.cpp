@@ -30,7 +30,7 @@ std::string error_of(const std::function<void()>& fn) {
 
 }  // namespace
 
-// The rule of issue 6, stated per layer: Retro layers at start, start + 3, ... with start = 6
+// get_retro_decoder_block_spec's rule, stated per layer: Retro layers at start, start + 3, ... with start = 6
 // for at most 15 layers, else 9; the first of them owns the encoder; the rest are GPT layers.
 TEST(RetroDecoderLayout, MatchesTheRuleFor6To96Layers) {
   for (int n = 6; n <= 96; ++n) {
