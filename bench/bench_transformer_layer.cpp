@@ -34,14 +34,18 @@ double peak_flops(DType dt) {
 }
 
 const char* kCpuConfigs[] = {
-    "dense(h=256,a=8,g=8,d=32,ffn=1024,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=1)",
-    "dense(h=256,a=8,g=2,d=32,ffn=512,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s=64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=2)",
+    "dense(h=256,a=8,g=8,d=32,ffn=1024,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s="
+    "64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=1)",
+    "dense(h=256,a=8,g=2,d=32,ffn=512,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s="
+    "64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=2)",
 };
 const char* kGpuConfigs[] = {
     // Llama-3-8B-like layer, GQA 32/8, SwiGLU
-    "dense(h=4096,a=32,g=8,d=128,ffn=14336,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s=2048,b=1,dtype=bf16,tp=1,sp=0,drop=0,seed=3)",
+    "dense(h=4096,a=32,g=8,d=128,ffn=14336,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask="
+    "causal,s=2048,b=1,dtype=bf16,tp=1,sp=0,drop=0,seed=3)",
     // GPT-3-1.3B-like layer
-    "dense(h=2048,a=16,g=16,d=128,ffn=8192,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=2048,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=4)",
+    "dense(h=2048,a=16,g=16,d=128,ffn=8192,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,"
+    "s=2048,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=4)",
 };
 
 void BM_ReferenceDenseLayer(benchmark::State& state, const char* id) {
@@ -71,18 +75,21 @@ void BM_OptimizedDenseLayer(benchmark::State& state, const char* id) {
   for (auto _ : state) state.SetIterationTime(layer.time_forward_ms(10) / 1e3);
   const double flops = layer_flops(c);
   state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["fraction_of_peak"] = benchmark::Counter(flops / peak_flops(c.dtype), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["fraction_of_peak"] =
+      benchmark::Counter(flops / peak_flops(c.dtype), benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(id);
 }
 
 int register_all() {
   int i = 0;
   for (const char* id : kCpuConfigs)
-    benchmark::RegisterBenchmark(("BM_ReferenceDenseLayer/cpu" + std::to_string(i++)).c_str(), BM_ReferenceDenseLayer, id)
+    benchmark::RegisterBenchmark(("BM_ReferenceDenseLayer/cpu" + std::to_string(i++)).c_str(), BM_ReferenceDenseLayer,
+                                 id)
         ->Unit(benchmark::kMillisecond);
   i = 0;
   for (const char* id : kGpuConfigs)
-    benchmark::RegisterBenchmark(("BM_OptimizedDenseLayer/gpu" + std::to_string(i++)).c_str(), BM_OptimizedDenseLayer, id)
+    benchmark::RegisterBenchmark(("BM_OptimizedDenseLayer/gpu" + std::to_string(i++)).c_str(), BM_OptimizedDenseLayer,
+                                 id)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
   return 0;

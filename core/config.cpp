@@ -20,7 +20,8 @@ const char* json_type(const json& v) { return v.type_name(); }
 // An integer outside int's range is refused, not narrowed: get<int>() would silently wrap it
 // (4294967312 would read as 16).
 bool is_int(const json& v) {
-  if (v.is_number_unsigned()) return v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<int>::max());
+  if (v.is_number_unsigned())
+    return v.get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<int>::max());
   return v.is_number_integer() && v.get<std::int64_t>() >= std::numeric_limits<int>::min() &&
          v.get<std::int64_t>() <= std::numeric_limits<int>::max();
 }
@@ -51,15 +52,26 @@ void read(const std::string& f, const json& v, std::vector<int>& out) {
 }
 template <class T>
 void read(const std::string& f, const json& v, std::optional<T>& out) {
-  if (v.is_null()) { out.reset(); return; }
+  if (v.is_null()) {
+    out.reset();
+    return;
+  }
   T t{};
   read(f, v, t);
   out = t;
 }
 
-template <class T> json write(const T& v) { return json(v); }
-template <class T> json write(const std::optional<T>& v) { return v ? json(*v) : json(nullptr); }
+template <class T>
+json write(const T& v) {
+  return json(v);
+}
+template <class T>
+json write(const std::optional<T>& v) {
+  return v ? json(*v) : json(nullptr);
+}
 
+// An X-macro list, laid out by hand (clang-format would split the X(...) items).
+// clang-format off
 #define TWIN_CONFIG_FIELDS(X)                                                                        \
   X(num_layers) X(hidden_size) X(num_attention_heads) X(num_query_groups) X(kv_channels)             \
   X(ffn_hidden_size) X(params_dtype) X(fp16) X(bf16) X(fp32_residual_connection)                      \
@@ -91,6 +103,7 @@ template <class T> json write(const std::optional<T>& v) { return v ? json(*v) :
   X(retro_encoder_hidden_dropout) X(retro_encoder_attention_dropout) X(retro_block_size)             \
   X(retro_l_chunks) X(retro_r) X(retro_neighbor_dirs) X(retro_project_dir)                           \
   X(retro_split_preprocessing) X(retro_verify_neighbor_count)
+// clang-format on
 
 using Reader = std::function<void(TransformerConfig&, const json&)>;
 

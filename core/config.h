@@ -27,9 +27,9 @@ struct TransformerConfig {
   int num_layers = 1;
   int hidden_size = 0;
   int num_attention_heads = 0;
-  std::optional<int> num_query_groups;   // None -> num_attention_heads
-  std::optional<int> kv_channels;        // None -> hidden_size / num_attention_heads
-  std::optional<int> ffn_hidden_size;    // None -> 4 * hidden_size
+  std::optional<int> num_query_groups;  // None -> num_attention_heads
+  std::optional<int> kv_channels;       // None -> hidden_size / num_attention_heads
+  std::optional<int> ffn_hidden_size;   // None -> 4 * hidden_size
 
   // --- numerics
   std::string params_dtype = "float32";
@@ -45,7 +45,7 @@ struct TransformerConfig {
   std::string normalization = "LayerNorm";  // LayerNorm | RMSNorm
   bool qk_layernorm = false;
   bool qk_l2_norm = false;
-  std::string activation_func = "gelu";     // gelu | silu | relu | squared_relu | quick_gelu | ...
+  std::string activation_func = "gelu";  // gelu | silu | relu | squared_relu | quick_gelu | ...
   std::optional<double> activation_func_clamp_value;
   bool gated_linear_unit = false;
   double glu_linear_offset = 0.0;
@@ -93,13 +93,14 @@ struct TransformerConfig {
   std::optional<int> num_moe_experts;
   std::optional<int> moe_ffn_hidden_size;
   int moe_router_topk = 2;
-  std::string moe_router_load_balancing_type = "aux_loss";  // aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none (or a list)
-  std::string moe_router_score_function = "softmax";        // softmax | sigmoid
+  std::string moe_router_load_balancing_type =
+      "aux_loss";  // aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none (or a list)
+  std::string moe_router_score_function = "softmax";  // softmax | sigmoid
   bool moe_router_pre_softmax = false;
   std::optional<int> moe_router_num_groups;
   std::optional<int> moe_router_group_topk;
   std::optional<double> moe_router_topk_scaling_factor;
-  std::optional<std::string> moe_router_dtype;              // None | fp32 | fp64
+  std::optional<std::string> moe_router_dtype;  // None | fp32 | fp64
   bool moe_router_enable_expert_bias = false;
   double moe_router_bias_update_rate = 1e-3;
   bool moe_router_force_load_balancing = false;
@@ -112,8 +113,8 @@ struct TransformerConfig {
   std::optional<double> moe_input_jitter_eps;
   std::optional<double> moe_expert_capacity_factor;
   bool moe_pad_expert_input_to_capacity = false;
-  std::string moe_token_drop_policy = "probs";              // probs | position
-  std::string moe_token_dispatcher_type = "allgather";      // allgather | alltoall | flex
+  std::string moe_token_drop_policy = "probs";          // probs | position
+  std::string moe_token_dispatcher_type = "allgather";  // allgather | alltoall | flex
   std::optional<int> moe_shared_expert_intermediate_size;
   bool moe_shared_expert_gate = false;
   bool moe_shared_expert_overlap = false;

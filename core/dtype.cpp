@@ -7,23 +7,37 @@ namespace twin {
 
 std::size_t dtype_size(DType dt) {
   switch (dt) {
-    case DType::F64: case DType::I64: return 8;
-    case DType::F32: case DType::I32: return 4;
-    case DType::BF16: case DType::F16: return 2;
-    case DType::BOOL: return 1;
+    case DType::F64:
+    case DType::I64:
+      return 8;
+    case DType::F32:
+    case DType::I32:
+      return 4;
+    case DType::BF16:
+    case DType::F16:
+      return 2;
+    case DType::BOOL:
+      return 1;
   }
   throw std::logic_error("dtype_size: bad dtype");
 }
 
 const char* dtype_name(DType dt) {
   switch (dt) {
-    case DType::F64: return "F64";
-    case DType::F32: return "F32";
-    case DType::BF16: return "BF16";
-    case DType::F16: return "F16";
-    case DType::I64: return "I64";
-    case DType::I32: return "I32";
-    case DType::BOOL: return "BOOL";
+    case DType::F64:
+      return "F64";
+    case DType::F32:
+      return "F32";
+    case DType::BF16:
+      return "BF16";
+    case DType::F16:
+      return "F16";
+    case DType::I64:
+      return "I64";
+    case DType::I32:
+      return "I32";
+    case DType::BOOL:
+      return "BOOL";
   }
   return "?";
 }
@@ -43,9 +57,7 @@ std::optional<DType> dtype_from_any_name(std::string_view n) {
   return std::nullopt;
 }
 
-bool is_floating(DType dt) {
-  return dt == DType::F64 || dt == DType::F32 || dt == DType::BF16 || dt == DType::F16;
-}
+bool is_floating(DType dt) { return dt == DType::F64 || dt == DType::F32 || dt == DType::BF16 || dt == DType::F16; }
 
 // IEEE binary16: 1 sign, 5 exponent (bias 15), 10 mantissa bits; subnormals below 2^-14.
 std::uint16_t float_to_fp16_bits(float f) {
@@ -59,11 +71,11 @@ std::uint16_t float_to_fp16_bits(float f) {
     r += 0xfffu + ((r >> 13) & 1u);             // round to nearest even at bit 13
     return sign | static_cast<std::uint16_t>(r >> 13);
   }
-  if (a < 0x33000000u) return sign;             // below half the smallest subnormal: +-0
+  if (a < 0x33000000u) return sign;  // below half the smallest subnormal: +-0
   // Subnormal half: value = m * 2^-24. Shift the full 24-bit significand, round to nearest even.
   const std::uint32_t exp = a >> 23;
   const std::uint32_t mant = (a & 0x7fffffu) | 0x800000u;
-  const std::uint32_t shift = 126u - exp;       // 14..24
+  const std::uint32_t shift = 126u - exp;  // 14..24
   std::uint32_t q = mant >> shift;
   const std::uint32_t rem = mant & ((1u << shift) - 1u);
   const std::uint32_t half = 1u << (shift - 1u);
@@ -85,23 +97,33 @@ float fp16_bits_to_float(std::uint16_t h) {
 
 double round_to(DType dt, double x) {
   switch (dt) {
-    case DType::F64: return x;
-    case DType::F32: return static_cast<double>(static_cast<float>(x));
+    case DType::F64:
+      return x;
+    case DType::F32:
+      return static_cast<double>(static_cast<float>(x));
     // Double -> float -> bf16 rounds twice; the float step is exact whenever x already came from
     // float arithmetic, which is every use in this project (values are fp32 before storing).
-    case DType::BF16: return bf16_bits_to_float(float_to_bf16_bits(static_cast<float>(x)));
-    case DType::F16: return fp16_bits_to_float(float_to_fp16_bits(static_cast<float>(x)));
-    default: throw std::invalid_argument(std::string("round_to: not a floating dtype: ") + dtype_name(dt));
+    case DType::BF16:
+      return bf16_bits_to_float(float_to_bf16_bits(static_cast<float>(x)));
+    case DType::F16:
+      return fp16_bits_to_float(float_to_fp16_bits(static_cast<float>(x)));
+    default:
+      throw std::invalid_argument(std::string("round_to: not a floating dtype: ") + dtype_name(dt));
   }
 }
 
 double unit_roundoff(DType dt) {
   switch (dt) {
-    case DType::F64: return std::ldexp(1.0, -53);
-    case DType::F32: return std::ldexp(1.0, -24);
-    case DType::BF16: return std::ldexp(1.0, -8);
-    case DType::F16: return std::ldexp(1.0, -11);
-    default: throw std::invalid_argument(std::string("unit_roundoff: not a floating dtype: ") + dtype_name(dt));
+    case DType::F64:
+      return std::ldexp(1.0, -53);
+    case DType::F32:
+      return std::ldexp(1.0, -24);
+    case DType::BF16:
+      return std::ldexp(1.0, -8);
+    case DType::F16:
+      return std::ldexp(1.0, -11);
+    default:
+      throw std::invalid_argument(std::string("unit_roundoff: not a floating dtype: ") + dtype_name(dt));
   }
 }
 

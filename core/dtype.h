@@ -17,15 +17,23 @@ namespace twin {
 enum class DType { F64, F32, BF16, F16, I64, I32, BOOL };
 
 std::size_t dtype_size(DType dt);
-const char* dtype_name(DType dt);                          // "F32", "BF16", ... (safetensors)
+const char* dtype_name(DType dt);  // "F32", "BF16", ... (safetensors)
 std::optional<DType> dtype_from_name(std::string_view name);
 bool is_floating(DType dt);
 // Parses "float32"/"fp32"/"F32"/"bfloat16"/"bf16"/... (Megatron's params_dtype spellings too).
 std::optional<DType> dtype_from_any_name(std::string_view name);
 
 // ---- bf16 / fp16 bit conversions -------------------------------------------------------------
-inline std::uint32_t float_bits(float f) { std::uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float bits_float(std::uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline std::uint32_t float_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float bits_float(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 inline std::uint16_t float_to_bf16_bits(float f) {
   std::uint32_t u = float_bits(f);
@@ -44,7 +52,11 @@ struct half_storage {
   std::uint16_t bits = 0;
   half_storage() = default;
   explicit half_storage(float f) : bits(ToBits(f)) {}
-  static half_storage from_bits(std::uint16_t b) { half_storage r; r.bits = b; return r; }
+  static half_storage from_bits(std::uint16_t b) {
+    half_storage r;
+    r.bits = b;
+    return r;
+  }
   explicit operator float() const { return FromBits(bits); }
 };
 using bf16_t = half_storage<float_to_bf16_bits, bf16_bits_to_float>;
@@ -56,13 +68,35 @@ double round_to(DType dt, double x);
 // Unit roundoff u = 2^-p of a floating dtype: the relative error bound of one rounding.
 double unit_roundoff(DType dt);
 
-template <class T> struct dtype_of;
-template <> struct dtype_of<double> { static constexpr DType value = DType::F64; };
-template <> struct dtype_of<float> { static constexpr DType value = DType::F32; };
-template <> struct dtype_of<bf16_t> { static constexpr DType value = DType::BF16; };
-template <> struct dtype_of<fp16_t> { static constexpr DType value = DType::F16; };
-template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType::I64; };
-template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType::I32; };
-template <> struct dtype_of<bool> { static constexpr DType value = DType::BOOL; };
+template <class T>
+struct dtype_of;
+template <>
+struct dtype_of<double> {
+  static constexpr DType value = DType::F64;
+};
+template <>
+struct dtype_of<float> {
+  static constexpr DType value = DType::F32;
+};
+template <>
+struct dtype_of<bf16_t> {
+  static constexpr DType value = DType::BF16;
+};
+template <>
+struct dtype_of<fp16_t> {
+  static constexpr DType value = DType::F16;
+};
+template <>
+struct dtype_of<std::int64_t> {
+  static constexpr DType value = DType::I64;
+};
+template <>
+struct dtype_of<std::int32_t> {
+  static constexpr DType value = DType::I32;
+};
+template <>
+struct dtype_of<bool> {
+  static constexpr DType value = DType::BOOL;
+};
 
 }  // namespace twin

@@ -6,12 +6,18 @@ namespace twin {
 
 const char* role_prefix(Role r) {
   switch (r) {
-    case Role::Output: return "output.";
-    case Role::Tap: return "tap.";
-    case Role::TapIn: return "tap_in.";
-    case Role::Aux: return "aux.";
-    case Role::State: return "state.";
-    case Role::Column: return "";
+    case Role::Output:
+      return "output.";
+    case Role::Tap:
+      return "tap.";
+    case Role::TapIn:
+      return "tap_in.";
+    case Role::Aux:
+      return "aux.";
+    case Role::State:
+      return "state.";
+    case Role::Column:
+      return "";
   }
   return "";
 }

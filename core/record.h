@@ -21,9 +21,9 @@ const char* role_prefix(Role r);  // "output." | "tap." | "tap_in." | "aux." | "
 
 struct RecordEntry {
   Role role = Role::Tap;
-  std::string name;     // module path or output name, without the role prefix
+  std::string name;  // module path or output name, without the role prefix
   Tensor value;
-  RoundingCount rounding;    // rounding points executed before this value
+  RoundingCount rounding;  // rounding points executed before this value
   // The magnitude this value's error scales with, when not its own largest element (router
   // probabilities and losses move with the logits' absolute error); < 0: max |value|.
   double magnitude = -1.0;

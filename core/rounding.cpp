@@ -15,10 +15,17 @@ thread_local Counter counter;
 
 void RoundingCount::store(DType dt, int n) {
   switch (dt) {
-    case DType::BF16: bf16 += n; break;
-    case DType::F16: fp16 += n; break;
-    case DType::F32: fp32 += n; break;
-    default: break;  // fp64 and integer stores lose nothing a bound needs to count
+    case DType::BF16:
+      bf16 += n;
+      break;
+    case DType::F16:
+      fp16 += n;
+      break;
+    case DType::F32:
+      fp32 += n;
+      break;
+    default:
+      break;  // fp64 and integer stores lose nothing a bound needs to count
   }
 }
 
@@ -38,7 +45,8 @@ std::string RoundingCount::describe() const {
   std::string s;
   for (std::size_t i = 0; i < parts.size(); ++i) s += (i ? " + " : "") + parts[i];
   if (!s.empty()) s += " stores";
-  if (reduction) s += (s.empty() ? "" : ", ") + std::string("fp32 reductions of total length ") + std::to_string(reduction);
+  if (reduction)
+    s += (s.empty() ? "" : ", ") + std::string("fp32 reductions of total length ") + std::to_string(reduction);
   return s;
 }
 

@@ -79,17 +79,19 @@ SafetensorsFile read_safetensors_bytes(const std::string& name, const void* data
   return read_safetensors_bytes(name, std::shared_ptr<const void>(copy, copy.get()), copy.get(), size);
 }
 
-SafetensorsFile read_safetensors_bytes(const std::string& path, std::shared_ptr<const void> holder,
-                                       const void* data, std::size_t size) {
+SafetensorsFile read_safetensors_bytes(const std::string& path, std::shared_ptr<const void> holder, const void* data,
+                                       std::size_t size) {
   const auto* bytes = static_cast<const unsigned char*>(data);
 
   if (size < 8) fail(path, "truncated: " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   std::uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
   if (n > kSafetensorsMaxHeader)
-    fail(path, "header length " + std::to_string(n) + " is absurdly large (limit " + std::to_string(kSafetensorsMaxHeader) + ")");
+    fail(path, "header length " + std::to_string(n) + " is absurdly large (limit " +
+                   std::to_string(kSafetensorsMaxHeader) + ")");
   if (n > size - 8)
-    fail(path, "header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(size) + " bytes)");
+    fail(path,
+         "header length " + std::to_string(n) + " runs past the end of the file (" + std::to_string(size) + " bytes)");
 
   // nlohmann's json object is a std::map: a duplicate key would silently keep one value, so the
   // top-level keys are collected by a parser callback and checked for repeats.
@@ -100,7 +102,8 @@ SafetensorsFile read_safetensors_bytes(const std::string& path, std::shared_ptr<
   };
   json header;
   try {
-    header = json::parse(reinterpret_cast<const char*>(bytes) + 8, reinterpret_cast<const char*>(bytes) + 8 + n, collect_keys);
+    header = json::parse(reinterpret_cast<const char*>(bytes) + 8, reinterpret_cast<const char*>(bytes) + 8 + n,
+                         collect_keys);
   } catch (const json::exception& e) {
     fail(path, std::string("header is not valid JSON: ") + e.what());
   }
@@ -115,7 +118,10 @@ SafetensorsFile read_safetensors_bytes(const std::string& path, std::shared_ptr<
   const std::uint64_t data_begin = 8 + n;
   const std::uint64_t data_size = size - data_begin;
 
-  struct Entry { std::string name; std::uint64_t begin, end; };
+  struct Entry {
+    std::string name;
+    std::uint64_t begin, end;
+  };
   std::vector<Entry> entries;
   for (const auto& [name, v] : header.items()) {
     if (name == "__metadata__") {
@@ -134,7 +140,8 @@ SafetensorsFile read_safetensors_bytes(const std::string& path, std::shared_ptr<
     Shape shape;
     if (!v["shape"].is_array()) fail(path, "tensor '" + name + "': shape is not a list");
     for (const auto& d : v["shape"]) {
-      if (!d.is_number_unsigned()) fail(path, "tensor '" + name + "': shape " + v["shape"].dump() + " has a non-natural entry");
+      if (!d.is_number_unsigned())
+        fail(path, "tensor '" + name + "': shape " + v["shape"].dump() + " has a non-natural entry");
       // Tensor counts in int64: a dimension past INT64_MAX would turn negative.
       if (d.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
         fail(path, "tensor '" + name + "': shape " + v["shape"].dump() + " has an entry beyond int64");
@@ -161,7 +168,8 @@ SafetensorsFile read_safetensors_bytes(const std::string& path, std::shared_ptr<
       fail(path, "tensor '" + name + "': data_offsets span " + std::to_string(e - b) + " bytes but shape " +
                      shape_str(shape) + " x " + dtype_name(*dt) + " needs " +
                      // Converting a long double past 2^64 to an integer is undefined: say so instead.
-                     (want < 18446744073709551616.0L ? std::to_string(static_cast<unsigned long long>(want)) : std::string("over 2^64")));
+                     (want < 18446744073709551616.0L ? std::to_string(static_cast<unsigned long long>(want))
+                                                     : std::string("over 2^64")));
     entries.push_back({name, b, e});
     const unsigned char* at = bytes + data_begin + b;
     if (reinterpret_cast<std::uintptr_t>(at) % dtype_size(*dt) == 0) {
@@ -173,7 +181,8 @@ SafetensorsFile read_safetensors_bytes(const std::string& path, std::shared_ptr<
       f.tensors_[name] = std::move(owned);
     }
   }
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.begin < b.begin || (a.begin == b.begin && a.end < b.end); });
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry& a, const Entry& b) { return a.begin < b.begin || (a.begin == b.begin && a.end < b.end); });
   for (std::size_t i = 1; i < entries.size(); ++i)
     if (entries[i].begin < entries[i - 1].end)
       fail(path, "tensors '" + entries[i - 1].name + "' and '" + entries[i].name + "' overlap in the data section");
@@ -189,7 +198,8 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   for (const auto& [name, t] : tensors) {
     if (name == "__metadata__") throw SafetensorsError(path + ": '__metadata__' cannot name a tensor");
     if (header.contains(name)) throw SafetensorsError(path + ": duplicate tensor name '" + name + "'");
-    header[name] = {{"dtype", dtype_name(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {offset, offset + t.nbytes()}}};
+    header[name] = {
+        {"dtype", dtype_name(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {offset, offset + t.nbytes()}}};
     offset += t.nbytes();
   }
   std::string text = header.dump();

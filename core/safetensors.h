@@ -52,8 +52,8 @@ SafetensorsFile read_safetensors(const std::string& path);
 // Parses the `size` bytes at `data` as a safetensors file; `name` stands in for the path (in
 // path() and in messages). Tensors borrow `data`; `holder` keeps it alive (may be null when the
 // caller keeps `data` alive longer than the result).
-SafetensorsFile read_safetensors_bytes(const std::string& name, std::shared_ptr<const void> holder,
-                                       const void* data, std::size_t size);
+SafetensorsFile read_safetensors_bytes(const std::string& name, std::shared_ptr<const void> holder, const void* data,
+                                       std::size_t size);
 // Copies the bytes first: the result does not refer to `data`.
 SafetensorsFile read_safetensors_bytes(const std::string& name, const void* data, std::size_t size);
 

@@ -63,13 +63,27 @@ Tensor Tensor::from_doubles(DType dt, Shape shape, const std::vector<double>& v)
   Tensor t = empty(dt, std::move(shape));
   for (std::size_t i = 0; i < v.size(); ++i) {
     switch (dt) {
-      case DType::F64: reinterpret_cast<double*>(t.data_)[i] = v[i]; break;
-      case DType::F32: reinterpret_cast<float*>(t.data_)[i] = static_cast<float>(v[i]); break;
-      case DType::BF16: reinterpret_cast<bf16_t*>(t.data_)[i] = bf16_t(static_cast<float>(v[i])); break;
-      case DType::F16: reinterpret_cast<fp16_t*>(t.data_)[i] = fp16_t(static_cast<float>(v[i])); break;
-      case DType::I64: reinterpret_cast<std::int64_t*>(t.data_)[i] = static_cast<std::int64_t>(v[i]); break;
-      case DType::I32: reinterpret_cast<std::int32_t*>(t.data_)[i] = static_cast<std::int32_t>(v[i]); break;
-      case DType::BOOL: t.data_[i] = std::byte(v[i] != 0 ? 1 : 0); break;
+      case DType::F64:
+        reinterpret_cast<double*>(t.data_)[i] = v[i];
+        break;
+      case DType::F32:
+        reinterpret_cast<float*>(t.data_)[i] = static_cast<float>(v[i]);
+        break;
+      case DType::BF16:
+        reinterpret_cast<bf16_t*>(t.data_)[i] = bf16_t(static_cast<float>(v[i]));
+        break;
+      case DType::F16:
+        reinterpret_cast<fp16_t*>(t.data_)[i] = fp16_t(static_cast<float>(v[i]));
+        break;
+      case DType::I64:
+        reinterpret_cast<std::int64_t*>(t.data_)[i] = static_cast<std::int64_t>(v[i]);
+        break;
+      case DType::I32:
+        reinterpret_cast<std::int32_t*>(t.data_)[i] = static_cast<std::int32_t>(v[i]);
+        break;
+      case DType::BOOL:
+        t.data_[i] = std::byte(v[i] != 0 ? 1 : 0);
+        break;
     }
   }
   return t;
@@ -92,13 +106,20 @@ double Tensor::at_f64(std::int64_t i) const {
   if (i < 0 || i >= numel())
     throw ShapeError("index " + std::to_string(i) + " out of range for shape " + shape_str(shape_));
   switch (dtype_) {
-    case DType::F64: return reinterpret_cast<const double*>(data_)[i];
-    case DType::F32: return reinterpret_cast<const float*>(data_)[i];
-    case DType::BF16: return static_cast<float>(reinterpret_cast<const bf16_t*>(data_)[i]);
-    case DType::F16: return static_cast<float>(reinterpret_cast<const fp16_t*>(data_)[i]);
-    case DType::I64: return static_cast<double>(reinterpret_cast<const std::int64_t*>(data_)[i]);
-    case DType::I32: return reinterpret_cast<const std::int32_t*>(data_)[i];
-    case DType::BOOL: return data_[i] != std::byte(0) ? 1.0 : 0.0;
+    case DType::F64:
+      return reinterpret_cast<const double*>(data_)[i];
+    case DType::F32:
+      return reinterpret_cast<const float*>(data_)[i];
+    case DType::BF16:
+      return static_cast<float>(reinterpret_cast<const bf16_t*>(data_)[i]);
+    case DType::F16:
+      return static_cast<float>(reinterpret_cast<const fp16_t*>(data_)[i]);
+    case DType::I64:
+      return static_cast<double>(reinterpret_cast<const std::int64_t*>(data_)[i]);
+    case DType::I32:
+      return reinterpret_cast<const std::int32_t*>(data_)[i];
+    case DType::BOOL:
+      return data_[i] != std::byte(0) ? 1.0 : 0.0;
   }
   return 0.0;
 }
@@ -122,8 +143,8 @@ Tensor Tensor::clone() const {
 
 Tensor Tensor::reshape(Shape shape) const {
   if (shape_numel(shape) != numel())
-    throw ShapeError("reshape: cannot view " + shape_str(shape_) + " (" + std::to_string(numel()) +
-                     " elements) as " + shape_str(shape));
+    throw ShapeError("reshape: cannot view " + shape_str(shape_) + " (" + std::to_string(numel()) + " elements) as " +
+                     shape_str(shape));
   Tensor t = *this;
   t.shape_ = std::move(shape);
   return t;
@@ -146,8 +167,8 @@ std::string Tensor::describe() const { return shape_str(shape_) + " " + dtype_na
 void Tensor::check_dtype(DType want) const {
   if (!defined()) throw ShapeError(std::string("access to an undefined tensor as ") + dtype_name(want));
   if (want != dtype_)
-    throw ShapeError(std::string("tensor of dtype ") + dtype_name(dtype_) + " " + shape_str(shape_) +
-                     " accessed as " + dtype_name(want));
+    throw ShapeError(std::string("tensor of dtype ") + dtype_name(dtype_) + " " + shape_str(shape_) + " accessed as " +
+                     dtype_name(want));
 }
 
 void Tensor::check_view(std::int64_t rows, std::int64_t cols) const {

@@ -58,9 +58,15 @@ class Tensor {
   std::byte* raw_mut();  // copies borrowed storage first, so a mapped file is never written
 
   template <class T>
-  const T* data() const { check_dtype(dtype_of<T>::value); return reinterpret_cast<const T*>(data_); }
+  const T* data() const {
+    check_dtype(dtype_of<T>::value);
+    return reinterpret_cast<const T*>(data_);
+  }
   template <class T>
-  T* data_mut() { check_dtype(dtype_of<T>::value); return reinterpret_cast<T*>(raw_mut()); }
+  T* data_mut() {
+    check_dtype(dtype_of<T>::value);
+    return reinterpret_cast<T*>(raw_mut());
+  }
 
   // Value at flat index as double (any dtype; bool -> 0/1).
   double at_f64(std::int64_t flat) const;
@@ -86,7 +92,9 @@ class Tensor {
   }
   // [..., last] viewed as (numel / last) x last.
   template <class T>
-  ConstMatrixMap<T> rows_view() const { return matrix<T>(numel() / last_dim(), last_dim()); }
+  ConstMatrixMap<T> rows_view() const {
+    return matrix<T>(numel() / last_dim(), last_dim());
+  }
 
   std::string describe() const;  // "[16, 2, 64] F32"
 

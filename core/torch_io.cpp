@@ -23,13 +23,20 @@ namespace {
 
 at::ScalarType to_torch(DType dt) {
   switch (dt) {
-    case DType::F64: return at::kDouble;
-    case DType::F32: return at::kFloat;
-    case DType::BF16: return at::kBFloat16;
-    case DType::F16: return at::kHalf;
-    case DType::I64: return at::kLong;
-    case DType::I32: return at::kInt;
-    case DType::BOOL: return at::kBool;
+    case DType::F64:
+      return at::kDouble;
+    case DType::F32:
+      return at::kFloat;
+    case DType::BF16:
+      return at::kBFloat16;
+    case DType::F16:
+      return at::kHalf;
+    case DType::I64:
+      return at::kLong;
+    case DType::I32:
+      return at::kInt;
+    case DType::BOOL:
+      return at::kBool;
   }
   return at::kFloat;
 }
@@ -39,7 +46,8 @@ at::ScalarType to_torch(DType dt) {
 void write_torch_file_impl(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors) {
   const auto to_at = [](const Tensor& t) {
     std::vector<int64_t> sizes(t.shape().begin(), t.shape().end());
-    return at::from_blob(const_cast<std::byte*>(t.raw()), sizes, at::TensorOptions().dtype(to_torch(t.dtype()))).clone();
+    return at::from_blob(const_cast<std::byte*>(t.raw()), sizes, at::TensorOptions().dtype(to_torch(t.dtype())))
+        .clone();
   };
   c10::IValue v;
   if (tensors.size() == 1 && tensors[0].first.empty()) {
@@ -63,7 +71,8 @@ void write_torch_file_impl(const std::string& path, const std::vector<std::pair<
 
 // Entry points looked up by the loader; errors come back as text, never as exceptions across the
 // library boundary.
-extern "C" int twin_torchio_write_v1(const std::string* path, const std::vector<std::pair<std::string, twin::Tensor>>* tensors,
+extern "C" int twin_torchio_write_v1(const std::string* path,
+                                     const std::vector<std::pair<std::string, twin::Tensor>>* tensors,
                                      std::string* error) {
   try {
     twin::write_torch_file_impl(*path, *tensors);

@@ -36,7 +36,8 @@ bool torch_io_available();
 struct TorchFile {
   std::string path;
   std::vector<std::pair<std::string, Tensor>> tensors;  // in the file's order; a bare tensor is named "tensor"
-  std::map<std::string, std::string> metadata;          // non-tensor leaves as Python prints them: 3, 1.5, True, None, text, torch.float32
+  std::map<std::string, std::string>
+      metadata;  // non-tensor leaves as Python prints them: 3, 1.5, True, None, text, torch.float32
 };
 
 // Nested containers are flattened with dotted names ("model.layers.0.weight", list and tuple

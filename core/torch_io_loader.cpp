@@ -46,7 +46,8 @@ const Plugin& plugin() {
     r.write = nullptr;
     r.why_not = "writing .pt files is unsupported: cannot load the LibTorch plugin (" + errors + ")";
 #else
-    r.why_not = "writing .pt files is unsupported: this twin was built without LibTorch (install libtorch-dev and rebuild)";
+    r.why_not =
+        "writing .pt files is unsupported: this twin was built without LibTorch (install libtorch-dev and rebuild)";
 #endif
     return r;
   }();

@@ -44,8 +44,8 @@
 namespace twin {
 namespace {
 
-constexpr int kMaxDepth = 64;          // container nesting when flattening
-constexpr std::size_t kMaxRank = 64;   // tensor dimensions (torch's own limit is 64 too)
+constexpr int kMaxDepth = 64;           // container nesting when flattening
+constexpr std::size_t kMaxRank = 64;    // tensor dimensions (torch's own limit is 64 too)
 constexpr std::size_t kMaxName = 4096;  // a flattened dotted name
 
 class Fail {
@@ -103,9 +103,9 @@ struct ZipEntry {
   std::uint16_t method = 0;
   std::uint16_t flags = 0;
   std::uint32_t crc = 0;
-  std::uint64_t size = 0;       // uncompressed
-  std::uint64_t csize = 0;      // compressed
-  std::uint64_t local = 0;      // offset of the local header
+  std::uint64_t size = 0;   // uncompressed
+  std::uint64_t csize = 0;  // compressed
+  std::uint64_t local = 0;  // offset of the local header
 };
 
 // The central directory of a zip archive; entries are read (and their CRC checked) on demand.
@@ -139,12 +139,14 @@ class Zip {
     if (cd_offset > size || cd_size > size - cd_offset)
       fail_("zip central directory (offset " + std::to_string(cd_offset) + ", " + std::to_string(cd_size) +
             " bytes) lies outside the " + std::to_string(size) + "-byte file");
-    if (count > cd_size / 46) fail_("zip central directory claims " + std::to_string(count) + " entries in " +
-                                    std::to_string(cd_size) + " bytes");
+    if (count > cd_size / 46)
+      fail_("zip central directory claims " + std::to_string(count) + " entries in " + std::to_string(cd_size) +
+            " bytes");
     const std::uint8_t* p = data + cd_offset;
     const std::uint8_t* end = p + cd_size;
     for (std::uint64_t i = 0; i < count; ++i) {
-      if (end - p < 46 || u32(p) != 0x02014b50u) fail_("zip central directory entry " + std::to_string(i) + " is corrupt");
+      if (end - p < 46 || u32(p) != 0x02014b50u)
+        fail_("zip central directory entry " + std::to_string(i) + " is corrupt");
       ZipEntry z;
       z.flags = u16(p + 8);
       z.method = u16(p + 10);
@@ -161,7 +163,8 @@ class Zip {
       const std::uint8_t* xend = x + extra_len;
       while (xend - x >= 4) {
         const std::uint16_t id = u16(x), len = u16(x + 2);
-        if (static_cast<std::size_t>(xend - x - 4) < len) fail_("zip extra field of entry " + quoted(name) + " is corrupt");
+        if (static_cast<std::size_t>(xend - x - 4) < len)
+          fail_("zip extra field of entry " + quoted(name) + " is corrupt");
         if (id == 0x0001) {
           const std::uint8_t* f = x + 4;
           std::size_t left = len;
@@ -222,7 +225,7 @@ class Zip {
 struct ElemType {
   const char* torch_name = "";  // "float32", for messages
   std::size_t size = 1;
-  std::optional<DType> dtype;   // empty: a torch dtype twin's Tensor cannot hold
+  std::optional<DType> dtype;  // empty: a torch dtype twin's Tensor cannot hold
 };
 
 // torch.<X>Storage (and torch.cuda.<X>Storage of old files) -> element type.
@@ -234,15 +237,22 @@ std::optional<ElemType> storage_elem(std::string_view global) {
       break;
     }
   static const std::map<std::string_view, ElemType, std::less<>> known = {
-      {"DoubleStorage", {"float64", 8, DType::F64}},   {"FloatStorage", {"float32", 4, DType::F32}},
-      {"HalfStorage", {"float16", 2, DType::F16}},     {"BFloat16Storage", {"bfloat16", 2, DType::BF16}},
-      {"LongStorage", {"int64", 8, DType::I64}},       {"IntStorage", {"int32", 4, DType::I32}},
-      {"BoolStorage", {"bool", 1, DType::BOOL}},       {"ShortStorage", {"int16", 2, std::nullopt}},
-      {"CharStorage", {"int8", 1, std::nullopt}},      {"ByteStorage", {"uint8", 1, std::nullopt}},
+      {"DoubleStorage", {"float64", 8, DType::F64}},
+      {"FloatStorage", {"float32", 4, DType::F32}},
+      {"HalfStorage", {"float16", 2, DType::F16}},
+      {"BFloat16Storage", {"bfloat16", 2, DType::BF16}},
+      {"LongStorage", {"int64", 8, DType::I64}},
+      {"IntStorage", {"int32", 4, DType::I32}},
+      {"BoolStorage", {"bool", 1, DType::BOOL}},
+      {"ShortStorage", {"int16", 2, std::nullopt}},
+      {"CharStorage", {"int8", 1, std::nullopt}},
+      {"ByteStorage", {"uint8", 1, std::nullopt}},
       {"ComplexFloatStorage", {"complex64", 8, std::nullopt}},
       {"ComplexDoubleStorage", {"complex128", 16, std::nullopt}},
-      {"QInt8Storage", {"qint8", 1, std::nullopt}},    {"QUInt8Storage", {"quint8", 1, std::nullopt}},
-      {"QInt32Storage", {"qint32", 4, std::nullopt}},  {"QUInt4x2Storage", {"quint4x2", 1, std::nullopt}},
+      {"QInt8Storage", {"qint8", 1, std::nullopt}},
+      {"QUInt8Storage", {"quint8", 1, std::nullopt}},
+      {"QInt32Storage", {"qint32", 4, std::nullopt}},
+      {"QUInt4x2Storage", {"quint4x2", 1, std::nullopt}},
       {"QUInt2x4Storage", {"quint2x4", 1, std::nullopt}},
       {"UntypedStorage", {"uint8", 1, std::nullopt}},  // bytes; _rebuild_tensor_v3 names the dtype
   };
@@ -255,9 +265,9 @@ std::optional<ElemType> storage_elem(std::string_view global) {
 // torch.<dtype> (the dtype argument of _rebuild_tensor_v3) -> element type.
 std::optional<ElemType> dtype_elem(std::string_view global) {
   static const std::map<std::string_view, ElemType, std::less<>> known = {
-      {"torch.float64", {"float64", 8, DType::F64}},   {"torch.float32", {"float32", 4, DType::F32}},
-      {"torch.float16", {"float16", 2, DType::F16}},   {"torch.bfloat16", {"bfloat16", 2, DType::BF16}},
-      {"torch.int64", {"int64", 8, DType::I64}},       {"torch.int32", {"int32", 4, DType::I32}},
+      {"torch.float64", {"float64", 8, DType::F64}}, {"torch.float32", {"float32", 4, DType::F32}},
+      {"torch.float16", {"float16", 2, DType::F16}}, {"torch.bfloat16", {"bfloat16", 2, DType::BF16}},
+      {"torch.int64", {"int64", 8, DType::I64}},     {"torch.int32", {"int32", 4, DType::I32}},
       {"torch.bool", {"bool", 1, DType::BOOL}},
   };
   const auto it = known.find(global);
@@ -284,10 +294,10 @@ enum class ObjKind : std::uint8_t { List, Tuple, Dict, Global, Storage, Tensor }
 // `x`, allocated only for the kinds that use it, so a pickle of many small containers stays small
 // in memory (about 64 bytes per input byte at worst).
 struct Extra {
-  std::vector<Value> keys;  // Dict keys, parallel to items
+  std::vector<Value> keys;                                      // Dict keys, parallel to items
   std::unordered_map<std::string_view, std::size_t> str_index;  // Dict: str key -> position
   std::unordered_map<std::int64_t, std::size_t> int_index;      // Dict: int/bool key -> position
-  std::string name;         // Global "module.name"; Storage key
+  std::string name;                                             // Global "module.name"; Storage key
   // Storage: element type and element count; Tensor: storage (an Obj index) and view.
   ElemType elem;
   std::int64_t numel = 0;
@@ -304,21 +314,34 @@ struct Obj {
 
 const char* kind_name(const Value& v, const std::vector<std::unique_ptr<Obj>>& objs) {
   switch (v.kind) {
-    case Kind::None: return "None";
-    case Kind::Bool: return "bool";
-    case Kind::Int: return "int";
-    case Kind::Float: return "float";
-    case Kind::Str: return "str";
-    case Kind::Bytes: return "bytes";
-    case Kind::Obj: break;
+    case Kind::None:
+      return "None";
+    case Kind::Bool:
+      return "bool";
+    case Kind::Int:
+      return "int";
+    case Kind::Float:
+      return "float";
+    case Kind::Str:
+      return "str";
+    case Kind::Bytes:
+      return "bytes";
+    case Kind::Obj:
+      break;
   }
   switch (objs[static_cast<std::size_t>(v.i)]->kind) {
-    case ObjKind::List: return "list";
-    case ObjKind::Tuple: return "tuple";
-    case ObjKind::Dict: return "dict";
-    case ObjKind::Global: return "global";
-    case ObjKind::Storage: return "storage";
-    case ObjKind::Tensor: return "tensor";
+    case ObjKind::List:
+      return "list";
+    case ObjKind::Tuple:
+      return "tuple";
+    case ObjKind::Dict:
+      return "dict";
+    case ObjKind::Global:
+      return "global";
+    case ObjKind::Storage:
+      return "storage";
+    case ObjKind::Tensor:
+      return "tensor";
   }
   return "?";
 }
@@ -376,23 +399,37 @@ class Unpickler {
           if (v > 5) fail_("pickle protocol " + std::to_string(v) + " is newer than this reader knows (<= 5)");
           break;
         }
-        case 0x95: take(8); break;  // FRAME: a length hint only
-        case '.': {                 // STOP
+        case 0x95:
+          take(8);
+          break;     // FRAME: a length hint only
+        case '.': {  // STOP
           if (stack_size() < 1) fail_("pickle STOP with nothing on the stack (corrupt)");
           return stack_.back();
         }
-        case '(': marks_.push_back(stack_.size()); break;  // MARK
-        case '}': push_obj(ObjKind::Dict); break;          // EMPTY_DICT
-        case ']': push_obj(ObjKind::List); break;          // EMPTY_LIST
-        case ')': push_obj(ObjKind::Tuple); break;         // EMPTY_TUPLE
-        case 0x85: case 0x86: case 0x87: {                 // TUPLE1..3
+        case '(':
+          marks_.push_back(stack_.size());
+          break;  // MARK
+        case '}':
+          push_obj(ObjKind::Dict);
+          break;  // EMPTY_DICT
+        case ']':
+          push_obj(ObjKind::List);
+          break;  // EMPTY_LIST
+        case ')':
+          push_obj(ObjKind::Tuple);
+          break;  // EMPTY_TUPLE
+        case 0x85:
+        case 0x86:
+        case 0x87: {  // TUPLE1..3
           const std::size_t k = op - 0x84u;
           if (stack_size() < k) underflow(at);
           make_tuple(stack_.size() - k);
           break;
         }
-        case 't': make_tuple(pop_mark(at)); break;  // TUPLE
-        case 'l': {                                 // LIST
+        case 't':
+          make_tuple(pop_mark(at));
+          break;     // TUPLE
+        case 'l': {  // LIST
           const std::size_t from = pop_mark(at);
           const Value l = new_obj(ObjKind::List);
           obj(l).items.assign(stack_.begin() + static_cast<std::ptrdiff_t>(from), stack_.end());
@@ -427,19 +464,40 @@ class Unpickler {
           append(below_mark(from, at), from, at);
           break;
         }
-        case 'X': push_str(Kind::Str, u32(take(4))); break;             // BINUNICODE
-        case 0x8c: push_str(Kind::Str, take(1)[0]); break;             // SHORT_BINUNICODE
-        case 0x8d: push_str(Kind::Str, u64(take(8))); break;           // BINUNICODE8
-        case 'C': push_str(Kind::Bytes, take(1)[0]); break;            // SHORT_BINBYTES
-        case 'B': push_str(Kind::Bytes, u32(take(4))); break;          // BINBYTES
-        case 0x8e: push_str(Kind::Bytes, u64(take(8))); break;         // BINBYTES8
-        case 'J': push_int(static_cast<std::int32_t>(u32(take(4)))); break;  // BININT
-        case 'K': push_int(take(1)[0]); break;                         // BININT1
-        case 'M': push_int(u16(take(2))); break;                       // BININT2
-        case 0x8a: push_long(take(1)[0], at); break;                   // LONG1
-        case 0x8b: {                                                   // LONG4
+        case 'X':
+          push_str(Kind::Str, u32(take(4)));
+          break;  // BINUNICODE
+        case 0x8c:
+          push_str(Kind::Str, take(1)[0]);
+          break;  // SHORT_BINUNICODE
+        case 0x8d:
+          push_str(Kind::Str, u64(take(8)));
+          break;  // BINUNICODE8
+        case 'C':
+          push_str(Kind::Bytes, take(1)[0]);
+          break;  // SHORT_BINBYTES
+        case 'B':
+          push_str(Kind::Bytes, u32(take(4)));
+          break;  // BINBYTES
+        case 0x8e:
+          push_str(Kind::Bytes, u64(take(8)));
+          break;  // BINBYTES8
+        case 'J':
+          push_int(static_cast<std::int32_t>(u32(take(4))));
+          break;  // BININT
+        case 'K':
+          push_int(take(1)[0]);
+          break;  // BININT1
+        case 'M':
+          push_int(u16(take(2)));
+          break;  // BININT2
+        case 0x8a:
+          push_long(take(1)[0], at);
+          break;      // LONG1
+        case 0x8b: {  // LONG4
           const std::uint32_t k = u32(take(4));
-          if (static_cast<std::int32_t>(k) < 0) fail_("pickle LONG4 with a negative length at byte " + std::to_string(at));
+          if (static_cast<std::int32_t>(k) < 0)
+            fail_("pickle LONG4 with a negative length at byte " + std::to_string(at));
           push_long(k, at);
           break;
         }
@@ -453,15 +511,18 @@ class Unpickler {
           stack_.push_back(v);
           break;
         }
-        case 0x88: case 0x89: {  // NEWTRUE, NEWFALSE
+        case 0x88:
+        case 0x89: {  // NEWTRUE, NEWFALSE
           Value v;
           v.kind = Kind::Bool;
           v.i = op == 0x88;
           stack_.push_back(v);
           break;
         }
-        case 'N': stack_.push_back(Value{}); break;  // NONE
-        case 'c': {                                  // GLOBAL "module\nname\n"
+        case 'N':
+          stack_.push_back(Value{});
+          break;     // NONE
+        case 'c': {  // GLOBAL "module\nname\n"
           const std::string module = line(at), name = line(at);
           push_global(module + "." + name);
           break;
@@ -474,7 +535,8 @@ class Unpickler {
           push_global(str(module) + "." + str(name));
           break;
         }
-        case 'R': case 0x81: {  // REDUCE f(*args); NEWOBJ cls.__new__(cls, *args)
+        case 'R':
+        case 0x81: {  // REDUCE f(*args); NEWOBJ cls.__new__(cls, *args)
           if (stack_size() < 2) underflow(at);
           const Value args = pop(), f = pop();
           stack_.push_back(call(f, args, at));
@@ -496,12 +558,22 @@ class Unpickler {
           stack_.push_back(storage(pop(), at));
           break;
         }
-        case 'q': memo_put(take(1)[0], at); break;        // BINPUT
-        case 'r': memo_put(u32(take(4)), at); break;      // LONG_BINPUT
-        case 0x94: memo_put(memo_.size(), at); break;     // MEMOIZE
-        case 'h': memo_get(take(1)[0], at); break;        // BINGET
-        case 'j': memo_get(u32(take(4)), at); break;      // LONG_BINGET
-        case '2': {                                       // DUP
+        case 'q':
+          memo_put(take(1)[0], at);
+          break;  // BINPUT
+        case 'r':
+          memo_put(u32(take(4)), at);
+          break;  // LONG_BINPUT
+        case 0x94:
+          memo_put(memo_.size(), at);
+          break;  // MEMOIZE
+        case 'h':
+          memo_get(take(1)[0], at);
+          break;  // BINGET
+        case 'j':
+          memo_get(u32(take(4)), at);
+          break;     // LONG_BINGET
+        case '2': {  // DUP
           if (stack_size() < 1) underflow(at);
           stack_.push_back(stack_.back());
           break;
@@ -516,7 +588,9 @@ class Unpickler {
           }
           break;
         }
-        case '1': stack_.resize(pop_mark(at)); break;  // POP_MARK
+        case '1':
+          stack_.resize(pop_mark(at));
+          break;  // POP_MARK
         default: {
           char buf[8];
           std::snprintf(buf, sizeof buf, "0x%02x", op);
@@ -610,7 +684,8 @@ class Unpickler {
   // Little-endian two's complement of k bytes; only what fits in int64 (sizes, counts, metadata).
   void push_long(std::size_t k, std::size_t at) {
     const std::uint8_t* b = take(k);
-    if (k > 8) fail_("pickle integer of " + std::to_string(k) + " bytes at byte " + std::to_string(at) + " exceeds 64 bits");
+    if (k > 8)
+      fail_("pickle integer of " + std::to_string(k) + " bytes at byte " + std::to_string(at) + " exceeds 64 bits");
     std::uint64_t u = 0;
     for (std::size_t j = 0; j < k; ++j) u |= static_cast<std::uint64_t>(b[j]) << (8 * j);
     if (k > 0 && k < 8 && (b[k - 1] & 0x80)) u |= ~std::uint64_t{0} << (8 * k);  // sign extension
@@ -631,7 +706,8 @@ class Unpickler {
   }
   void memo_get(std::uint64_t key, std::size_t at) {
     const auto it = memo_.find(key);
-    if (it == memo_.end()) fail_("pickle memo " + std::to_string(key) + " read before written at byte " + std::to_string(at));
+    if (it == memo_.end())
+      fail_("pickle memo " + std::to_string(key) + " read before written at byte " + std::to_string(at));
     stack_.push_back(it->second);
   }
 
@@ -672,7 +748,8 @@ class Unpickler {
   std::string global_name(const Value& v) const { return is_obj(v, ObjKind::Global) ? obj(v).x->name : ""; }
 
   const std::vector<Value>& tuple_items(const Value& args, const std::string& what, std::size_t at) const {
-    if (!is_obj(args, ObjKind::Tuple)) fail_(what + " called with a " + kind_name(args, objs_) + ", not a tuple, at byte " + std::to_string(at));
+    if (!is_obj(args, ObjKind::Tuple))
+      fail_(what + " called with a " + kind_name(args, objs_) + ", not a tuple, at byte " + std::to_string(at));
     return obj(args).items;
   }
 
@@ -682,7 +759,8 @@ class Unpickler {
   }
 
   std::vector<std::int64_t> int_tuple(const Value& v, const std::string& what) const {
-    if (!is_obj(v, ObjKind::Tuple) && !is_obj(v, ObjKind::List)) fail_(what + " is a " + kind_name(v, objs_) + ", not a tuple");
+    if (!is_obj(v, ObjKind::Tuple) && !is_obj(v, ObjKind::List))
+      fail_(what + " is a " + kind_name(v, objs_) + ", not a tuple");
     const auto& items = obj(v).items;
     if (items.size() > kMaxRank) fail_(what + " has " + std::to_string(items.size()) + " dimensions (at most 64)");
     std::vector<std::int64_t> r;
@@ -693,7 +771,8 @@ class Unpickler {
   // The callables torch.save's pickles use; anything else is an object twin does not read.
   Value call(const Value& f, const Value& args, std::size_t at) {
     const std::string fn = global_name(f);
-    if (fn.empty()) fail_("pickle REDUCE calls a " + std::string(kind_name(f, objs_)) + " at byte " + std::to_string(at));
+    if (fn.empty())
+      fail_("pickle REDUCE calls a " + std::string(kind_name(f, objs_)) + " at byte " + std::to_string(at));
     const auto& a = tuple_items(args, fn, at);
     if (fn == "collections.OrderedDict") {
       if (!a.empty()) fail_("collections.OrderedDict called with arguments at byte " + std::to_string(at));
@@ -705,7 +784,8 @@ class Unpickler {
       const bool v3 = fn == "torch._utils._rebuild_tensor_v3";
       if (a.size() < (v3 ? 7u : 4u) || a.size() > (v3 ? 8u : 7u))
         fail_(fn + " called with " + std::to_string(a.size()) + " arguments at byte " + std::to_string(at));
-      if (!is_obj(a[0], ObjKind::Storage)) fail_(fn + " at byte " + std::to_string(at) + " gets a " + kind_name(a[0], objs_) + ", not a storage");
+      if (!is_obj(a[0], ObjKind::Storage))
+        fail_(fn + " at byte " + std::to_string(at) + " gets a " + kind_name(a[0], objs_) + ", not a storage");
       const Value t = new_obj(ObjKind::Tensor);
       Extra& o = *obj(t).x;
       o.storage = static_cast<std::size_t>(a[0].i);
@@ -713,8 +793,9 @@ class Unpickler {
       if (v3) {
         const std::string dt = global_name(a[6]);
         const auto e = dtype_elem(dt);
-        if (!e) fail_(fn + " at byte " + std::to_string(at) + ": dtype " + (dt.empty() ? "?" : dt) +
-                      " is not one twin reads (F64, F32, BF16, F16, I64, I32, BOOL)");
+        if (!e)
+          fail_(fn + " at byte " + std::to_string(at) + ": dtype " + (dt.empty() ? "?" : dt) +
+                " is not one twin reads (F64, F32, BF16, F16, I64, I32, BOOL)");
         o.elem = *e;
       }
       o.offset = int_arg(a[1], "tensor storage offset");
@@ -726,15 +807,18 @@ class Unpickler {
       return t;
     }
     if (fn == "torch._utils._rebuild_parameter" || fn == "torch._utils._rebuild_parameter_with_state") {
-      if (a.empty() || !is_obj(a[0], ObjKind::Tensor)) fail_(fn + " at byte " + std::to_string(at) + " does not wrap a tensor");
+      if (a.empty() || !is_obj(a[0], ObjKind::Tensor))
+        fail_(fn + " at byte " + std::to_string(at) + " does not wrap a tensor");
       return a[0];
     }
     if (fn == "torch._tensor._rebuild_from_type_v2") {
       // (func, type, args, state): a tensor with Python attributes; the type must be a plain one.
-      if (a.size() != 4) fail_(fn + " called with " + std::to_string(a.size()) + " arguments at byte " + std::to_string(at));
+      if (a.size() != 4)
+        fail_(fn + " called with " + std::to_string(a.size()) + " arguments at byte " + std::to_string(at));
       const std::string type = global_name(a[1]);
       if (type != "torch.Tensor" && type != "torch.nn.parameter.Parameter")
-        fail_("tensor subclass " + (type.empty() ? std::string("?") : type) + " at byte " + std::to_string(at) + " is unsupported");
+        fail_("tensor subclass " + (type.empty() ? std::string("?") : type) + " at byte " + std::to_string(at) +
+              " is unsupported");
       const std::string inner = global_name(a[0]);
       if (inner == fn) fail_(fn + " nested in itself at byte " + std::to_string(at));
       return call(a[0], a[2], at);
@@ -808,8 +892,13 @@ class Flattener {
  public:
   Flattener(const Fail& fail, const Zip& zip, const Unpickler& u, std::string prefix, bool big_endian,
             std::size_t input_size)
-      : fail_(fail), zip_(zip), u_(u), prefix_(std::move(prefix)), big_endian_(big_endian),
-        budget_(input_size > (SIZE_MAX - (std::size_t{64} << 20)) / 16 ? SIZE_MAX : 16 * input_size + (std::size_t{64} << 20)) {}
+      : fail_(fail),
+        zip_(zip),
+        u_(u),
+        prefix_(std::move(prefix)),
+        big_endian_(big_endian),
+        budget_(input_size > (SIZE_MAX - (std::size_t{64} << 20)) / 16 ? SIZE_MAX
+                                                                       : 16 * input_size + (std::size_t{64} << 20)) {}
 
   void run(const std::string& name, const Value& v, TorchFile& out, int depth) {
     const std::string key = name.empty() ? "tensor" : name;
@@ -820,34 +909,54 @@ class Flattener {
     spend(key.size() + 64);
     const auto child = [&](const std::string& k) { return name.empty() ? k : name + "." + k; };
     switch (v.kind) {
-      case Kind::None: put_meta(out, key, "None"); return;
-      case Kind::Bool: put_meta(out, key, v.i ? "True" : "False"); return;
-      case Kind::Int: put_meta(out, key, std::to_string(v.i)); return;
-      case Kind::Float: put_meta(out, key, float_repr(v.f)); return;
-      case Kind::Str: put_meta(out, key, u_.str(v)); return;
-      case Kind::Bytes: put_meta(out, key, "<" + std::to_string(u_.str(v).size()) + " bytes>"); return;
-      case Kind::Obj: break;
+      case Kind::None:
+        put_meta(out, key, "None");
+        return;
+      case Kind::Bool:
+        put_meta(out, key, v.i ? "True" : "False");
+        return;
+      case Kind::Int:
+        put_meta(out, key, std::to_string(v.i));
+        return;
+      case Kind::Float:
+        put_meta(out, key, float_repr(v.f));
+        return;
+      case Kind::Str:
+        put_meta(out, key, u_.str(v));
+        return;
+      case Kind::Bytes:
+        put_meta(out, key, "<" + std::to_string(u_.str(v).size()) + " bytes>");
+        return;
+      case Kind::Obj:
+        break;
     }
     const Obj& o = u_.obj(v);
     switch (o.kind) {
       case ObjKind::Dict:
-        for (std::size_t k = 0; k < o.items.size(); ++k) run(child(key_text(o.x->keys[k], key)), o.items[k], out, depth + 1);
+        for (std::size_t k = 0; k < o.items.size(); ++k)
+          run(child(key_text(o.x->keys[k], key)), o.items[k], out, depth + 1);
         return;
       case ObjKind::List:
       case ObjKind::Tuple:
         for (std::size_t k = 0; k < o.items.size(); ++k) run(child(std::to_string(k)), o.items[k], out, depth + 1);
         return;
-      case ObjKind::Global: put_meta(out, key, o.x->name); return;  // e.g. a dtype: torch.float32
-      case ObjKind::Storage: fail_("'" + key + "' is a bare storage, not a tensor");
-      case ObjKind::Tensor: out.tensors.emplace_back(key, tensor(key, *o.x)); return;
+      case ObjKind::Global:
+        put_meta(out, key, o.x->name);
+        return;  // e.g. a dtype: torch.float32
+      case ObjKind::Storage:
+        fail_("'" + key + "' is a bare storage, not a tensor");
+      case ObjKind::Tensor:
+        out.tensors.emplace_back(key, tensor(key, *o.x));
+        return;
     }
   }
 
  private:
   void spend(std::size_t bytes) {
     if (bytes > budget_)
-      fail_("the flattened contents exceed 16 times the file's size plus 64 MiB (a pickle that repeats "
-            "references to the same objects, or a huge expanded view)");
+      fail_(
+          "the flattened contents exceed 16 times the file's size plus 64 MiB (a pickle that repeats "
+          "references to the same objects, or a huge expanded view)");
     budget_ -= bytes;
   }
 
@@ -858,12 +967,18 @@ class Flattener {
 
   std::string key_text(const Value& k, const std::string& where) const {
     switch (k.kind) {
-      case Kind::Str: return u_.str(k);
-      case Kind::Int: return std::to_string(k.i);
-      case Kind::Bool: return k.i ? "True" : "False";
-      case Kind::None: return "None";
-      case Kind::Float: return float_repr(k.f);
-      default: break;
+      case Kind::Str:
+        return u_.str(k);
+      case Kind::Int:
+        return std::to_string(k.i);
+      case Kind::Bool:
+        return k.i ? "True" : "False";
+      case Kind::None:
+        return "None";
+      case Kind::Float:
+        return float_repr(k.f);
+      default:
+        break;
     }
     fail_("a dict key in '" + where + "' is a " + kind_name(k, u_.objs()) + ", not a string or number");
   }
@@ -872,24 +987,28 @@ class Flattener {
     const Extra& s = *u_.objs()[t.storage]->x;
     const std::string what = "tensor '" + key + "'";
     if (!t.elem.dtype)
-      fail_(what + " has dtype " + std::string(t.elem.torch_name) + ", which twin does not read (F64, F32, BF16, F16, I64, I32, BOOL)");
+      fail_(what + " has dtype " + std::string(t.elem.torch_name) +
+            ", which twin does not read (F64, F32, BF16, F16, I64, I32, BOOL)");
     const std::size_t es = t.elem.size;
     // The storage's bytes, as its persistent id describes them.
     std::uint64_t storage_bytes = 0;
-    if (__builtin_mul_overflow(static_cast<std::uint64_t>(s.numel), static_cast<std::uint64_t>(s.elem.size), &storage_bytes))
+    if (__builtin_mul_overflow(static_cast<std::uint64_t>(s.numel), static_cast<std::uint64_t>(s.elem.size),
+                               &storage_bytes))
       fail_("storage " + quoted(s.name) + " of " + what + " has an overflowing size");
     const auto [data, have] = zip_.read(prefix_ + "/data/" + s.name);
     if (have < storage_bytes)
-      fail_("storage " + quoted(s.name) + " of " + what + " holds " + std::to_string(have) + " bytes, its header says " +
-            std::to_string(storage_bytes));
+      fail_("storage " + quoted(s.name) + " of " + what + " holds " + std::to_string(have) +
+            " bytes, its header says " + std::to_string(storage_bytes));
     const std::uint64_t elems = storage_bytes / es;
     // The view: sizes and strides in elements from the offset; every index must fall inside.
     if (t.offset < 0) fail_(what + " has a negative storage offset " + std::to_string(t.offset));
     std::uint64_t numel = 1, last = static_cast<std::uint64_t>(t.offset);
     bool overflow = false;
     for (std::size_t d = 0; d < t.sizes.size(); ++d) {
-      if (t.sizes[d] < 0) fail_(what + " has a negative size " + std::to_string(t.sizes[d]) + " in dimension " + std::to_string(d));
-      if (t.strides[d] < 0) fail_(what + " has a negative stride " + std::to_string(t.strides[d]) + " in dimension " + std::to_string(d));
+      if (t.sizes[d] < 0)
+        fail_(what + " has a negative size " + std::to_string(t.sizes[d]) + " in dimension " + std::to_string(d));
+      if (t.strides[d] < 0)
+        fail_(what + " has a negative stride " + std::to_string(t.strides[d]) + " in dimension " + std::to_string(d));
       overflow |= __builtin_mul_overflow(numel, static_cast<std::uint64_t>(t.sizes[d]), &numel);
     }
     if (overflow || numel > static_cast<std::uint64_t>(INT64_MAX) / 16)
@@ -897,7 +1016,8 @@ class Flattener {
     if (numel > 0) {
       for (std::size_t d = 0; d < t.sizes.size(); ++d) {
         std::uint64_t reach = 0;
-        overflow |= __builtin_mul_overflow(static_cast<std::uint64_t>(t.sizes[d] - 1), static_cast<std::uint64_t>(t.strides[d]), &reach);
+        overflow |= __builtin_mul_overflow(static_cast<std::uint64_t>(t.sizes[d] - 1),
+                                           static_cast<std::uint64_t>(t.strides[d]), &reach);
         overflow |= __builtin_add_overflow(last, reach, &last);
       }
       if (overflow || last >= elems)

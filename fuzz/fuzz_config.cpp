@@ -26,7 +26,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const nlohmann::json j = twin::to_json(c);
     const nlohmann::json input = nlohmann::json::parse(text);
     for (const auto& [key, value] : input.items())
-      if (j.at(key) != value) twin::fuzz::finding(("config field '" + key + "' changed value: " + value.dump() + " became " + j.at(key).dump()).c_str());
+      if (j.at(key) != value)
+        twin::fuzz::finding(
+            ("config field '" + key + "' changed value: " + value.dump() + " became " + j.at(key).dump()).c_str());
     const twin::TransformerConfig back = twin::parse_transformer_config(j.dump());
     if (twin::to_json(back) != j) twin::fuzz::finding("config changed through to_json -> dump -> parse");
     (void)c.query_groups();

@@ -35,21 +35,49 @@ void put32(std::vector<std::uint8_t>& out, std::uint32_t v) {
 std::vector<std::uint8_t> stored_zip(const std::vector<std::pair<std::string, std::vector<std::uint8_t>>>& entries) {
   std::vector<std::uint8_t> out, dir;
   for (const auto& [name, bytes] : entries) {
-    const std::uint32_t crc = static_cast<std::uint32_t>(::crc32(0L, bytes.data(), static_cast<uInt>(bytes.size()))), local = static_cast<std::uint32_t>(out.size());
+    const std::uint32_t crc = static_cast<std::uint32_t>(::crc32(0L, bytes.data(), static_cast<uInt>(bytes.size()))),
+                        local = static_cast<std::uint32_t>(out.size());
     const auto n = static_cast<std::uint32_t>(bytes.size());
-    put32(out, 0x04034b50u); put16(out, 20); put16(out, 0); put16(out, 0); put32(out, 0);
-    put32(out, crc); put32(out, n); put32(out, n); put16(out, name.size()); put16(out, 0);
+    put32(out, 0x04034b50u);
+    put16(out, 20);
+    put16(out, 0);
+    put16(out, 0);
+    put32(out, 0);
+    put32(out, crc);
+    put32(out, n);
+    put32(out, n);
+    put16(out, name.size());
+    put16(out, 0);
     out.insert(out.end(), name.begin(), name.end());
     out.insert(out.end(), bytes.begin(), bytes.end());
-    put32(dir, 0x02014b50u); put16(dir, 20); put16(dir, 20); put16(dir, 0); put16(dir, 0); put32(dir, 0);
-    put32(dir, crc); put32(dir, n); put32(dir, n); put16(dir, name.size()); put16(dir, 0); put16(dir, 0);
-    put16(dir, 0); put16(dir, 0); put32(dir, 0); put32(dir, local);
+    put32(dir, 0x02014b50u);
+    put16(dir, 20);
+    put16(dir, 20);
+    put16(dir, 0);
+    put16(dir, 0);
+    put32(dir, 0);
+    put32(dir, crc);
+    put32(dir, n);
+    put32(dir, n);
+    put16(dir, name.size());
+    put16(dir, 0);
+    put16(dir, 0);
+    put16(dir, 0);
+    put16(dir, 0);
+    put32(dir, 0);
+    put32(dir, local);
     dir.insert(dir.end(), name.begin(), name.end());
   }
   const auto cd_offset = static_cast<std::uint32_t>(out.size()), cd_size = static_cast<std::uint32_t>(dir.size());
   out.insert(out.end(), dir.begin(), dir.end());
-  put32(out, 0x06054b50u); put16(out, 0); put16(out, 0); put16(out, entries.size()); put16(out, entries.size());
-  put32(out, cd_size); put32(out, cd_offset); put16(out, 0);
+  put32(out, 0x06054b50u);
+  put16(out, 0);
+  put16(out, 0);
+  put16(out, entries.size());
+  put16(out, entries.size());
+  put32(out, cd_size);
+  put32(out, cd_offset);
+  put16(out, 0);
   return out;
 }
 

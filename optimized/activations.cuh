@@ -20,17 +20,19 @@ enum class Act : int { Gelu, Silu, Relu, SquaredRelu, QuickGelu };
 template <class T>
 __device__ inline float activation(Act a, float x) {
   switch (a) {
-    case Act::Gelu: return round_to<T>(x * 0.5f * (1.0f + erff(x * 0.70710678118654752f)));  // rounds: output
+    case Act::Gelu:
+      return round_to<T>(x * 0.5f * (1.0f + erff(x * 0.70710678118654752f)));  // rounds: output
     case Act::Silu:  // torch 1.13's CPU silu: x / (1 + exp(-x)), each op stored in T (reference/activations.cpp)
       return round_to<T>(x / round_to<T>(1.0f + round_to<T>(expf(-x))));  // rounds: exp(-x), 1 + ..., x / ...
-    case Act::Relu: return x > 0.0f ? x : 0.0f;                                              // exact
+    case Act::Relu:
+      return x > 0.0f ? x : 0.0f;  // exact
     case Act::SquaredRelu: {
       const float r = x > 0.0f ? x : 0.0f;
       return round_to<T>(r * r);  // rounds: pow(relu(x), 2)
     }
     case Act::QuickGelu: {
       const float s = round_to<T>(1.0f / (1.0f + expf(-round_to<T>(1.702f * x))));  // rounds: 1.702 x, sigmoid
-      return round_to<T>(x * s);                                                   // rounds: product
+      return round_to<T>(x * s);                                                    // rounds: product
     }
   }
   return x;
@@ -53,7 +55,7 @@ __global__ void bias_activation_forward_kernel(const T* in, const T* bias, T* ou
     if (glu) {
       float lin = Io<T>::load(row[f + c]);
       if (bias) lin = round_to<T>(lin + Io<T>::load(bias[f + c]));  // rounds: intermediate + bias, T
-      y = round_to<T>(y * lin);                                      // rounds: act(x_glu) * x_linear, T
+      y = round_to<T>(y * lin);                                     // rounds: act(x_glu) * x_linear, T
     }
     out[e] = Io<T>::store(y);
   }
@@ -81,8 +83,8 @@ inline void bias_activation_forward(DType dt, const void* in, const void* bias, 
   dispatch_dtype(dt, "bias_activation_forward", [&](auto tag) {
     using T = decltype(tag);
     const unsigned threads = elementwise_threads(n * f);
-    launch_kernel(bias_activation_forward_kernel<T>, dim3(elementwise_blocks(n * f, threads)), dim3(threads), 0, stream, static_cast<const T*>(in),
-                  static_cast<const T*>(bias), static_cast<T*>(out), n, f, act, glu);
+    launch_kernel(bias_activation_forward_kernel<T>, dim3(elementwise_blocks(n * f, threads)), dim3(threads), 0, stream,
+                  static_cast<const T*>(in), static_cast<const T*>(bias), static_cast<T*>(out), n, f, act, glu);
   });
 }
 

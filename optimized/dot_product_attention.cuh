@@ -27,8 +27,8 @@ namespace twin::opt::TWIN_BACKEND {
 
 enum class MaskMode : int { None, Causal, Explicit };
 
-constexpr int kAttnBQ = 16;          // query rows per block
-constexpr int kAttnBK = 32;          // keys per tile (one per lane)
+constexpr int kAttnBQ = 16;  // query rows per block
+constexpr int kAttnBK = 32;  // keys per tile (one per lane)
 constexpr int kAttnWarps = 4;
 constexpr int kAttnRowsPerWarp = kAttnBQ / kAttnWarps;
 constexpr int kAttnMaxHeadDim = 256;
@@ -45,17 +45,17 @@ struct QkvLayout {
 
 struct AttnParams {
   int sq = 0, sk = 0, b = 0;
-  int np_local = 0;      // heads on this rank
-  int np_total = 0;      // heads of the layer (mask head dim, dropout numbering)
-  int head_offset = 0;   // global index of local head 0
+  int np_local = 0;     // heads on this rank
+  int np_total = 0;     // heads of the layer (mask head dim, dropout numbering)
+  int head_offset = 0;  // global index of local head 0
   int hn = 0;
-  float alpha = 1.0f;    // softmax_scale (already divided by coeff)
-  float coeff = 0.0f;    // apply_query_key_layer_scaling: layer_number; 0 when off
+  float alpha = 1.0f;        // softmax_scale (already divided by coeff)
+  float coeff = 0.0f;        // apply_query_key_layer_scaling: layer_number; 0 when off
   bool softmax_fp32 = true;  // softmax input/output in fp32 (attention_softmax_in_fp32 for bf16/fp16)
   MaskMode mask = MaskMode::None;
   const std::uint8_t* mask_ptr = nullptr;  // [mask_b, mask_h, sq, sk], nonzero = masked
   int mask_b = 1, mask_h = 1;
-  DropoutArgs drop;      // attention dropout over the flat [b, np_total, sq, sk] probabilities
+  DropoutArgs drop;  // attention dropout over the flat [b, np_total, sq, sk] probabilities
 };
 
 template <class T>
@@ -149,12 +149,13 @@ __global__ void dot_product_attention_forward_kernel(const T* qkv, QkvLayout lay
       const bool in_row = j < k_end && !(p.mask == MaskMode::Causal && j > i);
       float pr = 0.0f;
       if (in_row) {
-        const float s = attn_score<T>(q_s + (warp * kAttnRowsPerWarp + r) * hn, k_s + lane * kstride, hn, p, bi, h_global,
-                                      i, j, fill);
+        const float s = attn_score<T>(q_s + (warp * kAttnRowsPerWarp + r) * hn, k_s + lane * kstride, hn, p, bi,
+                                      h_global, i, j, fill);
         pr = round_to<T>(expf(s - m[r]) / l[r]);  // rounds: softmax output (fp32), probs.to(T)
         if (p.drop.active) {
           const std::uint64_t e = ((std::uint64_t(bi) * p.np_total + h_global) * p.sq + i) * std::uint64_t(p.sk) + j;
-          pr = philox_keep(p.drop.seed, p.drop.offset, e, p.drop.threshold) ? dropout_scaled<T>(pr, p.drop.scale) : 0.0f;
+          pr =
+              philox_keep(p.drop.seed, p.drop.offset, e, p.drop.threshold) ? dropout_scaled<T>(pr, p.drop.scale) : 0.0f;
         }
       }
       p_s[warp * kAttnBK + lane] = pr;
@@ -205,19 +206,21 @@ inline void dot_product_attention_forward(DType dt, const void* qkv, const QkvLa
   require(p.hn > 0 && p.hn <= kAttnMaxHeadDim,
           op + ": head dim " + std::to_string(p.hn) + " must be in [1, " + std::to_string(kAttnMaxHeadDim) + "]");
   require(p.sq > 0 && p.sk > 0 && p.b > 0 && p.np_local > 0, op + ": empty shape");
-  require(lay.hpg > 0 && p.np_local % lay.hpg == 0,
-          op + ": local heads " + std::to_string(p.np_local) + " not a multiple of heads per group " + std::to_string(lay.hpg));
-  require(p.mask != MaskMode::Causal || p.sq == p.sk, op + ": causal mask needs sq == sk, got sq=" + std::to_string(p.sq) +
-                                                          " sk=" + std::to_string(p.sk));
+  require(lay.hpg > 0 && p.np_local % lay.hpg == 0, op + ": local heads " + std::to_string(p.np_local) +
+                                                        " not a multiple of heads per group " +
+                                                        std::to_string(lay.hpg));
+  require(p.mask != MaskMode::Causal || p.sq == p.sk,
+          op + ": causal mask needs sq == sk, got sq=" + std::to_string(p.sq) + " sk=" + std::to_string(p.sk));
   require(p.mask != MaskMode::Explicit || p.mask_ptr, op + ": explicit mask without data");
-  require(p.mask != MaskMode::Explicit || ((p.mask_b == 1 || p.mask_b == p.b) && (p.mask_h == 1 || p.mask_h == p.np_total)),
-          op + ": mask dims [" + std::to_string(p.mask_b) + ", " + std::to_string(p.mask_h) + "] must be 1 or [b, np]");
+  require(
+      p.mask != MaskMode::Explicit || ((p.mask_b == 1 || p.mask_b == p.b) && (p.mask_h == 1 || p.mask_h == p.np_total)),
+      op + ": mask dims [" + std::to_string(p.mask_b) + ", " + std::to_string(p.mask_h) + "] must be 1 or [b, np]");
   require(p.head_offset + p.np_local <= p.np_total, op + ": local heads exceed the layer's heads");
   dispatch_dtype(dt, op.c_str(), [&](auto tag) {
     using T = decltype(tag);
     const dim3 grid(ceil_div(p.sq, kAttnBQ), static_cast<unsigned>(p.np_local), static_cast<unsigned>(p.b));
-    launch_kernel(dot_product_attention_forward_kernel<T>, grid, dim3(32 * kAttnWarps), attention_smem_bytes(p.hn), stream,
-                  static_cast<const T*>(qkv), lay, static_cast<T*>(context), p);
+    launch_kernel(dot_product_attention_forward_kernel<T>, grid, dim3(32 * kAttnWarps), attention_smem_bytes(p.hn),
+                  stream, static_cast<const T*>(qkv), lay, static_cast<T*>(context), p);
   });
 }
 

@@ -23,7 +23,8 @@ __global__ void bias_dropout_add_forward_kernel(const T* x, const T* bias, const
     float v = Io<T>::load(x[e]);
     if (bias) v = round_to<T>(v + Io<T>::load(bias[e % h]));  // rounds: x + bias, T
     if (drop.active) {
-      const bool keep = philox_keep(drop.seed, drop.offset, element_base + static_cast<std::uint64_t>(e), drop.threshold);
+      const bool keep =
+          philox_keep(drop.seed, drop.offset, element_base + static_cast<std::uint64_t>(e), drop.threshold);
       v = keep ? dropout_scaled<T>(v, drop.scale) : 0.0f;  // rounds: dropout product, T
     }
     out[e] = Io<T>::store(Io<T>::load(residual[e]) + v);  // rounds: residual + out, T
@@ -34,7 +35,8 @@ __global__ void bias_dropout_add_forward_kernel(const T* x, const T* bias, const
 inline void bias_dropout_add_forward(DType dt, const void* x, const void* bias, const void* residual, void* out,
                                      std::int64_t n_rows, int h, const DropoutArgs& drop, std::uint64_t element_base,
                                      cudaStream_t stream) {
-  require(h > 0 && n_rows >= 0, "bias_dropout_add_forward: bad shape [" + std::to_string(n_rows) + ", " + std::to_string(h) + "]");
+  require(h > 0 && n_rows >= 0,
+          "bias_dropout_add_forward: bad shape [" + std::to_string(n_rows) + ", " + std::to_string(h) + "]");
   require(x && residual && out, "bias_dropout_add_forward: null x / residual / out");
   // counts: x + bias, the dropout product, residual + out (the residual was computed before x).
   rounding_store(dt, (bias ? 1 : 0) + (drop.active ? 1 : 0) + 1);
@@ -43,9 +45,9 @@ inline void bias_dropout_add_forward(DType dt, const void* x, const void* bias, 
     using T = decltype(tag);
     const std::int64_t n = n_rows * h;
     const unsigned threads = elementwise_threads(n);
-    launch_kernel(bias_dropout_add_forward_kernel<T>, dim3(elementwise_blocks(n, threads)), dim3(threads), 0, stream, static_cast<const T*>(x),
-                  static_cast<const T*>(bias), static_cast<const T*>(residual), static_cast<T*>(out), n_rows, h, drop,
-                  element_base);
+    launch_kernel(bias_dropout_add_forward_kernel<T>, dim3(elementwise_blocks(n, threads)), dim3(threads), 0, stream,
+                  static_cast<const T*>(x), static_cast<const T*>(bias), static_cast<const T*>(residual),
+                  static_cast<T*>(out), n_rows, h, drop, element_base);
   });
 }
 

@@ -76,10 +76,17 @@ inline void require(bool ok, const std::string& what) {
 template <class F>
 void dispatch_dtype(DType dt, const char* op, F&& f) {
   switch (dt) {
-    case DType::F32: f(float{}); return;
-    case DType::BF16: f(__nv_bfloat16{}); return;
-    case DType::F16: f(__half{}); return;
-    default: throw std::invalid_argument(std::string(op) + ": dtype " + dtype_name(dt) + " is not supported (F32, BF16, F16)");
+    case DType::F32:
+      f(float{});
+      return;
+    case DType::BF16:
+      f(__nv_bfloat16{});
+      return;
+    case DType::F16:
+      f(__half{});
+      return;
+    default:
+      throw std::invalid_argument(std::string(op) + ": dtype " + dtype_name(dt) + " is not supported (F32, BF16, F16)");
   }
 }
 

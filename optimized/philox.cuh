@@ -30,10 +30,14 @@ __host__ __device__ inline std::uint32_t philox_word(std::uint64_t seed, std::ui
     c3 = lo0;
   }
   switch (element % 4) {
-    case 0: return c0;
-    case 1: return c1;
-    case 2: return c2;
-    default: return c3;
+    case 0:
+      return c0;
+    case 1:
+      return c1;
+    case 2:
+      return c2;
+    default:
+      return c3;
   }
 }
 

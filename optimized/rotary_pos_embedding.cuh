@@ -43,8 +43,8 @@ __global__ void rotary_pos_emb_forward_kernel(T* t, const float* freqs, NormRows
 inline void rotary_pos_emb_forward(DType dt, void* t, const float* freqs, const NormRows& rows,
                                    std::int64_t rows_per_position, int rot_dim, bool interleaved, cudaStream_t stream) {
   require(rot_dim > 0 && rot_dim % 2 == 0 && rot_dim <= rows.width,
-          "rotary_pos_emb_forward: rot_dim " + std::to_string(rot_dim) + " must be even, > 0 and at most the head dim " +
-              std::to_string(rows.width));
+          "rotary_pos_emb_forward: rot_dim " + std::to_string(rot_dim) +
+              " must be even, > 0 and at most the head dim " + std::to_string(rows.width));
   require(rows_per_position > 0, "rotary_pos_emb_forward: rows_per_position must be > 0");
   // counts: t * cos_, rotate_half(t) * sin_, the sum. q and k are rotated by two calls on parallel
   // branches: the layer forks and joins around them.
@@ -55,8 +55,8 @@ inline void rotary_pos_emb_forward(DType dt, void* t, const float* freqs, const 
     using T = decltype(tag);
     const std::int64_t total = rows.n_rows * (rot_dim / 2);
     const unsigned threads = elementwise_threads(total);
-    launch_kernel(rotary_pos_emb_forward_kernel<T>, dim3(elementwise_blocks(total, threads)), dim3(threads), 0, stream, static_cast<T*>(t), freqs, rows,
-                  rows_per_position, rot_dim, interleaved);
+    launch_kernel(rotary_pos_emb_forward_kernel<T>, dim3(elementwise_blocks(total, threads)), dim3(threads), 0, stream,
+                  static_cast<T*>(t), freqs, rows, rows_per_position, rot_dim, interleaved);
   });
 }
 

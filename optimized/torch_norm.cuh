@@ -39,15 +39,15 @@ __device__ inline float row_sum(float v, float* scratch) {
 }
 
 template <class T, bool WARP_ROW>
-__global__ void layernorm_forward_kernel(const T* x, T* y, const T* weight, const T* bias, NormRows rows,
-                                         float eps, bool zero_centered_gamma) {
+__global__ void layernorm_forward_kernel(const T* x, T* y, const T* weight, const T* bias, NormRows rows, float eps,
+                                         bool zero_centered_gamma) {
   __shared__ float scratch[32];
   const int lanes = WARP_ROW ? 32 : blockDim.x;
   const int lane = WARP_ROW ? threadIdx.x % 32 : threadIdx.x;
   const std::int64_t r = WARP_ROW ? std::int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32 : blockIdx.x;
   if (WARP_ROW && r >= rows.n_rows) return;  // whole warps leave together; no block barrier follows
-  const T* xr = x + rows.offset(r);  // [width]
-  T* yr = y + rows.offset(r);        // [width]
+  const T* xr = x + rows.offset(r);          // [width]
+  T* yr = y + rows.offset(r);                // [width]
   const int n = rows.width;
   float s = 0.0f;
   for (int c = lane; c < n; c += lanes) s += Io<T>::load(xr[c]);
@@ -86,7 +86,7 @@ __global__ void rmsnorm_forward_kernel(const T* x, T* y, const T* weight, NormRo
   for (int c = lane; c < n; c += lanes) {
     const float g = Io<T>::load(weight[c]) + (zero_centered_gamma ? 1.0f : 0.0f);
     const float xhat = round_to<T>(Io<T>::load(xr[c]) * rstd);  // rounds: x * rstd, T (torch rms_norm)
-    yr[c] = Io<T>::store(xhat * g);                              // rounds: output, T
+    yr[c] = Io<T>::store(xhat * g);                             // rounds: output, T
   }
 }
 
@@ -114,18 +114,22 @@ inline void norm_forward(bool rms, DType dt, const void* x, void* y, const void*
     const T* b = static_cast<const T*>(bias);
     const float e = static_cast<float>(eps);
     if (rows.width <= 1024) {
-      const int warps = static_cast<int>(std::min<std::int64_t>(kNormWarpRowsPerBlock, rows.n_rows));  // no idle warps on tiny inputs
+      const int warps =
+          static_cast<int>(std::min<std::int64_t>(kNormWarpRowsPerBlock, rows.n_rows));  // no idle warps on tiny inputs
       const dim3 grid(ceil_div(rows.n_rows, warps)), block(32 * warps);
       if (rms)
         launch_kernel(rmsnorm_forward_kernel<T, true>, grid, block, 0, stream, xx, yy, w, rows, e, zero_centered_gamma);
       else
-        launch_kernel(layernorm_forward_kernel<T, true>, grid, block, 0, stream, xx, yy, w, b, rows, e, zero_centered_gamma);
+        launch_kernel(layernorm_forward_kernel<T, true>, grid, block, 0, stream, xx, yy, w, b, rows, e,
+                      zero_centered_gamma);
     } else {
       const dim3 grid(static_cast<unsigned>(rows.n_rows)), block(kNormBlockThreads);
       if (rms)
-        launch_kernel(rmsnorm_forward_kernel<T, false>, grid, block, 0, stream, xx, yy, w, rows, e, zero_centered_gamma);
+        launch_kernel(rmsnorm_forward_kernel<T, false>, grid, block, 0, stream, xx, yy, w, rows, e,
+                      zero_centered_gamma);
       else
-        launch_kernel(layernorm_forward_kernel<T, false>, grid, block, 0, stream, xx, yy, w, b, rows, e, zero_centered_gamma);
+        launch_kernel(layernorm_forward_kernel<T, false>, grid, block, 0, stream, xx, yy, w, b, rows, e,
+                      zero_centered_gamma);
     }
   });
 }

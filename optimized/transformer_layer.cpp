@@ -7,15 +7,14 @@
 #include <mutex>
 #include <optional>
 
-#include "optimized/activations.cuh"             // Act (the same enum values in both backends)
-#include "optimized/dot_product_attention.cuh"   // MaskMode
+#include "optimized/activations.cuh"            // Act (the same enum values in both backends)
+#include "optimized/dot_product_attention.cuh"  // MaskMode
 #include "optimized/runtime/collectives.h"
 #include "optimized/transformer_layer_plan.h"
 
 namespace twin::opt {
 
 namespace {
-
 
 void reject(bool bad, const std::string& what) {
   if (bad) throw ConfigError("optimized dense layer: " + what);
@@ -45,8 +44,8 @@ Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1) {
   const std::size_t es = dtype_size(t.dtype());
   Tensor out = Tensor::empty(t.dtype(), {rows, c1 - c0});
   for (std::int64_t r = 0; r < rows; ++r)
-    std::memcpy(out.raw_mut() + static_cast<std::size_t>(r * (c1 - c0)) * es, t.raw() + static_cast<std::size_t>(r * cols + c0) * es,
-                static_cast<std::size_t>(c1 - c0) * es);
+    std::memcpy(out.raw_mut() + static_cast<std::size_t>(r * (c1 - c0)) * es,
+                t.raw() + static_cast<std::size_t>(r * cols + c0) * es, static_cast<std::size_t>(c1 - c0) * es);
   return out;
 }
 
@@ -116,9 +115,11 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
   m.ffn = c.ffn();
   const int tp = o.tp;
   // ---- what this twin implements (everything else is rejected, never silently ignored)
-  reject(c.normalization != "LayerNorm" && c.normalization != "RMSNorm", "normalization '" + c.normalization + "' (LayerNorm, RMSNorm)");
-  reject(c.bias_activation_fusion, "bias_activation_fusion (Megatron's tanh bias_gelu / swiglu fusions) is not supported; "
-                                   "the optimized twin fuses bias and activation with the unfused path's numerics");
+  reject(c.normalization != "LayerNorm" && c.normalization != "RMSNorm",
+         "normalization '" + c.normalization + "' (LayerNorm, RMSNorm)");
+  reject(c.bias_activation_fusion,
+         "bias_activation_fusion (Megatron's tanh bias_gelu / swiglu fusions) is not supported; "
+         "the optimized twin fuses bias and activation with the unfused path's numerics");
   reject(c.window_size.has_value(), "window_size (sliding-window attention) is not supported");
   reject(c.softmax_type != "vanilla", "softmax_type '" + c.softmax_type + "' is not supported (vanilla)");
   reject(c.attention_output_gate, "attention_output_gate is not supported");
@@ -127,35 +128,47 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
   reject(c.glu_linear_offset != 0.0, "glu_linear_offset != 0 is not supported");
   reject(c.num_moe_experts.has_value(), "num_moe_experts: this is the dense layer");
   reject(c.context_parallel_size != 1, "context_parallel_size must be 1");
-  reject(m.h <= 0 || m.np <= 0 || m.ng <= 0 || m.hn <= 0 || m.ffn <= 0, "hidden_size, heads, query groups, kv_channels and ffn must be > 0");
-  reject(m.np % m.ng != 0, "num_attention_heads " + std::to_string(m.np) + " not divisible by num_query_groups " + std::to_string(m.ng));
-  reject(m.hn > sim::kAttnMaxHeadDim, "kv_channels " + std::to_string(m.hn) + " > 256 is not supported by the attention kernel");
+  reject(m.h <= 0 || m.np <= 0 || m.ng <= 0 || m.hn <= 0 || m.ffn <= 0,
+         "hidden_size, heads, query groups, kv_channels and ffn must be > 0");
+  reject(m.np % m.ng != 0,
+         "num_attention_heads " + std::to_string(m.np) + " not divisible by num_query_groups " + std::to_string(m.ng));
+  reject(m.hn > sim::kAttnMaxHeadDim,
+         "kv_channels " + std::to_string(m.hn) + " > 256 is not supported by the attention kernel");
   reject(tp < 1, "tp must be >= 1");
-  reject(m.np % tp != 0 || m.ng % tp != 0,
-         "tp " + std::to_string(tp) + " must divide num_attention_heads " + std::to_string(m.np) + " and num_query_groups " + std::to_string(m.ng));
+  reject(m.np % tp != 0 || m.ng % tp != 0, "tp " + std::to_string(tp) + " must divide num_attention_heads " +
+                                               std::to_string(m.np) + " and num_query_groups " + std::to_string(m.ng));
   reject(m.ffn % tp != 0, "tp " + std::to_string(tp) + " must divide ffn_hidden_size " + std::to_string(m.ffn));
   reject(o.sp && tp == 1, "sequence parallelism needs tp > 1");
   reject(c.apply_query_key_layer_scaling && (c.fp16 || c.bf16) && !c.attention_softmax_in_fp32,
          "apply_query_key_layer_scaling needs attention_softmax_in_fp32");
-  reject(o.attn_mask_type != "causal" && o.attn_mask_type != "no_mask" && o.attn_mask_type != "padding" && o.attn_mask_type != "arbitrary" &&
-             o.attn_mask_type != "padding_causal",
+  reject(o.attn_mask_type != "causal" && o.attn_mask_type != "no_mask" && o.attn_mask_type != "padding" &&
+             o.attn_mask_type != "arbitrary" && o.attn_mask_type != "padding_causal",
          "attn_mask_type '" + o.attn_mask_type + "' (causal, no_mask, padding, padding_causal, arbitrary)");
-  if (o.backend == rt::Backend::Cuda) reject(tp != 1, "tp > 1 on the GPU backend needs one device per rank (simulate ranks with Backend::Sim)");
+  if (o.backend == rt::Backend::Cuda)
+    reject(tp != 1, "tp > 1 on the GPU backend needs one device per rank (simulate ranks with Backend::Sim)");
   const int act = static_cast<int>(sim::act_from_name(c.activation_func));
   m.dev = &rt::device(o.backend);
 
   // ---- params: every key present, right shape and dtype
   const bool ln = c.normalization == "LayerNorm";
-  const std::int64_t qkv_rows = std::int64_t(m.np + 2 * m.ng) * m.hn, fc1_rows = (c.gated_linear_unit ? 2 : 1) * std::int64_t(m.ffn);
-  std::map<std::string, Shape> shapes = {
-      {"input_layernorm.weight", {m.h}}, {"input_layernorm.bias", {m.h}},
-      {"self_attention.linear_qkv.weight", {qkv_rows, m.h}}, {"self_attention.linear_qkv.bias", {qkv_rows}},
-      {"self_attention.q_layernorm.weight", {m.hn}}, {"self_attention.q_layernorm.bias", {m.hn}},
-      {"self_attention.k_layernorm.weight", {m.hn}}, {"self_attention.k_layernorm.bias", {m.hn}},
-      {"self_attention.linear_proj.weight", {m.h, std::int64_t(m.np) * m.hn}}, {"self_attention.linear_proj.bias", {m.h}},
-      {"pre_mlp_layernorm.weight", {m.h}}, {"pre_mlp_layernorm.bias", {m.h}},
-      {"mlp.linear_fc1.weight", {fc1_rows, m.h}}, {"mlp.linear_fc1.bias", {fc1_rows}},
-      {"mlp.linear_fc2.weight", {m.h, m.ffn}}, {"mlp.linear_fc2.bias", {m.h}}};
+  const std::int64_t qkv_rows = std::int64_t(m.np + 2 * m.ng) * m.hn,
+                     fc1_rows = (c.gated_linear_unit ? 2 : 1) * std::int64_t(m.ffn);
+  std::map<std::string, Shape> shapes = {{"input_layernorm.weight", {m.h}},
+                                         {"input_layernorm.bias", {m.h}},
+                                         {"self_attention.linear_qkv.weight", {qkv_rows, m.h}},
+                                         {"self_attention.linear_qkv.bias", {qkv_rows}},
+                                         {"self_attention.q_layernorm.weight", {m.hn}},
+                                         {"self_attention.q_layernorm.bias", {m.hn}},
+                                         {"self_attention.k_layernorm.weight", {m.hn}},
+                                         {"self_attention.k_layernorm.bias", {m.hn}},
+                                         {"self_attention.linear_proj.weight", {m.h, std::int64_t(m.np) * m.hn}},
+                                         {"self_attention.linear_proj.bias", {m.h}},
+                                         {"pre_mlp_layernorm.weight", {m.h}},
+                                         {"pre_mlp_layernorm.bias", {m.h}},
+                                         {"mlp.linear_fc1.weight", {fc1_rows, m.h}},
+                                         {"mlp.linear_fc1.bias", {fc1_rows}},
+                                         {"mlp.linear_fc2.weight", {m.h, m.ffn}},
+                                         {"mlp.linear_fc2.bias", {m.h}}};
   for (const auto& key : dense_layer_param_keys(c)) {
     auto it = params.find(key);
     if (it == params.end()) throw ShapeError("optimized dense layer: missing parameter '" + key + "'");
@@ -172,9 +185,21 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
     R.weights.reserve(32);
     R.stream.emplace(*m.dev);
     RankPlan& p = R.plan;
-    p.h = m.h; p.np = m.np; p.ng = m.ng; p.hn = m.hn; p.ffn = m.ffn; p.tp = tp; p.rank = r; p.sp = o.sp;
-    p.dt = m.dt; p.rms = !ln; p.eps = c.layernorm_epsilon; p.zero_centered_gamma = c.layernorm_zero_centered_gamma;
-    p.qk_layernorm = c.qk_layernorm; p.glu = c.gated_linear_unit; p.act = act;
+    p.h = m.h;
+    p.np = m.np;
+    p.ng = m.ng;
+    p.hn = m.hn;
+    p.ffn = m.ffn;
+    p.tp = tp;
+    p.rank = r;
+    p.sp = o.sp;
+    p.dt = m.dt;
+    p.rms = !ln;
+    p.eps = c.layernorm_epsilon;
+    p.zero_centered_gamma = c.layernorm_zero_centered_gamma;
+    p.qk_layernorm = c.qk_layernorm;
+    p.glu = c.gated_linear_unit;
+    p.act = act;
     // Megatron-Core's TransformerLayer reads neither apply_residual_connection_post_layernorm nor
     // fp32_residual_connection at this commit (reference/transformer_layer.h): the residual is
     // always the layer input, in the params dtype.
@@ -189,15 +214,20 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
     p.hidden_dropout = c.hidden_dropout;
     p.attention_dropout = c.attention_dropout;
 
-    auto opt_up = [&](const std::string& key, const Tensor& t) -> const void* { return m.full.count(key) ? m.upload(R, t) : nullptr; };
-    auto full_or_null = [&](const std::string& key) -> const void* { return m.full.count(key) ? m.upload(R, m.full.at(key)) : nullptr; };
+    auto opt_up = [&](const std::string& key, const Tensor& t) -> const void* {
+      return m.full.count(key) ? m.upload(R, t) : nullptr;
+    };
+    auto full_or_null = [&](const std::string& key) -> const void* {
+      return m.full.count(key) ? m.upload(R, m.full.at(key)) : nullptr;
+    };
     p.ln1_w = full_or_null("input_layernorm.weight");
     p.ln1_b = full_or_null("input_layernorm.bias");
     // linear_qkv: the rows of query groups [r * ng_l, (r + 1) * ng_l), contiguous in the grouped layout
     const auto qkv_pick = range(r * ng_l * group_rows, (r + 1) * ng_l * group_rows);
     p.qkv_w = m.upload(R, take_rows(m.full.at("self_attention.linear_qkv.weight"), qkv_pick));
     if (m.full.count("self_attention.linear_qkv.bias"))
-      p.qkv_b = opt_up("self_attention.linear_qkv.bias", take_rows(m.full.at("self_attention.linear_qkv.bias"), qkv_pick));
+      p.qkv_b =
+          opt_up("self_attention.linear_qkv.bias", take_rows(m.full.at("self_attention.linear_qkv.bias"), qkv_pick));
     p.qln_w = full_or_null("self_attention.q_layernorm.weight");
     p.qln_b = full_or_null("self_attention.q_layernorm.bias");
     p.kln_w = full_or_null("self_attention.k_layernorm.weight");
@@ -215,9 +245,11 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
       fc1_pick.insert(fc1_pick.end(), second.begin(), second.end());
     }
     p.fc1_w = m.upload(R, take_rows(m.full.at("mlp.linear_fc1.weight"), fc1_pick));
-    if (m.full.count("mlp.linear_fc1.bias")) p.fc1_b = m.upload(R, take_rows(m.full.at("mlp.linear_fc1.bias"), fc1_pick));
+    if (m.full.count("mlp.linear_fc1.bias"))
+      p.fc1_b = m.upload(R, take_rows(m.full.at("mlp.linear_fc1.bias"), fc1_pick));
     // linear_fc2: row parallel
-    p.fc2_w = m.upload(R, take_cols(m.full.at("mlp.linear_fc2.weight"), std::int64_t(r) * f_l, std::int64_t(r + 1) * f_l));
+    p.fc2_w =
+        m.upload(R, take_cols(m.full.at("mlp.linear_fc2.weight"), std::int64_t(r) * f_l, std::int64_t(r + 1) * f_l));
     p.fc2_b = full_or_null("mlp.linear_fc2.bias");
   }
   if (tp > 1) m.comms = rt::make_threaded_group(tp);
@@ -235,10 +267,11 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     throw ShapeError(std::string("optimized dense layer: hidden_states dtype ") + dtype_name(hidden_states.dtype()) +
                      " differs from the params dtype " + dtype_name(m.dt));
   const int s = static_cast<int>(hidden_states.size(0)), b = static_cast<int>(hidden_states.size(1));
-  if (s <= 0 || b <= 0) throw ShapeError("optimized dense layer: empty hidden_states " + shape_str(hidden_states.shape()));
+  if (s <= 0 || b <= 0)
+    throw ShapeError("optimized dense layer: empty hidden_states " + shape_str(hidden_states.shape()));
   if (sp && s % tp != 0)
-    throw ShapeError("optimized dense layer: sequence length " + std::to_string(s) + " not divisible by tp " + std::to_string(tp) +
-                     " with sequence parallelism");
+    throw ShapeError("optimized dense layer: sequence length " + std::to_string(s) + " not divisible by tp " +
+                     std::to_string(tp) + " with sequence parallelism");
   if (fo.record_taps && tp != 1) throw std::invalid_argument("optimized dense layer: taps are recorded at tp = 1 only");
   if (fo.use_graph && (tp != 1 || fo.record_taps))
     throw std::invalid_argument("optimized dense layer: graph replay is for tp = 1 without taps");
@@ -248,8 +281,9 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     const bool ok = attention_mask->dtype() == DType::BOOL && ms.size() == 4 && (ms[0] == 1 || ms[0] == b) &&
                     (ms[1] == 1 || ms[1] == m.np) && ms[2] == s && ms[3] == s;
     if (!ok)
-      throw ShapeError("optimized dense layer: attention_mask expected BOOL [" + std::to_string(b) + ", 1, " + std::to_string(s) + ", " +
-                       std::to_string(s) + "] (dims 0/1 may be 1/np), got " + attention_mask->describe());
+      throw ShapeError("optimized dense layer: attention_mask expected BOOL [" + std::to_string(b) + ", 1, " +
+                       std::to_string(s) + ", " + std::to_string(s) + "] (dims 0/1 may be 1/np), got " +
+                       attention_mask->describe());
     mask_b = static_cast<int>(ms[0]);
     mask_h = static_cast<int>(ms[1]);
   }
@@ -257,12 +291,12 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   if (rotary_pos_emb) {
     const Shape& rs = rotary_pos_emb->shape();
     if (rs.size() != 4 || rs[0] != s || rs[1] != 1 || rs[2] != 1 || rotary_pos_emb->dtype() != DType::F32)
-      throw ShapeError("optimized dense layer: rotary_pos_emb expected F32 [" + std::to_string(s) + ", 1, 1, rot_dim], got " +
-                       rotary_pos_emb->describe());
+      throw ShapeError("optimized dense layer: rotary_pos_emb expected F32 [" + std::to_string(s) +
+                       ", 1, 1, rot_dim], got " + rotary_pos_emb->describe());
     rot = static_cast<int>(rs[3]);
     if (rot <= 0 || rot % 2 || rot > m.hn)
-      throw ShapeError("optimized dense layer: rot_dim " + std::to_string(rot) + " must be even, > 0 and <= kv_channels " +
-                       std::to_string(m.hn));
+      throw ShapeError("optimized dense layer: rot_dim " + std::to_string(rot) +
+                       " must be even, > 0 and <= kv_channels " + std::to_string(m.hn));
   }
 
   const std::size_t es = dtype_size(m.dt);
@@ -270,7 +304,10 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   const std::size_t tok_l = std::size_t(s_l) * b, tok = std::size_t(s) * b;
   // (Re)allocate activations when the shape changes; graphs are recorded against these buffers.
   if (s != m.cur_s || b != m.cur_b || rot != m.cur_rot || (attention_mask != nullptr) != m.cur_mask) {
-    m.cur_s = s; m.cur_b = b; m.cur_rot = rot; m.cur_mask = attention_mask != nullptr;
+    m.cur_s = s;
+    m.cur_b = b;
+    m.cur_rot = rot;
+    m.cur_mask = attention_mask != nullptr;
     m.inputs.clear();
     for (auto& R : m.ranks) {
       R.graph.reset();
@@ -281,7 +318,8 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
         return R.acts.back().get();
       };
       R.acts.reserve(20);
-      p.s = s; p.b = b;
+      p.s = s;
+      p.b = b;
       p.ln1 = buf(tok_l * m.h, es);
       p.ln1_full = sp ? buf(tok * m.h, es) : p.ln1;
       p.qkv = buf(tok * p.qkv_width(), es);
@@ -311,9 +349,9 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   }
   if (rot) m.freqs.upload(rotary_pos_emb->raw(), rotary_pos_emb->nbytes());  // [s, 1, 1, rot] == [s, rot]
 
-  const int mask_mode = attention_mask ? static_cast<int>(sim::MaskMode::Explicit)
+  const int mask_mode = attention_mask                                   ? static_cast<int>(sim::MaskMode::Explicit)
                         : (options_.attn_mask_type == "causal" && s > 1) ? static_cast<int>(sim::MaskMode::Causal)
-                                                                        : static_cast<int>(sim::MaskMode::None);
+                                                                         : static_cast<int>(sim::MaskMode::None);
   LayerOutput result;
   for (int r = 0; r < tp; ++r) {
     RankPlan& p = m.ranks[r].plan;
@@ -363,8 +401,12 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     RankPlan& p = p0;
     p.on_tap = [&](TapPoint t) {
       switch (t) {
-        case TapPoint::InputLayernorm: result.record.add(Role::Tap, "input_layernorm", download(p.ln1, {S, B, H})); break;
-        case TapPoint::LinearQkv: result.record.add(Role::Tap, "self_attention.linear_qkv.0", download(p.qkv, {S, B, p.qkv_width()})); break;
+        case TapPoint::InputLayernorm:
+          result.record.add(Role::Tap, "input_layernorm", download(p.ln1, {S, B, H}));
+          break;
+        case TapPoint::LinearQkv:
+          result.record.add(Role::Tap, "self_attention.linear_qkv.0", download(p.qkv, {S, B, p.qkv_width()}));
+          break;
         case TapPoint::QkLayernorm: {
           // q [s, b, np, hn] and k [s, b, ng, hn] out of the grouped qkv rows
           const Tensor qkv = download(p.qkv, {S * B, p.qkv_width()});
@@ -373,7 +415,8 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
           const std::size_t head = std::size_t(m.hn) * es;
           for (std::int64_t t2 = 0; t2 < S * B; ++t2)
             for (int g = 0; g < m.ng; ++g) {
-              const std::byte* grp = qkv.raw() + (std::size_t(t2) * p.qkv_width() + std::size_t(g) * (hpg + 2) * m.hn) * es;
+              const std::byte* grp =
+                  qkv.raw() + (std::size_t(t2) * p.qkv_width() + std::size_t(g) * (hpg + 2) * m.hn) * es;
               std::memcpy(q.raw_mut() + (std::size_t(t2) * m.np + std::size_t(g) * hpg) * head, grp, hpg * head);
               std::memcpy(k.raw_mut() + (std::size_t(t2) * m.ng + g) * head, grp + hpg * head, head);
             }
@@ -382,15 +425,23 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
           break;
         }
         case TapPoint::CoreAttention:
-          result.record.add(Role::Tap, "self_attention.core_attention", download(p.ctx, {S, B, std::int64_t(m.np) * m.hn}));
+          result.record.add(Role::Tap, "self_attention.core_attention",
+                            download(p.ctx, {S, B, std::int64_t(m.np) * m.hn}));
           break;
-        case TapPoint::LinearProj: row_parallel_taps(p.proj, "self_attention", "linear_proj"); break;
-        case TapPoint::PreMlpLayernorm: result.record.add(Role::Tap, "pre_mlp_layernorm", download(p.ln2, {S, B, H})); break;
+        case TapPoint::LinearProj:
+          row_parallel_taps(p.proj, "self_attention", "linear_proj");
+          break;
+        case TapPoint::PreMlpLayernorm:
+          result.record.add(Role::Tap, "pre_mlp_layernorm", download(p.ln2, {S, B, H}));
+          break;
         case TapPoint::LinearFc1:
-          result.record.add(Role::Tap, "mlp.linear_fc1.0", download(p.fc1, {S, B, (p.glu ? 2 : 1) * std::int64_t(m.ffn)}));
+          result.record.add(Role::Tap, "mlp.linear_fc1.0",
+                            download(p.fc1, {S, B, (p.glu ? 2 : 1) * std::int64_t(m.ffn)}));
           bias_tap("mlp.linear_fc1.1", "mlp.linear_fc1.bias");
           break;
-        case TapPoint::LinearFc2: row_parallel_taps(p.fc2, "mlp", "linear_fc2"); break;
+        case TapPoint::LinearFc2:
+          row_parallel_taps(p.fc2, "mlp", "linear_fc2");
+          break;
       }
     };
   }
@@ -424,8 +475,8 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   // ---- output: rank 0's full tensor, or (SP) the ranks' sequence slices in rank order
   Tensor out = Tensor::empty(m.dt, {s, b, m.h});
   for (int r = 0; r < (sp ? tp : 1); ++r) {
-    m.dev->copy(out.raw_mut() + std::size_t(r) * tok_l * m.h * es, m.ranks[r].plan.out, tok_l * m.h * es, rt::CopyKind::DeviceToHost,
-                m.ranks[r].stream->handle());
+    m.dev->copy(out.raw_mut() + std::size_t(r) * tok_l * m.h * es, m.ranks[r].plan.out, tok_l * m.h * es,
+                rt::CopyKind::DeviceToHost, m.ranks[r].stream->handle());
     m.ranks[r].stream->synchronize();
   }
   for (auto& R : m.ranks) R.plan.on_tap = nullptr;

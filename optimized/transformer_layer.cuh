@@ -82,7 +82,8 @@ inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
     if (p.on_tap) p.on_tap(t);
   };
   // ---- input_layernorm                                   // [s_local, b, h]
-  norm_forward(p.rms, dt, p.x, p.ln1, p.ln1_w, p.ln1_b, NormRows::dense(n_local, p.h), p.eps, p.zero_centered_gamma, st);
+  norm_forward(p.rms, dt, p.x, p.ln1, p.ln1_w, p.ln1_b, NormRows::dense(n_local, p.h), p.eps, p.zero_centered_gamma,
+               st);
   tap(TapPoint::InputLayernorm);
   if (p.sp) p.comm->all_gather(p.ln1, p.ln1_full, std::size_t(n_local) * p.h, dt, st);  // [s, b, h]
 
@@ -110,10 +111,12 @@ inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
   }
   if (p.rot_dim > 0) {
     const RoundingCount at_split = rounding_now();
-    rotary_pos_emb_forward(dt, qkv, p.freqs, q_rows, std::int64_t(p.b) * p.ng_local() * hpg, p.rot_dim, p.rope_interleaved, st);
+    rotary_pos_emb_forward(dt, qkv, p.freqs, q_rows, std::int64_t(p.b) * p.ng_local() * hpg, p.rot_dim,
+                           p.rope_interleaved, st);
     const RoundingCount query_path = rounding_now();
     rounding_set(at_split);
-    rotary_pos_emb_forward(dt, k_base, p.freqs, k_rows, std::int64_t(p.b) * p.ng_local(), p.rot_dim, p.rope_interleaved, st);
+    rotary_pos_emb_forward(dt, k_base, p.freqs, k_rows, std::int64_t(p.b) * p.ng_local(), p.rot_dim, p.rope_interleaved,
+                           st);
     rounding_join(query_path);
   }
 
@@ -143,10 +146,12 @@ inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
   // ---- self_attn_bda: h1 = residual + dropout(proj + bias)   // [s_local, b, h]
   const std::uint64_t element_base = p.sp ? std::uint64_t(p.rank) * std::uint64_t(n_local) * p.h : 0;
   bias_dropout_add_forward(dt, p.proj, p.proj_b, p.post_ln_residual ? p.ln1 : p.x, p.h1, n_local, p.h,
-                           DropoutArgs::make(p.hidden_dropout, p.training, p.seed, p.offset_self_attn_bda), element_base, st);
+                           DropoutArgs::make(p.hidden_dropout, p.training, p.seed, p.offset_self_attn_bda),
+                           element_base, st);
 
   // ---- pre_mlp_layernorm                                 // [s_local, b, h]
-  norm_forward(p.rms, dt, p.h1, p.ln2, p.ln2_w, p.ln2_b, NormRows::dense(n_local, p.h), p.eps, p.zero_centered_gamma, st);
+  norm_forward(p.rms, dt, p.h1, p.ln2, p.ln2_w, p.ln2_b, NormRows::dense(n_local, p.h), p.eps, p.zero_centered_gamma,
+               st);
   tap(TapPoint::PreMlpLayernorm);
   if (p.sp) p.comm->all_gather(p.ln2, p.ln2_full, std::size_t(n_local) * p.h, dt, st);
 
@@ -155,7 +160,8 @@ inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
   const std::int64_t fc1_w = (p.glu ? 2 : 1) * std::int64_t(f_l);
   linear_forward(dt, p.sp ? p.ln2_full : p.ln2, p.fc1_w, nullptr, p.fc1, n_full, p.h, fc1_w, st);  // [s, b, fc1_w]
   tap(TapPoint::LinearFc1);
-  bias_activation_forward(dt, p.fc1, p.fc1_b, p.act_out, n_full, f_l, static_cast<Act>(p.act), p.glu, st);  // [s, b, f_l]
+  bias_activation_forward(dt, p.fc1, p.fc1_b, p.act_out, n_full, f_l, static_cast<Act>(p.act), p.glu,
+                          st);                                                        // [s, b, f_l]
   row_parallel_linear_forward(p, p.act_out, p.fc2_w, f_l, p.fc2_partial, p.fc2, st);  // [s_local, b, h]
   tap(TapPoint::LinearFc2);
 

@@ -35,13 +35,13 @@ struct LayerOptions {
 };
 
 struct ForwardOptions {
-  bool training = false;       // dropout active (hidden_dropout, attention_dropout of the config)
-  std::uint64_t seed = 0;      // Philox key of every dropout call of this forward
-  std::uint64_t offset = 0;    // base Philox offset; the calls use offset + 0 (attention), + 1
-                               // (self_attn_bda), + 4 (mlp_bda), as the reference layer does
-  bool record_taps = false;    // tp == 1 only: download each submodule output under its module path,
-                               // with the rounding points counted before it (in a CountRoundings scope)
-  bool use_graph = false;      // capture the forward into a CUDA graph once, then replay it
+  bool training = false;     // dropout active (hidden_dropout, attention_dropout of the config)
+  std::uint64_t seed = 0;    // Philox key of every dropout call of this forward
+  std::uint64_t offset = 0;  // base Philox offset; the calls use offset + 0 (attention), + 1
+                             // (self_attn_bda), + 4 (mlp_bda), as the reference layer does
+  bool record_taps = false;  // tp == 1 only: download each submodule output under its module path,
+                             // with the rounding points counted before it (in a CountRoundings scope)
+  bool use_graph = false;    // capture the forward into a CUDA graph once, then replay it
 };
 
 struct LayerOutput {

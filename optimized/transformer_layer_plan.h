@@ -18,7 +18,16 @@ class Communicator;
 namespace twin::opt {
 
 // Where the rank's forward has just produced a tensor a tap names (the host downloads it there).
-enum class TapPoint { InputLayernorm, LinearQkv, QkLayernorm, CoreAttention, LinearProj, PreMlpLayernorm, LinearFc1, LinearFc2 };
+enum class TapPoint {
+  InputLayernorm,
+  LinearQkv,
+  QkLayernorm,
+  CoreAttention,
+  LinearProj,
+  PreMlpLayernorm,
+  LinearFc1,
+  LinearFc2
+};
 
 struct RankPlan {
   // ---- shape (full layer) and this rank
@@ -40,11 +49,11 @@ struct RankPlan {
   bool zero_centered_gamma = false;
   bool qk_layernorm = false;
   bool glu = false;
-  int act = 0;             // twin::opt::<backend>::Act
+  int act = 0;                    // twin::opt::<backend>::Act
   bool post_ln_residual = false;  // apply_residual_connection_post_layernorm
-  int rot_dim = 0;         // 0: no RoPE
+  int rot_dim = 0;                // 0: no RoPE
   bool rope_interleaved = false;
-  int mask_mode = 0;       // MaskMode
+  int mask_mode = 0;  // MaskMode
   int mask_b = 1, mask_h = 1;
   float alpha = 1.0f, coeff = 0.0f;
   bool softmax_fp32 = true;
@@ -55,35 +64,43 @@ struct RankPlan {
   std::uint64_t offset_attention = 0, offset_self_attn_bda = 0, offset_mlp_bda = 0;
 
   // ---- weights (this rank's shards, dt; biases may be null)
-  const void* ln1_w = nullptr; const void* ln1_b = nullptr;     // [h]
-  const void* qkv_w = nullptr; const void* qkv_b = nullptr;     // [qkv_width, h], [qkv_width]
-  const void* qln_w = nullptr; const void* qln_b = nullptr;     // [hn]
-  const void* kln_w = nullptr; const void* kln_b = nullptr;     // [hn]
-  const void* proj_w = nullptr; const void* proj_b = nullptr;   // [h, np_local * hn], [h] (full bias)
-  const void* ln2_w = nullptr; const void* ln2_b = nullptr;     // [h]
-  const void* fc1_w = nullptr; const void* fc1_b = nullptr;     // [(glu ? 2 : 1) * ffn_local, h]
-  const void* fc2_w = nullptr; const void* fc2_b = nullptr;     // [h, ffn_local], [h] (full bias)
+  const void* ln1_w = nullptr;
+  const void* ln1_b = nullptr;  // [h]
+  const void* qkv_w = nullptr;
+  const void* qkv_b = nullptr;  // [qkv_width, h], [qkv_width]
+  const void* qln_w = nullptr;
+  const void* qln_b = nullptr;  // [hn]
+  const void* kln_w = nullptr;
+  const void* kln_b = nullptr;  // [hn]
+  const void* proj_w = nullptr;
+  const void* proj_b = nullptr;  // [h, np_local * hn], [h] (full bias)
+  const void* ln2_w = nullptr;
+  const void* ln2_b = nullptr;  // [h]
+  const void* fc1_w = nullptr;
+  const void* fc1_b = nullptr;  // [(glu ? 2 : 1) * ffn_local, h]
+  const void* fc2_w = nullptr;
+  const void* fc2_b = nullptr;  // [h, ffn_local], [h] (full bias)
 
   // ---- inputs and activations (device)
-  const void* x = nullptr;          // [s_local, b, h]
-  const float* freqs = nullptr;     // [s, rot_dim]
+  const void* x = nullptr;             // [s_local, b, h]
+  const float* freqs = nullptr;        // [s, rot_dim]
   const std::uint8_t* mask = nullptr;  // [mask_b, mask_h, s, s]
-  void* ln1 = nullptr;              // [s_local, b, h]
-  void* ln1_full = nullptr;         // [s, b, h] (SP: all-gathered; else = ln1)
-  void* qkv = nullptr;              // [s, b, qkv_width]
-  void* ctx = nullptr;              // [s, b, np_local * hn]
-  void* proj_partial = nullptr;     // [s, b, h]
-  void* proj = nullptr;             // [s_local, b, h] (reduced)
-  void* h1 = nullptr;               // [s_local, b, h] (after self_attn_bda)
-  void* ln2 = nullptr;              // [s_local, b, h]
-  void* ln2_full = nullptr;         // [s, b, h]
-  void* fc1 = nullptr;              // [s, b, (glu ? 2 : 1) * ffn_local]
-  void* act_out = nullptr;          // [s, b, ffn_local]
-  void* fc2_partial = nullptr;      // [s, b, h]
-  void* fc2 = nullptr;              // [s_local, b, h]
-  void* out = nullptr;              // [s_local, b, h]
+  void* ln1 = nullptr;                 // [s_local, b, h]
+  void* ln1_full = nullptr;            // [s, b, h] (SP: all-gathered; else = ln1)
+  void* qkv = nullptr;                 // [s, b, qkv_width]
+  void* ctx = nullptr;                 // [s, b, np_local * hn]
+  void* proj_partial = nullptr;        // [s, b, h]
+  void* proj = nullptr;                // [s_local, b, h] (reduced)
+  void* h1 = nullptr;                  // [s_local, b, h] (after self_attn_bda)
+  void* ln2 = nullptr;                 // [s_local, b, h]
+  void* ln2_full = nullptr;            // [s, b, h]
+  void* fc1 = nullptr;                 // [s, b, (glu ? 2 : 1) * ffn_local]
+  void* act_out = nullptr;             // [s, b, ffn_local]
+  void* fc2_partial = nullptr;         // [s, b, h]
+  void* fc2 = nullptr;                 // [s_local, b, h]
+  void* out = nullptr;                 // [s_local, b, h]
 
-  rt::Communicator* comm = nullptr;  // tp > 1
+  rt::Communicator* comm = nullptr;      // tp > 1
   std::function<void(TapPoint)> on_tap;  // null: no taps (required for graph capture)
 };
 

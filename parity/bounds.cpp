@@ -31,7 +31,8 @@ Tolerance reference_error_bound(DType dt, double ref_err, double magnitude) {
   Tolerance t = Tolerance::for_dtype(dt);
   const double ulp = 2.0 * unit_roundoff(dt) * magnitude;
   t.atol += 2.0 * ref_err + ulp;
-  t.reason = fmt::format("{} + 2 x reference's own max error vs fp64 ({:.3g}) + one output ulp 2u x {:.3g}", t.reason, ref_err, magnitude);
+  t.reason = fmt::format("{} + 2 x reference's own max error vs fp64 ({:.3g}) + one output ulp 2u x {:.3g}", t.reason,
+                         ref_err, magnitude);
   return t;
 }
 
@@ -56,7 +57,8 @@ double max_abs(const Tensor& t) {
 }
 
 double max_abs_diff(const Tensor& a, const Tensor& b) {
-  if (a.shape() != b.shape()) throw ShapeError("max_abs_diff: shapes " + shape_str(a.shape()) + " and " + shape_str(b.shape()));
+  if (a.shape() != b.shape())
+    throw ShapeError("max_abs_diff: shapes " + shape_str(a.shape()) + " and " + shape_str(b.shape()));
   double m = 0.0;
   for (std::int64_t i = 0; i < a.numel(); ++i) m = std::max(m, std::fabs(a.at_f64(i) - b.at_f64(i)));
   return m;

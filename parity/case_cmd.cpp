@@ -27,8 +27,8 @@ int run_case_command(const CaseOptions& opt, std::ostream& out, std::ostream& er
   const parity::CaseResult r = parity::run_case(c, ro);
   out << r.report();
   if (r.pass() && !r.taps.rows.empty()) out << r.taps.format();
-  out << fmt::format("{}: reference {:.3f} s, optimized ({}) {:.3f} s\n", r.pass() ? "PASS" : "FAIL", r.seconds_reference, opt.backend,
-                     r.seconds_optimized);
+  out << fmt::format("{}: reference {:.3f} s, optimized ({}) {:.3f} s\n", r.pass() ? "PASS" : "FAIL",
+                     r.seconds_reference, opt.backend, r.seconds_optimized);
   return r.pass() ? 0 : 1;
 }
 

@@ -235,11 +235,12 @@ Case parse_case_fields(const std::string& kind, const std::string& id, const std
     const CaseField<Case>* f = nullptr;
     for (const auto& row : fields)
       if (row.key == k) f = &row;
-    if (!f) throw CaseIdError("case id: unknown key '" + k + "' (keys: " + kind + "(" + [&] {
-                                std::vector<std::string> keys;
-                                for (const auto& row : fields) keys.push_back(row.key);
-                                return case_field_detail::join(keys, ",");
-                              }() + "))");
+    if (!f)
+      throw CaseIdError("case id: unknown key '" + k + "' (keys: " + kind + "(" + [&] {
+        std::vector<std::string> keys;
+        for (const auto& row : fields) keys.push_back(row.key);
+        return case_field_detail::join(keys, ",");
+      }() + "))");
     if (!seen.insert(k).second) throw CaseIdError("case id: key '" + k + "' given twice");
     f->parse(c, v);
   }

@@ -16,9 +16,9 @@
 namespace twin::cli {
 
 const std::vector<std::string>& known_fixture_kinds() {
-  static const std::vector<std::string> kinds = {
-      "dense_layer", "moe_layer", "retro_decoder_layer_first", "retro_decoder_layer",
-      "retro_block", "layer_offset_table", "retro_layout_table"};
+  static const std::vector<std::string> kinds = {"dense_layer",         "moe_layer",   "retro_decoder_layer_first",
+                                                 "retro_decoder_layer", "retro_block", "layer_offset_table",
+                                                 "retro_layout_table"};
   return kinds;
 }
 
@@ -33,27 +33,35 @@ struct DenseConfig {
 };
 const DenseConfig kSimConfigs[] = {
     {"gpt-ln-gelu",
-     "dense(h=64,a=4,g=4,d=16,ffn=256,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=16,b=2,dtype=fp32,tp=1,sp=0,drop=0,seed=11)"},
+     "dense(h=64,a=4,g=4,d=16,ffn=256,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=16,"
+     "b=2,dtype=fp32,tp=1,sp=0,drop=0,seed=11)"},
     {"llama-rms-swiglu-gqa-rope",
-     "dense(h=64,a=8,g=4,d=16,ffn=128,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s=16,b=2,dtype=fp32,tp=1,sp=0,drop=0,seed=12)"},
+     "dense(h=64,a=8,g=4,d=16,ffn=128,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s="
+     "16,b=2,dtype=fp32,tp=1,sp=0,drop=0,seed=12)"},
     {"qkln-interleaved-padding-dropout",
-     "dense(h=48,a=4,g=4,d=16,ffn=96,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=1,rope=interleaved,rot=0.5,qkln=1,mask=padding,s=12,b=2,dtype=fp32,tp=1,sp=0,drop=0.1,seed=13)"},
+     "dense(h=48,a=4,g=4,d=16,ffn=96,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=1,rope=interleaved,rot=0.5,qkln=1,mask="
+     "padding,s=12,b=2,dtype=fp32,tp=1,sp=0,drop=0.1,seed=13)"},
 };
 const DenseConfig kGpuConfigs[] = {
     {"gpu-llama-gqa-512",
-     "dense(h=512,a=8,g=4,d=64,ffn=1024,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s=256,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=21)"},
+     "dense(h=512,a=8,g=4,d=64,ffn=1024,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s="
+     "256,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=21)"},
     {"gpu-gpt-1024",
-     "dense(h=1024,a=16,g=16,d=64,ffn=4096,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=128,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=22)"},
+     "dense(h=1024,a=16,g=16,d=64,ffn=4096,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,"
+     "s=128,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=22)"},
 };
 struct Variant {
   DType dt;
   int tp;
   bool sp;
 };
-const Variant kSimVariants[] = {{DType::F32, 1, false}, {DType::BF16, 1, false}, {DType::F16, 1, false},
-                                {DType::BF16, 2, false}, {DType::BF16, 2, true}, {DType::F32, 4, false}, {DType::BF16, 4, true}};
+const Variant kSimVariants[] = {{DType::F32, 1, false},  {DType::BF16, 1, false}, {DType::F16, 1, false},
+                                {DType::BF16, 2, false}, {DType::BF16, 2, true},  {DType::F32, 4, false},
+                                {DType::BF16, 4, true}};
 
-const char* short_dtype(DType d) { return d == DType::F32 ? "fp32" : d == DType::BF16 ? "bf16" : d == DType::F16 ? "fp16" : dtype_name(d); }
+const char* short_dtype(DType d) {
+  return d == DType::F32 ? "fp32" : d == DType::BF16 ? "bf16" : d == DType::F16 ? "fp16" : dtype_name(d);
+}
 
 struct Row {
   std::string layer, dtype, backend, tp, detail;
@@ -86,19 +94,20 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
     c.tp = v.tp;
     c.sp = v.sp;
     const std::string tp = std::to_string(v.tp) + (v.sp ? "+sp" : "");
-    jobs.push_back({fmt::format("dense {} {} tp{} ({})", cfg.name, short_dtype(v.dt), tp, rt::backend_name(backend)), [=]() {
-                      Row r{std::string("dense ") + cfg.name, short_dtype(c.dtype), rt::backend_name(backend), tp, ""};
-                      parity::RunOptions ro;
-                      ro.backend = backend;
-                      const auto res = parity::run_case(c, ro);
-                      r.max_err = res.output.max_abs;
-                      r.bound = res.output.tol.atol + res.output.tol.rtol * std::fabs(res.output.worst_expected);
-                      r.share = res.output.share_used;
-                      r.seconds = res.seconds_reference + res.seconds_optimized;
-                      r.status = res.pass() ? Status::Pass : Status::Fail;
-                      if (!res.pass()) r.detail = "rerun: twin case '" + res.id + "'";
-                      return r;
-                    }});
+    jobs.push_back(
+        {fmt::format("dense {} {} tp{} ({})", cfg.name, short_dtype(v.dt), tp, rt::backend_name(backend)), [=]() {
+           Row r{std::string("dense ") + cfg.name, short_dtype(c.dtype), rt::backend_name(backend), tp, ""};
+           parity::RunOptions ro;
+           ro.backend = backend;
+           const auto res = parity::run_case(c, ro);
+           r.max_err = res.output.max_abs;
+           r.bound = res.output.tol.atol + res.output.tol.rtol * std::fabs(res.output.worst_expected);
+           r.share = res.output.share_used;
+           r.seconds = res.seconds_reference + res.seconds_optimized;
+           r.status = res.pass() ? Status::Pass : Status::Fail;
+           if (!res.pass()) r.detail = "rerun: twin case '" + res.id + "'";
+           return r;
+         }});
   };
   for (const auto& cfg : kSimConfigs)
     for (const auto& v : kSimVariants) {
@@ -120,7 +129,8 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
       for (TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) {
         const std::string name = std::filesystem::path(path).filename().string();
         jobs.push_back({fmt::format("fixture {} ({})", name, twin_kind_name(twin)), [=]() {
-                          Row r{"fixture " + name, "", twin == TwinKind::Reference ? "cpu" : rt::backend_name(rt::Backend::Sim), "1", ""};
+                          Row r{"fixture " + name, "",
+                                twin == TwinKind::Reference ? "cpu" : rt::backend_name(rt::Backend::Sim), "1", ""};
                           const auto t0 = std::chrono::steady_clock::now();
                           try {
                             const Fixture f = load_fixture(path);
@@ -141,7 +151,9 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
                               }
                               if (!c.pass) {
                                 r.status = Status::Fail;
-                                if (r.detail.empty()) r.detail = "first failing: " + c.name + (c.message.empty() ? "" : " (" + c.message + ")");
+                                if (r.detail.empty())
+                                  r.detail =
+                                      "first failing: " + c.name + (c.message.empty() ? "" : " (" + c.message + ")");
                               }
                             }
                           } catch (const std::exception&) {
@@ -153,7 +165,8 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
                         }});
       }
   } else {
-    err << "twin check: fixtures/megatron-core not found (run from the repository root or set TWIN_SOURCE_DIR); fixture rows skipped\n";
+    err << "twin check: fixtures/megatron-core not found (run from the repository root or set TWIN_SOURCE_DIR); "
+           "fixture rows skipped\n";
   }
 
   // ---- run, with progress on stderr
@@ -182,16 +195,30 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
   if (opt.json) {
     nlohmann::json js = nlohmann::json::array();
     for (const auto& r : rows)
-      js.push_back({{"layer", r.layer}, {"dtype", r.dtype}, {"backend", r.backend}, {"tp", r.tp}, {"max_error", r.max_err},
-                    {"bound", r.bound}, {"share", r.share}, {"seconds", r.seconds}, {"status", status_name(r.status)}, {"detail", r.detail}});
-    out << nlohmann::json{{"command", "check"}, {"status", code == 0 ? "pass" : code == 1 ? "fail" : "error"}, {"rows", js}}.dump() << "\n";
+      js.push_back({{"layer", r.layer},
+                    {"dtype", r.dtype},
+                    {"backend", r.backend},
+                    {"tp", r.tp},
+                    {"max_error", r.max_err},
+                    {"bound", r.bound},
+                    {"share", r.share},
+                    {"seconds", r.seconds},
+                    {"status", status_name(r.status)},
+                    {"detail", r.detail}});
+    out << nlohmann::json{{"command", "check"},
+                          {"status", code == 0   ? "pass"
+                                     : code == 1 ? "fail"
+                                                 : "error"},
+                          {"rows", js}}
+               .dump()
+        << "\n";
     return code;
   }
-  out << fmt::format("{:<52} {:<5} {:<4} {:<5} {:>11} {:>11} {:>7} {:>8}  {}\n", "layer", "dtype", "back", "TP", "max error", "bound",
-                     "share", "time s", "status");
+  out << fmt::format("{:<52} {:<5} {:<4} {:<5} {:>11} {:>11} {:>7} {:>8}  {}\n", "layer", "dtype", "back", "TP",
+                     "max error", "bound", "share", "time s", "status");
   for (const auto& r : rows)
-    out << fmt::format("{:<52} {:<5} {:<4} {:<5} {:>11} {:>11} {:>7} {:>8.2f}  {}{}\n", r.layer.substr(0, 52), r.dtype, r.backend, r.tp,
-                       num(r.max_err), num(r.bound), num(r.share), r.seconds, status_name(r.status),
+    out << fmt::format("{:<52} {:<5} {:<4} {:<5} {:>11} {:>11} {:>7} {:>8.2f}  {}{}\n", r.layer.substr(0, 52), r.dtype,
+                       r.backend, r.tp, num(r.max_err), num(r.bound), num(r.share), r.seconds, status_name(r.status),
                        r.detail.empty() ? "" : "  " + r.detail);
   out << fmt::format("twin check: {} rows, {} failed, {} errors\n", rows.size(), failures, errors);
   return code;

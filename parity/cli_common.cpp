@@ -14,20 +14,28 @@ namespace twin::cli {
 
 const char* status_name(Status s) {
   switch (s) {
-    case Status::Pass: return "pass";
-    case Status::Fail: return "fail";
-    case Status::Unsupported: return "unsupported";
-    case Status::Error: return "error";
+    case Status::Pass:
+      return "pass";
+    case Status::Fail:
+      return "fail";
+    case Status::Unsupported:
+      return "unsupported";
+    case Status::Error:
+      return "error";
   }
   return "?";
 }
 
 int exit_code(Status s) {
   switch (s) {
-    case Status::Pass: return 0;
-    case Status::Fail: return 1;
-    case Status::Error: return 2;
-    case Status::Unsupported: return 3;
+    case Status::Pass:
+      return 0;
+    case Status::Fail:
+      return 1;
+    case Status::Error:
+      return 2;
+    case Status::Unsupported:
+      return 3;
   }
   return 2;
 }

@@ -6,11 +6,16 @@ namespace twin {
 
 Tolerance Tolerance::for_dtype(DType dt) {
   switch (dt) {
-    case DType::F64: return {1e-7, 1e-7, "torch.testing default for float64"};
-    case DType::F32: return {1e-5, 1.3e-6, "torch.testing default for float32"};
-    case DType::BF16: return {1e-5, 1.6e-2, "torch.testing default for bfloat16"};
-    case DType::F16: return {1e-5, 1e-3, "torch.testing default for float16"};
-    default: return {0.0, 0.0, "exact for integer and bool tensors"};
+    case DType::F64:
+      return {1e-7, 1e-7, "torch.testing default for float64"};
+    case DType::F32:
+      return {1e-5, 1.3e-6, "torch.testing default for float32"};
+    case DType::BF16:
+      return {1e-5, 1.6e-2, "torch.testing default for bfloat16"};
+    case DType::F16:
+      return {1e-5, 1e-3, "torch.testing default for float16"};
+    default:
+      return {0.0, 0.0, "exact for integer and bool tensors"};
   }
 }
 

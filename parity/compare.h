@@ -24,17 +24,17 @@ struct Tolerance {
 struct Comparison {
   std::string name;
   Shape shape;
-  double max_abs = 0.0;       // max |a - e|
-  double max_rel = 0.0;       // max |a - e| / |e| over elements with e != 0
-  double nmse = 0.0;          // sum (a - e)^2 / sum e^2 (0 when both are zero)
-  double share_used = 0.0;    // max |a - e| / (atol + rtol |e|): <= 1 passes
+  double max_abs = 0.0;           // max |a - e|
+  double max_rel = 0.0;           // max |a - e| / |e| over elements with e != 0
+  double nmse = 0.0;              // sum (a - e)^2 / sum e^2 (0 when both are zero)
+  double share_used = 0.0;        // max |a - e| / (atol + rtol |e|): <= 1 passes
   std::int64_t worst_index = -1;  // flat index of the element with the largest share used
   double worst_actual = 0.0;
   double worst_expected = 0.0;
-  std::int64_t mismatches = 0;    // elements out of tolerance
+  std::int64_t mismatches = 0;  // elements out of tolerance
   Tolerance tol;
   bool pass = true;
-  std::string message;        // set when shapes differ or the tensor is missing
+  std::string message;  // set when shapes differ or the tensor is missing
 
   std::string worst_index_str() const;  // "[3, 1, 17]"
 };

@@ -15,8 +15,10 @@ namespace {
 // The spellings of the enum-valued fields: the id's values and the *_name functions. Function-local
 // statics, so a parse during another file's static initialisation finds them built.
 const std::vector<std::pair<MaskKind, std::string>>& mask_spellings() {
-  static const std::vector<std::pair<MaskKind, std::string>> s = {
-      {MaskKind::Causal, "causal"}, {MaskKind::None, "none"}, {MaskKind::Padding, "padding"}, {MaskKind::Arbitrary, "arbitrary"}};
+  static const std::vector<std::pair<MaskKind, std::string>> s = {{MaskKind::Causal, "causal"},
+                                                                  {MaskKind::None, "none"},
+                                                                  {MaskKind::Padding, "padding"},
+                                                                  {MaskKind::Arbitrary, "arbitrary"}};
   return s;
 }
 const std::vector<std::pair<RopeKind, std::string>>& rope_spellings() {
@@ -126,10 +128,18 @@ TransformerConfig to_config(const DenseCase& c) {
   cfg.seq_length = c.s;
   cfg.micro_batch_size = c.b;
   switch (c.mask) {
-    case MaskKind::Causal: cfg.attn_mask_type = "causal"; break;
-    case MaskKind::None: cfg.attn_mask_type = "no_mask"; break;
-    case MaskKind::Padding: cfg.attn_mask_type = "padding"; break;
-    case MaskKind::Arbitrary: cfg.attn_mask_type = "arbitrary"; break;
+    case MaskKind::Causal:
+      cfg.attn_mask_type = "causal";
+      break;
+    case MaskKind::None:
+      cfg.attn_mask_type = "no_mask";
+      break;
+    case MaskKind::Padding:
+      cfg.attn_mask_type = "padding";
+      break;
+    case MaskKind::Arbitrary:
+      cfg.attn_mask_type = "arbitrary";
+      break;
   }
   return cfg;
 }
@@ -142,7 +152,9 @@ DenseInputs make_inputs(const DenseCase& c) {
   // One stream per tensor (seeded by the case seed and the tensor's ordinal), so adding a tensor
   // to one configuration does not change the values of the others.
   int ordinal = 0;
-  auto rng_for = [&]() { return std::mt19937_64(c.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(++ordinal)); };
+  auto rng_for = [&]() {
+    return std::mt19937_64(c.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(++ordinal));
+  };
   auto uniform = [&](Shape shape, double lo, double hi) {
     auto rng = rng_for();
     std::uniform_real_distribution<double> u(lo, hi);

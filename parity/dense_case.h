@@ -29,12 +29,12 @@ const char* mask_kind_name(MaskKind m);  // causal | none | padding | arbitrary
 const char* rope_kind_name(RopeKind r);  // none | half | interleaved
 
 struct DenseCase {
-  int hidden = 16;        // h
-  int heads = 2;          // a
-  int groups = 2;         // g (num_query_groups)
-  int kv_channels = 8;    // d
+  int hidden = 16;      // h
+  int heads = 2;        // a
+  int groups = 2;       // g (num_query_groups)
+  int kv_channels = 8;  // d
   int ffn = 32;
-  bool rms = false;       // norm=rms | ln
+  bool rms = false;          // norm=rms | ln
   std::string act = "gelu";  // gelu | silu | relu
   bool glu = false;
   bool bias = true;       // add_bias_linear
@@ -48,8 +48,8 @@ struct DenseCase {
   DType dtype = DType::F32;  // params / activations dtype (F32, BF16, F16)
   int tp = 1;
   bool sp = false;
-  double dropout = 0.0;   // hidden_dropout and attention_dropout; > 0 runs in training mode
-  std::uint64_t seed = 1; // data and dropout seed
+  double dropout = 0.0;    // hidden_dropout and attention_dropout; > 0 runs in training mode
+  std::uint64_t seed = 1;  // data and dropout seed
 
   bool operator==(const DenseCase& o) const;
   bool operator!=(const DenseCase& o) const { return !(*this == o); }

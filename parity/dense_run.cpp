@@ -95,12 +95,14 @@ CaseResult run_case(const DenseCase& c, const RunOptions& o) {
 }
 
 std::string CaseResult::report() const {
-  std::string s = fmt::format("{}\n  output: max abs {:.3e} (bound atol {:.3e} + rtol {:.2e}|e|, share {:.3f}) reference error vs exact {:.3e}{}\n",
-                              id, output.max_abs, output.tol.atol, output.tol.rtol, output.share_used, reference_error,
-                              output.message.empty() ? "" : " : " + output.message);
+  std::string s = fmt::format(
+      "{}\n  output: max abs {:.3e} (bound atol {:.3e} + rtol {:.2e}|e|, share {:.3f}) reference error vs exact "
+      "{:.3e}{}\n",
+      id, output.max_abs, output.tol.atol, output.tol.rtol, output.share_used, reference_error,
+      output.message.empty() ? "" : " : " + output.message);
   if (!output.pass)
-    s += fmt::format("  worst at {}: optimized {:.7g} reference {:.7g}\n", output.worst_index_str(), output.worst_actual,
-                     output.worst_expected);
+    s += fmt::format("  worst at {}: optimized {:.7g} reference {:.7g}\n", output.worst_index_str(),
+                     output.worst_actual, output.worst_expected);
   if (!taps.rows.empty() && (!taps.pass() || !output.pass)) {
     s += taps.format();
     if (taps.first_divergence >= 0) s += "  first divergence: " + taps.first_divergence_name() + "\n";

@@ -33,9 +33,9 @@ Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOpt
 
 struct CaseResult {
   std::string id;
-  Comparison output;        // optimized vs reference (FP32 mode), bound from the reference's own error
+  Comparison output;             // optimized vs reference (FP32 mode), bound from the reference's own error
   double reference_error = 0.0;  // max |reference - exact|
-  TapDiff taps;             // tp == 1 with RunOptions::taps: every tap, first divergence named
+  TapDiff taps;                  // tp == 1 with RunOptions::taps: every tap, first divergence named
   double seconds_reference = 0.0, seconds_optimized = 0.0;
   bool pass() const { return output.pass; }
   std::string report() const;  // one paragraph: id, errors, bound, tap table on failure

@@ -26,12 +26,15 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin) {
 
 std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin) {
   const TwinRun run = handler(f);
-  return parity::compare_record(run.record, run.expected ? *run.expected : parity::expected_of(f), twin_kind_name(twin));
+  return parity::compare_record(run.record, run.expected ? *run.expected : parity::expected_of(f),
+                                twin_kind_name(twin));
 }
 
 std::vector<Comparison> compare_fixture(const Fixture& f, TwinKind twin) {
   const FixtureHandler h = find_fixture_handler(f.kind, twin);
-  if (!h) throw FixtureError(f.path + ": the " + twin_kind_name(twin) + " twin does not support fixture kind '" + f.kind + "'");
+  if (!h)
+    throw FixtureError(f.path + ": the " + twin_kind_name(twin) + " twin does not support fixture kind '" + f.kind +
+                       "'");
   return compare_fixture(h, f, twin);
 }
 

@@ -62,7 +62,8 @@ std::vector<Comparison> compare_record(const Record& actual, const Expected& exp
     auto it = want.find(key);
     if (it == want.end()) {
       if (e.role != Role::Tap && e.role != Role::TapIn)
-        rows.push_back(failing(key, e.value.shape(), fmt::format("the {} twin produced this but the golden has none", twin)));
+        rows.push_back(
+            failing(key, e.value.shape(), fmt::format("the {} twin produced this but the golden has none", twin)));
       continue;
     }
     if (!done.insert(key).second) {
@@ -70,13 +71,15 @@ std::vector<Comparison> compare_record(const Record& actual, const Expected& exp
       continue;
     }
     const Tensor& x = *it->second;
-    Comparison c = exact_dtype(x.dtype()) || exact_dtype(e.value.dtype()) ? compare_exact(key, e.value, x)
-                                                                          : compare(key, e.value, x, bound ? bound(e, x) : golden_bound(e, x));
+    Comparison c = exact_dtype(x.dtype()) || exact_dtype(e.value.dtype())
+                       ? compare_exact(key, e.value, x)
+                       : compare(key, e.value, x, bound ? bound(e, x) : golden_bound(e, x));
     describe_rows(c, e, x);
     rows.push_back(std::move(c));
   }
   for (const auto& [key, t] : expected)
-    if (!done.count(key)) rows.push_back(failing(key, t.shape(), fmt::format("the {} twin produces no tensor for this name", twin)));
+    if (!done.count(key))
+      rows.push_back(failing(key, t.shape(), fmt::format("the {} twin produces no tensor for this name", twin)));
   return rows;
 }
 

@@ -49,9 +49,9 @@ struct Inspected {
   std::string format;  // safetensors | pt | json
   std::uint64_t bytes = 0;
   std::map<std::string, std::string> metadata;
-  json config;         // parsed config restricted to the fields the file sets; null if none
+  json config;  // parsed config restricted to the fields the file sets; null if none
   std::vector<std::pair<std::string, Tensor>> tensors;
-  json table;          // JSON fixture tables
+  json table;  // JSON fixture tables
 };
 
 std::uint64_t file_bytes(const std::string& path) {
@@ -114,13 +114,17 @@ Inspected load(const std::string& path) {
 }
 
 json to_json_line(const std::string& path, const Inspected& r) {
-  json j = {{"file", path}, {"status", "ok"}, {"message", ""}, {"format", r.format}, {"bytes", r.bytes},
-            {"metadata", r.metadata}, {"config", r.config}};
+  json j = {{"file", path},     {"status", "ok"},         {"message", ""},     {"format", r.format},
+            {"bytes", r.bytes}, {"metadata", r.metadata}, {"config", r.config}};
   json ts = json::array();
   for (const auto& [name, t] : r.tensors) {
     const Stats s = stats(t);
-    ts.push_back({{"name", name}, {"dtype", dtype_name(t.dtype())}, {"shape", t.shape()},
-                  {"min", s.min}, {"max", s.max}, {"mean", s.mean}});
+    ts.push_back({{"name", name},
+                  {"dtype", dtype_name(t.dtype())},
+                  {"shape", t.shape()},
+                  {"min", s.min},
+                  {"max", s.max},
+                  {"mean", s.mean}});
   }
   j["tensors"] = ts;
   if (r.format == "json") {
@@ -133,16 +137,20 @@ json to_json_line(const std::string& path, const Inspected& r) {
 void print_text(const std::string& path, const Inspected& r, std::ostream& out) {
   out << fmt::format("{} ({}, {} bytes)\n", path, r.format, r.bytes);
   if (r.format == "json") {
-    out << fmt::format("kind: {}\n", r.table.is_object() ? r.table.value("kind", std::string("(none)")) : "(not an object)");
-    if (r.table.is_object() && r.table.contains("entries")) out << fmt::format("entries: {}\n", r.table["entries"].size());
+    out << fmt::format("kind: {}\n",
+                       r.table.is_object() ? r.table.value("kind", std::string("(none)")) : "(not an object)");
+    if (r.table.is_object() && r.table.contains("entries"))
+      out << fmt::format("entries: {}\n", r.table["entries"].size());
     return;
   }
   if (!r.metadata.empty()) {
     out << "metadata:\n";
     for (const auto& [k, v] : r.metadata) {
       std::string shown = one_line(v);
-      if (k == "config") shown = fmt::format("<JSON, {} chars; parsed below>", v.size());
-      else if (shown.size() > 100) shown = fmt::format("{}... ({} chars)", shown.substr(0, 96), v.size());
+      if (k == "config")
+        shown = fmt::format("<JSON, {} chars; parsed below>", v.size());
+      else if (shown.size() > 100)
+        shown = fmt::format("{}... ({} chars)", shown.substr(0, 96), v.size());
       out << fmt::format("  {}: {}\n", k, shown);
     }
   }
@@ -158,7 +166,8 @@ void print_text(const std::string& path, const Inspected& r, std::ostream& out) 
   std::size_t sw = 5;
   for (const auto& [name, t] : r.tensors) sw = std::max(sw, shape_str(t.shape()).size());
   out << fmt::format("tensors ({}):\n", r.tensors.size());
-  out << fmt::format("  {:<{}}  {:<5}  {:<{}}  {:>12}  {:>12}  {:>12}\n", "name", w, "dtype", "shape", sw, "min", "max", "mean");
+  out << fmt::format("  {:<{}}  {:<5}  {:<{}}  {:>12}  {:>12}  {:>12}\n", "name", w, "dtype", "shape", sw, "min", "max",
+                     "mean");
   for (const auto& [name, t] : r.tensors) {
     const Stats s = stats(t);
     out << fmt::format("  {:<{}}  {:<5}  {:<{}}  {:>12}  {:>12}  {:>12}\n", name, w, dtype_name(t.dtype()),

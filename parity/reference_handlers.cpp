@@ -75,8 +75,8 @@ TwinRun run_reference_moe_layer(const Fixture& f) {
   const TransformerConfig& cfg = f.config;
   if (!cfg.num_moe_experts) throw FixtureError(f.path + ": kind moe_layer but config.num_moe_experts is None");
   check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb", "padding_mask"});
-  const ModuleSpec spec = moe::get_gpt_layer_local_moe_spec(*cfg.num_moe_experts, cfg.moe_grouped_gemm, cfg.qk_layernorm,
-                                                            cfg.normalization, cfg.qk_l2_norm);
+  const ModuleSpec spec = moe::get_gpt_layer_local_moe_spec(*cfg.num_moe_experts, cfg.moe_grouped_gemm,
+                                                            cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm);
   moe::MoETransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
   LayerInputs in = layer_inputs(f);
   in.padding_mask = optional_input(f, "padding_mask");
@@ -84,7 +84,8 @@ TwinRun run_reference_moe_layer(const Fixture& f) {
   // implementation-defined order; the golden's post-drop map (tap.mlp.router.1) is then the input.
   const std::string tie = f.meta("tie_break_dependent", "false");
   if (tie != "true" && tie != "false")
-    throw FixtureError(f.path + ": __metadata__.tie_break_dependent must be \"true\" or \"false\", got \"" + tie + "\"");
+    throw FixtureError(f.path + ": __metadata__.tie_break_dependent must be \"true\" or \"false\", got \"" + tie +
+                       "\"");
   if (tie == "true") in.recorded_routing_map = &f.tensor("tap.mlp.router.1");
   return run_layer(layer, f, in);
 }

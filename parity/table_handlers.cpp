@@ -36,17 +36,20 @@ std::int64_t error_code(const std::string& python_type) {
 
 std::string cell_str(std::int64_t v) {
   switch (v) {
-    case kAssertionError: return "AssertionError";
-    case kZeroDivisionError: return "ZeroDivisionError";
-    case kOtherError: return "error";
-    case kNotComputed: return "not computed (config rejected)";
-    default: return std::to_string(v);
+    case kAssertionError:
+      return "AssertionError";
+    case kZeroDivisionError:
+      return "ZeroDivisionError";
+    case kOtherError:
+      return "error";
+    case kNotComputed:
+      return "not computed (config rejected)";
+    default:
+      return std::to_string(v);
   }
 }
 
-[[noreturn]] void bad_table(const Fixture& f, const std::string& what) {
-  throw FixtureError(f.path + ": " + what);
-}
+[[noreturn]] void bad_table(const Fixture& f, const std::string& what) { throw FixtureError(f.path + ": " + what); }
 
 // Expected cell: an integer, or {"error": "Type: message"}.
 std::int64_t expected_cell(const Fixture& f, const json& v, const std::string& where) {
@@ -100,7 +103,8 @@ TransformerConfig table_config(const Fixture& f, const json& entry_config, std::
   for (const auto& [k, v] : entry_config.items()) {
     if (k == "pipeline_dtype") continue;
     if (k == "pipeline_model_parallel_layout") {
-      if (!v.is_null()) bad_table(f, "entries[" + std::to_string(i) + "]: pipeline_model_parallel_layout is not modelled");
+      if (!v.is_null())
+        bad_table(f, "entries[" + std::to_string(i) + "]: pipeline_model_parallel_layout is not modelled");
       continue;
     }
     j[k] = v;
@@ -137,8 +141,8 @@ TwinRun run_reference_layer_offset_table(const Fixture& f) {
     }
     const bool megatron_rejected = entry.contains("config_error") && !entry["config_error"].is_null();
     rejected.add(twin_rejected, megatron_rejected,
-                 entry_label + " (twin: " + (twin_rejected ? twin_message : "accepted") + "; Megatron: " +
-                     (megatron_rejected ? entry["config_error"].dump() : "accepted") + ")");
+                 entry_label + " (twin: " + (twin_rejected ? twin_message : "accepted") +
+                     "; Megatron: " + (megatron_rejected ? entry["config_error"].dump() : "accepted") + ")");
 
     for (std::size_t r = 0; r < entry["results"].size(); ++r) {
       const json& res = entry["results"][r];
@@ -148,7 +152,8 @@ TwinRun run_reference_layer_offset_table(const Fixture& f) {
       std::optional<int> vp_stage;
       if (res.contains("vp_stage") && !res["vp_stage"].is_null()) {
         if (!res["vp_stage"].is_number_integer())
-          bad_table(f, "entries[" + std::to_string(i) + "].results[" + std::to_string(r) + "].vp_stage is not an integer");
+          bad_table(f,
+                    "entries[" + std::to_string(i) + "].results[" + std::to_string(r) + "].vp_stage is not an integer");
         vp_stage = res["vp_stage"].get<int>();
       }
       const std::string where = "entries[" + std::to_string(i) + "].results[" + std::to_string(r) + "]";
@@ -160,10 +165,10 @@ TwinRun run_reference_layer_offset_table(const Fixture& f) {
                                  : actual_cell([&] { return get_transformer_layer_offset(config, vp_stage, pp_rank); }),
                    expected_cell(f, res["offset"], where + ".offset"), row);
       if (res.contains("num_layers_to_build"))
-        num_layers_to_build.add(
-            twin_rejected ? kNotComputed
-                          : actual_cell([&] { return get_num_layers_to_build(config, vp_stage, pp_rank); }),
-            expected_cell(f, res["num_layers_to_build"], where + ".num_layers_to_build"), row);
+        num_layers_to_build.add(twin_rejected ? kNotComputed : actual_cell([&] {
+                                  return get_num_layers_to_build(config, vp_stage, pp_rank);
+                                }),
+                                expected_cell(f, res["num_layers_to_build"], where + ".num_layers_to_build"), row);
       // The same function on the unvalidated fields.
       if (res.contains("raw_offset"))
         raw_offset.add(actual_cell([&] { return get_transformer_layer_offset(config, vp_stage, pp_rank); }),
@@ -219,8 +224,8 @@ TwinRun run_reference_retro_layout_table(const Fixture& f) {
     }
     const std::string label = "num_layers=" + std::to_string(n);
     error.add(twin_error, megatron_error,
-              label + " (twin: " + (twin_error ? twin_message : "a layout") + "; Megatron: " +
-                  (megatron_error ? entry["error"].dump() : "a layout") + ")");
+              label + " (twin: " + (twin_error ? twin_message : "a layout") +
+                  "; Megatron: " + (megatron_error ? entry["error"].dump() : "a layout") + ")");
     if (megatron_error) continue;
 
     const json& expected_layers = entry["layers"];

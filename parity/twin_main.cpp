@@ -12,17 +12,21 @@
 
 int main(int argc, char** argv) {
   using namespace twin::cli;
-  CLI::App app{"twin: a numerical twin of Megatron-Core's TransformerLayer (reference and CUDA twins, golden fixtures)"};
+  CLI::App app{
+      "twin: a numerical twin of Megatron-Core's TransformerLayer (reference and CUDA twins, golden fixtures)"};
   app.require_subcommand(1);
   app.footer("Exit codes: 0 pass, 1 mismatch, 2 bad input, 3 unsupported fixture kind.");
 
   InspectOptions inspect;
-  auto* inspect_cmd = app.add_subcommand("inspect", "Print metadata, parsed config and tensors (dtype, shape, min/max/mean) of .safetensors, .pt and fixture .json files");
+  auto* inspect_cmd = app.add_subcommand("inspect",
+                                         "Print metadata, parsed config and tensors (dtype, shape, min/max/mean) of "
+                                         ".safetensors, .pt and fixture .json files");
   inspect_cmd->add_option("FILE", inspect.files, "Files to inspect")->required();
   inspect_cmd->add_flag("--json", inspect.json, "One JSON object per file per line");
 
   FixtureOptions fixture;
-  auto* fixture_cmd = app.add_subcommand("fixture", "Run Megatron fixture files through a twin and compare every output, tap and aux value");
+  auto* fixture_cmd = app.add_subcommand(
+      "fixture", "Run Megatron fixture files through a twin and compare every output, tap and aux value");
   fixture_cmd->add_option("FILE", fixture.files, "Fixture files (.safetensors or .json tables)")->required();
   fixture_cmd->add_option("--twin", fixture.twin, "Which twin runs the fixtures")
       ->check(CLI::IsMember({"reference", "optimized", "both"}))
@@ -31,18 +35,23 @@ int main(int argc, char** argv) {
                         "One JSON object per file and twin per line: file, kind, twin, status, message, tensors[]");
 
   CheckOptions check;
-  auto* check_cmd = app.add_subcommand("check", "The main job: check the twins against their references (ci/check runs it)");
+  auto* check_cmd =
+      app.add_subcommand("check", "The main job: check the twins against their references (ci/check runs it)");
   check_cmd->add_flag("--json", check.json, "One JSON object on stdout");
 
   CaseOptions case_opt;
-  auto* case_cmd = app.add_subcommand("case", "Rerun one dense-layer parity case from its id (printed by a failing property test)");
+  auto* case_cmd =
+      app.add_subcommand("case", "Rerun one dense-layer parity case from its id (printed by a failing property test)");
   case_cmd->add_option("ID", case_opt.id, "The case id, dense(h=...,seed=...)")->required();
-  case_cmd->add_option("--backend", case_opt.backend, "Where the optimized twin runs")->check(CLI::IsMember({"sim", "cuda"}))->capture_default_str();
+  case_cmd->add_option("--backend", case_opt.backend, "Where the optimized twin runs")
+      ->check(CLI::IsMember({"sim", "cuda"}))
+      ->capture_default_str();
   case_cmd->add_flag("--graph", case_opt.graph, "Replay the optimized layer from a captured CUDA graph");
 
   int layout_num_layers = 0;
   bool layout_json = false;
-  auto* layout_cmd = app.add_subcommand("layout", "Print a Retro decoder block's layout: one line per layer (gpt, retro, retro_with_encoder)");
+  auto* layout_cmd = app.add_subcommand(
+      "layout", "Print a Retro decoder block's layout: one line per layer (gpt, retro, retro_with_encoder)");
   layout_cmd->add_option("--num-layers", layout_num_layers, "Layers in the decoder block (at least 6)")->required();
   layout_cmd->add_flag("--json", layout_json, "One JSON object: num_layers, layers[]");
 

@@ -19,14 +19,22 @@ ActivationFunc activation_from_name(const std::string& name) {
 
 const char* activation_name(ActivationFunc f) {
   switch (f) {
-    case ActivationFunc::Gelu: return "gelu";
-    case ActivationFunc::ErfGelu: return "erf_gelu";
-    case ActivationFunc::OpenAIGelu: return "openai_gelu";
-    case ActivationFunc::FastGelu: return "fast_gelu";
-    case ActivationFunc::QuickGelu: return "quick_gelu";
-    case ActivationFunc::Silu: return "silu";
-    case ActivationFunc::Relu: return "relu";
-    case ActivationFunc::SquaredRelu: return "squared_relu";
+    case ActivationFunc::Gelu:
+      return "gelu";
+    case ActivationFunc::ErfGelu:
+      return "erf_gelu";
+    case ActivationFunc::OpenAIGelu:
+      return "openai_gelu";
+    case ActivationFunc::FastGelu:
+      return "fast_gelu";
+    case ActivationFunc::QuickGelu:
+      return "quick_gelu";
+    case ActivationFunc::Silu:
+      return "silu";
+    case ActivationFunc::Relu:
+      return "relu";
+    case ActivationFunc::SquaredRelu:
+      return "squared_relu";
   }
   return "?";
 }
@@ -36,7 +44,7 @@ static double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 // One element; `r` is the store into the activation dtype after each torch op.
 static double act1(ActivationFunc f, double x, const Precision& p) {
   switch (f) {
-    case ActivationFunc::Gelu:  // one fused torch kernel
+    case ActivationFunc::Gelu:                                       // one fused torch kernel
       return p.act(x * 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))));  // rounds: output
     case ActivationFunc::ErfGelu: {
       const double e = p.act(std::erf(p.act(x / 1.41421)));  // rounds: x / 1.41421, erf(...)
@@ -55,10 +63,10 @@ static double act1(ActivationFunc f, double x, const Precision& p) {
       // each op stores (verified bitwise against LibTorch 1.13, tests/reference/moe/test_moe_torch_crosscheck.cpp).
       return p.act(x / p.act(1.0 + p.act(std::exp(-x))));  // rounds: exp(-x), 1 + ..., x / ...
     case ActivationFunc::Relu:
-      return x > 0.0 ? x : 0.0;      // exact
+      return x > 0.0 ? x : 0.0;  // exact
     case ActivationFunc::SquaredRelu: {
       const double r = x > 0.0 ? x : 0.0;
-      return p.act(r * r);           // rounds: pow(relu(x), 2)
+      return p.act(r * r);  // rounds: pow(relu(x), 2)
     }
   }
   return x;
@@ -67,11 +75,16 @@ static double act1(ActivationFunc f, double x, const Precision& p) {
 // Stores on the longest path through act1 (the `rounds:` marks above).
 static int act1_stores(ActivationFunc f) {
   switch (f) {
-    case ActivationFunc::ErfGelu: return 4;  // x / 1.41421, erf, + 1, product
-    case ActivationFunc::QuickGelu: return 3;
-    case ActivationFunc::Silu: return 3;
-    case ActivationFunc::Relu: return 0;
-    default: return 1;
+    case ActivationFunc::ErfGelu:
+      return 4;  // x / 1.41421, erf, + 1, product
+    case ActivationFunc::QuickGelu:
+      return 3;
+    case ActivationFunc::Silu:
+      return 3;
+    case ActivationFunc::Relu:
+      return 0;
+    default:
+      return 1;
   }
 }
 
@@ -84,10 +97,9 @@ Mat apply_activation(ActivationFunc f, const Mat& x, const Precision& p) {
 
 Mat glu(ActivationFunc f, const Mat& x, double glu_linear_offset, std::optional<double> clamp_value,
         const Precision& p) {
-  if (x.cols() % 2 != 0)
-    throw ShapeError("glu: last dimension " + std::to_string(x.cols()) + " is not even");
+  if (x.cols() % 2 != 0) throw ShapeError("glu: last dimension " + std::to_string(x.cols()) + " is not even");
   const Eigen::Index half = x.cols() / 2;
-  Mat x_glu = x.leftCols(half);     // torch.chunk(x, 2, dim=-1)[0]
+  Mat x_glu = x.leftCols(half);      // torch.chunk(x, 2, dim=-1)[0]
   Mat x_linear = x.rightCols(half);  // [1]
   if (clamp_value) {
     const double val = *clamp_value;
@@ -103,9 +115,10 @@ Mat glu(ActivationFunc f, const Mat& x, double glu_linear_offset, std::optional<
   p.count_act();  // the product
   Mat y(x.rows(), half);
   for (Eigen::Index i = 0; i < y.size(); ++i) {
-    const double lin = glu_linear_offset == 0.0 ? x_linear.data()[i]
-                                                : p.act(x_linear.data()[i] + glu_linear_offset);  // rounds: x_linear + offset
-    y.data()[i] = p.act(a.data()[i] * lin);  // rounds: act(x_glu) * (...)
+    const double lin = glu_linear_offset == 0.0
+                           ? x_linear.data()[i]
+                           : p.act(x_linear.data()[i] + glu_linear_offset);  // rounds: x_linear + offset
+    y.data()[i] = p.act(a.data()[i] * lin);                                  // rounds: act(x_glu) * (...)
   }
   return y;
 }

@@ -50,9 +50,13 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const SelfAttentio
       core_attention(config, layer_number, attn_mask_type, p),
       linear_proj(config.num_attention_heads * config.head_dim(), config.hidden_size, config.add_bias_linear,
                   /*skip_bias_add=*/true, p),
-      np_(config.num_attention_heads), ng_(config.query_groups()), hn_(config.head_dim()),
-      hidden_(config.hidden_size), output_gate_(config.attention_output_gate),
-      rotary_interleaved_(config.rotary_interleaved), p_(p) {
+      np_(config.num_attention_heads),
+      ng_(config.query_groups()),
+      hn_(config.head_dim()),
+      hidden_(config.hidden_size),
+      output_gate_(config.attention_output_gate),
+      rotary_interleaved_(config.rotary_interleaved),
+      p_(p) {
   if (submodules.q_layernorm) q_layernorm = submodules.q_layernorm(config, hn_, config.layernorm_epsilon, p);
   if (submodules.k_layernorm) k_layernorm = submodules.k_layernorm(config, hn_, config.layernorm_epsilon, p);
 }
@@ -72,7 +76,7 @@ SelfAttention::QKV SelfAttention::get_query_key_value_tensors(const Mat& hidden_
   const Mat& mixed_qkv = qkv.output;
   record_mat(taps, "linear_qkv.0", mixed_qkv, {a.s, a.b, mixed_qkv.cols()}, p_);
 
-  const int r = np_ / ng_;                                    // num_query_heads_per_group
+  const int r = np_ / ng_;  // num_query_heads_per_group
   const int per_group = (output_gate_ ? 2 * r + 2 : r + 2) * hn_;
   const Eigen::Index tokens = static_cast<Eigen::Index>(a.s) * a.b;
   QKV out;
@@ -124,16 +128,16 @@ AttentionOutput SelfAttention::forward(const Mat& hidden_states, const Attention
     p_.count_act(3);  // t * cos_, _rotate_half(t) * sin_, sum: on q and on k alike
   }
 
-  Mat core_attn_out = core_attention.forward(qkv.query, qkv.key, qkv.value, a.s, a.s, a.b, a.attention_mask,
-                                             a.training, a.rng);  // [sq, b, np * hn]
+  Mat core_attn_out = core_attention.forward(qkv.query, qkv.key, qkv.value, a.s, a.s, a.b, a.attention_mask, a.training,
+                                             a.rng);  // [sq, b, np * hn]
   record_mat(taps, "core_attention", core_attn_out, {a.s, a.b, core_attn_out.cols()}, p_);
 
   if (qkv.gate) {  // _apply_output_gate: x * sigmoid(gate.float()), back to x's dtype
     for (Eigen::Index t = 0; t < core_attn_out.rows(); ++t)
       for (Eigen::Index c = 0; c < core_attn_out.cols(); ++c) {
         const double gate = (*qkv.gate)(t * np_ + c / hn_, c % hn_);
-        const double sig = p_.f32(1.0 / (1.0 + std::exp(-gate)));              // rounds: sigmoid in fp32
-        core_attn_out(t, c) = p_.act(p_.f32(core_attn_out(t, c) * sig));         // rounds: fp32 product, .to(x_dtype)
+        const double sig = p_.f32(1.0 / (1.0 + std::exp(-gate)));         // rounds: sigmoid in fp32
+        core_attn_out(t, c) = p_.act(p_.f32(core_attn_out(t, c) * sig));  // rounds: fp32 product, .to(x_dtype)
       }
     p_.count_f32();
     p_.count_act();
@@ -143,7 +147,8 @@ AttentionOutput SelfAttention::forward(const Mat& hidden_states, const Attention
   static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out);
   if (taps.enabled()) {
     record_mat(taps, "linear_proj.0", out.output, {a.s, a.b, out.output.cols()}, p_);
-    if (out.bias) taps.record_param("linear_proj.1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
+    if (out.bias)
+      taps.record_param("linear_proj.1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
   }
   record_own_output(taps, out, a.s, a.b, p_);
   return out;
@@ -159,7 +164,10 @@ CrossAttention::CrossAttention(const TransformerConfig& config, int layer_number
       core_attention(config, layer_number, attn_mask_type, p),
       linear_proj(config.num_attention_heads * config.head_dim(), config.hidden_size, config.add_bias_linear,
                   /*skip_bias_add=*/true, p),
-      np_(config.num_attention_heads), hn_(config.head_dim()), hidden_(config.hidden_size), p_(p) {
+      np_(config.num_attention_heads),
+      hn_(config.head_dim()),
+      hidden_(config.hidden_size),
+      p_(p) {
   if (config.query_groups() != config.num_attention_heads)
     throw ConfigError("Group query attention is not currently supported in cross attention (num_query_groups " +
                       std::to_string(config.query_groups()) + " != num_attention_heads " +
@@ -177,16 +185,17 @@ AttentionOutput CrossAttention::forward(const Mat& hidden_states, const Attentio
   if (!a.key_value_states) throw std::invalid_argument("CrossAttention: key_value_states cannot be None");
   const Tensor& kv = *a.key_value_states;
   if (kv.dim() != 3 || kv.size(1) != a.b || kv.size(2) != hidden_)
-    throw ShapeError("CrossAttention: key_value_states expected shape " + dims({-1, a.b, hidden_}) + " (sk, b, h), got " +
-                     shape_str(kv.shape()));
+    throw ShapeError("CrossAttention: key_value_states expected shape " + dims({-1, a.b, hidden_}) +
+                     " (sk, b, h), got " + shape_str(kv.shape()));
   const int sk = static_cast<int>(kv.size(0));
-  return forward_mats(hidden_states, a.s, a.b, to_mat(kv, static_cast<std::int64_t>(sk) * a.b, hidden_, "key_value_states"),
-                      sk, a.attention_mask, a.training, a.rng, taps);
+  return forward_mats(hidden_states, a.s, a.b,
+                      to_mat(kv, static_cast<std::int64_t>(sk) * a.b, hidden_, "key_value_states"), sk,
+                      a.attention_mask, a.training, a.rng, taps);
 }
 
 AttentionOutput CrossAttention::forward_mats(const Mat& hidden_states, int sq, int b, const Mat& key_value_states,
-                                             int sk, const Tensor* attention_mask, bool training,
-                                             const DropoutRng& rng, const Taps& taps) {
+                                             int sk, const Tensor* attention_mask, bool training, const DropoutRng& rng,
+                                             const Taps& taps) {
   if (hidden_states.rows() != static_cast<Eigen::Index>(sq) * b || hidden_states.cols() != hidden_)
     throw ShapeError("CrossAttention: hidden_states expected shape " + dims({sq, b, hidden_}));
   // Attention heads [sk, b, h] --> [sk, b, (np * 2 * hn)] --> [sk, b, np, 2 * hn] --> 2 x [sk, b, np, hn]
@@ -211,7 +220,8 @@ AttentionOutput CrossAttention::forward_mats(const Mat& hidden_states, int sq, i
   static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out);
   if (taps.enabled()) {
     record_mat(taps, "linear_proj.0", out.output, {sq, b, out.output.cols()}, p_);
-    if (out.bias) taps.record_param("linear_proj.1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
+    if (out.bias)
+      taps.record_param("linear_proj.1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
   }
   record_own_output(taps, out, sq, b, p_);
   return out;

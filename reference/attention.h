@@ -37,18 +37,18 @@
 namespace twin::reference {
 
 struct AttentionArgs {
-  int s = 0, b = 0;                           // hidden_states is [s, b, h]
-  const Tensor* attention_mask = nullptr;     // self: attention_mask; cross: context_mask
-  const Tensor* key_value_states = nullptr;   // cross: context [sk, b, h]
-  const Tensor* rotary_pos_emb = nullptr;     // [s, 1, 1, rot_dim]
+  int s = 0, b = 0;                          // hidden_states is [s, b, h]
+  const Tensor* attention_mask = nullptr;    // self: attention_mask; cross: context_mask
+  const Tensor* key_value_states = nullptr;  // cross: context [sk, b, h]
+  const Tensor* rotary_pos_emb = nullptr;    // [s, 1, 1, rot_dim]
   bool training = false;
-  DropoutRng rng;                             // attention dropout stream
+  DropoutRng rng;  // attention dropout stream
 };
 
 // (output, bias) plus what a dict-returning attention (Retro) hands to its bda.
 struct AttentionOutput : OutputWithBias {
-  std::optional<Tensor> context;        // a dict output's "context" (Retro), else none
-  std::shared_ptr<const void> extra;    // module-specific payload for a matching bda
+  std::optional<Tensor> context;      // a dict output's "context" (Retro), else none
+  std::shared_ptr<const void> extra;  // module-specific payload for a matching bda
 };
 
 class AttentionModule {
@@ -60,7 +60,8 @@ class AttentionModule {
 };
 
 // Submodules of SelfAttention (SelfAttentionSubmodules): q/k layernorm builders, empty = IdentityOp.
-using QKNormBuilder = std::function<std::unique_ptr<Norm>(const TransformerConfig&, int hidden_size, double eps, Precision)>;
+using QKNormBuilder =
+    std::function<std::unique_ptr<Norm>(const TransformerConfig&, int hidden_size, double eps, Precision)>;
 struct SelfAttentionSubmodules {
   QKNormBuilder q_layernorm;  // empty: IdentityOp
   QKNormBuilder k_layernorm;
@@ -74,10 +75,13 @@ class SelfAttention : public AttentionModule {
   AttentionOutput forward(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) override;
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;
 
-  struct QKV { Mat query, key, value; std::optional<Mat> gate; };  // [s*b*np, hn], [s*b*ng, hn] x2
+  struct QKV {
+    Mat query, key, value;
+    std::optional<Mat> gate;
+  };  // [s*b*np, hn], [s*b*ng, hn] x2
   QKV get_query_key_value_tensors(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) const;
 
-  Linear linear_qkv;   // [ng * (np/ng + 2) * hn, h]
+  Linear linear_qkv;                               // [ng * (np/ng + 2) * hn, h]
   std::unique_ptr<Norm> q_layernorm, k_layernorm;  // null: IdentityOp
   DotProductAttention core_attention;
   Linear linear_proj;  // [h, np * hn]
@@ -95,12 +99,11 @@ class CrossAttention : public AttentionModule {
   AttentionOutput forward(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) override;
   // The same with the context already as a matrix: key_value_states [sk * b, h].
   AttentionOutput forward_mats(const Mat& hidden_states, int sq, int b, const Mat& key_value_states, int sk,
-                               const Tensor* attention_mask, bool training, const DropoutRng& rng,
-                               const Taps& taps);
+                               const Tensor* attention_mask, bool training, const DropoutRng& rng, const Taps& taps);
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;
 
-  Linear linear_q;     // [np * hn, h]
-  Linear linear_kv;    // [2 * np * hn, h]
+  Linear linear_q;   // [np * hn, h]
+  Linear linear_kv;  // [2 * np * hn, h]
   DotProductAttention core_attention;
   Linear linear_proj;  // [h, np * hn]
 

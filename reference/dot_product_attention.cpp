@@ -3,7 +3,6 @@
 #include <cmath>
 #include <vector>
 
-
 namespace twin::reference {
 
 AttnMaskType attn_mask_type_from_name(const std::string& name) {
@@ -12,17 +11,19 @@ AttnMaskType attn_mask_type_from_name(const std::string& name) {
   if (name == "no_mask") return AttnMaskType::no_mask;
   if (name == "padding_causal") return AttnMaskType::padding_causal;
   if (name == "arbitrary") return AttnMaskType::arbitrary;
-  throw ConfigError("attn_mask_type: unknown value '" + name + "' (padding, causal, no_mask, padding_causal, arbitrary)");
+  throw ConfigError("attn_mask_type: unknown value '" + name +
+                    "' (padding, causal, no_mask, padding_causal, arbitrary)");
 }
 
-DotProductAttention::DotProductAttention(const TransformerConfig& config, int layer_number_,
-                                         AttnMaskType mask_type, Precision p,
-                                         std::optional<double> attention_dropout_,
+DotProductAttention::DotProductAttention(const TransformerConfig& config, int layer_number_, AttnMaskType mask_type,
+                                         Precision p, std::optional<double> attention_dropout_,
                                          std::optional<double> softmax_scale_)
     : layer_number(std::max(1, layer_number_)),
       attn_mask_type(mask_type),
       attention_dropout(attention_dropout_.value_or(config.attention_dropout)),
-      np_(config.num_attention_heads), ng_(config.query_groups()), hn_(config.head_dim()),
+      np_(config.num_attention_heads),
+      ng_(config.query_groups()),
+      hn_(config.head_dim()),
       softmax_in_fp32_(config.attention_softmax_in_fp32),
       input_in_float16_(config.fp16 || config.bf16),
       softmax_type_(config.softmax_type),
@@ -38,8 +39,9 @@ DotProductAttention::DotProductAttention(const TransformerConfig& config, int la
     softmax_scale /= *coeff;
   }
   if (coeff && !softmax_in_fp32_)
-    throw ConfigError("apply_query_key_layer_scaling: softmax should be in fp32 when scaled "
-                      "(attention_softmax_in_fp32 is false)");
+    throw ConfigError(
+        "apply_query_key_layer_scaling: softmax should be in fp32 when scaled "
+        "(attention_softmax_in_fp32 is false)");
   if (softmax_type_ == "off-by-one") {
     softmax_offset = RowVec::Zero(np_);
   } else if (softmax_type_ == "learnable") {
@@ -61,8 +63,8 @@ void check_attention_mask(const Tensor& mask, int b, int np, int sq, int sk, con
   if (mask.dtype() != DType::BOOL)
     throw ShapeError(what + ": expected a BOOL mask (True = masked) of shape " + shape_str(want) + ", got " +
                      mask.describe());
-  const bool ok = sh.size() == 4 && (sh[0] == b || sh[0] == 1) && (sh[1] == 1 || sh[1] == np) &&
-                  sh[2] == sq && sh[3] == sk;
+  const bool ok =
+      sh.size() == 4 && (sh[0] == b || sh[0] == 1) && (sh[1] == 1 || sh[1] == np) && sh[2] == sq && sh[3] == sk;
   if (!ok)
     throw ShapeError(what + ": expected shape " + shape_str(want) + " (dims 0 and 1 may also be 1 / " +
                      std::to_string(np) + "), got " + shape_str(sh));
@@ -91,8 +93,10 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   }
   auto masked = [&](int bi, int h, int i, int j) -> bool {
     switch (source) {
-      case MaskSource::None: return false;
-      case MaskSource::Causal: return j > i;  // triu(ones, diagonal=1)
+      case MaskSource::None:
+        return false;
+      case MaskSource::Causal:
+        return j > i;  // triu(ones, diagonal=1)
       case MaskSource::Window: {
         const int d = sk - sq;  // ~(tril(triu(m, d - w0), d + w1))
         return !(j - i >= d - (*window_size_)[0] && j - i <= d + (*window_size_)[1]);
@@ -122,8 +126,8 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
         for (int j = 0; j < sk; ++j) {
           const auto k = key.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g);
           double score = p_.act(softmax_scale * q.dot(k));  // rounds: baddbmm output (alpha inside), activation dtype
-          if (coeff) score = p_.f32(score * *coeff);         // rounds: input * scale, fp32 (softmax_in_fp32 asserted)
-          if (masked(bi, h, i, j)) score = sm(-10000.0);     // masked_fill_(mask, -10000.0)
+          if (coeff) score = p_.f32(score * *coeff);        // rounds: input * scale, fp32 (softmax_in_fp32 asserted)
+          if (masked(bi, h, i, j)) score = sm(-10000.0);    // masked_fill_(mask, -10000.0)
           row[j] = score;
         }
         int n = sk;
@@ -145,7 +149,8 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
         const std::uint64_t base = (static_cast<std::uint64_t>(bi) * np_ + h) * sq * sk;
         for (int i = 0; i < sq; ++i)
           for (int j = 0; j < sk; ++j) {
-            const bool keep = (philox_word(rng.seed, rng.offset, base + static_cast<std::uint64_t>(i) * sk + j) >> 8) < threshold;
+            const bool keep =
+                (philox_word(rng.seed, rng.offset, base + static_cast<std::uint64_t>(i) * sk + j) >> 8) < threshold;
             probs(i, j) = keep ? p_.act(probs(i, j) * scale) : 0.0;  // rounds: dropout product, activation dtype
           }
       }
@@ -154,7 +159,8 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
         for (int c = 0; c < hn_; ++c) {
           double acc = 0.0;
           for (int j = 0; j < sk; ++j) acc += probs(i, j) * value((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g, c);
-          context(static_cast<Eigen::Index>(i) * b + bi, static_cast<Eigen::Index>(h) * hn_ + c) = p_.act(acc);  // rounds: bmm output
+          context(static_cast<Eigen::Index>(i) * b + bi, static_cast<Eigen::Index>(h) * hn_ + c) =
+              p_.act(acc);  // rounds: bmm output
         }
       }
     }
@@ -162,7 +168,7 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   p_.count_reduce(hn_);  // q . k
   p_.count_act();
   if (coeff) p_.count_f32();
-  p_.count_reduce(sk);   // the softmax's sum
+  p_.count_reduce(sk);  // the softmax's sum
   if (upcast) {
     p_.count_f32();
     p_.count_act();
@@ -170,7 +176,7 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
     p_.count_act();
   }
   if (training && attention_dropout > 0.0) p_.count_act();
-  p_.count_reduce(sk);   // probs @ v
+  p_.count_reduce(sk);  // probs @ v
   p_.count_act();
   return context;
 }

@@ -30,21 +30,21 @@ AttnMaskType attn_mask_type_from_name(const std::string& name);  // ConfigError 
 
 class DotProductAttention {
  public:
-  DotProductAttention(const TransformerConfig& config, int layer_number, AttnMaskType attn_mask_type,
-                      Precision p, std::optional<double> attention_dropout = std::nullopt,
+  DotProductAttention(const TransformerConfig& config, int layer_number, AttnMaskType attn_mask_type, Precision p,
+                      std::optional<double> attention_dropout = std::nullopt,
                       std::optional<double> softmax_scale = std::nullopt);
 
   // query [sq, b, np, hn], key / value [sk, b, ng, hn], all as row-major (s * b * heads) x hn
   // matrices. attention_mask: BOOL, [b or 1, 1 or np, sq, sk] (True = masked), or nullptr.
   // Returns context [sq * b, np * hn].
-  Mat forward(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
-              const Tensor* attention_mask, bool training, const DropoutRng& rng) const;
+  Mat forward(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b, const Tensor* attention_mask,
+              bool training, const DropoutRng& rng) const;
 
   // learnable softmax offset (softmax_type == "learnable"): core_attention.softmax_offset [np]
   void load_state_dict(const StateDict& sd, const std::string& prefix);
 
-  double softmax_scale;               // alpha of the baddbmm (already divided by coeff)
-  std::optional<double> coeff;        // layer_number with apply_query_key_layer_scaling
+  double softmax_scale;         // alpha of the baddbmm (already divided by coeff)
+  std::optional<double> coeff;  // layer_number with apply_query_key_layer_scaling
   int layer_number;
   AttnMaskType attn_mask_type;
   double attention_dropout;

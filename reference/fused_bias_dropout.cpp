@@ -23,8 +23,8 @@ Mat bias_dropout_add(const Mat& x, const std::optional<RowVec>& bias, const Mat&
                      bool training, const DropoutRng& rng, const Precision& prec) {
   if (residual_in.rows() != x.rows() || residual_in.cols() != x.cols())
     throw ShapeError("bias_dropout_add: residual [" + std::to_string(residual_in.rows()) + ", " +
-                     std::to_string(residual_in.cols()) + "] does not match x [" +
-                     std::to_string(x.rows()) + ", " + std::to_string(x.cols()) + "]");
+                     std::to_string(residual_in.cols()) + "] does not match x [" + std::to_string(x.rows()) + ", " +
+                     std::to_string(x.cols()) + "]");
   const Mat residual = prec.act(residual_in);  // rounds: residual.to(x.dtype)
   Mat h = x;
   if (bias) {
@@ -37,7 +37,7 @@ Mat bias_dropout_add(const Mat& x, const std::optional<RowVec>& bias, const Mat&
   }
   Mat out = residual + dropout(h, prob, training, rng, prec);
   prec.act_inplace(out);  // rounds: residual + out, activation dtype
-  prec.count_act();  // the residual was computed before x: its count is already included
+  prec.count_act();       // the residual was computed before x: its count is already included
   return out;
 }
 

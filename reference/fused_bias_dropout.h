@@ -21,7 +21,7 @@ Mat dropout(const Mat& x, double p, bool training, const DropoutRng& rng, const 
 
 // x [n, h], bias [h] or none, residual [n, h] (already in the activation dtype, or rounded to it
 // here as residual.to(x.dtype)).
-Mat bias_dropout_add(const Mat& x, const std::optional<RowVec>& bias, const Mat& residual, double prob,
-                     bool training, const DropoutRng& rng, const Precision& prec);
+Mat bias_dropout_add(const Mat& x, const std::optional<RowVec>& bias, const Mat& residual, double prob, bool training,
+                     const DropoutRng& rng, const Precision& prec);
 
 }  // namespace twin::reference

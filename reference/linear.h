@@ -26,7 +26,7 @@ class Linear {
  public:
   Linear(int input_size, int output_size, bool bias, bool skip_bias_add, Precision p);
 
-  OutputWithBias forward(const Mat& x) const;  // x [n, input_size]
+  OutputWithBias forward(const Mat& x) const;                            // x [n, input_size]
   void load_state_dict(const StateDict& sd, const std::string& prefix);  // weight (+ bias)
 
   int input_size() const { return input_size_; }

@@ -4,8 +4,8 @@
 
 namespace twin::reference {
 
-void record_output_with_bias(const Taps& taps, const std::string& name, const OutputWithBias& o,
-                             const Shape& lead, const Precision& p) {
+void record_output_with_bias(const Taps& taps, const std::string& name, const OutputWithBias& o, const Shape& lead,
+                             const Precision& p) {
   if (!taps.enabled()) return;
   Shape shape = lead;
   shape.push_back(o.output.cols());
@@ -20,8 +20,8 @@ static int fc1_out(const TransformerConfig& c, std::optional<int> ffn) {
 
 MLP::MLP(const TransformerConfig& config, Precision p, std::optional<int> input_size,
          std::optional<int> ffn_hidden_size)
-    : linear_fc1(input_size.value_or(config.hidden_size), fc1_out(config, ffn_hidden_size),
-                 config.add_bias_linear, /*skip_bias_add=*/true, p),
+    : linear_fc1(input_size.value_or(config.hidden_size), fc1_out(config, ffn_hidden_size), config.add_bias_linear,
+                 /*skip_bias_add=*/true, p),
       linear_fc2(ffn_hidden_size.value_or(config.ffn()), config.hidden_size, config.add_bias_linear,
                  /*skip_bias_add=*/true, p),
       activation_func(activation_from_name(config.activation_func)),
@@ -55,7 +55,7 @@ static Mat fused_bias_activation(const Mat& y_in, const std::optional<RowVec>& b
     p.act_inplace(y);  // rounds: y + bias
     p.count_act();
   }
-  if (!glu_unit) {  // bias_gelu_impl
+  if (!glu_unit) {                                                                            // bias_gelu_impl
     for (Eigen::Index i = 0; i < y.size(); ++i) y.data()[i] = p.act(tanh_gelu(y.data()[i]));  // rounds: fused gelu
     p.count_act();
     return y;
@@ -65,9 +65,9 @@ static Mat fused_bias_activation(const Mat& y_in, const std::optional<RowVec>& b
   for (Eigen::Index r = 0; r < y.rows(); ++r)
     for (Eigen::Index c = 0; c < half; ++c) {
       const double y1 = y(r, c), y2 = y(r, c + half);
-      const double a = f == ActivationFunc::Gelu ? p.act(tanh_gelu(y1))             // rounds: geglu's gelu
+      const double a = f == ActivationFunc::Gelu ? p.act(tanh_gelu(y1))                // rounds: geglu's gelu
                                                  : p.act(y1 / (1.0 + std::exp(-y1)));  // rounds: F.silu(y_1)
-      out(r, c) = p.act(a * y2);                                                      // rounds: * y_2
+      out(r, c) = p.act(a * y2);                                                       // rounds: * y_2
     }
   p.count_act(2);
   return out;
@@ -87,8 +87,9 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
   if (bias_activation_fusion && args.per_token_scale) {
     // weighted_bias_swiglu_impl: weighted_swiglu(y, w) = (swiglu(y) * w).to(y.dtype)
     if (!(activation_func == ActivationFunc::Silu && gated_linear_unit))
-      throw ConfigError("MLP: bias_activation_fusion with per_token_scale is mirrored for swiglu only "
-                        "(weighted_bias_quick_geglu_impl is not)");
+      throw ConfigError(
+          "MLP: bias_activation_fusion with per_token_scale is mirrored for swiglu only "
+          "(weighted_bias_quick_geglu_impl is not)");
     if (fc1.bias) throw ConfigError("MLP: Bias is not supported for weighted swiglu fusion");
     if (static_cast<Eigen::Index>(args.per_token_scale->size()) != intermediate_parallel.rows())
       throw ShapeError("MLP: per_token_scale has " + std::to_string(args.per_token_scale->size()) + " entries for " +
@@ -105,7 +106,8 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
     intermediate_parallel = sw;
     weighted_fused = true;
   } else if (bias_activation_fusion) {
-    intermediate_parallel = fused_bias_activation(intermediate_parallel, fc1.bias, activation_func, gated_linear_unit, p_);
+    intermediate_parallel =
+        fused_bias_activation(intermediate_parallel, fc1.bias, activation_func, gated_linear_unit, p_);
   } else if (fc1.bias) {
     intermediate_parallel.rowwise() += *fc1.bias;
     p_.act_inplace(intermediate_parallel);  // rounds: intermediate_parallel + bias_parallel

@@ -34,8 +34,8 @@
 namespace twin::reference {
 
 struct MlpArgs {
-  Shape lead;                            // leading dims of the input for tap shapes: {s, b} or {tokens}
-  const Tensor* padding_mask = nullptr;  // [b, s] True = padding (MoE only; MLP ignores it)
+  Shape lead;                                    // leading dims of the input for tap shapes: {s, b} or {tokens}
+  const Tensor* padding_mask = nullptr;          // [b, s] True = padding (MoE only; MLP ignores it)
   const Tensor* recorded_routing_map = nullptr;  // MoE only: LayerInputs::recorded_routing_map
   bool training = false;
   // MLP.forward's per_token_scale (MoE experts: the routing probability of each row, [n], stored
@@ -55,8 +55,8 @@ class MlpModule {
 };
 
 // Records a (output, bias) pair as name.0 / name.1 with shape lead + [cols].
-void record_output_with_bias(const Taps& taps, const std::string& name, const OutputWithBias& o,
-                             const Shape& lead, const Precision& p);
+void record_output_with_bias(const Taps& taps, const std::string& name, const OutputWithBias& o, const Shape& lead,
+                             const Precision& p);
 
 class MLP : public MlpModule {
  public:

@@ -33,10 +33,9 @@ std::array<std::uint32_t, 4> philox4x32_10(std::array<std::uint32_t, 4> c, std::
 
 std::uint32_t philox_word(std::uint64_t seed, std::uint64_t offset, std::uint64_t element) {
   const std::uint64_t block = element / 4;
-  const auto r = philox4x32_10(
-      {static_cast<std::uint32_t>(block), static_cast<std::uint32_t>(block >> 32),
-       static_cast<std::uint32_t>(offset), static_cast<std::uint32_t>(offset >> 32)},
-      {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)});
+  const auto r = philox4x32_10({static_cast<std::uint32_t>(block), static_cast<std::uint32_t>(block >> 32),
+                                static_cast<std::uint32_t>(offset), static_cast<std::uint32_t>(offset >> 32)},
+                               {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)});
   return r[element % 4];
 }
 

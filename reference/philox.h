@@ -24,8 +24,7 @@
 
 namespace twin::reference {
 
-std::array<std::uint32_t, 4> philox4x32_10(std::array<std::uint32_t, 4> counter,
-                                           std::array<std::uint32_t, 2> key);
+std::array<std::uint32_t, 4> philox4x32_10(std::array<std::uint32_t, 4> counter, std::array<std::uint32_t, 2> key);
 
 // The 32-bit word for element e (mapping above).
 std::uint32_t philox_word(std::uint64_t seed, std::uint64_t offset, std::uint64_t element);

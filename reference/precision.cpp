@@ -43,11 +43,10 @@ Tensor Precision::to_tensor_f32(const Mat& m, Shape shape) const {
 
 Mat to_mat(const Tensor& t, std::int64_t rows, std::int64_t cols, const std::string& what) {
   if (!t.defined()) throw ShapeError(what + ": tensor is undefined");
-  if (!is_floating(t.dtype()))
-    throw ShapeError(what + ": expected a floating tensor, got " + t.describe());
+  if (!is_floating(t.dtype())) throw ShapeError(what + ": expected a floating tensor, got " + t.describe());
   if (t.numel() != rows * cols)
-    throw ShapeError(what + ": expected " + std::to_string(rows) + " x " + std::to_string(cols) +
-                     " elements, got " + t.describe());
+    throw ShapeError(what + ": expected " + std::to_string(rows) + " x " + std::to_string(cols) + " elements, got " +
+                     t.describe());
   Mat m(rows, cols);
   const std::vector<double> v = t.to_f64();
   std::copy(v.begin(), v.end(), m.data());

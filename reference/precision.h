@@ -29,7 +29,7 @@
 
 namespace twin::reference {
 
-using Mat = RowMatrix<double>;   // [rows, cols], row-major
+using Mat = RowMatrix<double>;  // [rows, cols], row-major
 using RowVec = Eigen::RowVectorXd;
 
 enum class ComputeMode { FP32, Exact };
@@ -70,8 +70,14 @@ struct Precision {
   void act_inplace(Mat& m) const;
   void f32_inplace(Mat& m) const;
   void act_inplace(RowVec& v) const;
-  Mat act(Mat m) const { act_inplace(m); return m; }
-  Mat f32(Mat m) const { f32_inplace(m); return m; }
+  Mat act(Mat m) const {
+    act_inplace(m);
+    return m;
+  }
+  Mat f32(Mat m) const {
+    f32_inplace(m);
+    return m;
+  }
 
   // dtype of the tensors the reference hands out (taps, outputs): the activation dtype, or F64
   // in Exact mode (no rounding happened, none is applied on the way out).

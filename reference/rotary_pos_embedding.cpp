@@ -6,16 +6,16 @@
 
 namespace twin::reference {
 
-RotaryEmbedding::RotaryEmbedding(int kv_channels, double rotary_percent, bool rotary_interleaved,
-                                 double rotary_base)
+RotaryEmbedding::RotaryEmbedding(int kv_channels, double rotary_percent, bool rotary_interleaved, double rotary_base)
     : dim_(rotary_percent < 1.0 ? static_cast<int>(kv_channels * rotary_percent) : kv_channels),
-      rotary_interleaved_(rotary_interleaved), rotary_base_(rotary_base) {}
+      rotary_interleaved_(rotary_interleaved),
+      rotary_base_(rotary_base) {}
 
 Tensor RotaryEmbedding::forward(int max_seq_len, int offset) const {
   const int half = (dim_ + 1) / 2;  // arange(0, dim, 2)
   std::vector<float> inv_freq(half);
   for (int i = 0; i < half; ++i) {
-    const float e = static_cast<float>(2 * i) / static_cast<float>(dim_);                 // fp32 arange / dim
+    const float e = static_cast<float>(2 * i) / static_cast<float>(dim_);                     // fp32 arange / dim
     inv_freq[i] = 1.0f / static_cast<float>(std::pow(rotary_base_, static_cast<double>(e)));  // fp32 pow, reciprocal
   }
   std::vector<float> emb(static_cast<std::size_t>(max_seq_len) * 2 * half);
@@ -24,10 +24,10 @@ Tensor RotaryEmbedding::forward(int max_seq_len, int offset) const {
     for (int i = 0; i < half; ++i) {
       const float f = pos * inv_freq[i];  // torch.outer in fp32
       if (!rotary_interleaved_) {
-        emb[s * 2 * half + i] = f;         // cat((freqs, freqs))
+        emb[s * 2 * half + i] = f;  // cat((freqs, freqs))
         emb[s * 2 * half + half + i] = f;
       } else {
-        emb[s * 2 * half + 2 * i] = f;     // stack((f, f), -1).view
+        emb[s * 2 * half + 2 * i] = f;  // stack((f, f), -1).view
         emb[s * 2 * half + 2 * i + 1] = f;
       }
     }
@@ -38,19 +38,18 @@ Tensor RotaryEmbedding::forward(int max_seq_len, int offset) const {
 Mat rotary_freqs(const Tensor& rotary_pos_emb, int s, int head_dim) {
   const Shape& sh = rotary_pos_emb.shape();
   if (sh.size() != 4 || sh[1] != 1 || sh[2] != 1)
-    throw ShapeError("rotary_pos_emb: expected shape [" + std::to_string(s) + ", 1, 1, rot_dim], got " +
-                     shape_str(sh));
+    throw ShapeError("rotary_pos_emb: expected shape [" + std::to_string(s) + ", 1, 1, rot_dim], got " + shape_str(sh));
   if (sh[0] < s)
-    throw ShapeError("rotary_pos_emb: " + shape_str(sh) + " is shorter than the sequence (s = " +
-                     std::to_string(s) + ")");
+    throw ShapeError("rotary_pos_emb: " + shape_str(sh) + " is shorter than the sequence (s = " + std::to_string(s) +
+                     ")");
   if (sh[0] != s)
-    throw ShapeError("rotary_pos_emb: " + shape_str(sh) + " is longer than the sequence (s = " +
-                     std::to_string(s) + "); the unfused RoPE broadcasts it against exactly s positions");
+    throw ShapeError("rotary_pos_emb: " + shape_str(sh) + " is longer than the sequence (s = " + std::to_string(s) +
+                     "); the unfused RoPE broadcasts it against exactly s positions");
   const std::int64_t rot_dim = sh[3];
   if (rot_dim % 2 != 0 || rot_dim > head_dim || rot_dim == 0)
     throw ShapeError("rotary_pos_emb: rot_dim " + std::to_string(rot_dim) +
-                     " must be even, positive and at most the head dimension " + std::to_string(head_dim) +
-                     " (got " + shape_str(sh) + ")");
+                     " must be even, positive and at most the head dimension " + std::to_string(head_dim) + " (got " +
+                     shape_str(sh) + ")");
   return to_mat(rotary_pos_emb, s, rot_dim, "rotary_pos_emb");
 }
 
@@ -79,9 +78,9 @@ Mat apply_rotary_pos_emb(const Mat& t, const Mat& freqs, int rows_per_position, 
         rotated = c < half ? -t(r, c + half) : t(r, c - half);
       else
         rotated = c % 2 == 0 ? -t(r, c + 1) : t(r, c - 1);
-      const double a = p.act(t(r, c) * cos_(pos, c));     // rounds: t * cos_
-      const double b = p.act(rotated * sin_(pos, c));     // rounds: _rotate_half(t) * sin_
-      out(r, c) = p.act(a + b);                           // rounds: sum
+      const double a = p.act(t(r, c) * cos_(pos, c));  // rounds: t * cos_
+      const double b = p.act(rotated * sin_(pos, c));  // rounds: _rotate_half(t) * sin_
+      out(r, c) = p.act(a + b);                        // rounds: sum
     }
   }
   return out;

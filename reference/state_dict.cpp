@@ -4,8 +4,7 @@ namespace twin::reference {
 
 const Tensor& StateDict::get(const std::string& key, const Shape& shape) const {
   auto it = tensors_.find(key);
-  if (it == tensors_.end())
-    throw ShapeError("param " + key + ": missing (expected shape " + shape_str(shape) + ")");
+  if (it == tensors_.end()) throw ShapeError("param " + key + ": missing (expected shape " + shape_str(shape) + ")");
   if (it->second.shape() != shape)
     throw ShapeError("param " + key + ": expected shape " + shape_str(shape) + ", got " +
                      shape_str(it->second.shape()));

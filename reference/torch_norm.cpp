@@ -14,7 +14,10 @@ static void check_width(const Mat& x, int hidden, const char* what) {
 LayerNorm::LayerNorm(int hidden_size, double eps, bool zero_centered_gamma, Precision p)
     : weight_(RowVec::Constant(hidden_size, zero_centered_gamma ? 0.0 : 1.0)),
       bias_(RowVec::Zero(hidden_size)),
-      hidden_size_(hidden_size), eps_(eps), zero_centered_gamma_(zero_centered_gamma), p_(p) {}
+      hidden_size_(hidden_size),
+      eps_(eps),
+      zero_centered_gamma_(zero_centered_gamma),
+      p_(p) {}
 
 void LayerNorm::load_state_dict(const StateDict& sd, const std::string& prefix) {
   weight_ = sd.vector(prefix + "weight", hidden_size_);
@@ -26,9 +29,9 @@ Mat LayerNorm::forward(const Mat& x) const {
   const RowVec gamma = zero_centered_gamma_ ? RowVec((weight_.array() + 1.0).matrix()) : weight_;
   Mat y(x.rows(), x.cols());
   for (Eigen::Index r = 0; r < x.rows(); ++r) {
-    const double mean = p_.f32(x.row(r).mean());                       // rounds: fp32 statistic
+    const double mean = p_.f32(x.row(r).mean());  // rounds: fp32 statistic
     const double var = (x.row(r).array() - mean).square().mean();
-    const double rstd = p_.f32(1.0 / std::sqrt(var + eps_));           // rounds: fp32 statistic
+    const double rstd = p_.f32(1.0 / std::sqrt(var + eps_));  // rounds: fp32 statistic
     for (Eigen::Index c = 0; c < x.cols(); ++c)
       y(r, c) = p_.act((x(r, c) - mean) * rstd * gamma[c] + bias_[c]);  // rounds: output, activation dtype
   }
@@ -41,7 +44,10 @@ Mat LayerNorm::forward(const Mat& x) const {
 // ---- RMSNorm ----------------------------------------------------------------------------------
 RMSNorm::RMSNorm(int hidden_size, double eps, bool zero_centered_gamma, Precision p)
     : weight_(RowVec::Constant(hidden_size, zero_centered_gamma ? 0.0 : 1.0)),
-      hidden_size_(hidden_size), eps_(eps), zero_centered_gamma_(zero_centered_gamma), p_(p) {}
+      hidden_size_(hidden_size),
+      eps_(eps),
+      zero_centered_gamma_(zero_centered_gamma),
+      p_(p) {}
 
 void RMSNorm::load_state_dict(const StateDict& sd, const std::string& prefix) {
   weight_ = sd.vector(prefix + "weight", hidden_size_);
@@ -56,7 +62,7 @@ Mat RMSNorm::forward(const Mat& x) const {
     for (Eigen::Index c = 0; c < x.cols(); ++c) {
       // torch's rms_norm casts x * rstd back to the input dtype before the weight multiply.
       const double xhat = p_.act(x(r, c) * rstd);  // rounds: normalised value, activation dtype
-      y(r, c) = p_.act(xhat * gamma[c]);            // rounds: output, activation dtype
+      y(r, c) = p_.act(xhat * gamma[c]);           // rounds: output, activation dtype
     }
   }
   p_.count_reduce(x.cols());
@@ -71,7 +77,7 @@ Mat L2Norm::forward(const Mat& x) const {
   Mat y(x.rows(), x.cols());
   for (Eigen::Index r = 0; r < x.rows(); ++r) {
     const double rstd = p_.f32(1.0 / std::sqrt(x.row(r).squaredNorm() / x.cols() + eps_));  // rounds: fp32 statistic
-    for (Eigen::Index c = 0; c < x.cols(); ++c) y(r, c) = p_.act(x(r, c) * rstd);  // rounds: .type_as(x)
+    for (Eigen::Index c = 0; c < x.cols(); ++c) y(r, c) = p_.act(x(r, c) * rstd);           // rounds: .type_as(x)
   }
   p_.count_reduce(x.cols());
   p_.count_f32();
@@ -79,13 +85,13 @@ Mat L2Norm::forward(const Mat& x) const {
   return y;
 }
 
-std::unique_ptr<Norm> wrapped_torch_norm(const TransformerConfig& config, int hidden_size, double eps,
-                                         Precision p) {
+std::unique_ptr<Norm> wrapped_torch_norm(const TransformerConfig& config, int hidden_size, double eps, Precision p) {
   // WrappedTorchNorm's assertion: torch's norms have no zero-centred gamma (TE norms do; the
   // LayerNorm / RMSNorm classes here support it for such specs).
   if (config.layernorm_zero_centered_gamma)
-    throw ConfigError("layernorm_zero_centered_gamma: zero_centered_gamma not supported by torch LayerNorm "
-                      "(WrappedTorchNorm, the local spec's norm)");
+    throw ConfigError(
+        "layernorm_zero_centered_gamma: zero_centered_gamma not supported by torch LayerNorm "
+        "(WrappedTorchNorm, the local spec's norm)");
   if (config.normalization == "LayerNorm")
     return std::make_unique<LayerNorm>(hidden_size, eps, config.layernorm_zero_centered_gamma, p);
   if (config.normalization == "RMSNorm")

@@ -77,7 +77,6 @@ class L2Norm : public Norm {
 
 // WrappedTorchNorm(config, hidden_size, eps): LayerNorm or RMSNorm by config.normalization
 // (ConfigError for anything else, and for layernorm_zero_centered_gamma, as its assertion).
-std::unique_ptr<Norm> wrapped_torch_norm(const TransformerConfig& config, int hidden_size, double eps,
-                                         Precision p);
+std::unique_ptr<Norm> wrapped_torch_norm(const TransformerConfig& config, int hidden_size, double eps, Precision p);
 
 }  // namespace twin::reference

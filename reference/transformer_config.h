@@ -26,7 +26,7 @@ struct RetroConfig {
   int retro_chunk_length = 0;
   int retro_num_neighbors = 2;
   int retro_num_retrieved_chunks = 2;
-  int retro_retrieved_length = 0;          // retro_num_retrieved_chunks * retro_chunk_length
+  int retro_retrieved_length = 0;  // retro_num_retrieved_chunks * retro_chunk_length
   int retro_encoder_num_layers = 2;
   double retro_encoder_hidden_dropout = 0.1;
   double retro_encoder_attention_dropout = 0.1;

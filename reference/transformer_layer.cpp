@@ -8,7 +8,9 @@ namespace twin::reference {
 
 // ---- builders of the local spec ---------------------------------------------------------------
 NormBuilder wrapped_torch_norm_builder() {
-  return [](const TransformerConfig& c, int hidden, double eps, Precision p) { return wrapped_torch_norm(c, hidden, eps, p); };
+  return [](const TransformerConfig& c, int hidden, double eps, Precision p) {
+    return wrapped_torch_norm(c, hidden, eps, p);
+  };
 }
 NormBuilder l2_norm_builder() {
   return [](const TransformerConfig&, int hidden, double eps, Precision p) -> std::unique_ptr<Norm> {
@@ -16,17 +18,21 @@ NormBuilder l2_norm_builder() {
   };
 }
 AttentionBuilder self_attention_builder(const SelfAttentionSubmodules& submodules, AttnMaskType attn_mask_type) {
-  return [submodules, attn_mask_type](const TransformerConfig& c, int layer_number, Precision p) -> std::unique_ptr<AttentionModule> {
+  return [submodules, attn_mask_type](const TransformerConfig& c, int layer_number,
+                                      Precision p) -> std::unique_ptr<AttentionModule> {
     return std::make_unique<SelfAttention>(c, submodules, layer_number, attn_mask_type, p);
   };
 }
 AttentionBuilder cross_attention_builder(AttnMaskType attn_mask_type) {
-  return [attn_mask_type](const TransformerConfig& c, int layer_number, Precision p) -> std::unique_ptr<AttentionModule> {
-    return std::make_unique<CrossAttention>(c, layer_number, attn_mask_type, p);
-  };
+  return
+      [attn_mask_type](const TransformerConfig& c, int layer_number, Precision p) -> std::unique_ptr<AttentionModule> {
+        return std::make_unique<CrossAttention>(c, layer_number, attn_mask_type, p);
+      };
 }
 MlpBuilder mlp_builder() {
-  return [](const TransformerConfig& c, int, Precision p) -> std::unique_ptr<MlpModule> { return std::make_unique<MLP>(c, p); };
+  return [](const TransformerConfig& c, int, Precision p) -> std::unique_ptr<MlpModule> {
+    return std::make_unique<MLP>(c, p);
+  };
 }
 BdaBuilder get_bias_dropout_add() {
   return [](bool training, bool /*fused: same math*/, DropoutRng rng, Precision p) -> BdaFunc {
@@ -45,8 +51,9 @@ std::unique_ptr<BaseTransformerLayer> ModuleSpec::build(const TransformerConfig&
 ModuleSpec get_gpt_layer_local_spec(std::optional<int> num_experts, bool qk_layernorm, const std::string& normalization,
                                     bool qk_l2_norm, AttnMaskType attn_mask_type) {
   if (num_experts)
-    throw std::invalid_argument("get_gpt_layer_local_spec: num_experts is set; the MoE spec (reference/moe) "
-                                "provides the MoELayer for submodules.mlp");
+    throw std::invalid_argument(
+        "get_gpt_layer_local_spec: num_experts is set; the MoE spec (reference/moe) "
+        "provides the MoELayer for submodules.mlp");
   // LocalSpecProvider.layer_norm(rms_norm=...) is WrappedTorchNorm either way (it reads
   // config.normalization when built); `normalization` only picks Megatron's branch.
   (void)normalization;
@@ -79,10 +86,12 @@ TransformerLayer::TransformerLayer(const TransformerConfig& config_, const Trans
       hidden_dropout(hidden_dropout_.value_or(config_.hidden_dropout)),
       precision(precision_),
       submodules_config(submodules) {
-  if (config.hidden_size <= 0) throw ConfigError("hidden_size must be positive, got " + std::to_string(config.hidden_size));
+  if (config.hidden_size <= 0)
+    throw ConfigError("hidden_size must be positive, got " + std::to_string(config.hidden_size));
   const double eps = config.layernorm_epsilon;
   // [Module 1: Input Layernorm]
-  if (submodules.input_layernorm) input_layernorm = submodules.input_layernorm(config, config.hidden_size, eps, precision);
+  if (submodules.input_layernorm)
+    input_layernorm = submodules.input_layernorm(config, config.hidden_size, eps, precision);
   // [Module 2: SelfAttention]
   if (submodules.self_attention) self_attention = submodules.self_attention(config, layer_number, precision);
   // [Module 3: BiasDropoutFusion]
@@ -95,7 +104,8 @@ TransformerLayer::TransformerLayer(const TransformerConfig& config_, const Trans
   // [Module 6: BiasDropoutFusion]
   cross_attn_bda = submodules.cross_attn_bda;
   // [Module 7: Pre MLP] Optional Layernorm before MLP
-  if (submodules.pre_mlp_layernorm) pre_mlp_layernorm = submodules.pre_mlp_layernorm(config, config.hidden_size, eps, precision);
+  if (submodules.pre_mlp_layernorm)
+    pre_mlp_layernorm = submodules.pre_mlp_layernorm(config, config.hidden_size, eps, precision);
   // [Module 8: MLP block]
   if (submodules.mlp) mlp = submodules.mlp(config, layer_number, precision);
   // [Module 9: BiasDropoutFusion]
@@ -129,13 +139,14 @@ Mat TransformerLayer::apply_bda(const BdaBuilder& bda, const AttentionOutput& x_
       x_with_bias, residual, hidden_dropout);
 }
 
-std::pair<Tensor, std::optional<Tensor>> TransformerLayer::forward(const Tensor& hidden_states, const LayerInputs& inputs,
-                                                                   const Taps& taps) {
+std::pair<Tensor, std::optional<Tensor>> TransformerLayer::forward(const Tensor& hidden_states,
+                                                                   const LayerInputs& inputs, const Taps& taps) {
   if (hidden_states.dim() != 3 || hidden_states.size(2) != config.hidden_size)
     throw ShapeError("hidden_states: expected shape [s, b, " + std::to_string(config.hidden_size) + "], got " +
                      shape_str(hidden_states.shape()));
   const int s = static_cast<int>(hidden_states.size(0)), b = static_cast<int>(hidden_states.size(1));
-  if (s <= 0 || b <= 0) throw ShapeError("hidden_states: empty sequence or batch, got " + shape_str(hidden_states.shape()));
+  if (s <= 0 || b <= 0)
+    throw ShapeError("hidden_states: empty sequence or batch, got " + shape_str(hidden_states.shape()));
   const Mat x = to_mat(hidden_states, static_cast<std::int64_t>(s) * b, config.hidden_size, "hidden_states");
   auto [h, context] = _forward_attention(x, s, b, inputs, taps);
   const Mat output = _forward_mlp(h, s, b, inputs, taps);
@@ -143,7 +154,8 @@ std::pair<Tensor, std::optional<Tensor>> TransformerLayer::forward(const Tensor&
 }
 
 std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const Mat& hidden_states_in, int s, int b,
-                                                                           const LayerInputs& inputs, const Taps& taps) {
+                                                                           const LayerInputs& inputs,
+                                                                           const Taps& taps) {
   // Residual connection.
   Mat residual = hidden_states_in;
   // Optional Input Layer norm
@@ -182,7 +194,8 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   if (cross_attention) {
     AttentionArgs args = attention_args(inputs.context_mask, 2);
     args.key_value_states = inputs.context;
-    attention_output_with_bias = cross_attention->forward(pre_cross_attn_layernorm_output, args, taps.child("cross_attention"));
+    attention_output_with_bias =
+        cross_attention->forward(pre_cross_attn_layernorm_output, args, taps.child("cross_attention"));
     if (attention_output_with_bias.context) context = attention_output_with_bias.context;
   } else {
     attention_output_with_bias = AttentionOutput();
@@ -196,7 +209,8 @@ Mat TransformerLayer::_forward_pre_mlp_layernorm(const Mat& hidden_states, int s
   return apply_norm(pre_mlp_layernorm, hidden_states, "pre_mlp_layernorm", s, b, taps);
 }
 
-Mat TransformerLayer::_forward_mlp(const Mat& hidden_states, int s, int b, const LayerInputs& inputs, const Taps& taps) {
+Mat TransformerLayer::_forward_mlp(const Mat& hidden_states, int s, int b, const LayerInputs& inputs,
+                                   const Taps& taps) {
   // Residual connection.
   const Mat residual = hidden_states;
   // Optional Layer norm post the cross-attention.
@@ -225,15 +239,17 @@ std::optional<std::vector<RowVec>> TransformerLayer::get_layer_norm_weights() co
 
 RowVec TransformerLayer::get_mlp_layer_norm_weights() const {
   if (!pre_mlp_layernorm || pre_mlp_layernorm->weight().size() == 0)
-    throw std::logic_error("get_mlp_layer_norm_weights: linear_fc1 has no layer norm weight (pre_mlp_layernorm is "
-                           "IdentityOp or has no weight)");
+    throw std::logic_error(
+        "get_mlp_layer_norm_weights: linear_fc1 has no layer norm weight (pre_mlp_layernorm is "
+        "IdentityOp or has no weight)");
   return pre_mlp_layernorm->weight();
 }
 
 RowVec TransformerLayer::get_qkv_layer_norm_weights() const {
   if (!input_layernorm || input_layernorm->weight().size() == 0)
-    throw std::logic_error("get_qkv_layer_norm_weights: linear_qkv has no layer norm weight (input_layernorm is "
-                           "IdentityOp or has no weight)");
+    throw std::logic_error(
+        "get_qkv_layer_norm_weights: linear_qkv has no layer norm weight (input_layernorm is "
+        "IdentityOp or has no weight)");
   return input_layernorm->weight();
 }
 

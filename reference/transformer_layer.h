@@ -65,8 +65,10 @@
 namespace twin::reference {
 
 // ---- ModuleSpec builders (an empty builder is IdentityOp / IdentityFuncOp) ----------------------
-using NormBuilder = std::function<std::unique_ptr<Norm>(const TransformerConfig&, int hidden_size, double eps, Precision)>;
-using AttentionBuilder = std::function<std::unique_ptr<AttentionModule>(const TransformerConfig&, int layer_number, Precision)>;
+using NormBuilder =
+    std::function<std::unique_ptr<Norm>(const TransformerConfig&, int hidden_size, double eps, Precision)>;
+using AttentionBuilder =
+    std::function<std::unique_ptr<AttentionModule>(const TransformerConfig&, int layer_number, Precision)>;
 using MlpBuilder = std::function<std::unique_ptr<MlpModule>(const TransformerConfig&, int layer_number, Precision)>;
 // bias-dropout-add: bda(x_with_bias, residual, prob) -> hidden_states
 using BdaFunc = std::function<Mat(const AttentionOutput& x_with_bias, const Mat& residual, double prob)>;
@@ -74,26 +76,26 @@ using BdaFunc = std::function<Mat(const AttentionOutput& x_with_bias, const Mat&
 using BdaBuilder = std::function<BdaFunc(bool training, bool fused, DropoutRng rng, Precision p)>;
 
 // The builders Megatron's local spec names.
-NormBuilder wrapped_torch_norm_builder();     // WrappedTorchNorm (LayerNorm / RMSNorm by config)
-NormBuilder l2_norm_builder();                // L2Norm (qk_l2_norm)
+NormBuilder wrapped_torch_norm_builder();  // WrappedTorchNorm (LayerNorm / RMSNorm by config)
+NormBuilder l2_norm_builder();             // L2Norm (qk_l2_norm)
 AttentionBuilder self_attention_builder(const SelfAttentionSubmodules& submodules,
                                         AttnMaskType attn_mask_type = AttnMaskType::causal);
 AttentionBuilder cross_attention_builder(AttnMaskType attn_mask_type = AttnMaskType::padding);
-MlpBuilder mlp_builder();                     // MLP with ColumnParallelLinear / RowParallelLinear
-BdaBuilder get_bias_dropout_add();            // fused_bias_dropout.py
+MlpBuilder mlp_builder();           // MLP with ColumnParallelLinear / RowParallelLinear
+BdaBuilder get_bias_dropout_add();  // fused_bias_dropout.py
 
 struct TransformerLayerSubmodules {
-  NormBuilder input_layernorm;           // IdentityOp
-  AttentionBuilder self_attention;       // IdentityOp
-  BdaBuilder self_attn_bda;              // IdentityFuncOp
+  NormBuilder input_layernorm;      // IdentityOp
+  AttentionBuilder self_attention;  // IdentityOp
+  BdaBuilder self_attn_bda;         // IdentityFuncOp
 
   NormBuilder pre_cross_attn_layernorm;  // IdentityOp
   AttentionBuilder cross_attention;      // IdentityOp
   BdaBuilder cross_attn_bda;             // IdentityFuncOp
 
-  NormBuilder pre_mlp_layernorm;         // IdentityOp
-  MlpBuilder mlp;                        // IdentityOp
-  BdaBuilder mlp_bda;                    // IdentityFuncOp
+  NormBuilder pre_mlp_layernorm;  // IdentityOp
+  MlpBuilder mlp;                 // IdentityOp
+  BdaBuilder mlp_bda;             // IdentityFuncOp
 
   // Mapping for sharded tensor keys (kept for the spec's shape; the reference has no checkpoints)
   std::map<std::string, std::string> sharded_state_dict_keys_map;
@@ -110,7 +112,8 @@ class TransformerLayer;
 // ModuleSpec(module=TransformerLayer, submodules=...): `module` builds the layer.
 struct ModuleSpec {
   std::function<std::unique_ptr<BaseTransformerLayer>(const TransformerConfig&, const TransformerLayerSubmodules&,
-                                                      int layer_number, Precision)> module;
+                                                      int layer_number, Precision)>
+      module;
   TransformerLayerSubmodules submodules;
   // build_module(spec, config, layer_number)
   std::unique_ptr<BaseTransformerLayer> build(const TransformerConfig& config, int layer_number, Precision p) const;
@@ -140,9 +143,8 @@ struct LayerInputs {
 
 class TransformerLayer : public BaseTransformerLayer {
  public:
-  TransformerLayer(const TransformerConfig& config, const TransformerLayerSubmodules& submodules,
-                   int layer_number = 1, std::optional<double> hidden_dropout = std::nullopt,
-                   Precision precision = Precision{});
+  TransformerLayer(const TransformerConfig& config, const TransformerLayerSubmodules& submodules, int layer_number = 1,
+                   std::optional<double> hidden_dropout = std::nullopt, Precision precision = Precision{});
 
   // Loads every parameter by its state_dict key ("self_attention.linear_qkv.weight", ...).
   // Strict: a missing key, a wrong shape (naming expected and actual) or a key the spec does not
@@ -177,9 +179,9 @@ class TransformerLayer : public BaseTransformerLayer {
   bool training = false;
   DropoutRng rng;
 
-  std::unique_ptr<Norm> input_layernorm;           // null: IdentityOp
+  std::unique_ptr<Norm> input_layernorm;  // null: IdentityOp
   std::unique_ptr<AttentionModule> self_attention;
-  BdaBuilder self_attn_bda;                        // empty: IdentityFuncOp
+  BdaBuilder self_attn_bda;  // empty: IdentityFuncOp
   std::unique_ptr<Norm> pre_cross_attn_layernorm;
   std::unique_ptr<AttentionModule> cross_attention;
   BdaBuilder cross_attn_bda;

@@ -10,9 +10,7 @@ namespace {
 
 std::string opt_str(std::optional<int> v) { return v ? std::to_string(*v) : "None"; }
 
-[[noreturn]] void raise_assertion(const std::string& message) {
-  throw LayerOffsetError("AssertionError", message);
-}
+[[noreturn]] void raise_assertion(const std::string& message) { throw LayerOffsetError("AssertionError", message); }
 
 }  // namespace
 
@@ -20,17 +18,13 @@ LayerOffsetError::LayerOffsetError(std::string type, const std::string& message)
     : ConfigError(type + ": " + message), python_type(std::move(type)) {}
 
 std::int64_t py_floordiv(std::int64_t a, std::int64_t b, const char* what) {
-  if (b == 0)
-    throw LayerOffsetError("ZeroDivisionError",
-                           std::string("integer division by zero (") + what + " is 0)");
+  if (b == 0) throw LayerOffsetError("ZeroDivisionError", std::string("integer division by zero (") + what + " is 0)");
   std::int64_t q = a / b;
   if ((a % b != 0) && ((a < 0) != (b < 0))) --q;  // C++ truncates, Python floors
   return q;
 }
 
-std::int64_t py_mod(std::int64_t a, std::int64_t b, const char* what) {
-  return a - b * py_floordiv(a, b, what);
-}
+std::int64_t py_mod(std::int64_t a, std::int64_t b, const char* what) { return a - b * py_floordiv(a, b, what); }
 
 bool is_vp_first_stage(std::optional<int> vp_stage, std::optional<int> vp_size) {
   if (!vp_size || *vp_size <= 1) {
@@ -77,8 +71,7 @@ std::int64_t get_transformer_layer_offset(const TransformerConfig& config, std::
       const std::int64_t middle_pipeline_rank = !first ? pp_rank : pp_rank - 1;
 
       if (const std::optional<int> vp_size = config.virtual_pipeline_model_parallel_size) {
-        if (!vp_stage)
-          raise_assertion("vp_stage must be provided if virtual pipeline model parallel size is set");
+        if (!vp_stage) raise_assertion("vp_stage must be provided if virtual pipeline model parallel size is set");
 
         // Layers in each virtual model chunk of the first / middle / last stages.
         const std::int64_t num_layers_per_virtual_model_chunk_in_first_pipeline_stage =
@@ -105,7 +98,8 @@ std::int64_t get_transformer_layer_offset(const TransformerConfig& config, std::
       } else {
         std::int64_t num_layers_per_pipeline_rank = 0;
         if (middle_pipeline_stages > 0)
-          num_layers_per_pipeline_rank = py_floordiv(middle_num_layers, middle_pipeline_stages, "middle_pipeline_stages");
+          num_layers_per_pipeline_rank =
+              py_floordiv(middle_num_layers, middle_pipeline_stages, "middle_pipeline_stages");
 
         if (pp_rank == 0)
           offset = 0;
@@ -124,8 +118,7 @@ std::int64_t get_transformer_layer_offset(const TransformerConfig& config, std::
 
       const std::optional<int> vp_size = config.virtual_pipeline_model_parallel_size;
       if (vp_size) {
-        if (!vp_stage)
-          raise_assertion("vp_stage must be provided if virtual pipeline model parallel size is set");
+        if (!vp_stage) raise_assertion("vp_stage must be provided if virtual pipeline model parallel size is set");
 
         const std::int64_t num_layers_per_virtual_rank =
             py_floordiv(num_layers_per_pipeline_rank, *vp_size, "virtual_pipeline_model_parallel_size");
@@ -194,7 +187,8 @@ std::int64_t get_num_layers_to_build(const TransformerConfig& config, std::optio
 
     if (py_mod(num_layers, config.pipeline_model_parallel_size, "pipeline_model_parallel_size") != 0)
       raise_assertion("num_layers should be divisible by pipeline_model_parallel_size");
-    num_layers_per_pipeline_rank = py_floordiv(num_layers, config.pipeline_model_parallel_size, "pipeline_model_parallel_size");
+    num_layers_per_pipeline_rank =
+        py_floordiv(num_layers, config.pipeline_model_parallel_size, "pipeline_model_parallel_size");
   }
 
   std::int64_t num_layers_to_build = 0;

@@ -35,13 +35,11 @@ bool is_vp_last_stage(std::optional<int> vp_stage, std::optional<int> vp_size);
 
 // Index of the first layer of (pp_rank, vp_stage) among all num_layers. pp_rank = nullopt means
 // parallel_state's rank, which is 0 in the twins (world size 1).
-std::int64_t get_transformer_layer_offset(const TransformerConfig& config,
-                                          std::optional<int> vp_stage = std::nullopt,
+std::int64_t get_transformer_layer_offset(const TransformerConfig& config, std::optional<int> vp_stage = std::nullopt,
                                           std::optional<int> pp_rank = std::nullopt);
 
 // Number of transformer layers (pp_rank, vp_stage) builds.
-std::int64_t get_num_layers_to_build(const TransformerConfig& config,
-                                     std::optional<int> vp_stage = std::nullopt,
+std::int64_t get_num_layers_to_build(const TransformerConfig& config, std::optional<int> vp_stage = std::nullopt,
                                      std::optional<int> pp_rank = std::nullopt);
 
 }  // namespace twin::reference

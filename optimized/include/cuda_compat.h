@@ -62,19 +62,17 @@ struct LaunchError : std::runtime_error {
 
 inline void check_launch(cudaError_t err, const char* args, const char* file, int line) {
   if (err != cudaSuccess)
-    throw LaunchError(std::string("launch_kernel(") + kernel_name_from_args(args) + ") at " + file +
-                      ":" + std::to_string(line) + ": " + cudaGetErrorName(err) + ": " +
-                      cudaGetErrorString(err));
+    throw LaunchError(std::string("launch_kernel(") + kernel_name_from_args(args) + ") at " + file + ":" +
+                      std::to_string(line) + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
 }
 
 template <class... P, class... A>
-void launch_kernel_at(const char* args, const char* file, int line, void (*kernel)(P...),
-                      dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream, A&&... a) {
+void launch_kernel_at(const char* args, const char* file, int line, void (*kernel)(P...), dim3 grid, dim3 block,
+                      std::size_t smem, cudaStream_t stream, A&&... a) {
   // Above the default 48 KiB, dynamic shared memory needs an explicit opt-in per kernel.
   if (smem > 48 * 1024)
     check_launch(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem)),
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
                  args, file, line);
   kernel<<<grid, block, smem, stream>>>(std::forward<A>(a)...);
   check_launch(cudaGetLastError(), args, file, line);
@@ -82,12 +80,11 @@ void launch_kernel_at(const char* args, const char* file, int line, void (*kerne
 
 }  // namespace cuda_compat
 
-#define launch_kernel(...) \
-  ::cuda_compat::launch_kernel_at(#__VA_ARGS__, __FILE__, __LINE__, __VA_ARGS__)
+#define launch_kernel(...) ::cuda_compat::launch_kernel_at(#__VA_ARGS__, __FILE__, __LINE__, __VA_ARGS__)
 
 // All extern __shared__ arrays alias the start of dynamic shared memory; declaring the raw array
 // as bytes lets kernels with different element types share one translation unit.
-#define DYNAMIC_SHARED(T, name)                                               \
+#define DYNAMIC_SHARED(T, name)                                                \
   extern __shared__ __align__(16) unsigned char cuda_compat_dyn_smem_##name[]; \
   T* name = reinterpret_cast<T*>(cuda_compat_dyn_smem_##name)
 

@@ -25,10 +25,13 @@ namespace twin::rt {
 namespace {
 
 // Every NCCL entry point this file calls; each is called as nccl().<name>.
+// An X-macro list, laid out by hand (clang-format would split the X(...) items).
+// clang-format off
 #define TWIN_NCCL_FUNCTIONS(X)                                                                     \
   X(ncclGetErrorString) X(ncclGetUniqueId) X(ncclCommInitAll) X(ncclCommInitRank)                  \
   X(ncclCommDestroy) X(ncclAllReduce) X(ncclAllGather) X(ncclReduceScatter) X(ncclBroadcast)       \
   X(ncclSend) X(ncclRecv) X(ncclGroupStart) X(ncclGroupEnd)
+// clang-format on
 
 struct NcclApi {
   TWIN_NCCL_FUNCTIONS(TWIN_DYNLIB_DECLARE_FN)
@@ -51,20 +54,29 @@ void nccl_check(ncclResult_t r, const std::string& call) {
 
 ncclDataType_t to_nccl(DType dt) {
   switch (dt) {
-    case DType::F32: return ncclFloat32;
-    case DType::F64: return ncclFloat64;
-    case DType::BF16: return ncclBfloat16;
-    case DType::F16: return ncclFloat16;
-    case DType::I32: return ncclInt32;
-    case DType::I64: return ncclInt64;
-    default: throw CollectiveError(std::string("NCCL: unsupported dtype ") + dtype_name(dt));
+    case DType::F32:
+      return ncclFloat32;
+    case DType::F64:
+      return ncclFloat64;
+    case DType::BF16:
+      return ncclBfloat16;
+    case DType::F16:
+      return ncclFloat16;
+    case DType::I32:
+      return ncclInt32;
+    case DType::I64:
+      return ncclInt64;
+    default:
+      throw CollectiveError(std::string("NCCL: unsupported dtype ") + dtype_name(dt));
   }
 }
 
 class NcclComm final : public Communicator {
  public:
   NcclComm(ncclComm_t c, int rank, int size, int device) : c_(c), rank_(rank), size_(size), dev_(device) {}
-  ~NcclComm() override { if (c_) nccl_lib().loaded_api().ncclCommDestroy(c_); }
+  ~NcclComm() override {
+    if (c_) nccl_lib().loaded_api().ncclCommDestroy(c_);
+  }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Backend backend() const override { return Backend::Cuda; }
@@ -91,7 +103,8 @@ class NcclComm final : public Communicator {
     nccl_check(nccl().ncclGroupStart(), "ncclGroupStart");
     for (int p = 0; p < size_; ++p) {
       if (send_counts[p])
-        nccl_check(nccl().ncclSend(static_cast<const char*>(send) + soff, send_counts[p], to_nccl(dt), p, c_, s), "ncclSend");
+        nccl_check(nccl().ncclSend(static_cast<const char*>(send) + soff, send_counts[p], to_nccl(dt), p, c_, s),
+                   "ncclSend");
       if (recv_counts[p])
         nccl_check(nccl().ncclRecv(static_cast<char*>(recv) + roff, recv_counts[p], to_nccl(dt), p, c_, s), "ncclRecv");
       soff += send_counts[p] * es;
@@ -119,7 +132,8 @@ std::vector<std::unique_ptr<Communicator>> make_nccl_group(const std::vector<int
   nccl_check(nccl().ncclCommInitAll(comms.data(), static_cast<int>(devices.size()), devices.data()), "ncclCommInitAll");
   std::vector<std::unique_ptr<Communicator>> out;
   for (std::size_t r = 0; r < devices.size(); ++r)
-    out.push_back(std::make_unique<NcclComm>(comms[r], static_cast<int>(r), static_cast<int>(devices.size()), devices[r]));
+    out.push_back(
+        std::make_unique<NcclComm>(comms[r], static_cast<int>(r), static_cast<int>(devices.size()), devices[r]));
   return out;
 }
 

@@ -85,23 +85,34 @@ void sum_into(T* acc, const T* x, std::size_t count) {
 // acc (count elements of dt) += x, one rounding to dt per element.
 void add(DType dt, void* acc, const void* x, std::size_t count) {
   switch (dt) {
-    case DType::F32: sum_into(static_cast<float*>(acc), static_cast<const float*>(x), count); break;
-    case DType::F64: sum_into(static_cast<double*>(acc), static_cast<const double*>(x), count); break;
-    case DType::I32: sum_into(static_cast<std::int32_t*>(acc), static_cast<const std::int32_t*>(x), count); break;
-    case DType::I64: sum_into(static_cast<std::int64_t*>(acc), static_cast<const std::int64_t*>(x), count); break;
+    case DType::F32:
+      sum_into(static_cast<float*>(acc), static_cast<const float*>(x), count);
+      break;
+    case DType::F64:
+      sum_into(static_cast<double*>(acc), static_cast<const double*>(x), count);
+      break;
+    case DType::I32:
+      sum_into(static_cast<std::int32_t*>(acc), static_cast<const std::int32_t*>(x), count);
+      break;
+    case DType::I64:
+      sum_into(static_cast<std::int64_t*>(acc), static_cast<const std::int64_t*>(x), count);
+      break;
     case DType::BF16: {
       auto* a = static_cast<std::uint16_t*>(acc);
       auto* b = static_cast<const std::uint16_t*>(x);
-      for (std::size_t i = 0; i < count; ++i) a[i] = float_to_bf16_bits(bf16_bits_to_float(a[i]) + bf16_bits_to_float(b[i]));
+      for (std::size_t i = 0; i < count; ++i)
+        a[i] = float_to_bf16_bits(bf16_bits_to_float(a[i]) + bf16_bits_to_float(b[i]));
       break;
     }
     case DType::F16: {
       auto* a = static_cast<std::uint16_t*>(acc);
       auto* b = static_cast<const std::uint16_t*>(x);
-      for (std::size_t i = 0; i < count; ++i) a[i] = float_to_fp16_bits(fp16_bits_to_float(a[i]) + fp16_bits_to_float(b[i]));
+      for (std::size_t i = 0; i < count; ++i)
+        a[i] = float_to_fp16_bits(fp16_bits_to_float(a[i]) + fp16_bits_to_float(b[i]));
       break;
     }
-    default: throw CollectiveError(std::string("threaded collectives: cannot sum dtype ") + dtype_name(dt));
+    default:
+      throw CollectiveError(std::string("threaded collectives: cannot sum dtype ") + dtype_name(dt));
   }
 }
 
@@ -142,8 +153,9 @@ class ThreadedComm final : public Communicator {
     const std::size_t n = static_cast<std::size_t>(g_->n);
     if (send_counts.size() != n || recv_counts.size() != n)
       throw CollectiveError("threaded all_to_all (rank " + std::to_string(rank_) + "): send_counts has " +
-                            std::to_string(send_counts.size()) + " and recv_counts " + std::to_string(recv_counts.size()) +
-                            " entries; the group has " + std::to_string(n) + " ranks");
+                            std::to_string(send_counts.size()) + " and recv_counts " +
+                            std::to_string(recv_counts.size()) + " entries; the group has " + std::to_string(n) +
+                            " ranks");
     // The counts are copied: the call may be recorded into a graph and replayed later.
     auto sc = std::make_shared<std::vector<std::size_t>>(send_counts);
     auto rc = std::make_shared<std::vector<std::size_t>>(recv_counts);
@@ -172,7 +184,8 @@ class ThreadedComm final : public Communicator {
   }
   void broadcast(const void* send, void* recv, std::size_t count, DType dt, int root, cudaStream_t s) override {
     if (root < 0 || root >= g_->n)
-      throw CollectiveError("threaded broadcast: root " + std::to_string(root) + " is not a rank of a group of " + std::to_string(g_->n));
+      throw CollectiveError("threaded broadcast: root " + std::to_string(root) + " is not a rank of a group of " +
+                            std::to_string(g_->n));
     Slot slot{"broadcast", send, count, dt};
     slot.root = root;
     run(s, slot, recv, [this, count, dt, root](std::vector<char>& out) {
@@ -194,8 +207,8 @@ class ThreadedComm final : public Communicator {
     for (int r = 1; r < g_->n; ++r) {
       const Slot& b = g_->slots[r];
       auto mismatch = [&](const std::string& what) {
-        throw CollectiveError(std::string("threaded collectives: ranks disagree: rank 0 calls ") + a.op +
-                              ", rank " + std::to_string(r) + " calls " + b.op + ": " + what);
+        throw CollectiveError(std::string("threaded collectives: ranks disagree: rank 0 calls ") + a.op + ", rank " +
+                              std::to_string(r) + " calls " + b.op + ": " + what);
       };
       if (std::strcmp(a.op, b.op) != 0) mismatch("different collectives");
       if (a.dt != b.dt) mismatch(std::string("dtype ") + dtype_name(a.dt) + " vs " + dtype_name(b.dt));
@@ -209,7 +222,8 @@ class ThreadedComm final : public Communicator {
           if ((*g_->slots[p].send_counts)[q] != (*g_->slots[q].recv_counts)[p])
             throw CollectiveError("threaded all_to_all: rank " + std::to_string(p) + " sends " +
                                   std::to_string((*g_->slots[p].send_counts)[q]) + " elements to rank " +
-                                  std::to_string(q) + ", which expects " + std::to_string((*g_->slots[q].recv_counts)[p]));
+                                  std::to_string(q) + ", which expects " +
+                                  std::to_string((*g_->slots[q].recv_counts)[p]));
   }
 
   template <class F>

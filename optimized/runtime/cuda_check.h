@@ -11,8 +11,7 @@
 namespace twin::rt {
 
 inline void cuda_check(cudaError_t err, const std::string& call) {
-  if (err != cudaSuccess)
-    throw CudaError(call + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+  if (err != cudaSuccess) throw CudaError(call + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
 }
 
 }  // namespace twin::rt

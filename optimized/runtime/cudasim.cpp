@@ -61,10 +61,14 @@ Options options_from_env() {
   Options o;
   if (const char* s = std::getenv("CUDASIM_ORDER"); s && *s) {
     std::string v = s;
-    if (v == "forward") o.order = Order::Forward;
-    else if (v == "reverse") o.order = Order::Reverse;
-    else if (v == "random") o.order = Order::Random;
-    else throw std::invalid_argument("CUDASIM_ORDER='" + v + "': expected forward, reverse or random");
+    if (v == "forward")
+      o.order = Order::Forward;
+    else if (v == "reverse")
+      o.order = Order::Reverse;
+    else if (v == "random")
+      o.order = Order::Random;
+    else
+      throw std::invalid_argument("CUDASIM_ORDER='" + v + "': expected forward, reverse or random");
   }
   if (const char* s = std::getenv("CUDASIM_SEED"); s && *s) o.seed = std::strtoull(s, nullptr, 10);
   unsigned hw = std::max(1u, std::thread::hardware_concurrency());
@@ -96,9 +100,12 @@ void set_options(const Options& o) {
 }
 const char* order_name(Order o) {
   switch (o) {
-    case Order::Forward: return "forward";
-    case Order::Reverse: return "reverse";
-    case Order::Random: return "random";
+    case Order::Forward:
+      return "forward";
+    case Order::Reverse:
+      return "reverse";
+    case Order::Random:
+      return "random";
   }
   return "?";
 }
@@ -137,7 +144,7 @@ struct Launch {
   std::atomic<bool> failed{false};
   std::mutex error_mutex;
   std::exception_ptr error;
-  int helpers = 0;      // pool threads working on it (guarded by the pool mutex)
+  int helpers = 0;  // pool threads working on it (guarded by the pool mutex)
   int max_helpers = 0;
   int joined = 0;
 };
@@ -153,7 +160,8 @@ std::size_t stack_bytes() {
 #else
   std::size_t kb = 128;
 #endif
-  if (const char* s = std::getenv("CUDASIM_STACK_KB"); s && *s) kb = std::max<std::size_t>(16, std::strtoull(s, nullptr, 10));
+  if (const char* s = std::getenv("CUDASIM_STACK_KB"); s && *s)
+    kb = std::max<std::size_t>(16, std::strtoull(s, nullptr, 10));
   return kb * 1024;
 }
 
@@ -245,8 +253,9 @@ std::pair<char*, std::size_t> static_shared_section() {
   if (marker < start || marker + sizeof(g_shared_marker) > start + size) {
     static std::once_flag warned;
     std::call_once(warned, [] {
-      std::fprintf(stderr, "cudasim: cannot locate static __shared__ memory (kernels in a shared library?); "
-                           "it will not be poisoned between blocks\n");
+      std::fprintf(stderr,
+                   "cudasim: cannot locate static __shared__ memory (kernels in a shared library?); "
+                   "it will not be poisoned between blocks\n");
     });
     return {nullptr, 0};
   }
@@ -329,14 +338,22 @@ std::string hex(unsigned m) {
 
 const char* op_name(WarpOp op) {
   switch (op) {
-    case WarpOp::Shfl: return "__shfl_sync";
-    case WarpOp::ShflUp: return "__shfl_up_sync";
-    case WarpOp::ShflDown: return "__shfl_down_sync";
-    case WarpOp::ShflXor: return "__shfl_xor_sync";
-    case WarpOp::Ballot: return "__ballot_sync";
-    case WarpOp::Any: return "__any_sync";
-    case WarpOp::All: return "__all_sync";
-    case WarpOp::SyncWarp: return "__syncwarp";
+    case WarpOp::Shfl:
+      return "__shfl_sync";
+    case WarpOp::ShflUp:
+      return "__shfl_up_sync";
+    case WarpOp::ShflDown:
+      return "__shfl_down_sync";
+    case WarpOp::ShflXor:
+      return "__shfl_xor_sync";
+    case WarpOp::Ballot:
+      return "__ballot_sync";
+    case WarpOp::Any:
+      return "__any_sync";
+    case WarpOp::All:
+      return "__all_sync";
+    case WarpOp::SyncWarp:
+      return "__syncwarp";
   }
   return "?";
 }
@@ -366,7 +383,8 @@ void fiber_entry(fctx::transfer_t t) {
     if (!w->fiber_error)
       w->fiber_error = std::make_exception_ptr(KernelError(prefix(*w, f) + "exception in kernel: " + e.what()));
   } catch (...) {
-    if (!w->fiber_error) w->fiber_error = std::make_exception_ptr(KernelError(prefix(*w, f) + "unknown exception in kernel"));
+    if (!w->fiber_error)
+      w->fiber_error = std::make_exception_ptr(KernelError(prefix(*w, f) + "unknown exception in kernel"));
   }
   f->state = State::Exited;
   --w->live;
@@ -416,11 +434,14 @@ Worker& kernel_worker(const char* what) {
 // ---- diagnosis when no fiber can run ----
 std::string describe_wait(const Fiber& g) {
   switch (g.state) {
-    case State::Exited: return "has returned";
-    case State::AtBarrier: return "waits at __syncthreads() at " + where(g.file, g.line);
+    case State::Exited:
+      return "has returned";
+    case State::AtBarrier:
+      return "waits at __syncthreads() at " + where(g.file, g.line);
     case State::AtWarp:
       return std::string("waits at ") + op_name(g.op) + " with mask " + hex(g.mask) + " at " + where(g.file, g.line);
-    case State::Runnable: return "is runnable";
+    case State::Runnable:
+      return "is runnable";
   }
   return "?";
 }
@@ -444,7 +465,10 @@ std::string diagnose_stall(Worker& w) {
   // Only barrier waiters (and returned threads) remain.
   const Fiber* first = nullptr;
   for (unsigned i = 0; i < n; ++i)
-    if (w.fibers[i].state == State::AtBarrier) { first = &w.fibers[i]; break; }
+    if (w.fibers[i].state == State::AtBarrier) {
+      first = &w.fibers[i];
+      break;
+    }
   if (!first) return prefix(w, nullptr) + "no thread can run (internal error)";
   for (unsigned i = 0; i < n; ++i) {
     const Fiber& g = w.fibers[i];
@@ -453,8 +477,10 @@ std::string diagnose_stall(Worker& w) {
       for (unsigned j = 0; j < n; ++j) {
         const Fiber& h = w.fibers[j];
         if (h.state != State::AtBarrier) continue;
-        if (h.line == first->line && std::strcmp(h.file, first->file) == 0) ++a;
-        else if (h.line == g.line && std::strcmp(h.file, g.file) == 0) ++b;
+        if (h.line == first->line && std::strcmp(h.file, first->file) == 0)
+          ++a;
+        else if (h.line == g.line && std::strcmp(h.file, g.file) == 0)
+          ++b;
       }
       return prefix(w, &g) + "threads wait at different __syncthreads(): thread " + dim_str(g.t.tid) + " at " +
              where(g.file, g.line) + " (" + std::to_string(b) + " threads), thread " + dim_str(first->t.tid) + " at " +
@@ -465,8 +491,8 @@ std::string diagnose_stall(Worker& w) {
     const Fiber& g = w.fibers[i];
     if (g.state == State::Exited)
       return prefix(w, &g) + "returned before reaching the __syncthreads() at " + where(first->file, first->line) +
-             " where " + std::to_string(w.at_barrier) + " threads of the block wait (threads returned: " +
-             std::to_string(w.exited) + ")";
+             " where " + std::to_string(w.at_barrier) +
+             " threads of the block wait (threads returned: " + std::to_string(w.exited) + ")";
   }
   return prefix(w, nullptr) + "no thread can run (internal error)";
 }
@@ -529,8 +555,10 @@ void run_block(Worker& w, Launch& L, std::uint64_t block_linear) {
       const Fiber* first = nullptr;
       for (unsigned i = 0; i < n && same_barrier; ++i) {
         const Fiber& g = w.fibers[i];
-        if (!first) first = &g;
-        else if (g.line != first->line || std::strcmp(g.file, first->file) != 0) same_barrier = false;
+        if (!first)
+          first = &g;
+        else if (g.line != first->line || std::strcmp(g.file, first->file) != 0)
+          same_barrier = false;
       }
     }
     if (!same_barrier) {
@@ -640,7 +668,8 @@ void check_config(const Launch& L) {
   if (s.block.x == 0 || s.block.y == 0 || s.block.z == 0) bad("block " + dim_str(s.block) + " has a zero dimension");
   if (s.grid.y > 65535 || s.grid.z > 65535) bad("grid " + dim_str(s.grid) + ": y and z must be <= 65535");
   if (s.grid.x > 2147483647u) bad("grid.x must be < 2^31");
-  if (s.block.x > 1024 || s.block.y > 1024 || s.block.z > 64) bad("block " + dim_str(s.block) + " exceeds (1024,1024,64)");
+  if (s.block.x > 1024 || s.block.y > 1024 || s.block.z > 64)
+    bad("block " + dim_str(s.block) + " exceeds (1024,1024,64)");
   if (static_cast<std::uint64_t>(s.block.x) * s.block.y * s.block.z > 1024)
     bad("block " + dim_str(s.block) + " has more than 1024 threads");
   if (s.smem > 232448) bad(std::to_string(s.smem) + " bytes of dynamic shared memory exceed sm_90's 227 KiB");
@@ -658,7 +687,8 @@ void run_grid(const LaunchSpec& spec, Thunk thunk, std::shared_ptr<const void> c
   L.opts = options();
   check_config(L);
   L.nblocks = static_cast<std::uint64_t>(spec.grid.x) * spec.grid.y * spec.grid.z;
-  L.max_helpers = static_cast<int>(std::min<std::uint64_t>(static_cast<std::uint64_t>(L.opts.workers - 1), L.nblocks - 1));
+  L.max_helpers =
+      static_cast<int>(std::min<std::uint64_t>(static_cast<std::uint64_t>(L.opts.workers - 1), L.nblocks - 1));
   Pool::get().run(L);
   if (L.error) std::rethrow_exception(L.error);
 }
@@ -713,14 +743,18 @@ unsigned shuffle_source(WarpOp op, unsigned lane, int arg, int width) {
   unsigned w = static_cast<unsigned>(width);
   unsigned seg = lane & ~(w - 1);
   switch (op) {
-    case WarpOp::Shfl: return seg + (static_cast<unsigned>(arg) & (w - 1));
-    case WarpOp::ShflUp: return (lane - seg) < static_cast<unsigned>(arg) ? lane : lane - arg;
-    case WarpOp::ShflDown: return (lane - seg) + static_cast<unsigned>(arg) >= w ? lane : lane + arg;
+    case WarpOp::Shfl:
+      return seg + (static_cast<unsigned>(arg) & (w - 1));
+    case WarpOp::ShflUp:
+      return (lane - seg) < static_cast<unsigned>(arg) ? lane : lane - arg;
+    case WarpOp::ShflDown:
+      return (lane - seg) + static_cast<unsigned>(arg) >= w ? lane : lane + arg;
     case WarpOp::ShflXor: {
       unsigned src = lane ^ static_cast<unsigned>(arg);
       return src >= seg + w ? lane : src;  // later segments cannot be read
     }
-    default: return lane;
+    default:
+      return lane;
   }
 }
 }  // namespace

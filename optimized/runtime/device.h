@@ -70,7 +70,9 @@ class Graph;
 class Stream {
  public:
   explicit Stream(Device& d) : dev_(&d), s_(d.create_stream()) {}
-  ~Stream() { if (dev_) dev_->destroy_stream(s_); }
+  ~Stream() {
+    if (dev_) dev_->destroy_stream(s_);
+  }
   Stream(Stream&& o) noexcept : dev_(std::exchange(o.dev_, nullptr)), s_(o.s_) {}
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
@@ -88,7 +90,9 @@ class Stream {
 class Graph {
  public:
   Graph(Device& d, void* g) : dev_(&d), g_(g) {}
-  ~Graph() { if (dev_) dev_->destroy_graph(g_); }
+  ~Graph() {
+    if (dev_) dev_->destroy_graph(g_);
+  }
   Graph(Graph&& o) noexcept : dev_(std::exchange(o.dev_, nullptr)), g_(o.g_) {}
   Graph(const Graph&) = delete;
   Graph& operator=(const Graph&) = delete;
@@ -104,7 +108,9 @@ inline Graph Stream::end_capture() { return Graph(*dev_, dev_->end_capture(s_));
 class Event {
  public:
   explicit Event(Device& d) : dev_(&d), e_(d.create_event()) {}
-  ~Event() { if (dev_) dev_->destroy_event(e_); }
+  ~Event() {
+    if (dev_) dev_->destroy_event(e_);
+  }
   Event(Event&& o) noexcept : dev_(std::exchange(o.dev_, nullptr)), e_(o.e_) {}
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
@@ -141,7 +147,9 @@ class DeviceBuffer {
 
   void* get() const { return p_; }
   template <class T>
-  T* as() const { return static_cast<T*>(p_); }
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
   std::size_t bytes() const { return bytes_; }
 
   void upload(const void* host, std::size_t bytes, cudaStream_t stream = nullptr) {

@@ -19,9 +19,12 @@ struct CudaGraph {
 
 cudaMemcpyKind to_cuda(CopyKind k) {
   switch (k) {
-    case CopyKind::HostToDevice: return cudaMemcpyHostToDevice;
-    case CopyKind::DeviceToHost: return cudaMemcpyDeviceToHost;
-    case CopyKind::DeviceToDevice: return cudaMemcpyDeviceToDevice;
+    case CopyKind::HostToDevice:
+      return cudaMemcpyHostToDevice;
+    case CopyKind::DeviceToHost:
+      return cudaMemcpyDeviceToHost;
+    case CopyKind::DeviceToDevice:
+      return cudaMemcpyDeviceToDevice;
   }
   return cudaMemcpyDefault;
 }
@@ -41,7 +44,8 @@ class CudaDevice final : public Device {
   }
   void copy(void* dst, const void* src, std::size_t bytes, CopyKind kind, cudaStream_t s) override {
     if (bytes == 0) return;
-    cuda_check(cudaMemcpyAsync(dst, src, bytes, to_cuda(kind), s), "cudaMemcpyAsync(" + std::to_string(bytes) + " bytes)");
+    cuda_check(cudaMemcpyAsync(dst, src, bytes, to_cuda(kind), s),
+               "cudaMemcpyAsync(" + std::to_string(bytes) + " bytes)");
   }
   void memset(void* dst, int byte, std::size_t bytes, cudaStream_t s) override {
     if (bytes == 0) return;
@@ -54,7 +58,9 @@ class CudaDevice final : public Device {
     cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
     return s;
   }
-  void destroy_stream(cudaStream_t s) noexcept override { if (s) cudaStreamDestroy(s); }
+  void destroy_stream(cudaStream_t s) noexcept override {
+    if (s) cudaStreamDestroy(s);
+  }
   void synchronize(cudaStream_t s) override { cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize"); }
 
   cudaEvent_t create_event() override {
@@ -62,7 +68,9 @@ class CudaDevice final : public Device {
     cuda_check(cudaEventCreate(&e), "cudaEventCreate");
     return e;
   }
-  void destroy_event(cudaEvent_t e) noexcept override { if (e) cudaEventDestroy(e); }
+  void destroy_event(cudaEvent_t e) noexcept override {
+    if (e) cudaEventDestroy(e);
+  }
   void record(cudaEvent_t e, cudaStream_t s) override { cuda_check(cudaEventRecord(e, s), "cudaEventRecord"); }
   void wait(cudaStream_t s, cudaEvent_t e) override { cuda_check(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent"); }
   void synchronize(cudaEvent_t e) override { cuda_check(cudaEventSynchronize(e), "cudaEventSynchronize"); }
@@ -99,7 +107,9 @@ bool cuda_device_present(std::string* why) {
   int n = 0;
   cudaError_t err = cudaGetDeviceCount(&n);
   if (err != cudaSuccess) {
-    if (why) *why = std::string("no CUDA device: cudaGetDeviceCount: ") + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
+    if (why)
+      *why =
+          std::string("no CUDA device: cudaGetDeviceCount: ") + cudaGetErrorName(err) + ": " + cudaGetErrorString(err);
     cudaGetLastError();  // clear the sticky-free error so later calls start clean
     return false;
   }

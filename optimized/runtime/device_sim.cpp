@@ -1,10 +1,10 @@
 // device_sim.cpp: the simulated device runtime (memory, copies, streams, events, graphs).
 //
-// Design: device memory is host memory from posix_memalign (256-byte aligned, like cudaMalloc), registered in a table so that copies
-// and frees can check that a "device" pointer lies inside a live allocation (a wrong pointer is an
-// error naming the call, not a silent host write). Work runs synchronously when enqueued, so a
-// stream synchronize is a no-op and an event records the host time at which it was reached; under
-// capture, copies and launches are appended to the stream's list, and a graph replays that list.
+// Design: device memory is host memory from posix_memalign (256-byte aligned, like cudaMalloc), registered in a table
+// so that copies and frees can check that a "device" pointer lies inside a live allocation (a wrong pointer is an error
+// naming the call, not a silent host write). Work runs synchronously when enqueued, so a stream synchronize is a no-op
+// and an event records the host time at which it was reached; under capture, copies and launches are appended to the
+// stream's list, and a graph replays that list.
 #include "optimized/runtime/device.h"
 #include "optimized/runtime/sim_stream.h"
 
@@ -18,8 +18,8 @@
 namespace twin::rt {
 namespace {
 
-using cudasim::detail::SimStream;
 using cudasim::detail::sim_stream;
+using cudasim::detail::SimStream;
 
 struct SimEvent {
   std::chrono::steady_clock::time_point t{};
@@ -106,15 +106,19 @@ class SimDevice final : public Device {
   }
 
   void begin_capture(cudaStream_t s) override {
-    if (!s) throw CudaError("cudaStreamBeginCapture [sim]: cudaErrorStreamCaptureUnsupported: the default stream cannot be captured");
+    if (!s)
+      throw CudaError(
+          "cudaStreamBeginCapture [sim]: cudaErrorStreamCaptureUnsupported: the default stream cannot be captured");
     SimStream* ss = sim_stream(s);
-    if (ss->capturing) throw CudaError("cudaStreamBeginCapture [sim]: cudaErrorIllegalState: the stream is already capturing");
+    if (ss->capturing)
+      throw CudaError("cudaStreamBeginCapture [sim]: cudaErrorIllegalState: the stream is already capturing");
     ss->capturing = true;
     ss->recorded.clear();
   }
   void* end_capture(cudaStream_t s) override {
     SimStream* ss = s ? sim_stream(s) : nullptr;
-    if (!ss || !ss->capturing) throw CudaError("cudaStreamEndCapture [sim]: cudaErrorIllegalState: the stream is not capturing");
+    if (!ss || !ss->capturing)
+      throw CudaError("cudaStreamEndCapture [sim]: cudaErrorIllegalState: the stream is not capturing");
     ss->capturing = false;
     auto* g = new SimGraph();
     g->steps = std::move(ss->recorded);

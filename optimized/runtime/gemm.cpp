@@ -8,12 +8,18 @@ namespace twin::rt {
 
 const char* epilogue_name(Epilogue e) {
   switch (e) {
-    case Epilogue::Default: return "DEFAULT";
-    case Epilogue::Relu: return "RELU";
-    case Epilogue::Gelu: return "GELU";
-    case Epilogue::Bias: return "BIAS";
-    case Epilogue::ReluBias: return "RELU_BIAS";
-    case Epilogue::GeluBias: return "GELU_BIAS";
+    case Epilogue::Default:
+      return "DEFAULT";
+    case Epilogue::Relu:
+      return "RELU";
+    case Epilogue::Gelu:
+      return "GELU";
+    case Epilogue::Bias:
+      return "BIAS";
+    case Epilogue::ReluBias:
+      return "RELU_BIAS";
+    case Epilogue::GeluBias:
+      return "GELU_BIAS";
   }
   return "?";
 }
@@ -21,13 +27,15 @@ const char* epilogue_name(Epilogue e) {
 float apply_epilogue_activation(Epilogue e, float x) {
   switch (e) {
     case Epilogue::Relu:
-    case Epilogue::ReluBias: return x > 0.0f ? x : 0.0f;
+    case Epilogue::ReluBias:
+      return x > 0.0f ? x : 0.0f;
     case Epilogue::Gelu:
     case Epilogue::GeluBias: {
       const float k = 0.7978845608028654f;  // sqrt(2 / pi)
       return 0.5f * x * (1.0f + std::tanh(k * (x + 0.044715f * x * x * x)));
     }
-    default: return x;
+    default:
+      return x;
   }
 }
 
@@ -48,7 +56,8 @@ void validate_gemm(const GemmArgs& g, const char* who) {
     fail(std::string("A/B dtype ") + dtype_name(ab) + " is not one of BF16, F16, F32");
   if (cd != ab && cd != DType::F32)
     fail(std::string("C/D dtype ") + dtype_name(cd) + " must be the A/B dtype " + dtype_name(ab) + " or F32");
-  const bool has_bias = g.epilogue == Epilogue::Bias || g.epilogue == Epilogue::ReluBias || g.epilogue == Epilogue::GeluBias;
+  const bool has_bias =
+      g.epilogue == Epilogue::Bias || g.epilogue == Epilogue::ReluBias || g.epilogue == Epilogue::GeluBias;
   if (has_bias && g.bias_dtype != cd && g.bias_dtype != DType::F32)
     fail(std::string("bias dtype ") + dtype_name(g.bias_dtype) + " must be the D dtype " + dtype_name(cd) + " or F32");
 
@@ -57,12 +66,16 @@ void validate_gemm(const GemmArgs& g, const char* who) {
   const std::int64_t b_rows = g.transb == Op::N ? g.k : g.n, b_cols = g.transb == Op::N ? g.n : g.k;
   auto max1 = [](std::int64_t v) { return v > 1 ? v : std::int64_t{1}; };
   if (g.lda < max1(a_rows))
-    fail("lda=" + s(g.lda) + " is less than the " + s(a_rows) + " rows of A as stored (" + s(a_rows) + " x " + s(a_cols) + ")");
+    fail("lda=" + s(g.lda) + " is less than the " + s(a_rows) + " rows of A as stored (" + s(a_rows) + " x " +
+         s(a_cols) + ")");
   if (g.ldb < max1(b_rows))
-    fail("ldb=" + s(g.ldb) + " is less than the " + s(b_rows) + " rows of B as stored (" + s(b_rows) + " x " + s(b_cols) + ")");
-  if (g.ldd < max1(g.m)) fail("ldd=" + s(g.ldd) + " is less than the " + s(g.m) + " rows of D (" + s(g.m) + " x " + s(g.n) + ")");
+    fail("ldb=" + s(g.ldb) + " is less than the " + s(b_rows) + " rows of B as stored (" + s(b_rows) + " x " +
+         s(b_cols) + ")");
+  if (g.ldd < max1(g.m))
+    fail("ldd=" + s(g.ldd) + " is less than the " + s(g.m) + " rows of D (" + s(g.m) + " x " + s(g.n) + ")");
   const bool reads_c = g.beta != 0.0f;
-  if (reads_c && g.ldc < max1(g.m)) fail("ldc=" + s(g.ldc) + " is less than the " + s(g.m) + " rows of C (" + s(g.m) + " x " + s(g.n) + ")");
+  if (reads_c && g.ldc < max1(g.m))
+    fail("ldc=" + s(g.ldc) + " is less than the " + s(g.m) + " rows of C (" + s(g.m) + " x " + s(g.n) + ")");
   if (reads_c && g.c == g.d && (g.ldc != g.ldd || g.stride_c != g.stride_d))
     fail("in-place C == D needs ldc == ldd and stride_c == stride_d");
 

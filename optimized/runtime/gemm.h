@@ -39,15 +39,15 @@ struct GemmArgs {
   DType cd_dtype = DType::F32;  // C and D
   const void* a = nullptr;      // stored (transa == N ? m x k : k x m)
   std::int64_t lda = 0, stride_a = 0;
-  const void* b = nullptr;      // stored (transb == N ? k x n : n x k)
+  const void* b = nullptr;  // stored (transb == N ? k x n : n x k)
   std::int64_t ldb = 0, stride_b = 0;
-  const void* c = nullptr;      // read only when beta != 0; may equal d (same ld and stride)
+  const void* c = nullptr;  // read only when beta != 0; may equal d (same ld and stride)
   std::int64_t ldc = 0, stride_c = 0;
   void* d = nullptr;
   std::int64_t ldd = 0, stride_d = 0;
-  std::int64_t batch = 1;       // strided batched GEMM when > 1
+  std::int64_t batch = 1;  // strided batched GEMM when > 1
   Epilogue epilogue = Epilogue::Default;
-  const void* bias = nullptr;   // length m, shared by all batches
+  const void* bias = nullptr;     // length m, shared by all batches
   DType bias_dtype = DType::F32;  // cd_dtype or F32
 };
 

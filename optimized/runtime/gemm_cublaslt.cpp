@@ -28,12 +28,15 @@ namespace twin::rt {
 namespace {
 
 // Every cuBLASLt entry point this file calls; each is called as lt().<name>.
+// An X-macro list, laid out by hand (clang-format would split the X(...) items).
+// clang-format off
 #define TWIN_CUBLASLT_FUNCTIONS(X)                                                               \
   X(cublasLtCreate) X(cublasLtMatrixLayoutCreate) X(cublasLtMatrixLayoutSetAttribute)              \
   X(cublasLtMatrixLayoutDestroy) X(cublasLtMatmulDescCreate) X(cublasLtMatmulDescDestroy)          \
   X(cublasLtMatmulDescSetAttribute) X(cublasLtMatmulPreferenceCreate)                              \
   X(cublasLtMatmulPreferenceDestroy) X(cublasLtMatmulPreferenceSetAttribute)                       \
   X(cublasLtMatmulAlgoGetHeuristic) X(cublasLtMatmul)
+// clang-format on
 
 struct CublasLtApi {
   TWIN_CUBLASLT_FUNCTIONS(TWIN_DYNLIB_DECLARE_FN)
@@ -44,24 +47,33 @@ bool resolve_cublaslt(DynLib& lib, CublasLtApi& api) { return true TWIN_CUBLASLT
 // Opened at the first GEMM. The soname is that of the major version the header describes:
 // another major is another ABI.
 LazyLibrary<CublasLtApi>& cublaslt() {
-  static LazyLibrary<CublasLtApi> lib("cuBLASLt",
-                                      library_candidates("libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR), TWIN_CUBLASLT_DIR),
-                                      resolve_cublaslt);
+  static LazyLibrary<CublasLtApi> lib(
+      "cuBLASLt", library_candidates("libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR), TWIN_CUBLASLT_DIR),
+      resolve_cublaslt);
   return lib;
 }
 const CublasLtApi& lt() { return cublaslt().api(); }
 
 const char* status_name(cublasStatus_t st) {  // cublasGetStatusString lives in libcublas, not cublasLt
   switch (st) {
-    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
-    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
-    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
-    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
-    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
-    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
-    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
-    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
-    default: return "cuBLAS error";
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+      return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED:
+      return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE:
+      return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH:
+      return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR:
+      return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED:
+      return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR:
+      return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default:
+      return "cuBLAS error";
   }
 }
 
@@ -72,21 +84,31 @@ void lt_check(cublasStatus_t st, const std::string& call) {
 
 cudaDataType_t to_cuda(DType dt) {
   switch (dt) {
-    case DType::F32: return CUDA_R_32F;
-    case DType::BF16: return CUDA_R_16BF;
-    case DType::F16: return CUDA_R_16F;
-    default: throw GemmError(std::string("gemm [cuBLASLt]: unsupported dtype ") + dtype_name(dt));
+    case DType::F32:
+      return CUDA_R_32F;
+    case DType::BF16:
+      return CUDA_R_16BF;
+    case DType::F16:
+      return CUDA_R_16F;
+    default:
+      throw GemmError(std::string("gemm [cuBLASLt]: unsupported dtype ") + dtype_name(dt));
   }
 }
 
 cublasLtEpilogue_t to_cuda(Epilogue e) {
   switch (e) {
-    case Epilogue::Default: return CUBLASLT_EPILOGUE_DEFAULT;
-    case Epilogue::Relu: return CUBLASLT_EPILOGUE_RELU;
-    case Epilogue::Gelu: return CUBLASLT_EPILOGUE_GELU;
-    case Epilogue::Bias: return CUBLASLT_EPILOGUE_BIAS;
-    case Epilogue::ReluBias: return CUBLASLT_EPILOGUE_RELU_BIAS;
-    case Epilogue::GeluBias: return CUBLASLT_EPILOGUE_GELU_BIAS;
+    case Epilogue::Default:
+      return CUBLASLT_EPILOGUE_DEFAULT;
+    case Epilogue::Relu:
+      return CUBLASLT_EPILOGUE_RELU;
+    case Epilogue::Gelu:
+      return CUBLASLT_EPILOGUE_GELU;
+    case Epilogue::Bias:
+      return CUBLASLT_EPILOGUE_BIAS;
+    case Epilogue::ReluBias:
+      return CUBLASLT_EPILOGUE_RELU_BIAS;
+    case Epilogue::GeluBias:
+      return CUBLASLT_EPILOGUE_GELU_BIAS;
   }
   return CUBLASLT_EPILOGUE_DEFAULT;
 }
@@ -95,25 +117,34 @@ cublasLtEpilogue_t to_cuda(Epilogue e) {
 struct Layout {
   cublasLtMatrixLayout_t h = nullptr;
   Layout(DType dt, std::int64_t rows, std::int64_t cols, std::int64_t ld, std::int64_t batch, std::int64_t stride) {
-    lt_check(lt().cublasLtMatrixLayoutCreate(&h, to_cuda(dt), static_cast<std::uint64_t>(rows), static_cast<std::uint64_t>(cols), ld),
+    lt_check(lt().cublasLtMatrixLayoutCreate(&h, to_cuda(dt), static_cast<std::uint64_t>(rows),
+                                             static_cast<std::uint64_t>(cols), ld),
              "cublasLtMatrixLayoutCreate");
     if (batch > 1) {
       int b = static_cast<int>(batch);
       lt_check(lt().cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &b, sizeof(b)),
                "cublasLtMatrixLayoutSetAttribute(BATCH_COUNT)");
-      lt_check(lt().cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)),
+      lt_check(lt().cublasLtMatrixLayoutSetAttribute(h, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                     sizeof(stride)),
                "cublasLtMatrixLayoutSetAttribute(STRIDED_BATCH_OFFSET)");
     }
   }
-  ~Layout() { if (h) cublaslt().loaded_api().cublasLtMatrixLayoutDestroy(h); }
+  ~Layout() {
+    if (h) cublaslt().loaded_api().cublasLtMatrixLayoutDestroy(h);
+  }
 };
 struct MatmulDesc {
   cublasLtMatmulDesc_t h = nullptr;
-  MatmulDesc() { lt_check(lt().cublasLtMatmulDescCreate(&h, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate"); }
-  ~MatmulDesc() { if (h) cublaslt().loaded_api().cublasLtMatmulDescDestroy(h); }
+  MatmulDesc() {
+    lt_check(lt().cublasLtMatmulDescCreate(&h, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  }
+  ~MatmulDesc() {
+    if (h) cublaslt().loaded_api().cublasLtMatmulDescDestroy(h);
+  }
   template <class T>
   void set(cublasLtMatmulDescAttributes_t a, const T& v, const char* name) {
-    lt_check(lt().cublasLtMatmulDescSetAttribute(h, a, &v, sizeof(v)), std::string("cublasLtMatmulDescSetAttribute(") + name + ")");
+    lt_check(lt().cublasLtMatmulDescSetAttribute(h, a, &v, sizeof(v)),
+             std::string("cublasLtMatmulDescSetAttribute(") + name + ")");
   }
 };
 
@@ -182,12 +213,12 @@ class CublasLtGemm final : public Gemm {
     lt_check(lt().cublasLtMatmulAlgoGetHeuristic(handle_, desc.h, la.h, lb.h, lc.h, ld.h, pref, 1, &heur, &found),
              "cublasLtMatmulAlgoGetHeuristic");
     if (found == 0)
-      throw CudaError("cublasLtMatmulAlgoGetHeuristic: no algorithm for m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) +
-                      " k=" + std::to_string(g.k) + " dtype " + dtype_name(g.ab_dtype) + " -> " + dtype_name(g.cd_dtype) +
-                      " epilogue " + epilogue_name(g.epilogue));
+      throw CudaError("cublasLtMatmulAlgoGetHeuristic: no algorithm for m=" + std::to_string(g.m) +
+                      " n=" + std::to_string(g.n) + " k=" + std::to_string(g.k) + " dtype " + dtype_name(g.ab_dtype) +
+                      " -> " + dtype_name(g.cd_dtype) + " epilogue " + epilogue_name(g.epilogue));
     const void* c = reads_c ? g.c : g.d;
-    lt_check(lt().cublasLtMatmul(handle_, desc.h, &g.alpha, g.a, la.h, g.b, lb.h, &g.beta, c, lc.h, g.d, ld.h, &heur.algo,
-                            workspace_, kWorkspace, stream),
+    lt_check(lt().cublasLtMatmul(handle_, desc.h, &g.alpha, g.a, la.h, g.b, lb.h, &g.beta, c, lc.h, g.d, ld.h,
+                                 &heur.algo, workspace_, kWorkspace, stream),
              "cublasLtMatmul");
   }
 

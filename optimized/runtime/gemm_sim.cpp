@@ -18,18 +18,29 @@ using MatF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajo
 
 float load(DType dt, const void* base, std::int64_t idx) {
   switch (dt) {
-    case DType::F32: return static_cast<const float*>(base)[idx];
-    case DType::BF16: return bf16_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
-    case DType::F16: return fp16_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
-    default: throw GemmError(std::string("gemm [sim]: unsupported dtype ") + dtype_name(dt));
+    case DType::F32:
+      return static_cast<const float*>(base)[idx];
+    case DType::BF16:
+      return bf16_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
+    case DType::F16:
+      return fp16_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
+    default:
+      throw GemmError(std::string("gemm [sim]: unsupported dtype ") + dtype_name(dt));
   }
 }
 void store(DType dt, void* base, std::int64_t idx, float v) {
   switch (dt) {
-    case DType::F32: static_cast<float*>(base)[idx] = v; break;
-    case DType::BF16: static_cast<std::uint16_t*>(base)[idx] = float_to_bf16_bits(v); break;
-    case DType::F16: static_cast<std::uint16_t*>(base)[idx] = float_to_fp16_bits(v); break;
-    default: throw GemmError(std::string("gemm [sim]: unsupported dtype ") + dtype_name(dt));
+    case DType::F32:
+      static_cast<float*>(base)[idx] = v;
+      break;
+    case DType::BF16:
+      static_cast<std::uint16_t*>(base)[idx] = float_to_bf16_bits(v);
+      break;
+    case DType::F16:
+      static_cast<std::uint16_t*>(base)[idx] = float_to_fp16_bits(v);
+      break;
+    default:
+      throw GemmError(std::string("gemm [sim]: unsupported dtype ") + dtype_name(dt));
   }
 }
 
@@ -37,8 +48,7 @@ void store(DType dt, void* base, std::int64_t idx, float v) {
 MatF widen(DType dt, const void* base, std::int64_t ld, Op op, std::int64_t rows, std::int64_t cols) {
   MatF out(rows, cols);
   for (std::int64_t j = 0; j < cols; ++j)
-    for (std::int64_t i = 0; i < rows; ++i)
-      out(i, j) = load(dt, base, op == Op::N ? i + j * ld : j + i * ld);
+    for (std::int64_t i = 0; i < rows; ++i) out(i, j) = load(dt, base, op == Op::N ? i + j * ld : j + i * ld);
   return out;
 }
 
@@ -46,7 +56,8 @@ std::size_t esize(DType dt) { return dtype_size(dt); }
 
 void compute(const GemmArgs& g) {
   if (g.m == 0 || g.n == 0) return;
-  const bool has_bias = g.epilogue == Epilogue::Bias || g.epilogue == Epilogue::ReluBias || g.epilogue == Epilogue::GeluBias;
+  const bool has_bias =
+      g.epilogue == Epilogue::Bias || g.epilogue == Epilogue::ReluBias || g.epilogue == Epilogue::GeluBias;
   for (std::int64_t bt = 0; bt < g.batch; ++bt) {
     MatF acc = MatF::Zero(g.m, g.n);
     if (g.k > 0) {

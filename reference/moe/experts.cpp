@@ -29,12 +29,11 @@ Mat SequentialMLP::forward(const Mat& permuted_local_hidden_states, const std::v
   Mat hidden = permuted_local_hidden_states;  // [N, h]
   std::vector<double> permuted_probs = permuted_probs_in;
   if (config_.moe_apply_probs_on_input) {
-    if (config_.moe_router_topk != 1)
-      throw MoEError("`moe_apply_probs_on_input` only works with `moe_router_topk`=1.");
+    if (config_.moe_router_topk != 1) throw MoEError("`moe_apply_probs_on_input` only works with `moe_router_topk`=1.");
     for (Index t = 0; t < hidden.rows(); ++t)
       for (Index j = 0; j < hidden.cols(); ++j)
         hidden(t, j) = p_.act(permuted_probs[t] * hidden(t, j));  // rounds: (probs * x).to(original_dtype)
-    permuted_probs.assign(permuted_probs.size(), 1.0);  // probs already applied
+    permuted_probs.assign(permuted_probs.size(), 1.0);            // probs already applied
   }
 
   // torch.split by tokens_per_expert; each expert on its slice; torch.cat.

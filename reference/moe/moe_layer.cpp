@@ -21,7 +21,8 @@ void validate_moe_layer_config(const TransformerConfig& c) {
   if (lb != "aux_loss" && lb != "seq_aux_loss" && lb != "global_aux_loss" && lb != "sinkhorn" && lb != "none")
     reject("moe_router_load_balancing_type '" + lb + "' (aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none)");
   if (lb == "sinkhorn" && c.moe_aux_loss_coeff != 0)
-    reject("Sinkhorn routing does not support aux loss (moe_aux_loss_coeff=" + std::to_string(c.moe_aux_loss_coeff) + ")");
+    reject("Sinkhorn routing does not support aux loss (moe_aux_loss_coeff=" + std::to_string(c.moe_aux_loss_coeff) +
+           ")");
   if (c.moe_grouped_gemm)
     reject("moe_grouped_gemm (GroupedMLP / TEGroupedMLP) is not implemented; the reference is SequentialMLP");
   if (c.moe_latent_size) reject("moe_latent_size needs Transformer Engine's latent projections");
@@ -29,14 +30,16 @@ void validate_moe_layer_config(const TransformerConfig& c) {
     reject("`moe_apply_probs_on_input` only works with `moe_router_topk`=1 (moe_router_topk=" +
            std::to_string(c.moe_router_topk) + ")");
   if (c.moe_shared_expert_intermediate_size && c.add_bias_linear)
-    reject("bias is not supported in the shared experts (add_bias_linear=True with moe_shared_expert_intermediate_size)");
+    reject(
+        "bias is not supported in the shared experts (add_bias_linear=True with moe_shared_expert_intermediate_size)");
   if (c.moe_router_group_topk && *c.moe_router_group_topk != 0 && c.moe_router_num_groups &&
       *c.moe_router_num_groups > 0) {
     // Megatron would pick -inf scores outside the chosen groups (NaN or zero probabilities).
     const int reachable = *c.moe_router_group_topk * (E / *c.moe_router_num_groups);
     if (c.moe_router_topk > reachable)
       reject("moe_router_topk (" + std::to_string(c.moe_router_topk) + ") exceeds the " + std::to_string(reachable) +
-             " experts of the moe_router_group_topk (" + std::to_string(*c.moe_router_group_topk) + ") selected groups");
+             " experts of the moe_router_group_topk (" + std::to_string(*c.moe_router_group_topk) +
+             ") selected groups");
   }
 }
 
@@ -63,7 +66,9 @@ MoELayer::MoELayer(const TransformerConfig& config, Precision p, int layer_numbe
     : router(validated(config), p),
       token_dispatcher(make_token_dispatcher(config, p)),
       experts(*config.num_moe_experts / config.expert_model_parallel_size, config, p, router.router_dtype()),
-      config_(config), p_(p), layer_number_(layer_number) {
+      config_(config),
+      p_(p),
+      layer_number_(layer_number) {
   if (config.moe_shared_expert_intermediate_size) shared_experts.emplace(config, p, config.moe_shared_expert_gate);
 }
 
@@ -104,12 +109,14 @@ OutputWithBias MoELayer::routed_experts_compute(DispatchTensors x, const Taps& t
   if (taps.enabled()) {  // the experts' inputs (fixtures: tap_in.mlp.experts.*)
     const Taps& in_taps = experts_taps;
     in_taps.record_input("dispatched_input",
-                   p_.to_tensor(in.dispatched_input, {in.dispatched_input.rows(), in.dispatched_input.cols()}));
-    in_taps.record_input("tokens_per_expert", Tensor::from_vector<std::int64_t>(
-                                            {static_cast<Index>(in.tokens_per_expert.size())},
-                                            std::vector<std::int64_t>(in.tokens_per_expert.begin(), in.tokens_per_expert.end())));
-    in_taps.record_input("permuted_probs", Tensor::from_doubles(router.router_dtype(), {static_cast<Index>(in.permuted_probs.size())},
-                                                          in.permuted_probs));
+                         p_.to_tensor(in.dispatched_input, {in.dispatched_input.rows(), in.dispatched_input.cols()}));
+    in_taps.record_input("tokens_per_expert",
+                         Tensor::from_vector<std::int64_t>(
+                             {static_cast<Index>(in.tokens_per_expert.size())},
+                             std::vector<std::int64_t>(in.tokens_per_expert.begin(), in.tokens_per_expert.end())));
+    in_taps.record_input(
+        "permuted_probs",
+        Tensor::from_doubles(router.router_dtype(), {static_cast<Index>(in.permuted_probs.size())}, in.permuted_probs));
     in_taps.set_magnitude(probs_magnitude);
   }
   const Mat expert_output = experts.forward(in.dispatched_input, in.tokens_per_expert, in.permuted_probs, experts_taps);
@@ -157,8 +164,8 @@ MoERouteOutput MoELayer::forward_route(const Mat& hidden_states, const MlpArgs& 
   if (args.recorded_routing_map) {
     const Tensor& m = *args.recorded_routing_map;
     if (m.shape() != Shape{seq_length * bsz, *config_.num_moe_experts})
-      throw ShapeError("recorded routing map: expected [T, E] = " + shape_str({seq_length * bsz, *config_.num_moe_experts}) +
-                       ", got " + m.describe());
+      throw ShapeError("recorded routing map: expected [T, E] = " +
+                       shape_str({seq_length * bsz, *config_.num_moe_experts}) + ", got " + m.describe());
     recorded = to_bool_mat(m, m.size(0), m.size(1));
   }
   const RouterOutput routed = route(hidden_states, seq_length, bsz, padding_mask ? &*padding_mask : nullptr, taps,
@@ -178,8 +185,7 @@ OutputWithBias MoELayer::forward_expert_compute(const DispatchTensors& hidden_st
   return out;
 }
 
-Mat MoELayer::forward_postprocess(const Mat& output, const std::optional<Mat>& shared_expert_output,
-                                  const Taps& taps) {
+Mat MoELayer::forward_postprocess(const Mat& output, const std::optional<Mat>& shared_expert_output, const Taps& taps) {
   Mat result = postprocess(output, shared_expert_output);  // [T, h]
   const DispatcherState& st = token_dispatcher->state;
   if (taps.enabled()) taps.record("0", p_.to_tensor(result, {st.seq_length, st.bsz, result.cols()}));

@@ -37,15 +37,16 @@ ModuleSpec get_gpt_layer_local_moe_spec(int num_experts, bool moe_grouped_gemm =
 // dispatcher attributes the next phase restores.
 struct MoERouterPhaseOutput {
   int s = 0, b = 0;
-  Mat residual;                               // [s * b, h]
-  DispatchTensors hidden_states_and_probs;    // after dispatch_preprocess: [T, h] + [T, E] (allgather) or [N, h] + [N, 1] (alltoall)
-  std::optional<Mat> shared_expert_output;    // [s * b, h]
+  Mat residual;  // [s * b, h]
+  DispatchTensors
+      hidden_states_and_probs;  // after dispatch_preprocess: [T, h] + [T, E] (allgather) or [N, h] + [N, 1] (alltoall)
+  std::optional<Mat> shared_expert_output;  // [s * b, h]
   DispatcherState token_dispatcher_attrs;
 };
 
 // _forward_mlp_expert_compute's outputs.
 struct MoEExpertComputeOutput {
-  Mat expert_output;              // after combine: [s * b, h] (before unpermute for alltoall: [N, h])
+  Mat expert_output;               // after combine: [s * b, h] (before unpermute for alltoall: [N, h])
   std::optional<RowVec> mlp_bias;  // None: the experts add their biases themselves
 };
 

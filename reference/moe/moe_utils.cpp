@@ -21,7 +21,9 @@ Mat softmax_rows(const Mat& x) {
   return y;
 }
 
-Mat sigmoid(const Mat& x) { return x.unaryExpr([](double v) { return 1.0 / (1.0 + std::exp(-v)); }); }
+Mat sigmoid(const Mat& x) {
+  return x.unaryExpr([](double v) { return 1.0 / (1.0 + std::exp(-v)); });
+}
 
 // Result dtype of `a (dtype a) + b (dtype b)` in torch for the float dtypes used here.
 DType promote(DType a, DType b) {
@@ -82,12 +84,11 @@ std::vector<Index> topk_indices(const Eigen::Ref<const Eigen::RowVectorXd>& v, I
 }
 
 double switch_load_balancing_loss_func(const Mat& probs, const std::vector<double>& tokens_per_expert,
-                                       double total_num_tokens, int topk, int num_experts,
-                                       double moe_aux_loss_coeff) {
+                                       double total_num_tokens, int topk, int num_experts, double moe_aux_loss_coeff) {
   if (static_cast<Index>(tokens_per_expert.size()) != probs.cols())
     throw MoEError("switch_load_balancing_loss_func: tokens_per_expert has " +
-                   std::to_string(tokens_per_expert.size()) + " entries, probs has " +
-                   std::to_string(probs.cols()) + " columns");
+                   std::to_string(tokens_per_expert.size()) + " entries, probs has " + std::to_string(probs.cols()) +
+                   " columns");
   const Eigen::RowVectorXd aggregated_probs_per_expert = probs.colwise().sum();  // [E']
   double s = 0;
   for (Index e = 0; e < probs.cols(); ++e) s += aggregated_probs_per_expert[e] * tokens_per_expert[e];
@@ -163,13 +164,12 @@ TopK group_limited_topk(const Mat& scores, int topk, int num_groups, int group_t
 }
 
 Routing topk_routing_with_score_function(const Mat& logits, const RoutingOptions& opt,
-                                         const std::vector<double>* expert_bias, DType rdt,
-                                         const Rounding& rnd) {
+                                         const std::vector<double>* expert_bias, DType rdt, const Rounding& rnd) {
   const Index T = logits.rows(), E = logits.cols();
   const int k = opt.topk;
   if (k < 1 || k > E)
-    throw MoEError("moe_router_topk (" + std::to_string(k) + ") must be in [1, num_moe_experts (" +
-                   std::to_string(E) + ")]");
+    throw MoEError("moe_router_topk (" + std::to_string(k) + ") must be in [1, num_moe_experts (" + std::to_string(E) +
+                   ")]");
   auto compute_topk = [&](const Mat& scores) {
     if (opt.group_topk && *opt.group_topk)
       return group_limited_topk(scores, k, opt.num_groups.value_or(0), *opt.group_topk, rdt, rnd);
@@ -218,8 +218,7 @@ Routing topk_routing_with_score_function(const Mat& logits, const RoutingOptions
 }
 
 AuxScores compute_routing_scores_for_aux_loss(const Mat& logits, int topk, const std::string& score_function,
-                                              const std::vector<bool>* padding_mask, DType rdt,
-                                              const Rounding& rnd) {
+                                              const std::vector<bool>* padding_mask, DType rdt, const Rounding& rnd) {
   AuxScores a;
   if (score_function == "softmax") {
     a.scores = rnd(DType::F32, softmax_rows(rnd(DType::F32, logits)));  // fp32, no type_as
@@ -250,11 +249,14 @@ Routing apply_router_token_dropping(const Routing& routing, int router_topk, dou
   const Index expert_capacity = get_capacity(T * router_topk, E, capacity_factor);
 
   BoolMat capacity_mask = BoolMat::Constant(T, E, true);  // [T, E]
-  if (expert_capacity <= T) {  // otherwise no expert can overflow
+  if (expert_capacity <= T) {                             // otherwise no expert can overflow
     Mat key(T, E);
-    if (drop_policy == "probs") key = routing.probs;                                    // highest prob wins
-    else if (drop_policy == "position") key = routing.routing_map.cast<double>();      // routed, earliest first
-    else throw MoEError("Invalid drop_policy: " + drop_policy + " (probs | position)");
+    if (drop_policy == "probs")
+      key = routing.probs;  // highest prob wins
+    else if (drop_policy == "position")
+      key = routing.routing_map.cast<double>();  // routed, earliest first
+    else
+      throw MoEError("Invalid drop_policy: " + drop_policy + " (probs | position)");
     capacity_mask.setConstant(false);
     for (Index e = 0; e < E; ++e) {
       const Eigen::RowVectorXd column = key.col(e).transpose();
@@ -267,8 +269,8 @@ Routing apply_router_token_dropping(const Routing& routing, int router_topk, dou
   return out;
 }
 
-Permuted permute(const Mat& tokens, const BoolMat& routing_map, const Mat* probs,
-                 std::optional<Index> num_out_tokens, bool drop_and_pad) {
+Permuted permute(const Mat& tokens, const BoolMat& routing_map, const Mat* probs, std::optional<Index> num_out_tokens,
+                 bool drop_and_pad) {
   const Index T = tokens.rows(), E = routing_map.cols();
   if (routing_map.rows() != T)
     throw ShapeError("permute: routing_map has " + std::to_string(routing_map.rows()) + " rows, tokens " +
@@ -293,7 +295,8 @@ Permuted permute(const Mat& tokens, const BoolMat& routing_map, const Mat* probs
   // sorted_indices is expert-major, so the expert of row i follows from the per-expert counts.
   Index i = 0;
   for (Index e = 0; e < E; ++e) {
-    const Index count = (drop_and_pad && num_out_tokens) ? std::min(*num_out_tokens / E, T) : routing_map.col(e).count();
+    const Index count =
+        (drop_and_pad && num_out_tokens) ? std::min(*num_out_tokens / E, T) : routing_map.col(e).count();
     for (Index j = 0; j < count; ++j, ++i) {
       const Index t = p.sorted_indices[i];
       p.tokens.row(i) = tokens.row(t);
@@ -324,7 +327,7 @@ Mat unpermute(const Mat& permuted_tokens_in, const std::vector<Index>& sorted_in
         permuted_tokens(i, h) = rnd(dt, permuted_tokens(i, h) * permuted_probs[i]);
   }
   Mat output_tokens = Mat::Zero(restore_rows, permuted_tokens.cols());  // [T, H]
-  for (Index i = 0; i < permuted_tokens.rows(); ++i) {  // scatter_add_, one row at a time
+  for (Index i = 0; i < permuted_tokens.rows(); ++i) {                  // scatter_add_, one row at a time
     const Index t = sorted_indices[i];
     for (Index h = 0; h < permuted_tokens.cols(); ++h)
       output_tokens(t, h) = rnd(dt, output_tokens(t, h) + permuted_tokens(i, h));
@@ -344,8 +347,7 @@ Mat sort_chunks_by_idxs(const Mat& input, const std::vector<Index>& split_sizes,
   Index r = 0;
   for (Index c : sorted_idxs) {
     output.middleRows(r, split_sizes[c]) = input.middleRows(starts[c], split_sizes[c]);
-    if (probs)
-      permuted_probs.insert(permuted_probs.end(), probs->begin() + starts[c], probs->begin() + starts[c + 1]);
+    if (probs) permuted_probs.insert(permuted_probs.end(), probs->begin() + starts[c], probs->begin() + starts[c + 1]);
     r += split_sizes[c];
   }
   if (probs) *probs = std::move(permuted_probs);

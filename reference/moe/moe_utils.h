@@ -25,7 +25,7 @@
 namespace twin::reference::moe {
 
 using Index = std::int64_t;
-using Mat = RowMatrix<double>;                                                       // values
+using Mat = RowMatrix<double>;                                                         // values
 using BoolMat = Eigen::Matrix<bool, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;  // masks
 using IndexMat = Eigen::Matrix<Index, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
@@ -65,8 +65,7 @@ std::vector<Index> topk_indices(const Eigen::Ref<const Eigen::RowVectorXd>& v, I
 // switch_load_balancing_loss_func: E * coeff / (k * T^2) * sum_e (sum_t probs[t, e]) * tokens[e].
 double switch_load_balancing_loss_func(const Mat& probs,                              // [T, E']
                                        const std::vector<double>& tokens_per_expert,  // [E']
-                                       double total_num_tokens, int topk, int num_experts,
-                                       double moe_aux_loss_coeff);
+                                       double total_num_tokens, int topk, int num_experts, double moe_aux_loss_coeff);
 
 // z_loss_func: mean over tokens of logsumexp(logits)^2, times coeff. With padding_mask
 // (True = padding) the mean runs over the valid tokens only (at least 1).
@@ -85,15 +84,14 @@ struct TokenCounts {
 TokenCounts get_tokens_per_expert_and_token_count(const BoolMat& routing_map, int topk, bool with_padding_mask);
 
 struct TopK {
-  Mat values;       // [T, k], largest first
-  IndexMat indices; // [T, k]
+  Mat values;        // [T, k], largest first
+  IndexMat indices;  // [T, k]
 };
 // torch.topk(scores, k, dim=1).
 TopK topk_rows(const Mat& scores, int k);
 // group_limited_topk: choose group_topk groups per token by the sum of each group's top
 // (topk / group_topk) scores, then the top-k experts inside the chosen groups.
-TopK group_limited_topk(const Mat& scores, int topk, int num_groups, int group_topk, DType rdt,
-                        const Rounding& rnd);
+TopK group_limited_topk(const Mat& scores, int topk, int num_groups, int group_topk, DType rdt, const Rounding& rnd);
 
 struct RoutingOptions {
   int topk = 2;
@@ -111,8 +109,7 @@ struct Routing {
 // topk_routing_with_score_function. `logits` are in router dtype `rdt`; expert_bias (fp32, [E])
 // only changes which experts are chosen (sigmoid scoring).
 Routing topk_routing_with_score_function(const Mat& logits, const RoutingOptions& opt,
-                                         const std::vector<double>* expert_bias, DType rdt,
-                                         const Rounding& rnd);
+                                         const std::vector<double>* expert_bias, DType rdt, const Rounding& rnd);
 
 struct AuxScores {
   BoolMat routing_map;  // [T, E] top-k of the scores, padding rows cleared
@@ -120,8 +117,7 @@ struct AuxScores {
 };
 // compute_routing_scores_for_aux_loss: the separate full-score computation the losses use.
 AuxScores compute_routing_scores_for_aux_loss(const Mat& logits, int topk, const std::string& score_function,
-                                              const std::vector<bool>* padding_mask, DType rdt,
-                                              const Rounding& rnd);
+                                              const std::vector<bool>* padding_mask, DType rdt, const Rounding& rnd);
 
 // apply_router_token_dropping: each expert keeps at most capacity = ceil(T * k / E * factor)
 // tokens, chosen by the highest probability ("probs") or by the routing map, earliest token first
@@ -136,14 +132,14 @@ struct Permuted {
 };
 // permute: tokens routed to expert 0 first (in token order), then expert 1, ... With
 // drop_and_pad each expert takes exactly num_out_tokens / E rows.
-Permuted permute(const Mat& tokens, const BoolMat& routing_map, const Mat* probs,
-                 std::optional<Index> num_out_tokens, bool drop_and_pad);
+Permuted permute(const Mat& tokens, const BoolMat& routing_map, const Mat* probs, std::optional<Index> num_out_tokens,
+                 bool drop_and_pad);
 
 // unpermute: scatter-add the expert rows back to their tokens (rows added in permuted order,
 // each sum stored in dtype `dt`). With probs [T, E] (and the routing_map that permuted), each row
 // is first multiplied by its probability, probs.T.masked_select(routing_map.T).
-Mat unpermute(const Mat& permuted_tokens, const std::vector<Index>& sorted_indices, Index restore_rows,
-              DType dt, const Rounding& rnd, const Mat* probs = nullptr, const BoolMat* routing_map = nullptr);
+Mat unpermute(const Mat& permuted_tokens, const std::vector<Index>& sorted_indices, Index restore_rows, DType dt,
+              const Rounding& rnd, const Mat* probs = nullptr, const BoolMat* routing_map = nullptr);
 
 // sort_chunks_by_idxs: split rows into chunks of split_sizes and concatenate them in sorted_idxs order.
 Mat sort_chunks_by_idxs(const Mat& input, const std::vector<Index>& split_sizes, const std::vector<Index>& sorted_idxs,

@@ -20,17 +20,20 @@ double uniform01(std::uint64_t seed, std::uint64_t call, std::uint64_t i) {
 
 }  // namespace
 
-TopKRouter::TopKRouter(const TransformerConfig& config, Precision precision)
-    : config_(config), precision_(precision) {
+TopKRouter::TopKRouter(const TransformerConfig& config, Precision precision) : config_(config), precision_(precision) {
   if (!config.num_moe_experts || *config.num_moe_experts <= 0)
     throw MoEError("TopKRouter: num_moe_experts must be set and positive");
   num_experts_ = *config.num_moe_experts;
   topk_ = config.moe_router_topk;
   // gating(): router_dtype = input dtype unless moe_router_dtype asks for fp32 / fp64.
-  if (config.moe_router_dtype == std::optional<std::string>("fp32")) router_dtype_ = precision.fp32_storage_dtype();
-  else if (config.moe_router_dtype == std::optional<std::string>("fp64")) router_dtype_ = DType::F64;
-  else if (!config.moe_router_dtype) router_dtype_ = precision.storage_dtype();
-  else throw MoEError("moe_router_dtype must be None, 'fp32' or 'fp64', got '" + *config.moe_router_dtype + "'");
+  if (config.moe_router_dtype == std::optional<std::string>("fp32"))
+    router_dtype_ = precision.fp32_storage_dtype();
+  else if (config.moe_router_dtype == std::optional<std::string>("fp64"))
+    router_dtype_ = DType::F64;
+  else if (!config.moe_router_dtype)
+    router_dtype_ = precision.storage_dtype();
+  else
+    throw MoEError("moe_router_dtype must be None, 'fp32' or 'fp64', got '" + *config.moe_router_dtype + "'");
   local_tokens_per_expert.assign(num_experts_, 0.0);
   global_tokens_per_expert.assign(num_experts_, 0.0);
 }
@@ -58,7 +61,8 @@ Mat TopKRouter::apply_input_jitter(const Mat& input) {
   Mat out(input.rows(), input.cols());
   for (Index i = 0; i < input.size(); ++i) {
     // Uniform(1 - eps, 1 + eps).rsample in the input dtype, then input * noise.
-    const double noise = rnd(dt, rnd(dt, 1.0 - eps) + uniform01(jitter_seed, call, i) * (rnd(dt, 1.0 + eps) - rnd(dt, 1.0 - eps)));
+    const double noise =
+        rnd(dt, rnd(dt, 1.0 - eps) + uniform01(jitter_seed, call, i) * (rnd(dt, 1.0 + eps) - rnd(dt, 1.0 - eps)));
     out.data()[i] = rnd(dt, input.data()[i] * noise);
   }
   return out;
@@ -149,9 +153,9 @@ Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length,
   const bool with_padding_mask = padding_mask != nullptr;
   const AuxScores aux = compute_routing_scores_for_aux_loss(logits, topk_, config_.moe_router_score_function,
                                                             padding_mask, router_dtype_, rnd);
-  const Mat& scores_for_aux_loss = aux.scores;              // [T, E]
+  const Mat& scores_for_aux_loss = aux.scores;                // [T, E]
   const BoolMat& routing_map_for_aux_loss = aux.routing_map;  // [T, E]
-  const DType loss_dt = precision_.fp32_storage_dtype();  // the losses are fp32 tensors
+  const DType loss_dt = precision_.fp32_storage_dtype();      // the losses are fp32 tensors
   auto log = [&](const std::string& name, double loss, double coeff) {
     if (aux_losses) (*aux_losses)[name] += rnd(loss_dt, rnd(loss_dt, loss) / coeff);  // loss / coeff
   };
@@ -169,7 +173,7 @@ Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length,
     const Index cols = bsz * num_experts_;
     const Mat scores = Eigen::Map<const Mat>(scores_for_aux_loss.data(), seq_length, cols);  // [s, b*E]
     const BoolMat routing_map =
-        Eigen::Map<const BoolMat>(routing_map_for_aux_loss.data(), seq_length, cols);      // [s, b*E]
+        Eigen::Map<const BoolMat>(routing_map_for_aux_loss.data(), seq_length, cols);  // [s, b*E]
     const TokenCounts c =
         get_tokens_per_expert_and_token_count(routing_map, topk_ * static_cast<int>(bsz), with_padding_mask);
     log("seq_load_balancing_loss",
@@ -195,9 +199,8 @@ Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length,
   return scores_for_aux_loss;
 }
 
-RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
-                                 const std::vector<bool>* padding_mask, AuxLosses* aux_losses,
-                                 const BoolMat* recorded_routing_map) {
+RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
+                                 AuxLosses* aux_losses, const BoolMat* recorded_routing_map) {
   if (logits.rows() != seq_length * bsz || logits.cols() != num_experts_)
     throw ShapeError("TopKRouter.routing: logits [" + std::to_string(logits.rows()) + ", " +
                      std::to_string(logits.cols()) + "], expected [" + std::to_string(seq_length * bsz) + ", " +
@@ -229,8 +232,8 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
     opt.group_topk = config_.moe_router_group_topk;
     opt.scaling_factor = config_.moe_router_topk_scaling_factor;
     opt.score_function = config_.moe_router_score_function;
-    const Routing routed = topk_routing_with_score_function(logits, opt, expert_bias ? &*expert_bias : nullptr,
-                                                            router_dtype_, rnd);
+    const Routing routed =
+        topk_routing_with_score_function(logits, opt, expert_bias ? &*expert_bias : nullptr, router_dtype_, rnd);
     r.probs = routed.probs;
     r.routing_map = routed.routing_map;
   }
@@ -259,14 +262,13 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
   return r;
 }
 
-RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz,
-                                 const std::vector<bool>* padding_mask, const Taps& taps, AuxLosses* aux_losses,
-                                 const BoolMat* recorded_routing_map) {
+RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
+                                 const Taps& taps, AuxLosses* aux_losses, const BoolMat* recorded_routing_map) {
   if (config_.moe_router_force_load_balancing)
     throw MoEError("moe_router_force_load_balancing (random benchmark logits) is not supported by the reference");
-  const Mat jittered = apply_input_jitter(input);  // [T, h]
+  const Mat jittered = apply_input_jitter(input);            // [T, h]
   if (config_.moe_input_jitter_eps) precision_.count_act();  // input * noise
-  const Mat logits = gating(jittered);             // [T, E]
+  const Mat logits = gating(jittered);                       // [T, E]
   const DType rdt = router_dtype_;
   precision_.count_reduce(config_.hidden_size);  // the gating GEMM, stored in the router dtype
   precision_.count_store(rdt);

@@ -43,8 +43,8 @@ class TopKRouter {
   RouterOutput forward(const Mat& input, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
                        const Taps& taps, AuxLosses* aux_losses, const BoolMat* recorded_routing_map = nullptr);
 
-  Mat apply_input_jitter(const Mat& input);                     // [T, h]
-  Mat gating(const Mat& input) const;                           // [T, h] -> [T, E]
+  Mat apply_input_jitter(const Mat& input);  // [T, h]
+  Mat gating(const Mat& input) const;        // [T, h] -> [T, E]
   RouterOutput routing(const Mat& logits, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
                        AuxLosses* aux_losses, const BoolMat* recorded_routing_map = nullptr);
   double get_aux_loss_coeff(const std::string& aux_loss_type) const;
@@ -53,11 +53,11 @@ class TopKRouter {
 
   // --- state (public so tests and handlers can set and read it)
   bool training = true;
-  Mat weight;                                         // [E, h]
-  std::optional<RowVec> bias;                         // [E]
-  std::optional<std::vector<double>> expert_bias;     // [E] fp32 buffer
-  std::vector<double> local_tokens_per_expert;        // [E] expert-bias token counter
-  std::vector<double> global_tokens_per_expert;       // [E] global_aux_loss accumulator
+  Mat weight;                                      // [E, h]
+  std::optional<RowVec> bias;                      // [E]
+  std::optional<std::vector<double>> expert_bias;  // [E] fp32 buffer
+  std::vector<double> local_tokens_per_expert;     // [E] expert-bias token counter
+  std::vector<double> global_tokens_per_expert;    // [E] global_aux_loss accumulator
   double ga_steps = 0;
   // Input jitter: uniform(1 - eps, 1 + eps) from a counter-based generator keyed by this seed,
   // the call number and the element index, so a run is reproducible.
@@ -66,8 +66,8 @@ class TopKRouter {
 
  private:
   RouterOutput sinkhorn_load_balancing(const Mat& logits) const;
-  Mat apply_load_balancing_losses(const Mat& logits, Index seq_length, Index bsz,
-                                  const std::vector<bool>* padding_mask, AuxLosses* aux_losses);
+  Mat apply_load_balancing_losses(const Mat& logits, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
+                                  AuxLosses* aux_losses);
   void use_recorded_routing_map(RouterOutput& r, const RouterOutput& before_drop, const BoolMat& rec) const;
 
   TransformerConfig config_;

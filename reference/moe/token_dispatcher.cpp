@@ -29,9 +29,8 @@ MoETokenDispatcher::MoETokenDispatcher(const TransformerConfig& config, Precisio
 
 // ---------------------------------------------------------------- MoEAllGatherTokenDispatcher
 
-DispatchTensors MoEAllGatherTokenDispatcher::dispatch_preprocess(const Mat& hidden_states, Index seq_length,
-                                                                 Index bsz, const BoolMat& routing_map,
-                                                                 const Mat& probs) {
+DispatchTensors MoEAllGatherTokenDispatcher::dispatch_preprocess(const Mat& hidden_states, Index seq_length, Index bsz,
+                                                                 const BoolMat& routing_map, const Mat& probs) {
   // [S/TP, B, H] -> [S*B/TP, H]
   state = DispatcherState{};
   state.seq_length = seq_length;
@@ -94,8 +93,8 @@ std::vector<Index> MoEAlltoAllTokenDispatcher::preprocess(const BoolMat& routing
     const Index num_tokens = routing_map.rows() * config_.moe_router_topk;
     state.capacity = get_capacity(num_tokens, num_experts_, *config_.moe_expert_capacity_factor);
     if (state.capacity > routing_map.rows())  // Megatron's permute fails here too (view to [E, capacity])
-      throw MoEError("alltoall drop-and-pad: expert capacity " + std::to_string(state.capacity) +
-                     " exceeds the " + std::to_string(routing_map.rows()) +
+      throw MoEError("alltoall drop-and-pad: expert capacity " + std::to_string(state.capacity) + " exceeds the " +
+                     std::to_string(routing_map.rows()) +
                      " tokens (moe_expert_capacity_factor too large for moe_pad_expert_input_to_capacity)");
     state.num_out_tokens = state.capacity * num_experts_;
     state.num_global_tokens_per_local_expert.assign(static_cast<std::size_t>(num_experts_ * tp_size_), state.capacity);
@@ -115,9 +114,8 @@ std::vector<Index> MoEAlltoAllTokenDispatcher::preprocess(const BoolMat& routing
   return num_local_tokens_per_expert;
 }
 
-DispatchTensors MoEAlltoAllTokenDispatcher::dispatch_preprocess(const Mat& hidden_states, Index seq_length,
-                                                                Index bsz, const BoolMat& routing_map,
-                                                                const Mat& probs) {
+DispatchTensors MoEAlltoAllTokenDispatcher::dispatch_preprocess(const Mat& hidden_states, Index seq_length, Index bsz,
+                                                                const BoolMat& routing_map, const Mat& probs) {
   state = DispatcherState{};
   state.seq_length = seq_length;
   state.bsz = bsz;
@@ -141,8 +139,8 @@ ExpertInputs MoEAlltoAllTokenDispatcher::dispatch_postprocess(DispatchTensors x)
   if (num_local_experts_ > 1) {
     // drop_and_pad: view(tp*ep, local E, capacity, h).transpose(0, 1) is this same chunk sort
     // with every chunk `capacity` rows long.
-    tokens = sort_chunks_by_idxs(tokens, state.num_global_tokens_per_local_expert, sort_input_by_local_experts_,
-                                 &probs);
+    tokens =
+        sort_chunks_by_idxs(tokens, state.num_global_tokens_per_local_expert, sort_input_by_local_experts_, &probs);
   }
   ExpertInputs out;
   out.dispatched_input = std::move(tokens);
@@ -158,7 +156,8 @@ Mat MoEAlltoAllTokenDispatcher::combine_preprocess(const Mat& expert_output) {
   const Index ranks = static_cast<Index>(state.num_global_tokens_per_local_expert.size()) / num_local_experts_;
   std::vector<Index> split_sizes;
   for (Index l = 0; l < num_local_experts_; ++l)
-    for (Index r = 0; r < ranks; ++r) split_sizes.push_back(state.num_global_tokens_per_local_expert[r * num_local_experts_ + l]);
+    for (Index r = 0; r < ranks; ++r)
+      split_sizes.push_back(state.num_global_tokens_per_local_expert[r * num_local_experts_ + l]);
   return sort_chunks_by_idxs(expert_output, split_sizes, restore_output_by_local_experts_);
 }
 

@@ -20,14 +20,14 @@
 namespace twin::reference::moe {
 
 struct DispatcherState {
-  Index seq_length = 0, bsz = 0, hidden = 0;  // hidden_shape [s, b, h]
-  BoolMat routing_map;                        // [T, E]
-  BoolMat local_map;                          // [T, local E] (allgather)
+  Index seq_length = 0, bsz = 0, hidden = 0;                    // hidden_shape [s, b, h]
+  BoolMat routing_map;                                          // [T, E]
+  BoolMat local_map;                                            // [T, local E] (allgather)
   std::vector<Index> reversed_local_input_permutation_mapping;  // [N] source token of each row
   std::vector<Index> tokens_per_expert;                         // [local E]
   std::vector<Index> num_global_tokens_per_local_expert;        // [tp*ep * local E] (alltoall)
-  Index capacity = 0;        // drop-and-pad capacity (alltoall)
-  Index num_out_tokens = 0;  // rows after permutation 1 (alltoall)
+  Index capacity = 0;                                           // drop-and-pad capacity (alltoall)
+  Index num_out_tokens = 0;                                     // rows after permutation 1 (alltoall)
 };
 
 // Tokens and probabilities between the dispatch steps: before permutation `probs` is [T, E];
@@ -59,7 +59,7 @@ class MoETokenDispatcher {
   virtual ExpertInputs dispatch_postprocess(DispatchTensors x) = 0;
   virtual Mat combine_preprocess(const Mat& expert_output) = 0;  // [N, h] -> ...
   virtual Mat token_combine(Mat hidden_states) = 0;
-  virtual Mat combine_postprocess(Mat hidden_states) = 0;        // -> [T, h]
+  virtual Mat combine_postprocess(Mat hidden_states) = 0;  // -> [T, h]
 
   DispatcherState state;
 
@@ -75,8 +75,8 @@ class MoETokenDispatcher {
 class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
  public:
   using MoETokenDispatcher::MoETokenDispatcher;
-  DispatchTensors dispatch_preprocess(const Mat& hidden_states, Index seq_length, Index bsz,
-                                      const BoolMat& routing_map, const Mat& probs) override;
+  DispatchTensors dispatch_preprocess(const Mat& hidden_states, Index seq_length, Index bsz, const BoolMat& routing_map,
+                                      const Mat& probs) override;
   DispatchTensors token_dispatch(DispatchTensors x) override;
   ExpertInputs dispatch_postprocess(DispatchTensors x) override;
   Mat combine_preprocess(const Mat& expert_output) override;
@@ -87,8 +87,8 @@ class MoEAllGatherTokenDispatcher : public MoETokenDispatcher {
 class MoEAlltoAllTokenDispatcher : public MoETokenDispatcher {
  public:
   MoEAlltoAllTokenDispatcher(const TransformerConfig& config, Precision p);
-  DispatchTensors dispatch_preprocess(const Mat& hidden_states, Index seq_length, Index bsz,
-                                      const BoolMat& routing_map, const Mat& probs) override;
+  DispatchTensors dispatch_preprocess(const Mat& hidden_states, Index seq_length, Index bsz, const BoolMat& routing_map,
+                                      const Mat& probs) override;
   DispatchTensors token_dispatch(DispatchTensors x) override;
   ExpertInputs dispatch_postprocess(DispatchTensors x) override;
   Mat combine_preprocess(const Mat& expert_output) override;

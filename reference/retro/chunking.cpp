@@ -29,7 +29,8 @@ Tensor gather_rows(const Tensor& x, const RowMap& map, Shape out_shape) {
   std::byte* o = out.raw_mut();
   for (std::size_t i = 0; i < map.size(); ++i) {
     if (map[i] < 0) continue;
-    if (map[i] >= rows) throw ShapeError("gather_rows: row " + std::to_string(map[i]) + " out of " + std::to_string(rows));
+    if (map[i] >= rows)
+      throw ShapeError("gather_rows: row " + std::to_string(map[i]) + " out of " + std::to_string(rows));
     std::memcpy(o + i * row_bytes, x.raw() + static_cast<std::size_t>(map[i]) * row_bytes, row_bytes);
   }
   return out;
@@ -39,7 +40,8 @@ Mat gather_rows(const Mat& x, const RowMap& map) {
   Mat out = Mat::Zero(static_cast<Eigen::Index>(map.size()), x.cols());
   for (std::size_t i = 0; i < map.size(); ++i) {
     if (map[i] < 0) continue;
-    if (map[i] >= x.rows()) throw ShapeError("gather_rows: row " + std::to_string(map[i]) + " out of " + std::to_string(x.rows()));
+    if (map[i] >= x.rows())
+      throw ShapeError("gather_rows: row " + std::to_string(map[i]) + " out of " + std::to_string(x.rows()));
     out.row(static_cast<Eigen::Index>(i)) = x.row(static_cast<Eigen::Index>(map[i]));
   }
   return out;
@@ -65,13 +67,15 @@ RowMap chunk_encoder_context_map(std::int64_t ns, std::int64_t bs, std::int64_t 
   RowMap map(static_cast<std::size_t>(m * bs * l), -1);
   for (std::int64_t t = 0; t < l * m; ++t) {
     std::int64_t src;  // source sequence position; -1 = padding
-    if (first_ns == 0) src = t;
-    else if (t < m) src = t < first_ns ? t : -1;
-    else src = first_ns + (t - m);
+    if (first_ns == 0)
+      src = t;
+    else if (t < m)
+      src = t < first_ns ? t : -1;
+    else
+      src = first_ns + (t - m);
     if (src < 0) continue;
     const std::int64_t chunk = t / m, i = t % m;
-    for (std::int64_t b = 0; b < bs; ++b)
-      map[static_cast<std::size_t>(i * bs * l + b * l + chunk)] = src * bs + b;
+    for (std::int64_t b = 0; b < bs; ++b) map[static_cast<std::size_t>(i * bs * l + b * l + chunk)] = src * bs + b;
   }
   return map;
 }
@@ -92,15 +96,13 @@ RowMap pad_attending_chunks_map(std::int64_t ns, std::int64_t bs, std::int64_t m
 
 // x.reshape(m, bs, l, d).permute(2, 0, 1, 3).reshape(m*l, bs, d), pad zeros prepended, [:ns]:
 // sequence position pad + chunk*m + i of sample b takes x[i, b*l + chunk].
-RowMap unchunk_decoder_output_map(std::int64_t m, std::int64_t ns, std::int64_t bs, std::int64_t l,
-                                  std::int64_t pad) {
+RowMap unchunk_decoder_output_map(std::int64_t m, std::int64_t ns, std::int64_t bs, std::int64_t l, std::int64_t pad) {
   RowMap map(static_cast<std::size_t>(ns * bs), -1);
   for (std::int64_t chunk = 0; chunk < l; ++chunk)
     for (std::int64_t i = 0; i < m; ++i) {
       const std::int64_t s = pad + chunk * m + i;
       if (s >= ns) continue;
-      for (std::int64_t b = 0; b < bs; ++b)
-        map[static_cast<std::size_t>(s * bs + b)] = i * bs * l + b * l + chunk;
+      for (std::int64_t b = 0; b < bs; ++b) map[static_cast<std::size_t>(s * bs + b)] = i * bs * l + b * l + chunk;
     }
   return map;
 }
@@ -119,8 +121,7 @@ RowMap stack_neighbors_map(std::int64_t r, std::int64_t N, std::int64_t k) {
   RowMap map(static_cast<std::size_t>(r * k * N));
   for (std::int64_t t = 0; t < r; ++t)
     for (std::int64_t n = 0; n < k; ++n)
-      for (std::int64_t j = 0; j < N; ++j)
-        map[static_cast<std::size_t>(t * k * N + n * N + j)] = n * r * N + t * N + j;
+      for (std::int64_t j = 0; j < N; ++j) map[static_cast<std::size_t>(t * k * N + n * N + j)] = n * r * N + t * N + j;
   return map;
 }
 
@@ -138,8 +139,7 @@ Tensor pad_attending_chunks(const Tensor& hidden_states, std::int64_t m) {
   return gather_rows(hidden_states, pad_attending_chunks_map(ns, bs, m), {m, bs * l, d});  // [m, bs*l, d]
 }
 
-Tensor unchunk_decoder_output(const Tensor& x, std::int64_t ns, std::int64_t bs, std::int64_t l,
-                              std::int64_t pad) {
+Tensor unchunk_decoder_output(const Tensor& x, std::int64_t ns, std::int64_t bs, std::int64_t l, std::int64_t pad) {
   expect_rank3(x, "RetroDecoderBiasDropoutAdd attention_output");
   const std::int64_t m = x.size(0), d = x.size(2);
   if (x.size(1) != bs * l)

@@ -21,7 +21,7 @@ namespace twin::reference::retro {
 // or zeros when map[o] < 0. gather_rows applies a map to a tensor or a matrix.
 using RowMap = std::vector<std::int64_t>;
 Tensor gather_rows(const Tensor& x, const RowMap& map, Shape out_shape);  // rows of d = x.shape.back()
-Mat gather_rows(const Mat& x, const RowMap& map);                        // [rows, d] -> [map.size(), d]
+Mat gather_rows(const Mat& x, const RowMap& map);                         // [rows, d] -> [map.size(), d]
 
 RowMap chunk_encoder_context_map(std::int64_t ns, std::int64_t bs, std::int64_t m);
 RowMap pad_attending_chunks_map(std::int64_t ns, std::int64_t bs, std::int64_t m);
@@ -39,7 +39,7 @@ Tensor chunk_encoder_context(const Tensor& hidden_states, std::int64_t m);  // [
 // Decoder, every Retro layer: the attending chunks. Tokens before pad = (ns - 1) % m are dropped,
 // the rest right-padded with m - 1 zeros to l*m tokens, then [l*m, bs, d] -> [m, bs*l, d].
 Tensor pad_attending_chunks(const Tensor& hidden_states, std::int64_t m);  // [ns, bs, d] -> [m, bs*l, d]
-std::int64_t attending_pad(std::int64_t ns, std::int64_t m);              // (ns - 1) % m
+std::int64_t attending_pad(std::int64_t ns, std::int64_t m);               // (ns - 1) % m
 
 // RetroDecoderBiasDropoutAdd's reshuffle: [m, bs*l, d] -> [m, bs, l, d] -> [l, m, bs, d] ->
 // [l*m, bs, d], pad zeros prepended, cut to ns tokens. No residual.
@@ -47,7 +47,8 @@ Tensor unchunk_decoder_output(const Tensor& x, std::int64_t ns, std::int64_t bs,
                               std::int64_t pad);  // [m, bs*l, d] -> [ns, bs, d]
 
 // RetroEncoderCrossAttention: hidden_states.reshape(r, -1, k, d)[:, :, n]  for n in 0..k-1.
-std::vector<Tensor> split_neighbors(const Tensor& hidden_states, std::int64_t r, std::int64_t k);  // [r, bs*l*k, d] -> k x [r, bs*l, d]
+std::vector<Tensor> split_neighbors(const Tensor& hidden_states, std::int64_t r,
+                                    std::int64_t k);  // [r, bs*l*k, d] -> k x [r, bs*l, d]
 
 // torch.stack(outputs, dim=1).reshape(r, -1, d): neighbour n lands in columns n*N .. n*N+N-1
 // (neighbour-major, unlike the input's (b*l + chunk)*k + n).

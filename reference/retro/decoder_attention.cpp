@@ -33,17 +33,19 @@ AttentionOutput RetroDecoderCrossAttention::forward(const Mat& hidden_states, co
                                 (encoder ? "the neighbour embeddings" : "the encoder output") + ") cannot be None");
   const Tensor& kv_in = *args.key_value_states;
   const std::int64_t l = num_chunks(ns, m);
-  const std::string sizes = " (r = retro_retrieved_length = " + std::to_string(r) + ", k = retro_num_neighbors = " +
-                            std::to_string(k) + ", bs = " + std::to_string(bs) + ", l = ceil(ns / m) = ceil(" +
-                            std::to_string(ns) + " / " + std::to_string(m) + ") = " + std::to_string(l) + ")";
+  const std::string sizes = " (r = retro_retrieved_length = " + std::to_string(r) +
+                            ", k = retro_num_neighbors = " + std::to_string(k) + ", bs = " + std::to_string(bs) +
+                            ", l = ceil(ns / m) = ceil(" + std::to_string(ns) + " / " + std::to_string(m) +
+                            ") = " + std::to_string(l) + ")";
 
   Tensor key_value_states;  // [ r*k, bs*l, d ]
   // Retrieve neighbors.
   if (encoder) {
     const Shape want{r, k * bs * l, d};
     if (kv_in.shape() != want)
-      throw ShapeError("RetroDecoderCrossAttention: neighbour embeddings (context) expected shape [r, k * bs * l, d] = " +
-                       shape_str(want) + sizes + ", got " + shape_str(kv_in.shape()));
+      throw ShapeError(
+          "RetroDecoderCrossAttention: neighbour embeddings (context) expected shape [r, k * bs * l, d] = " +
+          shape_str(want) + sizes + ", got " + shape_str(kv_in.shape()));
     // Chunk & permute hidden states; the first ns % m tokens are right-padded into chunk 0.
     // - hidden_states:  [ l*m, bs, d ]
     // - chunked_output: [ m, bs*l, d ]
@@ -73,10 +75,10 @@ AttentionOutput RetroDecoderCrossAttention::forward(const Mat& hidden_states, co
   const Mat padded_chunked_output = gather_rows(hidden_states, pad_attending_chunks_map(ns, bs, m));
 
   // Attend to encoded neighbors (mask None).
-  AttentionOutput out = attn.forward_mats(
-      padded_chunked_output, static_cast<int>(m), static_cast<int>(bs * l),
-      to_mat(key_value_states, r * k * bs * l, d, "key_value_states"), static_cast<int>(r * k),
-      /*attention_mask=*/nullptr, args.training, args.rng, taps.child("attn"));
+  AttentionOutput out =
+      attn.forward_mats(padded_chunked_output, static_cast<int>(m), static_cast<int>(bs * l),
+                        to_mat(key_value_states, r * k * bs * l, d, "key_value_states"), static_cast<int>(r * k),
+                        /*attention_mask=*/nullptr, args.training, args.rng, taps.child("attn"));
 
   // Return dimensions for bias-dropout step.
   out.context = key_value_states;

@@ -40,8 +40,8 @@ TransformerBlockSubmodules get_retro_decoder_block_spec(const TransformerConfig&
   validate_retro_config(config);
 
   const ModuleSpec gpt_layer_spec = get_gpt_layer_local_spec();
-  auto get_retro_decoder_layer_spec = use_transformer_engine ? get_retro_decoder_layer_te_spec
-                                                             : get_retro_decoder_layer_local_spec;
+  auto get_retro_decoder_layer_spec =
+      use_transformer_engine ? get_retro_decoder_layer_te_spec : get_retro_decoder_layer_local_spec;
   const ModuleSpec retro_layer_spec = get_retro_decoder_layer_spec(std::nullopt).spec;
   const ModuleSpec retro_layer_spec_with_retriever =
       get_retro_decoder_layer_spec(get_retro_encoder_block_spec(config, use_transformer_engine)).spec;
@@ -49,9 +49,15 @@ TransformerBlockSubmodules get_retro_decoder_block_spec(const TransformerConfig&
   TransformerBlockSubmodules block_spec;
   for (RetroLayerKind kind : layout) {
     switch (kind) {
-      case RetroLayerKind::RetroWithEncoder: block_spec.layer_specs.push_back(retro_layer_spec_with_retriever); break;
-      case RetroLayerKind::Retro: block_spec.layer_specs.push_back(retro_layer_spec); break;
-      case RetroLayerKind::Gpt: block_spec.layer_specs.push_back(gpt_layer_spec); break;
+      case RetroLayerKind::RetroWithEncoder:
+        block_spec.layer_specs.push_back(retro_layer_spec_with_retriever);
+        break;
+      case RetroLayerKind::Retro:
+        block_spec.layer_specs.push_back(retro_layer_spec);
+        break;
+      case RetroLayerKind::Gpt:
+        block_spec.layer_specs.push_back(gpt_layer_spec);
+        break;
     }
   }
   return block_spec;  // layer_norm None: no final layernorm

@@ -21,8 +21,10 @@
 
 namespace twin::reference::retro {
 
-RetroLayerSpec get_retro_decoder_layer_te_spec(std::optional<TransformerBlockSubmodules> encoder_block_spec = std::nullopt);
-RetroLayerSpec get_retro_decoder_layer_local_spec(std::optional<TransformerBlockSubmodules> encoder_block_spec = std::nullopt);
+RetroLayerSpec get_retro_decoder_layer_te_spec(
+    std::optional<TransformerBlockSubmodules> encoder_block_spec = std::nullopt);
+RetroLayerSpec get_retro_decoder_layer_local_spec(
+    std::optional<TransformerBlockSubmodules> encoder_block_spec = std::nullopt);
 
 // ConfigError: pipeline / virtual pipeline parallelism, fewer than 6 layers, bad Retro fields.
 TransformerBlockSubmodules get_retro_decoder_block_spec(const TransformerConfig& config, bool use_transformer_engine);

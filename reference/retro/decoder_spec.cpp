@@ -11,23 +11,28 @@ namespace twin::reference::retro {
 
 const char* retro_layer_kind_name(RetroLayerKind kind) {
   switch (kind) {
-    case RetroLayerKind::Gpt: return "gpt";
-    case RetroLayerKind::Retro: return "retro";
-    case RetroLayerKind::RetroWithEncoder: return "retro_with_encoder";
+    case RetroLayerKind::Gpt:
+      return "gpt";
+    case RetroLayerKind::Retro:
+      return "retro";
+    case RetroLayerKind::RetroWithEncoder:
+      return "retro_with_encoder";
   }
   return "?";
 }
 
-std::vector<RetroLayerKind> get_retro_decoder_block_layout(const TransformerConfig& config,
-                                                           std::optional<int> vp_stage, std::optional<int> pp_rank) {
+std::vector<RetroLayerKind> get_retro_decoder_block_layout(const TransformerConfig& config, std::optional<int> vp_stage,
+                                                           std::optional<int> pp_rank) {
   if (config.pipeline_model_parallel_size != 1)
-    throw ConfigError("get_retro_decoder_block_spec: retro does not currently support pipeline parallelism "
-                      "(pipeline_model_parallel_size=" + std::to_string(config.pipeline_model_parallel_size) +
-                      ", must be 1)");
+    throw ConfigError(
+        "get_retro_decoder_block_spec: retro does not currently support pipeline parallelism "
+        "(pipeline_model_parallel_size=" +
+        std::to_string(config.pipeline_model_parallel_size) + ", must be 1)");
   if (config.virtual_pipeline_model_parallel_size)
-    throw ConfigError("get_retro_decoder_block_spec: retro does not currently support virtual pipeline "
-                      "parallelism (virtual_pipeline_model_parallel_size=" +
-                      std::to_string(*config.virtual_pipeline_model_parallel_size) + ", must be None)");
+    throw ConfigError(
+        "get_retro_decoder_block_spec: retro does not currently support virtual pipeline "
+        "parallelism (virtual_pipeline_model_parallel_size=" +
+        std::to_string(*config.virtual_pipeline_model_parallel_size) + ", must be None)");
 
   // Num layers.
   const std::int64_t num_layers = get_num_layers_to_build(config, vp_stage, pp_rank);
@@ -38,9 +43,10 @@ std::vector<RetroLayerKind> get_retro_decoder_block_layout(const TransformerConf
   for (std::int64_t n = retro_layer_start; n <= num_layers; n += 3) retro_layer_numbers.push_back(n);
   if (retro_layer_numbers.empty())
     // Megatron indexes retro_layer_numbers[0] here and fails with IndexError.
-    throw ConfigError("get_retro_decoder_block_spec: a Retro decoder block needs num_layers >= 6 (the first Retro "
-                      "layer is layer 6), got num_layers=" + std::to_string(num_layers) +
-                      " (Megatron: IndexError: list index out of range)");
+    throw ConfigError(
+        "get_retro_decoder_block_spec: a Retro decoder block needs num_layers >= 6 (the first Retro "
+        "layer is layer 6), got num_layers=" +
+        std::to_string(num_layers) + " (Megatron: IndexError: list index out of range)");
 
   // Layer specs: the first Retro layer owns the encoder.
   std::vector<RetroLayerKind> layer_specs;

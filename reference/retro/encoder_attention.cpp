@@ -20,8 +20,9 @@ std::vector<RetroEncoderAttentionTuple> RetroEncoderCrossAttention::forward_tupl
                                                                                    const AttentionArgs& args,
                                                                                    const Taps& taps) {
   if (!args.key_value_states)
-    throw std::invalid_argument("RetroEncoderCrossAttention: key_value_states (the chunked decoder hidden states) "
-                                "cannot be None");
+    throw std::invalid_argument(
+        "RetroEncoderCrossAttention: key_value_states (the chunked decoder hidden states) "
+        "cannot be None");
   const Tensor& kv = *args.key_value_states;  // [ m, bs*l, d ]
   const std::int64_t r = retro_retrieved_length, k = retro_num_neighbors, d = config_.hidden_size;
   if (kv.dim() != 3 || kv.size(2) != d)
@@ -47,10 +48,9 @@ std::vector<RetroEncoderAttentionTuple> RetroEncoderCrossAttention::forward_tupl
     // - attention_output: [ r, bs*l, d ]
     // - attention_bias:   [ d ]
     const Mat chunked_output = gather_rows(hidden_states, split_neighbors_map(r, N, k, n));
-    AttentionOutput attention =
-        attn.forward_mats(chunked_output, static_cast<int>(r), static_cast<int>(N), key_value_states,
-                          static_cast<int>(sk), /*attention_mask=*/nullptr, args.training, neighbour_rng(args.rng, n),
-                          taps.child("attn"));
+    AttentionOutput attention = attn.forward_mats(chunked_output, static_cast<int>(r), static_cast<int>(N),
+                                                  key_value_states, static_cast<int>(sk), /*attention_mask=*/nullptr,
+                                                  args.training, neighbour_rng(args.rng, n), taps.child("attn"));
 
     // Residual connection. [ r, bs*l, d ]
     RetroEncoderAttentionTuple t{std::move(attention.output), std::move(attention.bias), chunked_output};
@@ -71,8 +71,8 @@ Mat retro_encoder_bias_dropout_add(const std::vector<RetroEncoderAttentionTuple>
   const std::int64_t k = static_cast<std::int64_t>(x_with_bias.size());
   const std::int64_t rows = x_with_bias[0].attention_output.rows(), d = x_with_bias[0].attention_output.cols();
   if (batch <= 0 || rows % batch != 0)
-    throw ShapeError("RetroEncoderBiasDropoutAdd: " + std::to_string(rows) + " rows are not [r, bs*l = " +
-                     std::to_string(batch) + "]");
+    throw ShapeError("RetroEncoderBiasDropoutAdd: " + std::to_string(rows) +
+                     " rows are not [r, bs*l = " + std::to_string(batch) + "]");
   const std::int64_t r = rows / batch;
 
   // Per-neighbor bias-dropout-add.
@@ -94,14 +94,14 @@ BdaBuilder retro_encoder_bias_dropout_add_builder() {
   return [](bool training, bool /*fused: same math*/, DropoutRng rng, Precision p) -> BdaFunc {
     return [training, rng, p](const AttentionOutput& x_with_bias, const Mat& /*residual*/, double prob) {
       const auto* tuples = static_cast<const RetroEncoderAttentionTuples*>(x_with_bias.extra.get());
-      if (!tuples)
-        throw std::logic_error("RetroEncoderBiasDropoutAdd needs the output of RetroEncoderCrossAttention");
+      if (!tuples) throw std::logic_error("RetroEncoderBiasDropoutAdd needs the output of RetroEncoderCrossAttention");
       return retro_encoder_bias_dropout_add(tuples->tuples, tuples->batch, prob, training, rng, p);
     };
   };
 }
 
-RetroEncoderLayerNorm::RetroEncoderLayerNorm(int k, std::unique_ptr<Norm> n) : norm(std::move(n)), retro_num_neighbors(k) {}
+RetroEncoderLayerNorm::RetroEncoderLayerNorm(int k, std::unique_ptr<Norm> n)
+    : norm(std::move(n)), retro_num_neighbors(k) {}
 
 void RetroEncoderLayerNorm::load_state_dict(const StateDict& sd, const std::string& prefix) {
   norm->load_state_dict(sd, prefix + "norm.");

@@ -5,7 +5,9 @@
 
 namespace twin::reference::retro {
 
-const char* spec_family_name(SpecFamily f) { return f == SpecFamily::TransformerEngine ? "transformer_engine" : "local"; }
+const char* spec_family_name(SpecFamily f) {
+  return f == SpecFamily::TransformerEngine ? "transformer_engine" : "local";
+}
 
 NormBuilder fused_layer_norm_builder() {
   return [](const TransformerConfig& c, int hidden, double eps, Precision p) -> std::unique_ptr<Norm> {
@@ -17,7 +19,8 @@ NormBuilder fused_layer_norm_builder() {
 
 NormBuilder te_norm_builder() {
   return [](const TransformerConfig& c, int hidden, double eps, Precision p) -> std::unique_ptr<Norm> {
-    if (c.normalization == "LayerNorm") return std::make_unique<LayerNorm>(hidden, eps, c.layernorm_zero_centered_gamma, p);
+    if (c.normalization == "LayerNorm")
+      return std::make_unique<LayerNorm>(hidden, eps, c.layernorm_zero_centered_gamma, p);
     if (c.normalization == "RMSNorm") return std::make_unique<RMSNorm>(hidden, eps, c.layernorm_zero_centered_gamma, p);
     throw ConfigError("TENorm: normalization must be LayerNorm or RMSNorm, got " + c.normalization);
   };
@@ -36,7 +39,8 @@ RetroLayerSpec retro_encoder_layer_spec(SpecFamily family, const NormBuilder& no
   spec.submodules.cross_attn_bda = retro_encoder_bias_dropout_add_builder();
   spec.submodules.pre_mlp_layernorm = [norm](const TransformerConfig& c, int hidden, double eps,
                                              Precision p) -> std::unique_ptr<Norm> {
-    return std::make_unique<RetroEncoderLayerNorm>(validate_retro_config(c).retro_num_neighbors, norm(c, hidden, eps, p));
+    return std::make_unique<RetroEncoderLayerNorm>(validate_retro_config(c).retro_num_neighbors,
+                                                   norm(c, hidden, eps, p));
   };
   spec.submodules.mlp = mlp_builder();
   return {family, spec};
@@ -74,7 +78,8 @@ TransformerBlockSubmodules get_retro_encoder_block_spec(const TransformerConfig&
     const double attention_dropout = retro.retro_encoder_attention_dropout;
     spec->submodules.self_attention = [attention_dropout](const TransformerConfig& c, int layer_number,
                                                           Precision p) -> std::unique_ptr<AttentionModule> {
-      auto attention = std::make_unique<SelfAttention>(c, SelfAttentionSubmodules{}, layer_number, AttnMaskType::padding, p);
+      auto attention =
+          std::make_unique<SelfAttention>(c, SelfAttentionSubmodules{}, layer_number, AttnMaskType::padding, p);
       attention->core_attention.attention_dropout = attention_dropout;
       return attention;
     };

@@ -51,7 +51,7 @@ inline std::string safetensors_bytes(const std::string& header, std::size_t data
 }
 
 struct CorruptCase {
-  std::string name;   // also the file name stem
+  std::string name;  // also the file name stem
   std::string bytes;
   std::string fault;  // a phrase the one-line message must contain
 };
@@ -70,19 +70,21 @@ inline std::vector<CorruptCase> corrupt_safetensors_cases() {
       {"not_an_object", safetensors_bytes("[1, 2, 3]", 0), "not a JSON object"},
       {"unknown_dtype", safetensors_bytes(R"({"a":{"dtype":"Q7","shape":[2,2],"data_offsets":[0,16]}})", 16),
        "unknown dtype 'Q7'"},
-      {"offsets_out_of_range",
-       safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,4000]}})", 16), "out of range"},
+      {"offsets_out_of_range", safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,4000]}})", 16),
+       "out of range"},
       {"offsets_reversed", safetensors_bytes(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", 16),
        "out of range"},
       {"overlapping",
        safetensors_bytes(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
-                         R"("b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})", 24),
+                         R"("b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}})",
+                         24),
        "overlap"},
       {"size_mismatch", safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2,3],"data_offsets":[0,16]}})", 16),
        "needs 24"},
       {"duplicate_names",
        safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-                         R"("a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16),
+                         R"("a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                         16),
        "duplicate tensor name 'a'"},
       {"missing_fields", safetensors_bytes(R"({"a":{"dtype":"F32","shape":[2,2]}})", 16),
        "lacks dtype, shape or data_offsets"},
@@ -95,7 +97,8 @@ inline std::vector<CorruptCase> corrupt_safetensors_cases() {
        safetensors_bytes(R"({"a":{"dtype":"F32","shape":[18446744073709551615,0],"data_offsets":[0,0]}})", 0),
        "beyond int64"},
       {"elements_beyond_int64",
-       safetensors_bytes(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4611686018427387904,0],"data_offsets":[0,0]}})", 0),
+       safetensors_bytes(
+           R"({"a":{"dtype":"F32","shape":[4611686018427387904,4611686018427387904,0],"data_offsets":[0,0]}})", 0),
        "more elements than int64"},
       {"bytes_beyond_2_64",
        safetensors_bytes(R"({"a":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]}})", 8),

@@ -48,15 +48,19 @@ TEST(Config, UnknownFieldIsNamed) {
 }
 
 TEST(Config, WrongTypesAreNamedWithTheValue) {
-  struct Case { const char* text; const char* field; const char* want; };
-  for (const Case& c : {Case{R"({"hidden_size": "64"})", "'hidden_size'", "integer"},
-                        Case{R"({"hidden_size": 64.5})", "'hidden_size'", "integer"},
-                        Case{R"({"bf16": 1})", "'bf16'", "true or false"},
-                        Case{R"({"layernorm_epsilon": "1e-5"})", "'layernorm_epsilon'", "number"},
-                        Case{R"({"normalization": null})", "'normalization'", "string"},
-                        Case{R"({"window_size": [8, "x"]})", "'window_size'", "list of integers"},
-                        Case{R"({"num_query_groups": true})", "'num_query_groups'", "integer"},
-                        Case{R"({"moe_router_dtype": 32})", "'moe_router_dtype'", "string"}}) {
+  struct Case {
+    const char* text;
+    const char* field;
+    const char* want;
+  };
+  for (const Case& c :
+       {Case{R"({"hidden_size": "64"})", "'hidden_size'", "integer"},
+        Case{R"({"hidden_size": 64.5})", "'hidden_size'", "integer"}, Case{R"({"bf16": 1})", "'bf16'", "true or false"},
+        Case{R"({"layernorm_epsilon": "1e-5"})", "'layernorm_epsilon'", "number"},
+        Case{R"({"normalization": null})", "'normalization'", "string"},
+        Case{R"({"window_size": [8, "x"]})", "'window_size'", "list of integers"},
+        Case{R"({"num_query_groups": true})", "'num_query_groups'", "integer"},
+        Case{R"({"moe_router_dtype": 32})", "'moe_router_dtype'", "string"}}) {
     const std::string m = config_error(c.text);
     EXPECT_TRUE(has(m, c.field) && has(m, c.want)) << c.text << " -> " << m;
   }

@@ -29,7 +29,8 @@ TEST(DType, RoundingErrorWithinUnitRoundoff) {
     const double lo = dt == DType::BF16 ? 1e-30 : 6.2e-5, hi = dt == DType::BF16 ? 1e30 : 6.5e4;
     for (double x = lo; x < hi; x *= 1.0009765) {
       const double r = round_to(dt, static_cast<float>(x));
-      ASSERT_LE(std::fabs(r - static_cast<float>(x)), u * std::fabs(static_cast<float>(x))) << dtype_name(dt) << " " << x;
+      ASSERT_LE(std::fabs(r - static_cast<float>(x)), u * std::fabs(static_cast<float>(x)))
+          << dtype_name(dt) << " " << x;
     }
   }
 }
@@ -37,7 +38,7 @@ TEST(DType, RoundingErrorWithinUnitRoundoff) {
 TEST(DType, OverflowAndUnderflowThresholds) {
   EXPECT_EQ(round_to(DType::F16, 65504.0), 65504.0);
   EXPECT_EQ(round_to(DType::F16, 65519.99), 65504.0);
-  EXPECT_TRUE(std::isinf(round_to(DType::F16, 65520.0)));  // the tie above max rounds to even: Inf
+  EXPECT_TRUE(std::isinf(round_to(DType::F16, 65520.0)));      // the tie above max rounds to even: Inf
   EXPECT_EQ(round_to(DType::F16, std::ldexp(1.0, -25)), 0.0);  // half the smallest subnormal: tie to 0
   EXPECT_EQ(round_to(DType::F16, std::ldexp(1.5, -25)), std::ldexp(1.0, -24));
   EXPECT_EQ(round_to(DType::BF16, -0.0), 0.0);

@@ -39,8 +39,8 @@ bool same_bytes(const Tensor& a, const Tensor& b) {
 TEST(Safetensors, RoundTripEveryDtypeAndMetadata) {
   TempDir dir;
   const auto tensors = every_dtype();
-  const std::map<std::string, std::string> meta = {{"kind", "dense_layer"}, {"config", R"({"hidden_size": 64})"},
-                                                  {"unicode", "\xce\xbb = 1e-5"}};
+  const std::map<std::string, std::string> meta = {
+      {"kind", "dense_layer"}, {"config", R"({"hidden_size": 64})"}, {"unicode", "\xce\xbb = 1e-5"}};
   const std::string path = dir.file("all.safetensors");
   write_safetensors(path, tensors, meta);
   const SafetensorsFile f = read_safetensors(path);
@@ -82,7 +82,8 @@ TEST(Safetensors, DataSectionIsEightByteAligned) {
 TEST(Safetensors, UnalignedDataFromOtherWritersIsReadCorrectly) {
   // Other writers need not pad: an F64 tensor at an odd offset must still read (copied, aligned).
   TempDir dir;
-  const std::string header = R"({"b":{"dtype":"BOOL","shape":[1],"data_offsets":[0,1]},"x":{"dtype":"F64","shape":[1],"data_offsets":[1,9]}})";
+  const std::string header =
+      R"({"b":{"dtype":"BOOL","shape":[1],"data_offsets":[0,1]},"x":{"dtype":"F64","shape":[1],"data_offsets":[1,9]}})";
   std::string bytes = twin::testing::u64_le(header.size()) + header + std::string(1, '\x01');
   const double v = -1.25;
   bytes.append(reinterpret_cast<const char*>(&v), 8);
@@ -148,7 +149,8 @@ TEST_P(CorruptSafetensors, IsOneLineErrorNamingFileAndFault) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(EveryFault, CorruptSafetensors, ::testing::ValuesIn(twin::testing::corrupt_safetensors_cases()),
+INSTANTIATE_TEST_SUITE_P(EveryFault, CorruptSafetensors,
+                         ::testing::ValuesIn(twin::testing::corrupt_safetensors_cases()),
                          [](const auto& info) { return info.param.name; });
 
 // The in-memory reader (what fuzz/fuzz_safetensors.cpp drives) gives the same one-line error for

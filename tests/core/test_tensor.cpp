@@ -44,8 +44,8 @@ TEST(Tensor, ConversionsRoundToNearestEven) {
   const Tensor t = Tensor::from_vector<double>({3}, {1.0 + std::ldexp(1.0, -8), 1.0 + 3 * std::ldexp(1.0, -8), -2.0});
   const Tensor b = t.to(DType::BF16);
   EXPECT_EQ(b.dtype(), DType::BF16);
-  EXPECT_EQ(b.at_f64(0), 1.0);                          // tie -> even (down)
-  EXPECT_EQ(b.at_f64(1), 1.0 + std::ldexp(1.0, -6));   // tie -> even (up)
+  EXPECT_EQ(b.at_f64(0), 1.0);                        // tie -> even (down)
+  EXPECT_EQ(b.at_f64(1), 1.0 + std::ldexp(1.0, -6));  // tie -> even (up)
   EXPECT_EQ(b.to(DType::F32).at_f64(2), -2.0);
   EXPECT_EQ(Tensor::from_vector<bool>({2}, {true, false}).to(DType::I32).at_f64(0), 1.0);
 }

@@ -31,10 +31,10 @@ bool under_ci() {
   const char* ci = std::getenv("CI");
   return ci && std::string(ci) == "true";
 }
-#define SKIP_OR_FAIL(why)                                                      \
-  do {                                                                         \
+#define SKIP_OR_FAIL(why)                                                        \
+  do {                                                                           \
     if (under_ci()) FAIL() << (why) << " (CI=true: a missing dependency fails)"; \
-    GTEST_SKIP() << (why);                                                     \
+    GTEST_SKIP() << (why);                                                       \
   } while (0)
 
 std::string slurp(const std::string& path) {
@@ -54,8 +54,8 @@ const std::optional<std::string>& python_torch_missing() {
   return why;
 }
 
-#define REQUIRE_PYTHON_TORCH()                                    \
-  do {                                                            \
+#define REQUIRE_PYTHON_TORCH()                                        \
+  do {                                                                \
     if (const auto& why = python_torch_missing()) SKIP_OR_FAIL(*why); \
   } while (0)
 
@@ -230,7 +230,8 @@ std::string zip_of(const std::vector<Entry>& entries) {
   for (const Entry& e : entries) {
     const std::string crc = le(crc32_bitwise(e.data), 4), size = le(e.data.size(), 4), n = le(e.name.size(), 2);
     const std::string common = le(20, 2) + le(0, 2) + le(e.method, 2) + le(0, 4) + crc + size + size + n + le(0, 2);
-    cd += le(0x02014b50, 4) + le(20, 2) + common + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 4) + le(out.size(), 4) + e.name;
+    cd +=
+        le(0x02014b50, 4) + le(20, 2) + common + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 4) + le(out.size(), 4) + e.name;
     out += le(0x04034b50, 4) + common + e.name + e.data;
   }
   const std::size_t n = entries.size(), cd_at = out.size();
@@ -250,13 +251,15 @@ std::string tensor_pickle(const std::string& type, std::int64_t numel, std::int6
                           const std::vector<std::int64_t>& sizes, const std::vector<std::int64_t>& strides) {
   return "ctorch._utils\n_rebuild_tensor_v2\n((" + uni("storage") + "ctorch\n" + type + "\n" + uni("0") + uni("cpu") +
          i64(numel) + "tQ" + i64(offset) + tuple_of(sizes) + tuple_of(strides) +
-         "\x89" "ccollections\nOrderedDict\n)RtR";
+         "\x89"
+         "ccollections\nOrderedDict\n)RtR";
 }
 // {"x": tensor} with storage entry `data`.
 std::string archive(const std::string& tensor, const std::string& data) {
   return zip_of({{"archive/data.pkl", "\x80\x02}" + uni("x") + tensor + "s."}, {"archive/data/0", data}});
 }
-const std::string kFourFloats = le(0x3f800000, 4) + le(0x40000000, 4) + le(0x40400000, 4) + le(0x40800000, 4);  // 1 2 3 4
+const std::string kFourFloats =
+    le(0x3f800000, 4) + le(0x40000000, 4) + le(0x40400000, 4) + le(0x40800000, 4);  // 1 2 3 4
 
 }  // namespace
 
@@ -557,7 +560,9 @@ TEST(TorchIO, HostileInputsAreOneLineErrors) {
   cd_outside[cd_outside.size() - 3] = '\x7f';  // the top byte of the central directory's offset
   std::string long_entry = good;
   long_entry.replace(long_entry.rfind(std::string("\x50\x4b\x01\x02", 4)) + 20, 8, le(1000, 4) + le(1000, 4));
-  const std::string self_list = "\x80\x02]q\x00h\x00" "a."s;
+  const std::string self_list =
+      "\x80\x02]q\x00h\x00"
+      "a."s;
   // A list of 40 levels each holding the level below twice: 2^40 leaves by reference.
   std::string doubling = "\x80\x02]q\x00"s;
   for (int k = 1; k <= 40; ++k) doubling += "](h" + le(k - 1, 1) + "h" + le(k - 1, 1) + "eq" + le(k, 1);
@@ -573,9 +578,18 @@ TEST(TorchIO, HostileInputsAreOneLineErrors) {
       {"no STOP", zip_of({{"archive/data.pkl", "\x80\x02}"}}), "ends without STOP"},
       {"stack underflow", zip_of({{"archive/data.pkl", "\x80\x02s."}}), "stack underflow at byte 2"},
       {"memo read before written", zip_of({{"archive/data.pkl", "\x80\x02h\x05."}}), "memo 5 read before written"},
-      {"string past the end", zip_of({{"archive/data.pkl", "\x80\x02X\xf0\xff\xff\xff" "ab."}}), "truncated"},
-      {"integer wider than 64 bits", zip_of({{"archive/data.pkl", "\x80\x02\x8a\x09" + std::string(9, '\1') + "."}}), "exceeds 64 bits"},
-      {"unknown class", zip_of({{"archive/data.pkl", "\x80\x02" "c__main__\nNet\n)R."}}), "unsupported Python object '__main__.Net'"},
+      {"string past the end",
+       zip_of({{"archive/data.pkl",
+                "\x80\x02X\xf0\xff\xff\xff"
+                "ab."}}),
+       "truncated"},
+      {"integer wider than 64 bits", zip_of({{"archive/data.pkl", "\x80\x02\x8a\x09" + std::string(9, '\1') + "."}}),
+       "exceeds 64 bits"},
+      {"unknown class",
+       zip_of({{"archive/data.pkl",
+                "\x80\x02"
+                "c__main__\nNet\n)R."}}),
+       "unsupported Python object '__main__.Net'"},
       {"no data.pkl", zip_of({{"archive/other", "x"}}), "no <archive>/data.pkl"},
       {"compressed entry", zip_of({{"archive/data.pkl", "\x80\x02N.", 8}}), "is compressed (method 8)"},
       {"bad CRC", bad_crc, "fails its CRC check"},
@@ -593,7 +607,8 @@ TEST(TorchIO, HostileInputsAreOneLineErrors) {
       {"sizes and strides differ", t({2, 2}, {1}), "2 sizes but 1 strides"},
       {"unsupported dtype", t({4}, {1}, 4, 0, "CharStorage"), "has dtype int8"},
       {"unknown storage", t({4}, {1}, 4, 0, "NoSuchStorage"), "storage type 'torch.NoSuchStorage'"},
-      {"missing storage entry", zip_of({{"archive/data.pkl", "\x80\x02}" + uni("x") + tensor_pickle("FloatStorage", 4, 0, {1}, {1}) + "s."}}),
+      {"missing storage entry",
+       zip_of({{"archive/data.pkl", "\x80\x02}" + uni("x") + tensor_pickle("FloatStorage", 4, 0, {1}, {1}) + "s."}}),
        "no entry 'archive/data/0'"},
       {"list containing itself", zip_of({{"archive/data.pkl", self_list}}), "nested deeper than 64 levels"},
       {"exponential references", zip_of({{"archive/data.pkl", doubling}}), "exceed 16 times the file's size"},

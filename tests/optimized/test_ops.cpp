@@ -34,9 +34,9 @@ const DType kDtypes[] = {DType::F32, DType::BF16, DType::F16};
 ref::Precision prec(DType dt) { return ref::Precision{ref::ComputeMode::FP32, dt}; }
 
 void expect_pass(const Comparison& c, const std::string& id) {
-  EXPECT_TRUE(c.pass) << id << ": " << c.name << " max abs " << c.max_abs << " at " << c.worst_index_str()
-                      << " actual " << c.worst_actual << " expected " << c.worst_expected << " share " << c.share_used
-                      << " (" << c.tol.reason << ")" << c.message;
+  EXPECT_TRUE(c.pass) << id << ": " << c.name << " max abs " << c.max_abs << " at " << c.worst_index_str() << " actual "
+                      << c.worst_actual << " expected " << c.worst_expected << " share " << c.share_used << " ("
+                      << c.tol.reason << ")" << c.message;
 }
 
 }  // namespace
@@ -47,19 +47,22 @@ TEST(OptimizedOps, NormMatchesReference) {
   for (bool rms : {false, true})
     for (DType dt : kDtypes)
       for (auto [rows, width] : shapes) {
-        const std::string id = fmt::format("norm(kind={},dtype={},rows={},width={})", rms ? "rms" : "ln", dt_name(dt), rows, width);
+        const std::string id =
+            fmt::format("norm(kind={},dtype={},rows={},width={})", rms ? "rms" : "ln", dt_name(dt), rows, width);
         if (!selected(id)) continue;
         const Tensor x = random_tensor(dt, {rows, width}, -2, 3, rows * 31 + width);  // mean far from 0 for LN
         const Tensor w = random_tensor(dt, {width}, 0.5, 1.5, 7), bias = random_tensor(dt, {width}, -0.5, 0.5, 8);
         auto dx = to_device(x), dw = to_device(w), db = to_device(bias);
         rt::DeviceBuffer dy(sim(), x.nbytes());
-        k::norm_forward(rms, dt, dx.get(), dy.get(), dw.get(), rms ? nullptr : db.get(), k::NormRows::dense(rows, width), 1e-5,
-                        false, nullptr);
+        k::norm_forward(rms, dt, dx.get(), dy.get(), dw.get(), rms ? nullptr : db.get(),
+                        k::NormRows::dense(rows, width), 1e-5, false, nullptr);
         const Tensor y = from_device(dy, dt, {rows, width});
         ref::StateDict sd({{"weight", w}, {"bias", bias}});
         std::unique_ptr<ref::Norm> norm;
-        if (rms) norm = std::make_unique<ref::RMSNorm>(width, 1e-5, false, prec(dt));
-        else norm = std::make_unique<ref::LayerNorm>(width, 1e-5, false, prec(dt));
+        if (rms)
+          norm = std::make_unique<ref::RMSNorm>(width, 1e-5, false, prec(dt));
+        else
+          norm = std::make_unique<ref::LayerNorm>(width, 1e-5, false, prec(dt));
         norm->load_state_dict(sd, "");
         const Tensor e = prec(dt).to_tensor(norm->forward(ref::to_mat(x, rows, width, "x")), {rows, width});
         // stores: LN 1 (output), RMS 2 (x * rstd, output); statistics are width-long fp32 sums.
@@ -83,12 +86,15 @@ TEST(OptimizedOps, NormOverStridedRowsEqualsDenseRowsBitwise) {
     // The q heads, gathered densely, through the dense path; k and v untouched.
     const std::size_t es = dtype_size(dt);
     Tensor q = Tensor::empty(dt, {std::int64_t(tokens) * groups * hpg, hn});
-    for (int t = 0; t < tokens * groups; ++t) std::memcpy(q.raw_mut() + t * hpg * hn * es, qkv.raw() + t * gs * es, hpg * hn * es);
+    for (int t = 0; t < tokens * groups; ++t)
+      std::memcpy(q.raw_mut() + t * hpg * hn * es, qkv.raw() + t * gs * es, hpg * hn * es);
     auto dq = to_device(q);
-    k::norm_forward(false, dt, dq.get(), dq.get(), dw.get(), db.get(), k::NormRows::dense(q.size(0), hn), 1e-5, false, nullptr);
+    k::norm_forward(false, dt, dq.get(), dq.get(), dw.get(), db.get(), k::NormRows::dense(q.size(0), hn), 1e-5, false,
+                    nullptr);
     const Tensor qn = from_device(dq, dt, q.shape());
     for (int t = 0; t < tokens * groups; ++t) {
-      EXPECT_EQ(0, std::memcmp(out.raw() + t * gs * es, qn.raw() + t * hpg * hn * es, hpg * hn * es)) << id << " token-group " << t;
+      EXPECT_EQ(0, std::memcmp(out.raw() + t * gs * es, qn.raw() + t * hpg * hn * es, hpg * hn * es))
+          << id << " token-group " << t;
       EXPECT_EQ(0, std::memcmp(out.raw() + (t * gs + hpg * hn) * es, qkv.raw() + (t * gs + hpg * hn) * es, 2 * hn * es))
           << id << " k/v of token-group " << t << " changed";
     }
@@ -97,10 +103,12 @@ TEST(OptimizedOps, NormOverStridedRowsEqualsDenseRowsBitwise) {
 
 TEST(OptimizedOps, NormRejectsBadArguments) {
   auto x = to_device(random_tensor(DType::F32, {2, 4}, 0, 1, 1));
-  EXPECT_THROW(k::norm_forward(true, DType::F32, x.get(), x.get(), nullptr, nullptr, k::NormRows::dense(2, 4), 1e-5, false, nullptr),
+  EXPECT_THROW(k::norm_forward(true, DType::F32, x.get(), x.get(), nullptr, nullptr, k::NormRows::dense(2, 4), 1e-5,
+                               false, nullptr),
                std::invalid_argument);
   try {
-    k::norm_forward(true, DType::I64, x.get(), x.get(), x.get(), nullptr, k::NormRows::dense(2, 4), 1e-5, false, nullptr);
+    k::norm_forward(true, DType::I64, x.get(), x.get(), x.get(), nullptr, k::NormRows::dense(2, 4), 1e-5, false,
+                    nullptr);
     ADD_FAILURE() << "no error for an I64 norm";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("I64"), std::string::npos) << e.what();
@@ -114,21 +122,23 @@ TEST(OptimizedOps, BiasDropoutAddEqualsReferenceBitwise) {
       for (double p : {0.0, 0.1, 0.5})
         for (bool training : {false, true}) {
           const int n = 9, h = 24;
-          const std::string id = fmt::format("bias_dropout_add(dtype={},bias={},p={},training={},n={},h={})", dt_name(dt),
-                                             int(with_bias), p, int(training), n, h);
+          const std::string id = fmt::format("bias_dropout_add(dtype={},bias={},p={},training={},n={},h={})",
+                                             dt_name(dt), int(with_bias), p, int(training), n, h);
           if (!selected(id)) continue;
           const Tensor x = random_tensor(dt, {n, h}, -2, 2, 11), bias = random_tensor(dt, {h}, -1, 1, 12);
           const Tensor res = random_tensor(dt, {n, h}, -2, 2, 13);
           auto dx = to_device(x), db = to_device(bias), dr = to_device(res);
           rt::DeviceBuffer dout(sim(), x.nbytes());
           const auto drop = k::DropoutArgs::make(p, training, 1234, 7);
-          k::bias_dropout_add_forward(dt, dx.get(), with_bias ? db.get() : nullptr, dr.get(), dout.get(), n, h, drop, 0, nullptr);
+          k::bias_dropout_add_forward(dt, dx.get(), with_bias ? db.get() : nullptr, dr.get(), dout.get(), n, h, drop, 0,
+                                      nullptr);
           const Tensor y = from_device(dout, dt, {n, h});
           std::optional<ref::RowVec> rb;
           if (with_bias) rb = ref::to_rowvec(bias, "bias");
-          const Tensor e = prec(dt).to_tensor(ref::bias_dropout_add(ref::to_mat(x, n, h, "x"), rb, ref::to_mat(res, n, h, "res"), p,
-                                                                    training, ref::DropoutRng{1234, 7}, prec(dt)),
-                                              {n, h});
+          const Tensor e =
+              prec(dt).to_tensor(ref::bias_dropout_add(ref::to_mat(x, n, h, "x"), rb, ref::to_mat(res, n, h, "res"), p,
+                                                       training, ref::DropoutRng{1234, 7}, prec(dt)),
+                                 {n, h});
           // Same rounding points and the same Philox mask: the bits must agree.
           expect_pass(compare_exact(id, y, e), id);
         }
@@ -145,8 +155,8 @@ RC_GTEST_PROP(OptimizedOps, DropoutMasksOfBothTwinsAreIdentical, ()) {
   const Tensor zeros = Tensor::zeros(DType::F32, {n, h});
   auto dx = to_device(ones), dr = to_device(zeros);
   rt::DeviceBuffer dout(sim(), ones.nbytes());
-  k::bias_dropout_add_forward(DType::F32, dx.get(), nullptr, dr.get(), dout.get(), n, h, k::DropoutArgs::make(p, true, seed, offset), base,
-                              nullptr);
+  k::bias_dropout_add_forward(DType::F32, dx.get(), nullptr, dr.get(), dout.get(), n, h,
+                              k::DropoutArgs::make(p, true, seed, offset), base, nullptr);
   const Tensor y = from_device(dout, DType::F32, {n, h});
   for (std::int64_t e = 0; e < n * h; ++e)
     RC_ASSERT((y.data<float>()[e] != 0.0f) == ref::dropout_keep(seed, offset, base + e, p));
@@ -160,13 +170,14 @@ TEST(OptimizedOps, BiasActivationMatchesReference) {
       for (bool glu : {false, true})
         for (bool with_bias : {false, true}) {
           const int n = 6, f = 20, w = glu ? 2 * f : f;
-          const std::string id = fmt::format("bias_activation(dtype={},act={},glu={},bias={},n={},f={})", dt_name(dt), act,
-                                             int(glu), int(with_bias), n, f);
+          const std::string id = fmt::format("bias_activation(dtype={},act={},glu={},bias={},n={},f={})", dt_name(dt),
+                                             act, int(glu), int(with_bias), n, f);
           if (!selected(id)) continue;
           const Tensor x = random_tensor(dt, {n, w}, -4, 4, 21), bias = random_tensor(dt, {w}, -1, 1, 22);
           auto dx = to_device(x), db = to_device(bias);
           rt::DeviceBuffer dy(sim(), std::size_t(n) * f * dtype_size(dt));
-          k::bias_activation_forward(dt, dx.get(), with_bias ? db.get() : nullptr, dy.get(), n, f, k::act_from_name(act), glu, nullptr);
+          k::bias_activation_forward(dt, dx.get(), with_bias ? db.get() : nullptr, dy.get(), n, f,
+                                     k::act_from_name(act), glu, nullptr);
           const Tensor y = from_device(dy, dt, {n, f});
           // mlp.py: intermediate = fc1 + bias (stored), then act / glu.
           ref::Mat m = ref::to_mat(x, n, w, "x");
@@ -175,7 +186,8 @@ TEST(OptimizedOps, BiasActivationMatchesReference) {
             prec(dt).act_inplace(m);
           }
           const auto fn = ref::activation_from_name(act);
-          const ref::Mat r = glu ? ref::glu(fn, m, 0.0, std::nullopt, prec(dt)) : ref::apply_activation(fn, m, prec(dt));
+          const ref::Mat r =
+              glu ? ref::glu(fn, m, 0.0, std::nullopt, prec(dt)) : ref::apply_activation(fn, m, prec(dt));
           const Tensor e = prec(dt).to_tensor(r, {n, f});
           // stores: bias add, up to two inside the activation, the GLU product; no reduction.
           expect_pass(compare(id, y, e, parity::op_bound(dt, 4, 1, max_abs(e))), id);
@@ -189,19 +201,19 @@ TEST(OptimizedOps, RotaryPosEmbMatchesReference) {
     for (bool interleaved : {false, true})
       for (double percent : {1.0, 0.5}) {
         const int s = 5, b = 2, heads = 3, hn = 8;
-        const std::string id = fmt::format("rope(dtype={},interleaved={},rot={},s={},b={},heads={},hn={})", dt_name(dt), int(interleaved),
-                                           percent, s, b, heads, hn);
+        const std::string id = fmt::format("rope(dtype={},interleaved={},rot={},s={},b={},heads={},hn={})", dt_name(dt),
+                                           int(interleaved), percent, s, b, heads, hn);
         if (!selected(id)) continue;
         const ref::RotaryEmbedding emb(hn, percent, interleaved);
         const Tensor freqs = emb.forward(s);  // [s, 1, 1, rot]
         const int rot = emb.dim();
         const Tensor t = random_tensor(dt, {s, b, heads, hn}, -2, 2, 31);
         auto dt_ = to_device(t), df = to_device(freqs);
-        k::rotary_pos_emb_forward(dt, dt_.get(), static_cast<const float*>(df.get()), k::NormRows::dense(s * b * heads, hn), b * heads,
-                                  rot, interleaved, nullptr);
+        k::rotary_pos_emb_forward(dt, dt_.get(), static_cast<const float*>(df.get()),
+                                  k::NormRows::dense(s * b * heads, hn), b * heads, rot, interleaved, nullptr);
         const Tensor y = from_device(dt_, dt, {s, b, heads, hn});
-        const ref::Mat r = ref::apply_rotary_pos_emb(ref::to_mat(t, s * b * heads, hn, "t"), ref::rotary_freqs(freqs, s, hn), b * heads,
-                                                     interleaved, prec(dt));
+        const ref::Mat r = ref::apply_rotary_pos_emb(ref::to_mat(t, s * b * heads, hn, "t"),
+                                                     ref::rotary_freqs(freqs, s, hn), b * heads, interleaved, prec(dt));
         const Tensor e = prec(dt).to_tensor(r, {s, b, heads, hn});
         // stores: cos/sin, the two products, the sum.
         expect_pass(compare(id, y, e, parity::op_bound(dt, 4, 1, max_abs(e))), id);
@@ -216,7 +228,8 @@ struct AttnCase {
   std::string mask;  // none | causal | padding | arbitrary
   double dropout;
   std::string id() const {
-    return fmt::format("attention(dtype={},s={},b={},np={},ng={},hn={},mask={},drop={})", dt_name(dt), s, b, np, ng, hn, mask, dropout);
+    return fmt::format("attention(dtype={},s={},b={},np={},ng={},hn={},mask={},drop={})", dt_name(dt), s, b, np, ng, hn,
+                       mask, dropout);
   }
 };
 
@@ -224,7 +237,8 @@ void run_attention_case(const AttnCase& c) {
   const int hpg = c.np / c.ng, gs = (hpg + 2) * c.hn, ld = c.ng * gs;
   const Tensor qkv = random_tensor(c.dt, {c.s, c.b, ld}, -1.5, 1.5, c.s * 1000 + c.np * 10 + c.ng);
   // q [s, b, np, hn], k / v [s, b, ng, hn] out of the grouped rows, for the reference
-  ref::Mat q(std::int64_t(c.s) * c.b * c.np, c.hn), kk(std::int64_t(c.s) * c.b * c.ng, c.hn), v(std::int64_t(c.s) * c.b * c.ng, c.hn);
+  ref::Mat q(std::int64_t(c.s) * c.b * c.np, c.hn), kk(std::int64_t(c.s) * c.b * c.ng, c.hn),
+      v(std::int64_t(c.s) * c.b * c.ng, c.hn);
   const ref::Mat all = ref::to_mat(qkv, std::int64_t(c.s) * c.b, ld, "qkv");
   for (int t = 0; t < c.s * c.b; ++t)
     for (int g = 0; g < c.ng; ++g) {
@@ -240,7 +254,8 @@ void run_attention_case(const AttnCase& c) {
       const int len = 1 + int(rng() % c.s);
       for (int i = 0; i < c.s; ++i)
         for (int j = 0; j < c.s; ++j)
-          mv[(std::size_t(bi) * c.s + i) * c.s + j] = c.mask == "padding" ? j >= len : (i == 0 || rng() % 10 < 3);  // row 0 fully masked
+          mv[(std::size_t(bi) * c.s + i) * c.s + j] =
+              c.mask == "padding" ? j >= len : (i == 0 || rng() % 10 < 3);  // row 0 fully masked
     }
     mask = Tensor::from_vector<bool>({c.b, 1, c.s, c.s}, mv);
   }
@@ -252,11 +267,13 @@ void run_attention_case(const AttnCase& c) {
   cfg.bf16 = c.dt == DType::BF16;
   cfg.fp16 = c.dt == DType::F16;
   cfg.attention_dropout = c.dropout;
-  const ref::AttnMaskType mt = c.mask == "causal" ? ref::AttnMaskType::causal : c.mask == "none" ? ref::AttnMaskType::no_mask
-                                                                                                 : ref::AttnMaskType::padding;
+  const ref::AttnMaskType mt = c.mask == "causal" ? ref::AttnMaskType::causal
+                               : c.mask == "none" ? ref::AttnMaskType::no_mask
+                                                  : ref::AttnMaskType::padding;
   ref::DotProductAttention dpa(cfg, 1, mt, prec(c.dt));
   const bool training = c.dropout > 0;
-  const ref::Mat r = dpa.forward(q, kk, v, c.s, c.s, c.b, mask.defined() ? &mask : nullptr, training, ref::DropoutRng{99, 3});
+  const ref::Mat r =
+      dpa.forward(q, kk, v, c.s, c.s, c.b, mask.defined() ? &mask : nullptr, training, ref::DropoutRng{99, 3});
   const Tensor e = prec(c.dt).to_tensor(r, {c.s, c.b, std::int64_t(c.np) * c.hn});
 
   auto dqkv = to_device(qkv);
@@ -268,7 +285,8 @@ void run_attention_case(const AttnCase& c) {
   p.np_local = p.np_total = c.np;
   p.hn = c.hn;
   p.alpha = static_cast<float>(dpa.softmax_scale);
-  p.mask = mask.defined() ? k::MaskMode::Explicit : (c.mask == "causal" && c.s > 1 ? k::MaskMode::Causal : k::MaskMode::None);
+  p.mask = mask.defined() ? k::MaskMode::Explicit
+                          : (c.mask == "causal" && c.s > 1 ? k::MaskMode::Causal : k::MaskMode::None);
   p.mask_ptr = static_cast<const std::uint8_t*>(dmask.get());
   p.mask_b = c.b;
   p.drop = k::DropoutArgs::make(c.dropout, training, 99, 3);
@@ -279,7 +297,8 @@ void run_attention_case(const AttnCase& c) {
   // fp32 sums are s long; all scale with max|v| (times 1/(1-p) under dropout).
   double max_score = 0;
   for (Eigen::Index i = 0; i < q.rows(); ++i)
-    for (Eigen::Index j = 0; j < kk.rows(); ++j) max_score = std::max(max_score, std::fabs(q.row(i).dot(kk.row(j))) * dpa.softmax_scale);
+    for (Eigen::Index j = 0; j < kk.rows(); ++j)
+      max_score = std::max(max_score, std::fabs(q.row(i).dot(kk.row(j))) * dpa.softmax_scale);
   const double vmax = max_abs(qkv) / (1.0 - c.dropout);
   Tolerance tol = parity::op_bound(c.dt, 2, std::max(c.s, c.hn), vmax);
   tol.atol += 2.0 * unit_roundoff(c.dt) * max_score * vmax;
@@ -291,7 +310,8 @@ void run_attention_case(const AttnCase& c) {
 TEST(OptimizedOps, AttentionMatchesReference) {
   for (DType dt : kDtypes)
     for (const char* mask : {"none", "causal", "padding", "arbitrary"})
-      for (auto [s, np, ng, hn] : {std::tuple{1, 2, 2, 8}, std::tuple{5, 4, 2, 8}, std::tuple{37, 4, 1, 40}, std::tuple{20, 2, 2, 16}}) {
+      for (auto [s, np, ng, hn] :
+           {std::tuple{1, 2, 2, 8}, std::tuple{5, 4, 2, 8}, std::tuple{37, 4, 1, 40}, std::tuple{20, 2, 2, 16}}) {
         const AttnCase c{dt, s, 2, np, ng, hn, mask, 0.0};
         if (selected(c.id())) run_attention_case(c);
       }
@@ -321,5 +341,6 @@ TEST(OptimizedOps, AttentionRejectsBadArguments) {
   p.hn = 8;
   p.mask = k::MaskMode::Causal;
   p.sk = 5;
-  EXPECT_THROW(k::dot_product_attention_forward(DType::F32, d.get(), k::QkvLayout{32, 32, 2}, d.get(), p, nullptr), std::invalid_argument);
+  EXPECT_THROW(k::dot_product_attention_forward(DType::F32, d.get(), k::QkvLayout{32, 32, 2}, d.get(), p, nullptr),
+               std::invalid_argument);
 }

@@ -21,18 +21,23 @@ TEST(OptimizedLayer, GoldenDenseFixturesPassThroughTheOptimizedHandler) {
     const auto rows = compare_fixture(f, TwinKind::Optimized);
     EXPECT_GE(rows.size(), 8u) << name;
     for (const auto& c : rows)
-      EXPECT_TRUE(c.pass) << name << " " << c.name << ": max abs " << c.max_abs << " at " << c.worst_index_str() << " actual "
-                          << c.worst_actual << " expected " << c.worst_expected << " (" << c.tol.reason << ") " << c.message;
+      EXPECT_TRUE(c.pass) << name << " " << c.name << ": max abs " << c.max_abs << " at " << c.worst_index_str()
+                          << " actual " << c.worst_actual << " expected " << c.worst_expected << " (" << c.tol.reason
+                          << ") " << c.message;
   }
   EXPECT_GE(files, 7);
 }
 
 TEST(OptimizedLayer, FixedCasesMatchTheReferenceTapByTap) {
   const char* ids[] = {
-      "dense(h=32,a=4,g=2,d=8,ffn=64,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=8,b=2,dtype=fp32,tp=1,sp=0,drop=0,seed=1)",
-      "dense(h=24,a=4,g=1,d=16,ffn=48,norm=rms,act=silu,glu=1,bias=0,qkv_bias=1,rope=half,rot=0.5,qkln=1,mask=arbitrary,s=7,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=2)",
-      "dense(h=16,a=2,g=2,d=8,ffn=32,norm=ln,act=relu,glu=0,bias=1,qkv_bias=0,rope=interleaved,rot=1,qkln=1,mask=padding,s=5,b=1,dtype=fp16,tp=1,sp=0,drop=0.1,seed=3)",
-      "dense(h=16,a=4,g=2,d=8,ffn=32,norm=rms,act=gelu,glu=1,bias=1,qkv_bias=0,rope=half,rot=1,qkln=0,mask=none,s=40,b=1,dtype=bf16,tp=1,sp=0,drop=0,seed=4)",
+      "dense(h=32,a=4,g=2,d=8,ffn=64,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=8,b="
+      "2,dtype=fp32,tp=1,sp=0,drop=0,seed=1)",
+      "dense(h=24,a=4,g=1,d=16,ffn=48,norm=rms,act=silu,glu=1,bias=0,qkv_bias=1,rope=half,rot=0.5,qkln=1,mask="
+      "arbitrary,s=7,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=2)",
+      "dense(h=16,a=2,g=2,d=8,ffn=32,norm=ln,act=relu,glu=0,bias=1,qkv_bias=0,rope=interleaved,rot=1,qkln=1,mask="
+      "padding,s=5,b=1,dtype=fp16,tp=1,sp=0,drop=0.1,seed=3)",
+      "dense(h=16,a=4,g=2,d=8,ffn=32,norm=rms,act=gelu,glu=1,bias=1,qkv_bias=0,rope=half,rot=1,qkln=0,mask=none,s=40,b="
+      "1,dtype=bf16,tp=1,sp=0,drop=0,seed=4)",
   };
   for (const char* id : ids) {
     RunOptions o;
@@ -47,7 +52,8 @@ TEST(OptimizedLayer, FixedCasesMatchTheReferenceTapByTap) {
 TEST(OptimizedLayer, TapDiffNamesTheFirstDivergingTap) {
   // A wrong weight in linear_fc1 must surface first at mlp.linear_fc1.0, not earlier.
   const DenseCase c = parse_case_id(
-      "dense(h=16,a=2,g=2,d=8,ffn=32,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=4,b=1,dtype=fp32,tp=1,sp=0,drop=0,seed=5)");
+      "dense(h=16,a=2,g=2,d=8,ffn=32,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=4,b="
+      "1,dtype=fp32,tp=1,sp=0,drop=0,seed=5)");
   DenseInputs in = make_inputs(c);
   Record ref_taps, opt_taps;
   reference_forward(c, in, false, &ref_taps);
@@ -55,13 +61,15 @@ TEST(OptimizedLayer, TapDiffNamesTheFirstDivergingTap) {
   w.data_mut<float>()[3] += 0.5f;
   in.params["mlp.linear_fc1.weight"] = w;
   optimized_forward(c, in, RunOptions{}, &opt_taps);
-  const TapDiff d = diff_taps(opt_taps, ref_taps, [](const RecordEntry&, const Tensor&) { return Tolerance::for_dtype(DType::F32); });
+  const TapDiff d =
+      diff_taps(opt_taps, ref_taps, [](const RecordEntry&, const Tensor&) { return Tolerance::for_dtype(DType::F32); });
   EXPECT_EQ(d.first_divergence_name(), "tap.mlp.linear_fc1.0") << d.format();
 }
 
 TEST(OptimizedLayer, BadInputGivesClearErrors) {
   const DenseCase c = parse_case_id(
-      "dense(h=16,a=4,g=2,d=8,ffn=32,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=4,b=1,dtype=fp32,tp=1,sp=0,drop=0,seed=6)");
+      "dense(h=16,a=4,g=2,d=8,ffn=32,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=4,b="
+      "1,dtype=fp32,tp=1,sp=0,drop=0,seed=6)");
   const DenseInputs in = make_inputs(c);
   auto expect_msg = [](auto&& f, const std::string& part) {
     try {
@@ -78,7 +86,8 @@ TEST(OptimizedLayer, BadInputGivesClearErrors) {
   expect_msg([&] { opt::DenseTransformerLayer l(in.config, params, {}); }, "[31, 16]");
   params = in.params;
   params.erase("self_attention.linear_proj.weight");
-  expect_msg([&] { opt::DenseTransformerLayer l(in.config, params, {}); }, "missing parameter 'self_attention.linear_proj.weight'");
+  expect_msg([&] { opt::DenseTransformerLayer l(in.config, params, {}); },
+             "missing parameter 'self_attention.linear_proj.weight'");
   // TP that does not divide the query groups
   opt::LayerOptions o;
   o.tp = 4;

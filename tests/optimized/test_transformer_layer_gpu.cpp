@@ -18,10 +18,10 @@ namespace {
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
-#define REQUIRE_GPU()                                                   \
-  do {                                                                  \
-    std::string why;                                                    \
-    if (!rt::available(rt::Backend::Cuda, &why)) GTEST_SKIP() << why;   \
+#define REQUIRE_GPU()                                                 \
+  do {                                                                \
+    std::string why;                                                  \
+    if (!rt::available(rt::Backend::Cuda, &why)) GTEST_SKIP() << why; \
   } while (0)
 
 CaseLimits gpu_limits() {
@@ -82,7 +82,8 @@ TEST(OptimizedLayerGpu, GoldenDenseFixturesPass) {
                            "dense_rms_mha_swiglu_qkln"}) {
     const Fixture f = load_fixture(golden_dir() + "/" + name + ".safetensors");
     for (const auto& c : compare_fixture(f, TwinKind::Optimized))
-      EXPECT_TRUE(c.pass) << name << " " << c.name << ": max abs " << c.max_abs << " (" << c.tol.reason << ") " << c.message;
+      EXPECT_TRUE(c.pass) << name << " " << c.name << ": max abs " << c.max_abs << " (" << c.tol.reason << ") "
+                          << c.message;
     ++files;
   }
   unsetenv("TWIN_BACKEND");

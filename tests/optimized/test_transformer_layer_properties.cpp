@@ -47,7 +47,8 @@ RC_GTEST_PROP(OptimizedLayerProperty, TensorAndSequenceParallelMatchTp1, ()) {
   for (const DenseCase& v : {c, other}) {
     const Tensor got = optimized_forward(v, in, RunOptions{});
     const Comparison cmp = compare("tp" + std::to_string(v.tp) + (v.sp ? "+sp" : ""), got, base, tol);
-    RC_LOG() << to_id(v) << " vs tp=1: max abs " << cmp.max_abs << " bound atol " << tol.atol << " at " << cmp.worst_index_str();
+    RC_LOG() << to_id(v) << " vs tp=1: max abs " << cmp.max_abs << " bound atol " << tol.atol << " at "
+             << cmp.worst_index_str();
     RC_ASSERT(cmp.pass);
   }
 }

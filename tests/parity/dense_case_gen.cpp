@@ -11,7 +11,8 @@ namespace {
 // One of a field's samples. Drawn by index with inRange, which shrinks toward 0: a failing case
 // shrinks toward the first (simplest) sample (gen::elementOf does not shrink).
 std::string draw_sample(const std::vector<std::string>& samples) {
-  return *rc::gen::map(rc::gen::inRange<std::size_t>(0, samples.size()), [samples](std::size_t i) { return samples[i]; });
+  return *rc::gen::map(rc::gen::inRange<std::size_t>(0, samples.size()),
+                       [samples](std::size_t i) { return samples[i]; });
 }
 }  // namespace
 

@@ -17,15 +17,15 @@ namespace twin::parity {
 
 // Sizes the generator draws from; defaults are tiny so the simulator runs 100 cases quickly.
 struct CaseLimits {
-  int max_tp = 4;            // tp drawn from the table's samples {1, 2, 4} up to this
+  int max_tp = 4;  // tp drawn from the table's samples {1, 2, 4} up to this
   int max_groups_per_rank = 2;
   int max_heads_per_group = 2;
   int max_s_per_rank = 4;
   int max_b = 2;
   bool allow_dropout = false;
-  bool any_dtype = true;     // false: only `dtype`
+  bool any_dtype = true;  // false: only `dtype`
   DType dtype = DType::F32;
-  bool force_tp = false;     // true: tp = `tp` exactly
+  bool force_tp = false;  // true: tp = `tp` exactly
   int tp = 1;
 };
 rc::Gen<DenseCase> gen_dense_case(CaseLimits limits = {});

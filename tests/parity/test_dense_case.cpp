@@ -154,8 +154,9 @@ TEST(DenseCase, ValuesAtTheEdgesRoundTrip) {
     EXPECT_EQ(to_id(parse_case_id(id)), id);
   }
   // Keys in any order parse to the same case; the printed id is in table order.
-  const std::string shuffled = "dense(seed=7,drop=0.1,sp=1,tp=2,dtype=bf16,b=2,s=8,mask=causal,qkln=0,rot=0.5,rope=half,"
-                               "qkv_bias=0,bias=1,glu=1,act=silu,norm=rms,ffn=32,d=8,g=2,a=4,h=16)";
+  const std::string shuffled =
+      "dense(seed=7,drop=0.1,sp=1,tp=2,dtype=bf16,b=2,s=8,mask=causal,qkln=0,rot=0.5,rope=half,"
+      "qkv_bias=0,bias=1,glu=1,act=silu,norm=rms,ffn=32,d=8,g=2,a=4,h=16)";
   EXPECT_EQ(to_id(parse_case_id(shuffled)), kId);
   // Syntax a canonical id never has.
   EXPECT_TRUE(contains(expect_error(replace(kId, "seed=7)", "seed=7,)")), "has no '='"));
@@ -301,14 +302,16 @@ TEST(DenseCase, RopeAnglesMatchMegatronsFormulaInDouble) {
   const double u = std::ldexp(1.0, -24);
   int checked = 0;
   for (const char* rope : {"half", "interleaved"})
-    for (const auto& [d, rot] : std::vector<std::pair<int, std::string>>{{8, "1"}, {8, "0.5"}, {16, "1"}, {12, "0.5"}, {64, "0.25"}}) {
+    for (const auto& [d, rot] :
+         std::vector<std::pair<int, std::string>>{{8, "1"}, {8, "0.5"}, {16, "1"}, {12, "0.5"}, {64, "0.25"}}) {
       std::string id = with_value(with_value(with_value(kId, "rope", rope), "d", std::to_string(d)), "rot", rot);
       id = with_value(with_value(with_value(id, "s", "40"), "tp", "1"), "sp", "0");
       const DenseCase c = parse_case_id(id);
       const DenseInputs in = make_inputs(c);
       const double base = in.config.rotary_base;
       ASSERT_EQ(base, 10000.0);
-      const std::vector<double> want = megatron_rope_emb(c.s, c.kv_channels, c.rotary_percent, c.rope == RopeKind::Interleaved, base);
+      const std::vector<double> want =
+          megatron_rope_emb(c.s, c.kv_channels, c.rotary_percent, c.rope == RopeKind::Interleaved, base);
       const std::int64_t dim = static_cast<std::int64_t>(want.size()) / c.s;
       EXPECT_EQ(dim, rotary_dim(c)) << id;
       in.rotary_pos_emb.expect({c.s, 1, 1, dim}, DType::F32, "rotary_pos_emb");

@@ -116,7 +116,8 @@ TEST(FixtureCommand, FailExits1AndMarksOnlyTheFirstOutOfTolerance) {
     if (l.find(">>") != std::string::npos) EXPECT_NE(l.find("tap.second"), std::string::npos) << l;
   }
   // The worst element of the first failure, and the shape mismatch of the next, are spelled out.
-  EXPECT_NE(r.out.find("first out of tolerance: tap.second at [1]: actual 2.5, expected 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("first out of tolerance: tap.second at [1]: actual 2.5, expected 2"), std::string::npos)
+      << r.out;
   EXPECT_NE(r.out.find("1 bf16 stores before this tensor"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("FAIL: 2 of 4 tensors out of tolerance; first: tap.second"), std::string::npos) << r.out;
 }

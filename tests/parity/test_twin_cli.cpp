@@ -122,7 +122,8 @@ TEST(TwinCli, FixtureJsonOneObjectPerFileUnsupportedExit3) {
     std::map<std::string, json> by_name;
     for (const auto& l : ls) {
       const json v = json::parse(l);  // throws on malformed JSON
-      for (const char* key : {"file", "kind", "twin", "status", "message", "tensors"}) EXPECT_TRUE(v.contains(key)) << key << " in " << l;
+      for (const char* key : {"file", "kind", "twin", "status", "message", "tensors"})
+        EXPECT_TRUE(v.contains(key)) << key << " in " << l;
       EXPECT_EQ(v["status"], "unsupported") << l;
       EXPECT_EQ(v["twin"], twin);
       EXPECT_TRUE(v["tensors"].empty());

@@ -28,7 +28,8 @@ inline std::string slurp(const std::string& path) {
 // `args` is passed to the shell as is: quote paths with quote().
 inline TwinRun run_twin(const std::string& args) {
   TempDir dir;
-  const std::string cmd = std::string("'") + TWIN_EXE + "' " + args + " >'" + dir.file("out") + "' 2>'" + dir.file("err") + "'";
+  const std::string cmd =
+      std::string("'") + TWIN_EXE + "' " + args + " >'" + dir.file("out") + "' 2>'" + dir.file("err") + "'";
   const int status = std::system(cmd.c_str());
   TwinRun r;
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;

@@ -13,7 +13,9 @@ using namespace twin::reference::testing;
 
 namespace {
 
-struct Sizes { int np, ng, hn, s, b, h; };
+struct Sizes {
+  int np, ng, hn, s, b, h;
+};
 
 rc::Gen<Sizes> gen_sizes(bool gqa) {
   return rc::gen::exec([gqa] {
@@ -35,11 +37,13 @@ TransformerConfig config_for(const Sizes& z) {
 }
 
 // Separate projections: Wq [np*hn, h], Wk / Wv [ng*hn, h], Wo [h, np*hn].
-struct SeparateWeights { Mat wq, wk, wv, wo; };
+struct SeparateWeights {
+  Mat wq, wk, wv, wo;
+};
 
 SeparateWeights random_weights(std::mt19937_64& g, const Sizes& z) {
-  return {random_mat(g, z.np * z.hn, z.h, 0.5), random_mat(g, z.ng * z.hn, z.h, 0.5), random_mat(g, z.ng * z.hn, z.h, 0.5),
-          random_mat(g, z.h, z.np * z.hn, 0.5)};
+  return {random_mat(g, z.np * z.hn, z.h, 0.5), random_mat(g, z.ng * z.hn, z.h, 0.5),
+          random_mat(g, z.ng * z.hn, z.h, 0.5), random_mat(g, z.h, z.np * z.hn, 0.5)};
 }
 
 // The fused linear_qkv weight through the documented group layout (qkv_row_offset).
@@ -212,14 +216,16 @@ TEST(SelfAttention, BadInputErrors) {
   AttentionArgs a = args_for(z);
   const Tensor bad = Tensor::from_vector<bool>({z.b, 1, z.s, z.s + 1}, std::vector<bool>(z.b * z.s * (z.s + 1)));
   a.attention_mask = &bad;
-  EXPECT_TRUE(throws_with<ShapeError>([&] { attn->forward(x, a, Taps()); }, {"attention_mask", "[2, 1, 3, 3]", "[2, 1, 3, 4]"}));
+  EXPECT_TRUE(throws_with<ShapeError>([&] { attn->forward(x, a, Taps()); },
+                                      {"attention_mask", "[2, 1, 3, 3]", "[2, 1, 3, 4]"}));
   const Tensor not_bool = Tensor::zeros(DType::F32, {z.b, 1, z.s, z.s});
   a.attention_mask = &not_bool;
   EXPECT_TRUE(throws_with<ShapeError>([&] { attn->forward(x, a, Taps()); }, {"attention_mask", "BOOL"}));
   a.attention_mask = nullptr;
   const Tensor short_rope = RotaryEmbedding(z.hn, 1.0).forward(z.s - 1);
   a.rotary_pos_emb = &short_rope;
-  EXPECT_TRUE(throws_with<ShapeError>([&] { attn->forward(x, a, Taps()); }, {"rotary_pos_emb", "shorter than the sequence", "s = 3"}));
+  EXPECT_TRUE(throws_with<ShapeError>([&] { attn->forward(x, a, Taps()); },
+                                      {"rotary_pos_emb", "shorter than the sequence", "s = 3"}));
   a.rotary_pos_emb = nullptr;
   EXPECT_TRUE(throws_with<ShapeError>([&] { attn->forward(random_mat(g, z.s * z.b, z.h + 1), a, Taps()); },
                                       {"hidden_states", "[3, 2, 8]"}));
@@ -267,7 +273,8 @@ TEST(CrossAttention, EqualsNaiveAttentionOverTheContext) {
   for (int bi = 0; bi < b; ++bi)
     for (int h = 0; h < 2; ++h) {
       Mat q(sq, hn), k(sk, hn), v(sk, hn);
-      for (int i = 0; i < sq; ++i) q.row(i) = (x.row(i * b + bi) * attn.linear_q.weight.transpose()).segment(h * hn, hn);
+      for (int i = 0; i < sq; ++i)
+        q.row(i) = (x.row(i * b + bi) * attn.linear_q.weight.transpose()).segment(h * hn, hn);
       for (int j = 0; j < sk; ++j) {
         const RowVec kv = ctx.row(j * b + bi) * attn.linear_kv.weight.transpose();  // [np, 2 hn] per token
         k.row(j) = kv.segment(h * 2 * hn, hn);
@@ -283,7 +290,8 @@ TEST(CrossAttention, EqualsNaiveAttentionOverTheContext) {
     }
   EXPECT_LT(max_abs_diff(out, expect_ctx * attn.linear_proj.weight.transpose()), 1e-10);
   c.num_query_groups = 1;
-  EXPECT_TRUE(throws_with<ConfigError>([&] { CrossAttention(c, 1, AttnMaskType::padding, exact()); }, {"Group query attention"}));
+  EXPECT_TRUE(throws_with<ConfigError>([&] { CrossAttention(c, 1, AttnMaskType::padding, exact()); },
+                                       {"Group query attention"}));
 }
 
 TEST(RotaryEmbedding, AnglesAsMegatronComputesThem) {
@@ -310,7 +318,7 @@ RC_GTEST_PROP(RotaryEmbedding, RotatesPairsAndPassesTheTail, (bool interleaved))
   const Tensor emb = RotaryEmbedding(hn, double(rot) / hn, interleaved).forward(s);
   const Mat freqs = rotary_freqs(emb, s, hn);
   const Mat y = apply_rotary_pos_emb(t, freqs, rows, interleaved, exact());
-  RC_ASSERT(max_abs_diff(y.topRows(rows), t.topRows(rows)) < 1e-15);     // angle 0
+  RC_ASSERT(max_abs_diff(y.topRows(rows), t.topRows(rows)) < 1e-15);  // angle 0
   RC_ASSERT(max_abs_diff(y.rightCols(hn - rot), t.rightCols(hn - rot)) == 0.0);
   for (Eigen::Index r = 0; r < y.rows(); ++r)
     for (int i = 0; i < rot / 2; ++i) {
@@ -337,7 +345,8 @@ TEST(DotProductAttention, SlidingWindowEqualsTheExplicitBandMask) {
   const Mat explicit_band = make_self_attention(c, fuse_qkv(w, z), w.wo)->forward(x, a, Taps()).output;
   c.window_size = std::vector<int>{2, 0};
   a.attention_mask = nullptr;
-  EXPECT_LT(max_abs_diff(make_self_attention(c, fuse_qkv(w, z), w.wo)->forward(x, a, Taps()).output, explicit_band), 1e-12);
+  EXPECT_LT(max_abs_diff(make_self_attention(c, fuse_qkv(w, z), w.wo)->forward(x, a, Taps()).output, explicit_band),
+            1e-12);
 }
 
 // softmax_type off-by-one: softmax over [scores, 0] without the sink column.

@@ -38,7 +38,10 @@ torch::Tensor to_torch(const Tensor& t) {
   return torch::tensor(v, torch::kFloat64).reshape(shape).to(tdt(t.dtype()));
 }
 
-struct Case { bool rms, glu, bias, rope; std::string act; };
+struct Case {
+  bool rms, glu, bias, rope;
+  std::string act;
+};
 
 // Megatron's forward in torch ops. p: params by state_dict key (torch tensors of the dtype).
 std::vector<std::pair<std::string, torch::Tensor>> torch_layer(const TransformerConfig& c,
@@ -47,7 +50,8 @@ std::vector<std::pair<std::string, torch::Tensor>> torch_layer(const Transformer
   const int64_t s = x.size(0), b = x.size(1), h = c.hidden_size, np = c.num_attention_heads, ng = c.query_groups(),
                 hn = c.head_dim(), r = np / ng;
   auto norm = [&](const torch::Tensor& t, const std::string& k) {
-    if (c.normalization == "LayerNorm") return torch::layer_norm(t, {h}, p[k + "weight"], p[k + "bias"], c.layernorm_epsilon);
+    if (c.normalization == "LayerNorm")
+      return torch::layer_norm(t, {h}, p[k + "weight"], p[k + "bias"], c.layernorm_epsilon);
     const auto tf = t.to(torch::kFloat32);  // torch >= 2.4 rms_norm composite
     const auto xhat = (tf * torch::rsqrt(tf.pow(2).mean(-1, true) + c.layernorm_epsilon)).to(t.scalar_type());
     return xhat * p[k + "weight"];
@@ -85,7 +89,10 @@ std::vector<std::pair<std::string, torch::Tensor>> torch_layer(const Transformer
   auto probs = torch::softmax(in, -1);
   if (upcast) probs = probs.to(torch::kBFloat16);
   auto ctx = torch::bmm(probs.view({b * np, s, s}), v.reshape({s, b * np, hn}).transpose(0, 1))
-                 .view({b, np, s, hn}).permute({2, 0, 1, 3}).contiguous().view({s, b, np * hn});
+                 .view({b, np, s, hn})
+                 .permute({2, 0, 1, 3})
+                 .contiguous()
+                 .view({s, b, np * hn});
   auto proj = linear(ctx, "self_attention.linear_proj.", false);
   auto h1 = p.count("self_attention.linear_proj.bias") ? proj + p["self_attention.linear_proj.bias"] : proj;
   h1 = residual + h1;
@@ -102,9 +109,14 @@ std::vector<std::pair<std::string, torch::Tensor>> torch_layer(const Transformer
   }
   auto fc2 = linear(a, "mlp.linear_fc2.", false);
   auto h2 = p.count("mlp.linear_fc2.bias") ? fc2 + p["mlp.linear_fc2.bias"] : fc2;
-  return {{"input_layernorm", ln}, {"self_attention.linear_qkv.0", mixed}, {"self_attention.core_attention", ctx},
-          {"self_attention.linear_proj.0", proj}, {"pre_mlp_layernorm", ln2}, {"mlp.linear_fc1.0", fc1},
-          {"mlp.linear_fc2.0", fc2}, {"output", h1 + h2}};
+  return {{"input_layernorm", ln},
+          {"self_attention.linear_qkv.0", mixed},
+          {"self_attention.core_attention", ctx},
+          {"self_attention.linear_proj.0", proj},
+          {"pre_mlp_layernorm", ln2},
+          {"mlp.linear_fc1.0", fc1},
+          {"mlp.linear_fc2.0", fc2},
+          {"output", h1 + h2}};
 }
 
 void crosscheck(const Case& k, DType dt, std::uint64_t seed) {
@@ -170,7 +182,8 @@ void crosscheck(const Case& k, DType dt, std::uint64_t seed) {
       worst = std::max(worst, std::abs(ours[i] - theirs[i]));
     }
     const double share = double(equal) / ours.size();
-    std::printf("%s %-32s bitwise %.3f worst %.3g (u max|e| %.3g)\n", dtype_name(dt), name.c_str(), share, worst, u * scale);
+    std::printf("%s %-32s bitwise %.3f worst %.3g (u max|e| %.3g)\n", dtype_name(dt), name.c_str(), share, worst,
+                u * scale);
     SCOPED_TRACE(::testing::Message() << dtype_name(dt) << " rms=" << k.rms << " glu=" << k.glu << " bias=" << k.bias
                                       << " rope=" << k.rope << " act=" << k.act << " " << name << " bitwise share "
                                       << share << " worst " << worst << " (u max|e| = " << u * scale << ")");
@@ -187,8 +200,10 @@ void crosscheck(const Case& k, DType dt, std::uint64_t seed) {
 }  // namespace
 
 TEST(DenseTorchCrosscheck, Bf16AndFp32MatchTorchsRoundingPoints) {
-  const std::vector<Case> cases = {{false, false, true, false, "gelu"}, {true, true, false, true, "silu"},
-                                   {false, true, true, true, "gelu"}, {true, false, false, false, "silu"}};
+  const std::vector<Case> cases = {{false, false, true, false, "gelu"},
+                                   {true, true, false, true, "silu"},
+                                   {false, true, true, true, "gelu"},
+                                   {true, false, false, false, "silu"}};
   std::uint64_t seed = 1;
   for (const auto& k : cases)
     for (DType dt : {DType::BF16, DType::F32}) crosscheck(k, dt, seed++);

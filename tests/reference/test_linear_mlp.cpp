@@ -136,7 +136,8 @@ TEST(MLP, BiasActivationFusionMirrorsTheFusedFunctions) {
   const RowVec b1 = random_mat(gw, 1, 6).row(0);
   Mat h = x * w1.transpose();
   h.rowwise() += b1;
-  const Mat tanh_gelu = h.unaryExpr([](double v) { return v * 0.5 * (1.0 + std::tanh(0.79788456 * v * (1 + 0.044715 * v * v))); });
+  const Mat tanh_gelu =
+      h.unaryExpr([](double v) { return v * 0.5 * (1.0 + std::tanh(0.79788456 * v * (1 + 0.044715 * v * v))); });
   EXPECT_LT(max_abs_diff(run(c), tanh_gelu.leftCols(4)), kExactTol);
   TransformerConfig unfused = c;
   unfused.bias_activation_fusion = false;

@@ -28,8 +28,8 @@ TEST(RoundingCounts, LinearWithBiasStoresTheGemmAndTheSum) {
   std::mt19937_64 g(1);
   Linear lin(8, 4, /*bias=*/true, /*skip_bias_add=*/false, bf16());
   const RoundingCount r = count_of([&] { lin.forward(random_mat(g, 3, 8)); });
-  EXPECT_EQ(r.bf16, 2);          // x @ w^T, then + bias
-  EXPECT_EQ(r.reduction, 8);     // one fp32-accumulated dot product of length in_features
+  EXPECT_EQ(r.bf16, 2);       // x @ w^T, then + bias
+  EXPECT_EQ(r.reduction, 8);  // one fp32-accumulated dot product of length in_features
   EXPECT_EQ(r.fp32, 0);
   Linear skip(8, 4, true, /*skip_bias_add=*/true, bf16());
   EXPECT_EQ(count_of([&] { skip.forward(random_mat(g, 3, 8)); }).bf16, 1);  // the bias is returned, not added
@@ -39,13 +39,13 @@ TEST(RoundingCounts, NormsStoreStatisticsInFp32AndOutputsInTheActivationDtype) {
   std::mt19937_64 g(2);
   LayerNorm ln(16, 1e-5, false, bf16());
   RoundingCount r = count_of([&] { ln.forward(random_mat(g, 3, 16)); });
-  EXPECT_EQ(r.fp32, 2);       // mean, rstd
-  EXPECT_EQ(r.bf16, 1);       // the output
-  EXPECT_EQ(r.reduction, 32); // mean and variance over 16
+  EXPECT_EQ(r.fp32, 2);        // mean, rstd
+  EXPECT_EQ(r.bf16, 1);        // the output
+  EXPECT_EQ(r.reduction, 32);  // mean and variance over 16
   RMSNorm rms(16, 1e-5, false, bf16());
   r = count_of([&] { rms.forward(random_mat(g, 3, 16)); });
-  EXPECT_EQ(r.fp32, 1);       // rstd
-  EXPECT_EQ(r.bf16, 2);       // x * rstd (torch's rms_norm casts back), then * weight
+  EXPECT_EQ(r.fp32, 1);  // rstd
+  EXPECT_EQ(r.bf16, 2);  // x * rstd (torch's rms_norm casts back), then * weight
   EXPECT_EQ(r.reduction, 16);
 }
 

@@ -118,8 +118,10 @@ TEST(Norms, WrongWidthAndWrongWeightShapeAreErrors) {
                                       {"input_layernorm.weight", "expected shape [8]", "got [7]"}));
   TransformerConfig c;
   c.layernorm_zero_centered_gamma = true;
-  EXPECT_TRUE(throws_with<ConfigError>([&] { wrapped_torch_norm(c, 8, 1e-5, exact()); }, {"zero_centered_gamma not supported"}));
+  EXPECT_TRUE(throws_with<ConfigError>([&] { wrapped_torch_norm(c, 8, 1e-5, exact()); },
+                                       {"zero_centered_gamma not supported"}));
   c.layernorm_zero_centered_gamma = false;
   c.normalization = "BatchNorm";
-  EXPECT_TRUE(throws_with<ConfigError>([&] { wrapped_torch_norm(c, 8, 1e-5, exact()); }, {"normalization", "BatchNorm"}));
+  EXPECT_TRUE(
+      throws_with<ConfigError>([&] { wrapped_torch_norm(c, 8, 1e-5, exact()); }, {"normalization", "BatchNorm"}));
 }

@@ -37,17 +37,18 @@ std::string message_for(const std::function<void(TransformerConfig&)>& edit) {
 }
 
 ::testing::AssertionResult rejected_with(const std::string& message, const std::string& needle) {
-  if (message.empty()) return ::testing::AssertionFailure() << "accepted; expected an error containing '" << needle << "'";
+  if (message.empty())
+    return ::testing::AssertionFailure() << "accepted; expected an error containing '" << needle << "'";
   if (message.find(needle) == std::string::npos)
     return ::testing::AssertionFailure() << "message '" << message << "' lacks '" << needle << "'";
   return ::testing::AssertionSuccess();
 }
 
-
-
 }  // namespace
 
-TEST(TransformerConfigValidation, BaseIsAccepted) { EXPECT_EQ(message_for([](auto&) {}), ""); }
+TEST(TransformerConfigValidation, BaseIsAccepted) {
+  EXPECT_EQ(message_for([](auto&) {}), "");
+}
 
 TEST(TransformerConfigValidation, HeadsAndQueryGroups) {
   EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.num_query_groups = 3; }),
@@ -55,10 +56,16 @@ TEST(TransformerConfigValidation, HeadsAndQueryGroups) {
   EXPECT_EQ(message_for([](auto& c) { c.num_query_groups = 2; }), "");  // GQA
   EXPECT_EQ(message_for([](auto& c) { c.num_query_groups = 1; }), "");  // MQA
   EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.num_query_groups = 0; }), "num_query_groups must be >= 1"));
-  EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.num_attention_heads = 0; }), "num_attention_heads must be >= 1"));
+  EXPECT_TRUE(
+      rejected_with(message_for([](auto& c) { c.num_attention_heads = 0; }), "num_attention_heads must be >= 1"));
   // Megatron floors kv_channels = hidden // heads and accepts a hidden size heads do not divide.
-  EXPECT_EQ(message_for([](auto& c) { c.num_attention_heads = 3; c.hidden_size = 64; }), "");
-  EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.hidden_size = 2; }), "kv_channels = hidden_size // num_attention_heads"));
+  EXPECT_EQ(message_for([](auto& c) {
+              c.num_attention_heads = 3;
+              c.hidden_size = 64;
+            }),
+            "");
+  EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.hidden_size = 2; }),
+                            "kv_channels = hidden_size // num_attention_heads"));
   EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.kv_channels = 0; }), "kv_channels must be >= 1"));
 }
 
@@ -72,10 +79,18 @@ TEST(TransformerConfigValidation, TensorParallel) {
                               c.tensor_model_parallel_size = 2;
                             }),
                             "num_query_groups (3) must be a multiple or divisor of tensor_model_parallel_size (2)"));
-  EXPECT_EQ(message_for([](auto& c) { c.num_query_groups = 1; c.tensor_model_parallel_size = 2; }), "");
+  EXPECT_EQ(message_for([](auto& c) {
+              c.num_query_groups = 1;
+              c.tensor_model_parallel_size = 2;
+            }),
+            "");
   EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.sequence_parallel = true; }),
                             "Cannot use sequence parallelism without tensor parallelism"));
-  EXPECT_EQ(message_for([](auto& c) { c.sequence_parallel = true; c.tensor_model_parallel_size = 2; }), "");
+  EXPECT_EQ(message_for([](auto& c) {
+              c.sequence_parallel = true;
+              c.tensor_model_parallel_size = 2;
+            }),
+            "");
   EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.fp16 = c.bf16 = true; }), "Only one of fp16"));
 }
 
@@ -113,13 +128,14 @@ TEST(TransformerConfigValidation, PipelineFields) {
                               c.num_layers_in_first_pipeline_stage = 2;
                             }),
                             "number of layers at middle stage: -1"));
-  EXPECT_TRUE(rejected_with(message_for([](auto& c) {
-                              c.num_layers = 8;
-                              c.pipeline_model_parallel_size = 2;
-                              c.virtual_pipeline_model_parallel_size = 2;
-                              c.num_layers_in_first_pipeline_stage = 3;
-                            }),
-                            "number of layers at first stage: 3 must be divisible by virtual pipeline parallel degree 2"));
+  EXPECT_TRUE(
+      rejected_with(message_for([](auto& c) {
+                      c.num_layers = 8;
+                      c.pipeline_model_parallel_size = 2;
+                      c.virtual_pipeline_model_parallel_size = 2;
+                      c.num_layers_in_first_pipeline_stage = 3;
+                    }),
+                    "number of layers at first stage: 3 must be divisible by virtual pipeline parallel degree 2"));
   EXPECT_TRUE(rejected_with(message_for([](auto& c) {
                               c.num_layers = 8;
                               c.pipeline_model_parallel_size = 3;
@@ -159,7 +175,11 @@ TEST(TransformerConfigValidation, PipelineFields) {
                             }),
                             "number of layers on each pipeline rank: 3"));
   // Accepted by Megatron although get_num_layers_to_build later refuses it: 5 layers, 2 stages.
-  EXPECT_EQ(message_for([](auto& c) { c.num_layers = 5; c.pipeline_model_parallel_size = 2; }), "");
+  EXPECT_EQ(message_for([](auto& c) {
+              c.num_layers = 5;
+              c.pipeline_model_parallel_size = 2;
+            }),
+            "");
   EXPECT_EQ(message_for([](auto& c) {
               c.num_layers = 6;
               c.pipeline_model_parallel_size = 2;
@@ -178,18 +198,44 @@ TEST(TransformerConfigValidation, Moe) {
   EXPECT_EQ(message_for(moe), "");
   EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.expert_model_parallel_size = 2; }),
                             "num_moe_experts must be non None to use expert-parallel"));
-  EXPECT_TRUE(rejected_with(message_for([&](auto& c) { moe(c); c.num_moe_experts = 0; }), "num_moe_experts must be positive"));
+  EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
+                              moe(c);
+                              c.num_moe_experts = 0;
+                            }),
+                            "num_moe_experts must be positive"));
   EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.moe_ffn_hidden_size = 32; }),
                             "moe_ffn_hidden_size must be None when num_moe_experts is not set"));
-  EXPECT_TRUE(rejected_with(message_for([&](auto& c) { moe(c); c.moe_router_topk = 1; }),
+  EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
+                              moe(c);
+                              c.moe_router_topk = 1;
+                            }),
                             "Please use --moe-router-pre-softmax when topk is 1"));
-  EXPECT_EQ(message_for([&](auto& c) { moe(c); c.moe_router_topk = 1; c.moe_router_pre_softmax = true; }), "");
-  EXPECT_EQ(message_for([&](auto& c) { moe(c); c.moe_router_topk = 1; c.moe_router_score_function = "sigmoid"; }), "");
-  EXPECT_TRUE(rejected_with(message_for([&](auto& c) { moe(c); c.moe_router_topk = 5; }),
+  EXPECT_EQ(message_for([&](auto& c) {
+              moe(c);
+              c.moe_router_topk = 1;
+              c.moe_router_pre_softmax = true;
+            }),
+            "");
+  EXPECT_EQ(message_for([&](auto& c) {
+              moe(c);
+              c.moe_router_topk = 1;
+              c.moe_router_score_function = "sigmoid";
+            }),
+            "");
+  EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
+                              moe(c);
+                              c.moe_router_topk = 5;
+                            }),
                             "moe_router_topk (5) must be <= num_moe_experts (4)"));
-  EXPECT_TRUE(rejected_with(message_for([&](auto& c) { moe(c); c.moe_router_enable_expert_bias = true; }),
+  EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
+                              moe(c);
+                              c.moe_router_enable_expert_bias = true;
+                            }),
                             "Expert bias for aux-loss-free routing only supports sigmoid score function"));
-  EXPECT_TRUE(rejected_with(message_for([&](auto& c) { moe(c); c.moe_pad_expert_input_to_capacity = true; }),
+  EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
+                              moe(c);
+                              c.moe_pad_expert_input_to_capacity = true;
+                            }),
                             "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity"));
   // A negative capacity factor means None.
   EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
@@ -218,7 +264,10 @@ TEST(TransformerConfigValidation, Moe) {
               c.moe_token_dispatcher_type = "alltoall";
             }),
             "");
-  EXPECT_TRUE(rejected_with(message_for([&](auto& c) { moe(c); c.moe_shared_expert_intermediate_size = 0; }),
+  EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
+                              moe(c);
+                              c.moe_shared_expert_intermediate_size = 0;
+                            }),
                             "moe_shared_expert_intermediate_size must be"));
   EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
                               moe(c);
@@ -226,14 +275,33 @@ TEST(TransformerConfigValidation, Moe) {
                               c.moe_shared_expert_overlap = true;
                             }),
                             "moe_shared_expert_overlap only works with alltoall token dispatcher"));
-  EXPECT_TRUE(rejected_with(message_for([&](auto& c) { moe(c); c.moe_router_group_topk = 1; }),
+  EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
+                              moe(c);
+                              c.moe_router_group_topk = 1;
+                            }),
                             "moe_router_num_groups must be specified"));
-  EXPECT_TRUE(rejected_with(message_for([&](auto& c) { moe(c); c.moe_router_group_topk = 1; c.moe_router_num_groups = 3; }),
+  EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
+                              moe(c);
+                              c.moe_router_group_topk = 1;
+                              c.moe_router_num_groups = 3;
+                            }),
                             "num_moe_experts (4) should be divisible by moe_router_num_groups (3)"));
-  EXPECT_TRUE(rejected_with(message_for([&](auto& c) { moe(c); c.moe_router_group_topk = 3; c.moe_router_num_groups = 2; }),
+  EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
+                              moe(c);
+                              c.moe_router_group_topk = 3;
+                              c.moe_router_num_groups = 2;
+                            }),
                             "moe_router_group_topk (3) should be smaller than moe_router_num_groups (2)"));
-  EXPECT_EQ(message_for([&](auto& c) { moe(c); c.moe_router_group_topk = 1; c.moe_router_num_groups = 2; }), "");
-  EXPECT_TRUE(rejected_with(message_for([&](auto& c) { moe(c); c.moe_router_padding_for_fp8 = true; }),
+  EXPECT_EQ(message_for([&](auto& c) {
+              moe(c);
+              c.moe_router_group_topk = 1;
+              c.moe_router_num_groups = 2;
+            }),
+            "");
+  EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
+                              moe(c);
+                              c.moe_router_padding_for_fp8 = true;
+                            }),
                             "fp8/fp4 must be specified"));
   EXPECT_TRUE(rejected_with(message_for([&](auto& c) {
                               moe(c);
@@ -244,12 +312,21 @@ TEST(TransformerConfigValidation, Moe) {
 }
 
 TEST(TransformerConfigValidation, BiasActivationFusion) {
-  EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.bias_activation_fusion = true; c.activation_func = "relu"; }),
+  EXPECT_TRUE(rejected_with(message_for([](auto& c) {
+                              c.bias_activation_fusion = true;
+                              c.activation_func = "relu";
+                            }),
                             "activation function should be either gelu, swiglu, or quick_geglu"));
-  EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.bias_activation_fusion = true; c.add_bias_linear = false; }),
+  EXPECT_TRUE(rejected_with(message_for([](auto& c) {
+                              c.bias_activation_fusion = true;
+                              c.add_bias_linear = false;
+                            }),
                             "add_bias_linear must also be True"));
   EXPECT_EQ(message_for([](auto& c) { c.bias_activation_fusion = true; }), "");
-  EXPECT_TRUE(rejected_with(message_for([](auto& c) { c.bias_activation_fusion = true; c.activation_func = "quick_gelu"; }),
+  EXPECT_TRUE(rejected_with(message_for([](auto& c) {
+                              c.bias_activation_fusion = true;
+                              c.activation_func = "quick_gelu";
+                            }),
                             "gated_linear_unit must be True"));
 }
 
@@ -299,13 +376,17 @@ TEST(RetroConfigValidation, Rejections) {
   EXPECT_EQ(retro_message([](auto&) {}), "");
   EXPECT_TRUE(rejected_with(retro_message([](auto& c) { c.retro_split_preprocessing.reset(); }),
                             "retro_split_preprocessing must be set"));
-  EXPECT_TRUE(rejected_with(retro_message([](auto& c) { c.retro_chunk_length.reset(); }), "retro_chunk_length must be set"));
-  EXPECT_TRUE(rejected_with(retro_message([](auto& c) { c.retro_chunk_length = 0; }), "retro_chunk_length must be >= 1"));
-  EXPECT_TRUE(rejected_with(retro_message([](auto& c) { c.retro_num_neighbors = 0; }), "retro_num_neighbors must be >= 1"));
+  EXPECT_TRUE(
+      rejected_with(retro_message([](auto& c) { c.retro_chunk_length.reset(); }), "retro_chunk_length must be set"));
+  EXPECT_TRUE(
+      rejected_with(retro_message([](auto& c) { c.retro_chunk_length = 0; }), "retro_chunk_length must be >= 1"));
+  EXPECT_TRUE(
+      rejected_with(retro_message([](auto& c) { c.retro_num_neighbors = 0; }), "retro_num_neighbors must be >= 1"));
   EXPECT_TRUE(rejected_with(retro_message([](auto& c) { c.retro_encoder_num_layers = 0; }),
                             "retro_encoder_num_layers must be >= 1"));
-  EXPECT_TRUE(rejected_with(retro_message([](auto& c) { c.retro_retrieved_length = 9; }),
-                            "retro_retrieved_length (9) must equal retro_num_retrieved_chunks * retro_chunk_length = 2 * 4 = 8"));
+  EXPECT_TRUE(rejected_with(
+      retro_message([](auto& c) { c.retro_retrieved_length = 9; }),
+      "retro_retrieved_length (9) must equal retro_num_retrieved_chunks * retro_chunk_length = 2 * 4 = 8"));
   EXPECT_TRUE(rejected_with(retro_message([](auto& c) { c.retro_encoder_hidden_dropout = 1.5; }),
                             "retro_encoder_hidden_dropout must be in [0, 1]"));
   // TransformerConfig checks come first.

@@ -88,7 +88,8 @@ TEST(TransformerLayer, LocalSpecOwnsMegatronsStateDictKeys) {
 
   auto extra = params;
   extra["mlp.router.weight"] = Tensor::zeros(DType::F32, {2, 16});
-  EXPECT_TRUE(throws_with<ShapeError>([&] { local_layer(c)->load_state_dict(extra); }, {"unexpected", "mlp.router.weight"}));
+  EXPECT_TRUE(
+      throws_with<ShapeError>([&] { local_layer(c)->load_state_dict(extra); }, {"unexpected", "mlp.router.weight"}));
   auto missing = params;
   missing.erase("self_attention.linear_proj.weight");
   EXPECT_TRUE(throws_with<ShapeError>([&] { local_layer(c)->load_state_dict(missing); },
@@ -104,13 +105,22 @@ TEST(TransformerLayer, HiddenStatesOfWrongRankOrSizeAreErrors) {
   std::mt19937_64 g(3);
   auto layer = local_layer(c);
   layer->load_state_dict(random_params(g, c));
-  EXPECT_TRUE(throws_with<ShapeError>([&] { layer->forward(random_tensor(g, {4, 16})); }, {"hidden_states", "[s, b, 16]", "[4, 16]"}));
-  EXPECT_TRUE(throws_with<ShapeError>([&] { layer->forward(random_tensor(g, {4, 2, 12})); }, {"hidden_states", "[s, b, 16]", "[4, 2, 12]"}));
+  EXPECT_TRUE(throws_with<ShapeError>(
+      [&] {
+        layer->forward(random_tensor(g, {4, 16}));
+      },
+      {"hidden_states", "[s, b, 16]", "[4, 16]"}));
+  EXPECT_TRUE(throws_with<ShapeError>(
+      [&] {
+        layer->forward(random_tensor(g, {4, 2, 12}));
+      },
+      {"hidden_states", "[s, b, 16]", "[4, 2, 12]"}));
   const Tensor x = random_tensor(g, {4, 2, 16});
   const Tensor mask = Tensor::from_vector<bool>({2, 1, 4, 3}, std::vector<bool>(24));
   LayerInputs in;
   in.attention_mask = &mask;
-  EXPECT_TRUE(throws_with<ShapeError>([&] { layer->forward(x, in); }, {"attention_mask", "[2, 1, 4, 4]", "[2, 1, 4, 3]"}));
+  EXPECT_TRUE(
+      throws_with<ShapeError>([&] { layer->forward(x, in); }, {"attention_mask", "[2, 1, 4, 4]", "[2, 1, 4, 3]"}));
 }
 
 // Acceptance: with a causal mask, changing tokens after t leaves the layer's outputs up to t
@@ -267,7 +277,8 @@ TEST(TransformerLayer, MlpCrossAttentionAndBdaSlotsArePluggable) {
 TEST(TransformerLayer, LocalSpecShape) {
   const ModuleSpec plain = get_gpt_layer_local_spec();
   EXPECT_TRUE(plain.submodules.input_layernorm && plain.submodules.self_attention && plain.submodules.self_attn_bda);
-  EXPECT_FALSE(plain.submodules.pre_cross_attn_layernorm || plain.submodules.cross_attention || plain.submodules.cross_attn_bda);
+  EXPECT_FALSE(plain.submodules.pre_cross_attn_layernorm || plain.submodules.cross_attention ||
+               plain.submodules.cross_attn_bda);
   EXPECT_TRUE(plain.submodules.pre_mlp_layernorm && plain.submodules.mlp && plain.submodules.mlp_bda);
   TransformerConfig c = small_config();
   auto built = plain.build(c, 1, exact());

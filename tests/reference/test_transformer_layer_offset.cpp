@@ -27,8 +27,6 @@ TransformerConfig pipeline_config(int num_layers, int pp, std::optional<int> vp 
   return c;
 }
 
-
-
 std::string python_error_of(const std::function<void()>& fn) {
   try {
     fn();
@@ -114,8 +112,7 @@ TEST(LayerOffset, RaisesWhereMegatronRaises) {
   EXPECT_EQ(get_transformer_layer_offset(c, 1, 0), 2);
   EXPECT_EQ(python_error_of([&] { get_transformer_layer_offset(c, 0, 1); }), "ZeroDivisionError");
   // Layers not divisible by stages (accepted by the config, refused when building).
-  EXPECT_EQ(python_error_of([] { get_num_layers_to_build(pipeline_config(5, 2), std::nullopt, 0); }),
-            "AssertionError");
+  EXPECT_EQ(python_error_of([] { get_num_layers_to_build(pipeline_config(5, 2), std::nullopt, 0); }), "AssertionError");
   // vp_stage given without a virtual pipeline: is_vp_first_stage's assert.
   TransformerConfig e = pipeline_config(7, 2);
   e.account_for_embedding_in_pipeline_split = true;
@@ -162,7 +159,8 @@ rc::Gen<Split> gen_split() {
     } else if (mode == 2) {
       c.account_for_embedding_in_pipeline_split = *rc::gen::arbitrary<bool>();
       c.account_for_loss_in_pipeline_split = !c.account_for_embedding_in_pipeline_split || *rc::gen::arbitrary<bool>();
-      c.num_layers -= (c.account_for_embedding_in_pipeline_split ? 1 : 0) + (c.account_for_loss_in_pipeline_split ? 1 : 0);
+      c.num_layers -=
+          (c.account_for_embedding_in_pipeline_split ? 1 : 0) + (c.account_for_loss_in_pipeline_split ? 1 : 0);
       if (c.num_layers < 1) c.num_layers += pp * vp;  // one more layer in every chunk
     }
     s.config = c;
@@ -180,9 +178,9 @@ RC_GTEST_PROP(LayerOffset, StagesTileTheLayersInOrder, ()) {
   validate_transformer_config(c);  // a valid split is accepted
   const bool interleaved = c.virtual_pipeline_model_parallel_size.has_value();
   RC_TAG(interleaved ? "interleaved" : "contiguous",
-         c.num_layers_in_first_pipeline_stage || c.num_layers_in_last_pipeline_stage ? "uneven"
+         c.num_layers_in_first_pipeline_stage || c.num_layers_in_last_pipeline_stage         ? "uneven"
          : c.account_for_embedding_in_pipeline_split || c.account_for_loss_in_pipeline_split ? "embedding/loss"
-                                                                                               : "even");
+                                                                                             : "even");
   std::int64_t next = 0;
   for (int vp = 0; vp < s.vp_stages; ++vp)
     for (int pp = 0; pp < c.pipeline_model_parallel_size; ++pp) {

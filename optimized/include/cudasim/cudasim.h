@@ -82,8 +82,7 @@ enum class WarpOp : int { Shfl, ShflUp, ShflDown, ShflXor, Ballot, Any, All, Syn
 int syncthreads(const char* file, int line, int pred = 0);
 // One warp operation of the calling lane; returns the result bits (shuffles: the source lane's
 // value; ballot: the mask; any/all: 0/1).
-std::uint64_t warp_op(WarpOp op, const char* file, int line, unsigned mask, std::uint64_t value,
-                      int arg, int width);
+std::uint64_t warp_op(WarpOp op, const char* file, int line, unsigned mask, std::uint64_t value, int arg, int width);
 unsigned activemask();
 
 template <class T>
@@ -128,21 +127,25 @@ struct KernelCall {
 using cuda_compat::kernel_name_from_args;  // cuda_compat.h, shared with the nvcc build
 
 template <class... P, class... A>
-void launch_kernel_at(const char* args, const char* file, int line, void (*kernel)(P...), dim3 grid,
-                      dim3 block, std::size_t smem, cudaStream_t stream, A&&... a) {
+void launch_kernel_at(const char* args, const char* file, int line, void (*kernel)(P...), dim3 grid, dim3 block,
+                      std::size_t smem, cudaStream_t stream, A&&... a) {
   static_assert(sizeof...(P) == sizeof...(A), "launch_kernel: argument count differs from the kernel's");
   using Call = detail::KernelCall<P...>;
   auto ctx = std::make_shared<Call>(Call{kernel, std::tuple<std::decay_t<P>...>(std::forward<A>(a)...)});
-  detail::launch(stream, detail::LaunchSpec{args, file, line, grid, block, smem}, &Call::run,
-                 std::move(ctx));
+  detail::launch(stream, detail::LaunchSpec{args, file, line, grid, block, smem}, &Call::run, std::move(ctx));
 }
 
 inline void syncthreads(const char* file, int line) { detail::syncthreads(file, line); }
-inline int syncthreads_count(const char* file, int line, int pred) { return detail::syncthreads(file, line, pred != 0); }
-inline int syncthreads_and(const char* file, int line, int pred) {
-  return detail::syncthreads(file, line, pred != 0) == static_cast<int>(detail::tl_block_dim.x * detail::tl_block_dim.y * detail::tl_block_dim.z);
+inline int syncthreads_count(const char* file, int line, int pred) {
+  return detail::syncthreads(file, line, pred != 0);
 }
-inline int syncthreads_or(const char* file, int line, int pred) { return detail::syncthreads(file, line, pred != 0) != 0; }
+inline int syncthreads_and(const char* file, int line, int pred) {
+  return detail::syncthreads(file, line, pred != 0) ==
+         static_cast<int>(detail::tl_block_dim.x * detail::tl_block_dim.y * detail::tl_block_dim.z);
+}
+inline int syncthreads_or(const char* file, int line, int pred) {
+  return detail::syncthreads(file, line, pred != 0) != 0;
+}
 
 template <class T>
 T shfl_sync(const char* f, int l, unsigned mask, T v, int src_lane, int width = 32) {
@@ -150,15 +153,18 @@ T shfl_sync(const char* f, int l, unsigned mask, T v, int src_lane, int width = 
 }
 template <class T>
 T shfl_up_sync(const char* f, int l, unsigned mask, T v, unsigned delta, int width = 32) {
-  return detail::from_bits<T>(detail::warp_op(detail::WarpOp::ShflUp, f, l, mask, detail::to_bits(v), static_cast<int>(delta), width));
+  return detail::from_bits<T>(
+      detail::warp_op(detail::WarpOp::ShflUp, f, l, mask, detail::to_bits(v), static_cast<int>(delta), width));
 }
 template <class T>
 T shfl_down_sync(const char* f, int l, unsigned mask, T v, unsigned delta, int width = 32) {
-  return detail::from_bits<T>(detail::warp_op(detail::WarpOp::ShflDown, f, l, mask, detail::to_bits(v), static_cast<int>(delta), width));
+  return detail::from_bits<T>(
+      detail::warp_op(detail::WarpOp::ShflDown, f, l, mask, detail::to_bits(v), static_cast<int>(delta), width));
 }
 template <class T>
 T shfl_xor_sync(const char* f, int l, unsigned mask, T v, int lane_mask, int width = 32) {
-  return detail::from_bits<T>(detail::warp_op(detail::WarpOp::ShflXor, f, l, mask, detail::to_bits(v), lane_mask, width));
+  return detail::from_bits<T>(
+      detail::warp_op(detail::WarpOp::ShflXor, f, l, mask, detail::to_bits(v), lane_mask, width));
 }
 inline unsigned ballot_sync(const char* f, int l, unsigned mask, int pred) {
   return static_cast<unsigned>(detail::warp_op(detail::WarpOp::Ballot, f, l, mask, pred != 0, 0, 32));
@@ -190,7 +196,8 @@ struct SyncWarpAt {
 #define __syncthreads_count(pred) ::cudasim::syncthreads_count(__FILE__, __LINE__, (pred))
 #define __syncthreads_and(pred) ::cudasim::syncthreads_and(__FILE__, __LINE__, (pred))
 #define __syncthreads_or(pred) ::cudasim::syncthreads_or(__FILE__, __LINE__, (pred))
-#define __syncwarp ::cudasim::SyncWarpAt{__FILE__, __LINE__}
+#define __syncwarp \
+  ::cudasim::SyncWarpAt { __FILE__, __LINE__ }
 #define __shfl_sync(...) ::cudasim::shfl_sync(__FILE__, __LINE__, __VA_ARGS__)
 #define __shfl_up_sync(...) ::cudasim::shfl_up_sync(__FILE__, __LINE__, __VA_ARGS__)
 #define __shfl_down_sync(...) ::cudasim::shfl_down_sync(__FILE__, __LINE__, __VA_ARGS__)
@@ -200,8 +207,7 @@ struct SyncWarpAt {
 #define __all_sync(...) ::cudasim::all_sync(__FILE__, __LINE__, __VA_ARGS__)
 #define __activemask() ::cudasim::detail::activemask()
 
-#define launch_kernel(...) \
-  ::cudasim::launch_kernel_at(#__VA_ARGS__, __FILE__, __LINE__, __VA_ARGS__)
+#define launch_kernel(...) ::cudasim::launch_kernel_at(#__VA_ARGS__, __FILE__, __LINE__, __VA_ARGS__)
 #define DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(::cudasim::detail::tl_dyn_smem)
 
 #include "cudasim/device_functions.h"

@@ -28,28 +28,27 @@ inline T atomic_update(T* addr, F f) {  // CAS loop: *addr = f(*addr); returns t
     T new_v = f(old_v);
     Bits new_bits;
     std::memcpy(&new_bits, static_cast<const void*>(&new_v), sizeof(T));
-    if (__atomic_compare_exchange_n(a, &old_bits, new_bits, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED))
-      return old_v;
+    if (__atomic_compare_exchange_n(a, &old_bits, new_bits, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) return old_v;
   }
 }
 }  // namespace cudasim::detail
 
-#define CUDASIM_INT_ATOMICS(T)                                                                   \
-  inline T atomicAdd(T* a, T v) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); }          \
-  inline T atomicSub(T* a, T v) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); }          \
-  inline T atomicExch(T* a, T v) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); }        \
-  inline T atomicAnd(T* a, T v) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); }          \
-  inline T atomicOr(T* a, T v) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }            \
-  inline T atomicXor(T* a, T v) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); }          \
-  inline T atomicMax(T* a, T v) {                                                                \
-    return ::cudasim::detail::atomic_update<T, T>(a, [v](T o) { return o < v ? v : o; });        \
-  }                                                                                              \
-  inline T atomicMin(T* a, T v) {                                                                \
-    return ::cudasim::detail::atomic_update<T, T>(a, [v](T o) { return v < o ? v : o; });        \
-  }                                                                                              \
-  inline T atomicCAS(T* a, T compare, T v) {                                                     \
-    __atomic_compare_exchange_n(a, &compare, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);      \
-    return compare; /* the old value either way */                                              \
+#define CUDASIM_INT_ATOMICS(T)                                                              \
+  inline T atomicAdd(T* a, T v) { return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST); }      \
+  inline T atomicSub(T* a, T v) { return __atomic_fetch_sub(a, v, __ATOMIC_SEQ_CST); }      \
+  inline T atomicExch(T* a, T v) { return __atomic_exchange_n(a, v, __ATOMIC_SEQ_CST); }    \
+  inline T atomicAnd(T* a, T v) { return __atomic_fetch_and(a, v, __ATOMIC_SEQ_CST); }      \
+  inline T atomicOr(T* a, T v) { return __atomic_fetch_or(a, v, __ATOMIC_SEQ_CST); }        \
+  inline T atomicXor(T* a, T v) { return __atomic_fetch_xor(a, v, __ATOMIC_SEQ_CST); }      \
+  inline T atomicMax(T* a, T v) {                                                           \
+    return ::cudasim::detail::atomic_update<T, T>(a, [v](T o) { return o < v ? v : o; });   \
+  }                                                                                         \
+  inline T atomicMin(T* a, T v) {                                                           \
+    return ::cudasim::detail::atomic_update<T, T>(a, [v](T o) { return v < o ? v : o; });   \
+  }                                                                                         \
+  inline T atomicCAS(T* a, T compare, T v) {                                                \
+    __atomic_compare_exchange_n(a, &compare, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST); \
+    return compare; /* the old value either way */                                          \
   }
 CUDASIM_INT_ATOMICS(int)
 CUDASIM_INT_ATOMICS(unsigned int)
@@ -66,24 +65,37 @@ inline unsigned int atomicInc(unsigned int* a, unsigned int v) {
   return cudasim::detail::atomic_update<unsigned, unsigned>(a, [v](unsigned o) { return o >= v ? 0u : o + 1; });
 }
 inline unsigned int atomicDec(unsigned int* a, unsigned int v) {
-  return cudasim::detail::atomic_update<unsigned, unsigned>(a, [v](unsigned o) { return (o == 0 || o > v) ? v : o - 1; });
+  return cudasim::detail::atomic_update<unsigned, unsigned>(a,
+                                                            [v](unsigned o) { return (o == 0 || o > v) ? v : o - 1; });
 }
 
-#define CUDASIM_FLOAT_ATOMICS(T, Bits)                                                                    \
-  inline T atomicAdd(T* a, T v) { return cudasim::detail::atomic_update<T, Bits>(a, [v](T o) { return o + v; }); } \
-  inline T atomicSub(T* a, T v) { return cudasim::detail::atomic_update<T, Bits>(a, [v](T o) { return o - v; }); } \
-  inline T atomicExch(T* a, T v) { return cudasim::detail::atomic_update<T, Bits>(a, [v](T) { return v; }); }      \
-  inline T atomicMax(T* a, T v) { return cudasim::detail::atomic_update<T, Bits>(a, [v](T o) { return o < v ? v : o; }); } \
-  inline T atomicMin(T* a, T v) { return cudasim::detail::atomic_update<T, Bits>(a, [v](T o) { return v < o ? v : o; }); }
+#define CUDASIM_FLOAT_ATOMICS(T, Bits)                                                     \
+  inline T atomicAdd(T* a, T v) {                                                          \
+    return cudasim::detail::atomic_update<T, Bits>(a, [v](T o) { return o + v; });         \
+  }                                                                                        \
+  inline T atomicSub(T* a, T v) {                                                          \
+    return cudasim::detail::atomic_update<T, Bits>(a, [v](T o) { return o - v; });         \
+  }                                                                                        \
+  inline T atomicExch(T* a, T v) {                                                         \
+    return cudasim::detail::atomic_update<T, Bits>(a, [v](T) { return v; });               \
+  }                                                                                        \
+  inline T atomicMax(T* a, T v) {                                                          \
+    return cudasim::detail::atomic_update<T, Bits>(a, [v](T o) { return o < v ? v : o; }); \
+  }                                                                                        \
+  inline T atomicMin(T* a, T v) {                                                          \
+    return cudasim::detail::atomic_update<T, Bits>(a, [v](T o) { return v < o ? v : o; }); \
+  }
 CUDASIM_FLOAT_ATOMICS(float, std::uint32_t)
 CUDASIM_FLOAT_ATOMICS(double, std::uint64_t)
 #undef CUDASIM_FLOAT_ATOMICS
 
 inline __nv_bfloat16 atomicAdd(__nv_bfloat16* a, __nv_bfloat16 v) {
-  return cudasim::detail::atomic_update<__nv_bfloat16, std::uint16_t>(a, [v](__nv_bfloat16 o) { return __float2bfloat16(__bfloat162float(o) + __bfloat162float(v)); });
+  return cudasim::detail::atomic_update<__nv_bfloat16, std::uint16_t>(
+      a, [v](__nv_bfloat16 o) { return __float2bfloat16(__bfloat162float(o) + __bfloat162float(v)); });
 }
 inline __half atomicAdd(__half* a, __half v) {
-  return cudasim::detail::atomic_update<__half, std::uint16_t>(a, [v](__half o) { return __float2half(__half2float(o) + __half2float(v)); });
+  return cudasim::detail::atomic_update<__half, std::uint16_t>(
+      a, [v](__half o) { return __float2half(__half2float(o) + __half2float(v)); });
 }
 
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
@@ -92,18 +104,48 @@ inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_
 
 // ---- loads, bit casts, integer intrinsics ------------------------------------------------------
 template <class T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+  return *p;
+}
 template <class T>
-inline T __ldcs(const T* p) { return *p; }
+inline T __ldcs(const T* p) {
+  return *p;
+}
 template <class T>
-inline void __stcs(T* p, T v) { *p = v; }
+inline void __stcs(T* p, T v) {
+  *p = v;
+}
 
-inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
-inline unsigned int __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline long long __double_as_longlong(double d) { long long i; std::memcpy(&i, &d, 8); return i; }
-inline double __longlong_as_double(long long i) { double d; std::memcpy(&d, &i, 8); return d; }
+inline int __float_as_int(float f) {
+  int i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
+inline unsigned int __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline long long __double_as_longlong(double d) {
+  long long i;
+  std::memcpy(&i, &d, 8);
+  return i;
+}
+inline double __longlong_as_double(long long i) {
+  double d;
+  std::memcpy(&d, &i, 8);
+  return d;
+}
 
 inline int __popc(unsigned int x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
@@ -168,23 +210,23 @@ inline float normcdff(float x) { return 0.5f * std::erfc(-x * 0.7071067811865475
 inline double normcdf(double x) { return 0.5 * std::erfc(-x * 0.70710678118654752); }
 
 // ---- bf16 / fp16 math missing from the toolkit's host headers ----------------------------------
-#define CUDASIM_HALF_MATH(H, TOF, FROMF)                                          \
-  inline H hexp(H a) { return FROMF(std::exp(TOF(a))); }                         \
-  inline H hexp2(H a) { return FROMF(std::exp2(TOF(a))); }                       \
-  inline H hexp10(H a) { return FROMF(std::pow(10.0f, TOF(a))); }                \
-  inline H hlog(H a) { return FROMF(std::log(TOF(a))); }                         \
-  inline H hlog2(H a) { return FROMF(std::log2(TOF(a))); }                       \
-  inline H hlog10(H a) { return FROMF(std::log10(TOF(a))); }                     \
-  inline H hsqrt(H a) { return FROMF(std::sqrt(TOF(a))); }                       \
-  inline H hrsqrt(H a) { return FROMF(1.0f / std::sqrt(TOF(a))); }               \
-  inline H hrcp(H a) { return FROMF(1.0f / TOF(a)); }                            \
-  inline H hsin(H a) { return FROMF(std::sin(TOF(a))); }                         \
-  inline H hcos(H a) { return FROMF(std::cos(TOF(a))); }                         \
-  inline H htanh(H a) { return FROMF(std::tanh(TOF(a))); }                       \
-  inline H hfloor(H a) { return FROMF(std::floor(TOF(a))); }                     \
-  inline H hceil(H a) { return FROMF(std::ceil(TOF(a))); }                       \
-  inline H htrunc(H a) { return FROMF(std::trunc(TOF(a))); }                     \
-  inline H hrint(H a) { return FROMF(std::nearbyint(TOF(a))); }                  \
+#define CUDASIM_HALF_MATH(H, TOF, FROMF)                           \
+  inline H hexp(H a) { return FROMF(std::exp(TOF(a))); }           \
+  inline H hexp2(H a) { return FROMF(std::exp2(TOF(a))); }         \
+  inline H hexp10(H a) { return FROMF(std::pow(10.0f, TOF(a))); }  \
+  inline H hlog(H a) { return FROMF(std::log(TOF(a))); }           \
+  inline H hlog2(H a) { return FROMF(std::log2(TOF(a))); }         \
+  inline H hlog10(H a) { return FROMF(std::log10(TOF(a))); }       \
+  inline H hsqrt(H a) { return FROMF(std::sqrt(TOF(a))); }         \
+  inline H hrsqrt(H a) { return FROMF(1.0f / std::sqrt(TOF(a))); } \
+  inline H hrcp(H a) { return FROMF(1.0f / TOF(a)); }              \
+  inline H hsin(H a) { return FROMF(std::sin(TOF(a))); }           \
+  inline H hcos(H a) { return FROMF(std::cos(TOF(a))); }           \
+  inline H htanh(H a) { return FROMF(std::tanh(TOF(a))); }         \
+  inline H hfloor(H a) { return FROMF(std::floor(TOF(a))); }       \
+  inline H hceil(H a) { return FROMF(std::ceil(TOF(a))); }         \
+  inline H htrunc(H a) { return FROMF(std::trunc(TOF(a))); }       \
+  inline H hrint(H a) { return FROMF(std::nearbyint(TOF(a))); }    \
   inline H __hfma(H a, H b, H c) { return FROMF(std::fma(TOF(a), TOF(b), TOF(c))); }
 CUDASIM_HALF_MATH(__nv_bfloat16, __bfloat162float, __float2bfloat16)
 CUDASIM_HALF_MATH(__half, __half2float, __float2half)

@@ -32,17 +32,31 @@ struct Buf {
     std::uint16_t h;
     float f;
     switch (dt) {
-      case DType::F32: std::memcpy(&f, &bytes[i * 4], 4); return f;
-      case DType::BF16: std::memcpy(&h, &bytes[i * 2], 2); return twin::bf16_bits_to_float(h);
-      default: std::memcpy(&h, &bytes[i * 2], 2); return twin::fp16_bits_to_float(h);
+      case DType::F32:
+        std::memcpy(&f, &bytes[i * 4], 4);
+        return f;
+      case DType::BF16:
+        std::memcpy(&h, &bytes[i * 2], 2);
+        return twin::bf16_bits_to_float(h);
+      default:
+        std::memcpy(&h, &bytes[i * 2], 2);
+        return twin::fp16_bits_to_float(h);
     }
   }
   void set(std::size_t i, float v) {
     std::uint16_t h;
     switch (dt) {
-      case DType::F32: std::memcpy(&bytes[i * 4], &v, 4); break;
-      case DType::BF16: h = twin::float_to_bf16_bits(v); std::memcpy(&bytes[i * 2], &h, 2); break;
-      default: h = twin::float_to_fp16_bits(v); std::memcpy(&bytes[i * 2], &h, 2); break;
+      case DType::F32:
+        std::memcpy(&bytes[i * 4], &v, 4);
+        break;
+      case DType::BF16:
+        h = twin::float_to_bf16_bits(v);
+        std::memcpy(&bytes[i * 2], &h, 2);
+        break;
+      default:
+        h = twin::float_to_fp16_bits(v);
+        std::memcpy(&bytes[i * 2], &h, 2);
+        break;
     }
   }
   void fill_random(std::mt19937& rng, float lo, float hi) {
@@ -54,10 +68,13 @@ struct Buf {
 inline double activation(Epilogue e, double x) {
   switch (e) {
     case Epilogue::Relu:
-    case Epilogue::ReluBias: return x > 0 ? x : 0;
+    case Epilogue::ReluBias:
+      return x > 0 ? x : 0;
     case Epilogue::Gelu:
-    case Epilogue::GeluBias: return 0.5 * x * (1 + std::tanh(0.7978845608028654 /* sqrt(2 / pi) */ * (x + 0.044715 * x * x * x)));
-    default: return x;
+    case Epilogue::GeluBias:
+      return 0.5 * x * (1 + std::tanh(0.7978845608028654 /* sqrt(2 / pi) */ * (x + 0.044715 * x * x * x)));
+    default:
+      return x;
   }
 }
 inline bool has_bias(Epilogue e) { return e == Epilogue::Bias || e == Epilogue::ReluBias || e == Epilogue::GeluBias; }
@@ -65,8 +82,8 @@ inline bool has_bias(Epilogue e) { return e == Epilogue::Bias || e == Epilogue::
 // Checks D (after the GEMM) against the double-precision reference computed from A, B, C (C as
 // it was before the GEMM: c_before), and that D's padding and batch gaps still hold `sentinel`.
 // Returns "" or the first difference.
-inline std::string check_gemm(const GemmArgs& g, const Buf& a, const Buf& b, const Buf* c_before, const Buf* bias, const Buf& d,
-                float sentinel, const std::string& what) {
+inline std::string check_gemm(const GemmArgs& g, const Buf& a, const Buf& b, const Buf* c_before, const Buf* bias,
+                              const Buf& d, float sentinel, const std::string& what) {
   std::vector<bool> covered(d.size(), false);
   for (std::int64_t bt = 0; bt < g.batch; ++bt) {
     Eigen::MatrixXd A(g.m, g.k), B(g.k, g.n);  // op(A) [m, k], op(B) [k, n]
@@ -76,8 +93,8 @@ inline std::string check_gemm(const GemmArgs& g, const Buf& a, const Buf& b, con
     for (std::int64_t p = 0; p < g.k; ++p)
       for (std::int64_t j = 0; j < g.n; ++j)
         B(p, j) = b.get(bt * g.stride_b + (g.transb == Op::N ? p + j * g.ldb : j + p * g.ldb));
-    Eigen::MatrixXd prod = A * B;                            // [m, n]
-    Eigen::MatrixXd mag = A.cwiseAbs() * B.cwiseAbs();       // [m, n] sum of |a||b|
+    Eigen::MatrixXd prod = A * B;                       // [m, n]
+    Eigen::MatrixXd mag = A.cwiseAbs() * B.cwiseAbs();  // [m, n] sum of |a||b|
     for (std::int64_t j = 0; j < g.n; ++j)
       for (std::int64_t i = 0; i < g.m; ++i) {
         double cv = g.beta != 0 ? c_before->get(bt * g.stride_c + i + j * g.ldc) : 0.0;

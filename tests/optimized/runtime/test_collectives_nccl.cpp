@@ -21,7 +21,8 @@ TEST_F(GpuTest, NcclCollectivesOverAllVisibleGpus) {
     twin::rt::Device& d = twin::rt::device(twin::rt::Backend::Cuda);
     twin::rt::Stream s(d);
     std::vector<float> x(count);
-    for (std::size_t i = 0; i < count; ++i) x[i] = static_cast<float>(r * 1000 + static_cast<int>(i % 17));  // integers: exact sums
+    for (std::size_t i = 0; i < count; ++i)
+      x[i] = static_cast<float>(r * 1000 + static_cast<int>(i % 17));  // integers: exact sums
     twin::rt::DeviceBuffer dx(d, count * 4), dy(d, count * 4), dg(d, count * 4 * ngpu);
     dx.upload(x.data(), count * 4, s.handle());
     comms[r]->all_reduce(dx.get(), dy.get(), count, twin::DType::F32, s.handle());
@@ -51,7 +52,8 @@ TEST_F(GpuTest, NcclCollectivesOverAllVisibleGpus) {
       float sum = 0;
       for (int q = 0; q < ngpu; ++q) sum += static_cast<float>(q * 1000 + static_cast<int>(i % 17));
       ASSERT_EQ(ar[r][i], sum) << "rank " << r << " element " << i;
-      for (int q = 0; q < ngpu; ++q) ASSERT_EQ(ag[r][q * count + i], static_cast<float>(q * 1000 + static_cast<int>(i % 17)));
+      for (int q = 0; q < ngpu; ++q)
+        ASSERT_EQ(ag[r][q * count + i], static_cast<float>(q * 1000 + static_cast<int>(i % 17)));
     }
     std::size_t k = 0;
     for (int q = 0; q < ngpu; ++q)

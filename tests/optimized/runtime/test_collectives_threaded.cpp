@@ -47,12 +47,14 @@ void collectives_match_direct_computation(int n) {
   // all_to_all: counts[p][q] elements from rank p to rank q; zeros are frequent on purpose.
   std::vector<std::vector<std::size_t>> a2a(n, std::vector<std::size_t>(n));
   for (auto& row : a2a)
-    for (auto& c : row) c = *rc::gen::weightedOneOf<std::size_t>({{2, rc::gen::just<std::size_t>(0)}, {3, rc::gen::inRange<std::size_t>(1, 7)}});
+    for (auto& c : row)
+      c = *rc::gen::weightedOneOf<std::size_t>(
+          {{2, rc::gen::just<std::size_t>(0)}, {3, rc::gen::inRange<std::size_t>(1, 7)}});
   std::mt19937 rng(*rc::gen::arbitrary<std::uint32_t>());
 
-  std::vector<std::vector<float>> f(n);                  // per rank [count]
-  std::vector<std::vector<std::uint16_t>> h(n), hs(n);   // per rank [count] and [n * count]
-  std::vector<std::vector<std::int32_t>> a2a_send(n);    // per rank, parts in destination order
+  std::vector<std::vector<float>> f(n);                 // per rank [count]
+  std::vector<std::vector<std::uint16_t>> h(n), hs(n);  // per rank [count] and [n * count]
+  std::vector<std::vector<std::int32_t>> a2a_send(n);   // per rank, parts in destination order
   for (int r = 0; r < n; ++r) {
     f[r] = random_floats(rng, count);
     h[r] = random_bf16(rng, count);
@@ -122,7 +124,8 @@ void collectives_match_direct_computation(int n) {
 
 TEST(ThreadedCollectives, MatchDirectComputationFor1To4Ranks) {
   for (int n = 1; n <= 4; ++n)
-    EXPECT_TRUE(rc::check(std::to_string(n) + " ranks", [n] { collectives_match_direct_computation(n); })) << n << " ranks";
+    EXPECT_TRUE(rc::check(std::to_string(n) + " ranks", [n] { collectives_match_direct_computation(n); }))
+        << n << " ranks";
 }
 
 TEST(ThreadedCollectives, RanksCallingDifferentCollectivesAllFail) {
@@ -131,8 +134,10 @@ TEST(ThreadedCollectives, RanksCallingDifferentCollectivesAllFail) {
   std::vector<std::string> errors(2);
   twin::rt::run_ranks(2, [&](int r) {
     try {
-      if (r == 0) comms[r]->all_reduce(x.data(), y.data(), 4, DType::F32, nullptr);
-      else comms[r]->all_gather(x.data(), y.data(), 4, DType::F32, nullptr);
+      if (r == 0)
+        comms[r]->all_reduce(x.data(), y.data(), 4, DType::F32, nullptr);
+      else
+        comms[r]->all_gather(x.data(), y.data(), 4, DType::F32, nullptr);
     } catch (const twin::rt::CollectiveError& e) {
       errors[r] = e.what();
     }

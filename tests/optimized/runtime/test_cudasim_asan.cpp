@@ -14,7 +14,8 @@ namespace {
   std::ifstream f(file);
   std::string line;
   for (int n = 1; std::getline(f, line); ++n)
-    if (line.size() >= marker.size() + 4 && line.compare(line.size() - marker.size() - 4, std::string::npos, "// @" + marker) == 0)
+    if (line.size() >= marker.size() + 4 &&
+        line.compare(line.size() - marker.size() - 4, std::string::npos, "// @" + marker) == 0)
       return n;
   return -1;
 }

@@ -16,7 +16,8 @@ std::string marked(const std::string& marker) {
   if (!f) throw std::runtime_error(std::string("cannot open ") + negative::source_file());
   std::string line;
   for (int n = 1; std::getline(f, line); ++n)
-    if (line.size() >= marker.size() + 4 && line.compare(line.size() - marker.size() - 4, std::string::npos, "// @" + marker) == 0)
+    if (line.size() >= marker.size() + 4 &&
+        line.compare(line.size() - marker.size() - 4, std::string::npos, "// @" + marker) == 0)
       return "negative_kernels.cuh:" + std::to_string(n);
   throw std::runtime_error("marker @" + marker + " not found");
 }
@@ -34,13 +35,15 @@ std::string launch_error(F launch) {
   return "";
 }
 
-#define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "missing '" << (part) << "' in: " << (msg)
+#define EXPECT_HAS(msg, part) \
+  EXPECT_NE((msg).find(part), std::string::npos) << "missing '" << (part) << "' in: " << (msg)
 
 }  // namespace
 
 TEST_F(SimTest, ThreadReturningBeforeABarrierIsReported) {
   twin::rt::DeviceBuffer out(dev(), 64 * 4);
-  std::string m = launch_error([&] { launch_kernel(negative::early_return_forward_kernel, 2, 64, 0, nullptr, out.as<float>()); });
+  std::string m =
+      launch_error([&] { launch_kernel(negative::early_return_forward_kernel, 2, 64, 0, nullptr, out.as<float>()); });
   EXPECT_HAS(m, "negative::early_return_forward_kernel");
   EXPECT_HAS(m, marked("early_return"));
   EXPECT_HAS(m, "thread (5,0,0)");
@@ -49,7 +52,8 @@ TEST_F(SimTest, ThreadReturningBeforeABarrierIsReported) {
 
 TEST_F(SimTest, ThreadsAtDifferentBarriersAreReported) {
   twin::rt::DeviceBuffer out(dev(), 64 * 4);
-  std::string m = launch_error([&] { launch_kernel(negative::split_barrier_forward_kernel, 1, 64, 0, nullptr, out.as<float>()); });
+  std::string m =
+      launch_error([&] { launch_kernel(negative::split_barrier_forward_kernel, 1, 64, 0, nullptr, out.as<float>()); });
   EXPECT_HAS(m, "negative::split_barrier_forward_kernel");
   EXPECT_HAS(m, "different __syncthreads()");
   EXPECT_HAS(m, marked("split_a"));
@@ -58,7 +62,8 @@ TEST_F(SimTest, ThreadsAtDifferentBarriersAreReported) {
 
 TEST_F(SimTest, ShuffleWaitingForALaneThatNeverArrivesIsReported) {
   twin::rt::DeviceBuffer out(dev(), 64 * 4);
-  std::string m = launch_error([&] { launch_kernel(negative::shuffle_missing_lane_forward_kernel, 1, 64, 0, nullptr, out.as<int>()); });
+  std::string m = launch_error(
+      [&] { launch_kernel(negative::shuffle_missing_lane_forward_kernel, 1, 64, 0, nullptr, out.as<int>()); });
   EXPECT_HAS(m, "negative::shuffle_missing_lane_forward_kernel");
   EXPECT_HAS(m, "__shfl_xor_sync at");
   EXPECT_HAS(m, marked("missing_lane"));
@@ -68,7 +73,8 @@ TEST_F(SimTest, ShuffleWaitingForALaneThatNeverArrivesIsReported) {
 
 TEST_F(SimTest, ShuffleReadingALaneThatDoesNotExistIsReported) {
   twin::rt::DeviceBuffer out(dev(), 16 * 4);
-  std::string m = launch_error([&] { launch_kernel(negative::partial_warp_shuffle_forward_kernel, 1, 16, 0, nullptr, out.as<int>()); });
+  std::string m = launch_error(
+      [&] { launch_kernel(negative::partial_warp_shuffle_forward_kernel, 1, 16, 0, nullptr, out.as<int>()); });
   EXPECT_HAS(m, "negative::partial_warp_shuffle_forward_kernel");
   EXPECT_HAS(m, marked("partial_warp"));
   EXPECT_HAS(m, "reads lane 16, which does not exist");
@@ -76,7 +82,8 @@ TEST_F(SimTest, ShuffleReadingALaneThatDoesNotExistIsReported) {
 
 TEST_F(SimTest, MaskNamingLanesThatDoNotExistIsReported) {
   twin::rt::DeviceBuffer out(dev(), 16 * 4);
-  std::string m = launch_error([&] { launch_kernel(negative::partial_warp_full_mask_forward_kernel, 1, 16, 0, nullptr, out.as<int>()); });
+  std::string m = launch_error(
+      [&] { launch_kernel(negative::partial_warp_full_mask_forward_kernel, 1, 16, 0, nullptr, out.as<int>()); });
   EXPECT_HAS(m, "negative::partial_warp_full_mask_forward_kernel");
   EXPECT_HAS(m, marked("full_mask"));
   EXPECT_HAS(m, "names lanes that do not exist");
@@ -84,7 +91,8 @@ TEST_F(SimTest, MaskNamingLanesThatDoNotExistIsReported) {
 
 TEST_F(SimTest, CallingLaneMissingFromItsMaskIsReported) {
   twin::rt::DeviceBuffer out(dev(), 32 * 4);
-  std::string m = launch_error([&] { launch_kernel(negative::caller_not_in_mask_forward_kernel, 1, 32, 0, nullptr, out.as<int>()); });
+  std::string m = launch_error(
+      [&] { launch_kernel(negative::caller_not_in_mask_forward_kernel, 1, 32, 0, nullptr, out.as<int>()); });
   EXPECT_HAS(m, "negative::caller_not_in_mask_forward_kernel");
   EXPECT_HAS(m, marked("not_in_mask"));
   EXPECT_HAS(m, "is not in its mask 0x1");
@@ -92,7 +100,8 @@ TEST_F(SimTest, CallingLaneMissingFromItsMaskIsReported) {
 
 TEST_F(SimTest, ExceptionInKernelNamesKernelBlockAndThread) {
   twin::rt::DeviceBuffer out(dev(), 64 * 4);
-  std::string m = launch_error([&] { launch_kernel(negative::throwing_forward_kernel, 4, 16, 0, nullptr, out.as<int>()); });
+  std::string m =
+      launch_error([&] { launch_kernel(negative::throwing_forward_kernel, 4, 16, 0, nullptr, out.as<int>()); });
   EXPECT_HAS(m, "negative::throwing_forward_kernel");
   EXPECT_HAS(m, "block (1,0,0) thread (3,0,0)");
   EXPECT_HAS(m, "bad value");
@@ -105,7 +114,8 @@ TEST_F(SimTest, MissingBarrierGivesAWrongResultInSomeOrder) {
   twin::rt::DeviceBuffer din(dev(), n * 4), dout(dev(), n * 4);
   din.upload(in.data(), n * 4);
   auto run = [&](bool sync) {
-    launch_kernel(negative::neighbour_forward_kernel, 1, n, n * sizeof(float), nullptr, din.as<const float>(), dout.as<float>(), sync);
+    launch_kernel(negative::neighbour_forward_kernel, 1, n, n * sizeof(float), nullptr, din.as<const float>(),
+                  dout.as<float>(), sync);
     std::vector<float> out(n);
     dout.download(out.data(), n * 4);
     for (int t = 0; t < n; ++t)
@@ -124,11 +134,13 @@ TEST_F(SimTest, MissingBarrierGivesAWrongResultInSomeOrder) {
 TEST_F(SimTest, SimulatorRecoversAfterAFailedLaunch) {
   twin::rt::DeviceBuffer out(dev(), 64 * 4);
   for (int i = 0; i < 3; ++i)
-    EXPECT_THROW(launch_kernel(negative::early_return_forward_kernel, 8, 64, 0, nullptr, out.as<float>()), cudasim::KernelError);
+    EXPECT_THROW(launch_kernel(negative::early_return_forward_kernel, 8, 64, 0, nullptr, out.as<float>()),
+                 cudasim::KernelError);
   std::vector<float> in(64, 2.0f);
   twin::rt::DeviceBuffer din(dev(), 64 * 4);
   din.upload(in.data(), 64 * 4);
-  launch_kernel(negative::neighbour_forward_kernel, 1, 64, 64 * 4, nullptr, din.as<const float>(), out.as<float>(), true);
+  launch_kernel(negative::neighbour_forward_kernel, 1, 64, 64 * 4, nullptr, din.as<const float>(), out.as<float>(),
+                true);
   std::vector<float> got(64);
   out.download(got.data(), 64 * 4);
   for (float v : got) EXPECT_EQ(v, 2.0f);

@@ -17,7 +17,8 @@ TEST_F(SimTest, DynamicSharedMemoryIsPoisonedBeforeEachBlock) {
   std::vector<float> in(blocks * threads, 1.0f);
   auto din = upload(dev(), in);
   twin::rt::DeviceBuffer tmp(dev(), blocks * threads * 4);
-  launch_kernel(semantics::shared_reverse_dynamic_kernel, blocks, threads, threads * 4, nullptr, din.as<const float>(), tmp.as<float>());
+  launch_kernel(semantics::shared_reverse_dynamic_kernel, blocks, threads, threads * 4, nullptr, din.as<const float>(),
+                tmp.as<float>());
   launch_kernel(semantics::shared_read_uninitialized_kernel, blocks, threads, threads * 4, nullptr, out.as<unsigned>());
   for (unsigned v : download<unsigned>(out, blocks * threads)) ASSERT_EQ(v, 0xffffffffu);
 }
@@ -39,7 +40,8 @@ TEST_F(SimTest, BadLaunchConfigurationsAreErrors) {
       launch_kernel(semantics::shared_read_uninitialized_kernel, grid, block, smem, nullptr, out.as<unsigned>());
       ADD_FAILURE() << "no error for " << what;
     } catch (const cudasim::KernelError& e) {
-      EXPECT_NE(std::string(e.what()).find("semantics::shared_read_uninitialized_kernel"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("semantics::shared_read_uninitialized_kernel"), std::string::npos)
+          << e.what();
       EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
     }
   };
@@ -62,16 +64,16 @@ TEST_F(SimTest, ConcurrentLaunchesFromSeveralHostThreads) {
       auto din = upload(dev(), in);
       twin::rt::DeviceBuffer dout(dev(), n * 4);
       for (int rep = 0; rep < 5; ++rep)
-        launch_kernel(semantics::shared_reverse_dynamic_kernel, blocks, threads, threads * 4, nullptr, din.as<const float>(), dout.as<float>());
+        launch_kernel(semantics::shared_reverse_dynamic_kernel, blocks, threads, threads * 4, nullptr,
+                      din.as<const float>(), dout.as<float>());
       results[h] = download<float>(dout, n);
     });
   for (auto& t : hosts) t.join();
   for (int h = 0; h < nthreads; ++h)
     for (int b = 0; b < blocks; ++b)
       for (int t = 0; t < threads; ++t)
-        ASSERT_EQ(results[h][b * threads + t], static_cast<float>(h * n + b * threads + threads - 1 - t)) << h << " " << b << " " << t;
+        ASSERT_EQ(results[h][b * threads + t], static_cast<float>(h * n + b * threads + threads - 1 - t))
+            << h << " " << b << " " << t;
 }
 
-TEST_F(SimTest, ThreadIdxOutsideAKernelIsAnError) {
-  EXPECT_THROW((void)threadIdx.x, cudasim::KernelError);
-}
+TEST_F(SimTest, ThreadIdxOutsideAKernelIsAnError) { EXPECT_THROW((void)threadIdx.x, cudasim::KernelError); }

@@ -14,7 +14,8 @@ TEST_F(SimTest, CopiesOutsideADeviceAllocationAreErrors) {
     ADD_FAILURE() << "overrunning copy accepted";
   } catch (const twin::rt::CudaError& e) {
     EXPECT_NE(std::string(e.what()).find("cudaMemcpyAsync(HostToDevice)"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("runs past the end of its allocation of 64 bytes"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("runs past the end of its allocation of 64 bytes"), std::string::npos)
+        << e.what();
   }
   try {
     d.copy(host.data(), host.data() + 64, 8, twin::rt::CopyKind::DeviceToHost, nullptr);

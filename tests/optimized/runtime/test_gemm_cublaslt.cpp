@@ -40,10 +40,13 @@ TEST_F(GpuTest, CublasLtGemmMatchesDoubleProduct) {
     };
     auto da = up(a), db = up(b), dc = up(c), dbias = up(bias);
     twin::rt::DeviceBuffer dd(d, out.bytes.size());
-    g.a = da.get(), g.b = db.get(), g.c = dc.get(), g.d = dd.get(), g.bias = has_bias(g.epilogue) ? dbias.get() : nullptr;
+    g.a = da.get(), g.b = db.get(), g.c = dc.get(), g.d = dd.get(),
+    g.bias = has_bias(g.epilogue) ? dbias.get() : nullptr;
     twin::rt::gemm(twin::rt::Backend::Cuda).run(g, nullptr);
     dd.download(out.bytes.data(), out.bytes.size());
-    EXPECT_EQ(check_gemm(g, a, b, &c, &bias, out, 0.0f, "cuBLASLt m=" + std::to_string(g.m) + " k=" + std::to_string(g.k)), "");
+    EXPECT_EQ(
+        check_gemm(g, a, b, &c, &bias, out, 0.0f, "cuBLASLt m=" + std::to_string(g.m) + " k=" + std::to_string(g.k)),
+        "");
   }
 }
 

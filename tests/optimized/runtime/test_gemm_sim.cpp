@@ -15,9 +15,7 @@ using namespace gemm_check;
 
 namespace {
 
-void run_sim(const GemmArgs& g) {
-  twin::rt::gemm(twin::rt::Backend::Sim).run(g, nullptr);
-}
+void run_sim(const GemmArgs& g) { twin::rt::gemm(twin::rt::Backend::Sim).run(g, nullptr); }
 
 }  // namespace
 
@@ -33,8 +31,8 @@ RC_GTEST_PROP(GemmSim, MatchesDoubleProductOverShapesLayoutsAndDtypes, ()) {
   g.batch = *rc::gen::inRange<std::int64_t>(1, 4);
   g.alpha = *rc::gen::element(1.0f, -0.5f, 2.0f);
   g.beta = *rc::gen::element(0.0f, 1.0f, -0.25f);
-  g.epilogue = *rc::gen::element(Epilogue::Default, Epilogue::Relu, Epilogue::Gelu, Epilogue::Bias,
-                                 Epilogue::ReluBias, Epilogue::GeluBias);
+  g.epilogue = *rc::gen::element(Epilogue::Default, Epilogue::Relu, Epilogue::Gelu, Epilogue::Bias, Epilogue::ReluBias,
+                                 Epilogue::GeluBias);
   g.bias_dtype = *rc::gen::element(g.cd_dtype, DType::F32);
   const bool in_place = g.beta != 0.0f && *rc::gen::arbitrary<bool>();
   const std::int64_t a_rows = g.transa == Op::N ? g.m : g.k, a_cols = g.transa == Op::N ? g.k : g.m;
@@ -77,9 +75,10 @@ RC_GTEST_PROP(GemmSim, MatchesDoubleProductOverShapesLayoutsAndDtypes, ()) {
   run_sim(g);
   const std::string err = check_gemm(g, a, b, &c_before, &bias, d, sentinel, "property case");
   if (!err.empty())
-    RC_FAIL(err + " [m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) + " k=" + std::to_string(g.k) + " lda=" +
-            std::to_string(g.lda) + " ldb=" + std::to_string(g.ldb) + " ldc=" + std::to_string(g.ldc) + " ldd=" +
-            std::to_string(g.ldd) + " batch=" + std::to_string(g.batch) + " in_place=" + std::to_string(in_place) + "]");
+    RC_FAIL(err + " [m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) + " k=" + std::to_string(g.k) +
+            " lda=" + std::to_string(g.lda) + " ldb=" + std::to_string(g.ldb) + " ldc=" + std::to_string(g.ldc) +
+            " ldd=" + std::to_string(g.ldd) + " batch=" + std::to_string(g.batch) +
+            " in_place=" + std::to_string(in_place) + "]");
 }
 
 TEST(GemmSim, RejectsBadLeadingDimensionsLikeCublas) {
@@ -97,14 +96,49 @@ TEST(GemmSim, RejectsBadLeadingDimensionsLikeCublas) {
     const char* needle;
   };
   std::vector<Bad> cases;
-  { auto g = base(); g.lda = 3; cases.push_back({g, "lda=3 is less than the 4 rows of A as stored (4 x 5)"}); }
-  { auto g = base(); g.transa = Op::T; cases.push_back({g, "lda=4 is less than the 5 rows of A as stored (5 x 4)"}); }
-  { auto g = base(); g.ldb = 4; cases.push_back({g, "ldb=4 is less than the 5 rows of B"}); }
-  { auto g = base(); g.ldd = 2; cases.push_back({g, "ldd=2 is less than the 4 rows of D"}); }
-  { auto g = base(); g.beta = 1.0f; g.ldc = 1; cases.push_back({g, "ldc=1 is less than the 4 rows of C"}); }
-  { auto g = base(); g.ab_dtype = DType::BF16; g.cd_dtype = DType::F16; cases.push_back({g, "C/D dtype F16 must be"}); }
-  { auto g = base(); g.epilogue = Epilogue::Bias; cases.push_back({g, "needs a bias pointer"}); }
-  { auto g = base(); g.batch = 2; g.stride_d = 4; cases.push_back({g, "batches of D would overlap"}); }
+  {
+    auto g = base();
+    g.lda = 3;
+    cases.push_back({g, "lda=3 is less than the 4 rows of A as stored (4 x 5)"});
+  }
+  {
+    auto g = base();
+    g.transa = Op::T;
+    cases.push_back({g, "lda=4 is less than the 5 rows of A as stored (5 x 4)"});
+  }
+  {
+    auto g = base();
+    g.ldb = 4;
+    cases.push_back({g, "ldb=4 is less than the 5 rows of B"});
+  }
+  {
+    auto g = base();
+    g.ldd = 2;
+    cases.push_back({g, "ldd=2 is less than the 4 rows of D"});
+  }
+  {
+    auto g = base();
+    g.beta = 1.0f;
+    g.ldc = 1;
+    cases.push_back({g, "ldc=1 is less than the 4 rows of C"});
+  }
+  {
+    auto g = base();
+    g.ab_dtype = DType::BF16;
+    g.cd_dtype = DType::F16;
+    cases.push_back({g, "C/D dtype F16 must be"});
+  }
+  {
+    auto g = base();
+    g.epilogue = Epilogue::Bias;
+    cases.push_back({g, "needs a bias pointer"});
+  }
+  {
+    auto g = base();
+    g.batch = 2;
+    g.stride_d = 4;
+    cases.push_back({g, "batches of D would overlap"});
+  }
   for (auto& bc : cases) {
     try {
       run_sim(bc.g);
@@ -128,8 +162,11 @@ TEST(GemmSim, GroupedGemmWithEmptyGroups) {
     Buf a, b, c, d, bias;
   };
   auto make = [&](std::int64_t m, std::int64_t n, std::int64_t k, Op ta, float beta, Epilogue e) {
-    Group gr{GemmArgs{}, Buf(DType::BF16, std::max<std::int64_t>(1, m * k)), Buf(DType::BF16, std::max<std::int64_t>(1, k * n)),
-             Buf(DType::F32, std::max<std::int64_t>(1, m * n)), Buf(DType::F32, std::max<std::int64_t>(1, m * n)),
+    Group gr{GemmArgs{},
+             Buf(DType::BF16, std::max<std::int64_t>(1, m * k)),
+             Buf(DType::BF16, std::max<std::int64_t>(1, k * n)),
+             Buf(DType::F32, std::max<std::int64_t>(1, m * n)),
+             Buf(DType::F32, std::max<std::int64_t>(1, m * n)),
              Buf(DType::F32, std::max<std::int64_t>(1, m))};
     gr.a.fill_random(rng, -1, 1);
     gr.b.fill_random(rng, -1, 1);

@@ -95,14 +95,15 @@ TEST(MoELayerFixture, HandlerPassesEveryMoeFixture) {
     std::set<std::string> names;
     double worst = 0.0;
     for (const Comparison& c : cs) {
-      EXPECT_TRUE(c.pass) << c.name << ": max_abs " << c.max_abs << " (" << c.tol.reason << ") " << c.message
-                          << " at " << c.worst_index_str();
+      EXPECT_TRUE(c.pass) << c.name << ": max_abs " << c.max_abs << " (" << c.tol.reason << ") " << c.message << " at "
+                          << c.worst_index_str();
       names.insert(c.name);
       if (c.name != "tap.mlp.router.1") worst = std::max(worst, c.max_abs);
     }
     std::printf("%s: %zu comparisons, max |a - e| %.3g\n", f.case_name.c_str(), cs.size(), worst);
-    for (const char* n : {"output.hidden_states", "tap.mlp.router.1", "tap.mlp.0", "tap_in.mlp.experts.dispatched_input",
-                          "tap_in.mlp.experts.tokens_per_expert", "tap.self_attention.0"})
+    for (const char* n :
+         {"output.hidden_states", "tap.mlp.router.1", "tap.mlp.0", "tap_in.mlp.experts.dispatched_input",
+          "tap_in.mlp.experts.tokens_per_expert", "tap.self_attention.0"})
       EXPECT_TRUE(names.count(n)) << n << " not compared";
     for (const std::string& n : f.names_with_prefix("aux.")) EXPECT_TRUE(names.count(n)) << n << " not compared";
   }

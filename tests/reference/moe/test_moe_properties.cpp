@@ -19,9 +19,9 @@ using testing::random_moe_state_dict;
 using testing::small_moe_config;
 
 struct Options {
-  bool capacity = false;        // may set moe_expert_capacity_factor
-  bool capacity_fits = false;   // capacity <= tokens whenever padding to capacity (alltoall needs it)
-  bool shared = true;           // may add shared experts
+  bool capacity = false;       // may set moe_expert_capacity_factor
+  bool capacity_fits = false;  // capacity <= tokens whenever padding to capacity (alltoall needs it)
+  bool shared = true;          // may add shared experts
 };
 
 // A random MoE config that validates.
@@ -48,7 +48,8 @@ TransformerConfig gen_config(const Options& o, Index tokens) {
   c.gated_linear_unit = *rc::gen::arbitrary<bool>();
   c.activation_func = *rc::gen::element<std::string>("gelu", "silu");
   c.moe_token_dispatcher_type = *rc::gen::element<std::string>("allgather", "alltoall");
-  c.moe_router_load_balancing_type = *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss", "none");
+  c.moe_router_load_balancing_type =
+      *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss", "none");
   if (*rc::gen::arbitrary<bool>()) c.moe_z_loss_coeff = 1e-3;
   if (c.moe_router_score_function == "sigmoid" && *rc::gen::arbitrary<bool>()) c.moe_router_enable_expert_bias = true;
   if (o.shared && *rc::gen::arbitrary<bool>()) {
@@ -98,8 +99,7 @@ Run run_layer(const TransformerConfig& c, const StateDict& sd, const Precision& 
 }
 
 bool bitwise_equal(const Mat& a, const Mat& b) {
-  return a.rows() == b.rows() && a.cols() == b.cols() &&
-         std::equal(a.data(), a.data() + a.size(), b.data());
+  return a.rows() == b.rows() && a.cols() == b.cols() && std::equal(a.data(), a.data() + a.size(), b.data());
 }
 
 const Precision kExact{ComputeMode::Exact, DType::F32};
@@ -255,7 +255,8 @@ RC_GTEST_PROP(MoEProperties, MoELayerGroupsComposeBitwiseToForward, ()) {
   TapRecord rec;
   const Taps taps(&rec, "mlp.");
   const MoERouteOutput routed = layer.forward_route(x, args, taps);
-  const OutputWithBias expert = layer.forward_expert_compute(routed.hidden_states_and_probs, routed.token_dispatcher_attrs, taps);
+  const OutputWithBias expert =
+      layer.forward_expert_compute(routed.hidden_states_and_probs, routed.token_dispatcher_attrs, taps);
   const Mat out = layer.forward_postprocess(expert.output, routed.shared_expert_output, taps);
   RC_ASSERT(bitwise_equal(out, whole.output));
   RC_ASSERT(layer.aux_losses == whole.aux);

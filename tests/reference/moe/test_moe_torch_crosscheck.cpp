@@ -163,7 +163,8 @@ void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::s
     const Index capacity = get_capacity(T * k, E, x_opt.capacity);
     if (capacity <= T) {
       const torch::Tensor capacity_indices = std::get<1>(torch::topk(routing_probs, capacity, 0, true, false));
-      const torch::Tensor capacity_mask = torch::zeros_like(routing_probs).scatter(0, capacity_indices, 1).to(torch::kBool);
+      const torch::Tensor capacity_mask =
+          torch::zeros_like(routing_probs).scatter(0, capacity_indices, 1).to(torch::kBool);
       routing_map = torch::logical_and(routing_map, capacity_mask);
       routing_probs = routing_probs * routing_map;
     }
@@ -199,7 +200,8 @@ void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::s
   const BoolMat map_ref = to_bool_mat(*rec.find("mlp.router.1"), T, E);
   const torch::Tensor map_i = routing_map.to(torch::kInt64).contiguous();
   for (Index t = 0; t < T; ++t)
-    for (Index e = 0; e < E; ++e) ASSERT_EQ(map_ref(t, e), map_i[t][e].item<std::int64_t>() != 0) << "routing " << t << ", " << e;
+    for (Index e = 0; e < E; ++e)
+      ASSERT_EQ(map_ref(t, e), map_i[t][e].item<std::int64_t>() != 0) << "routing " << t << ", " << e;
   struct Item {
     const char* name;
     Mat actual, expected;
@@ -224,8 +226,8 @@ void cross_check(DType dt, bool pre_softmax, bool glu, bool shared, const std::s
       // reference in double: most elements differ in the last bits. Bound: 16 u max|e|.
       EXPECT_LE(r.max_err, 16 * u * r.scale) << it.name << ": max error " << r.max_err << " scale " << r.scale;
     }
-    std::printf("%s %-7s bitwise %.4f  max err %.3g (scale %.3g)\n", dtype_name(it.stored), it.name,
-                r.bitwise_share, r.max_err, r.scale);
+    std::printf("%s %-7s bitwise %.4f  max err %.3g (scale %.3g)\n", dtype_name(it.stored), it.name, r.bitwise_share,
+                r.max_err, r.scale);
   }
 }
 

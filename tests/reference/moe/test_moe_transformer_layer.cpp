@@ -41,7 +41,8 @@ RC_GTEST_PROP(MoETransformerLayerProperties, ThreePhasesComposeBitwiseToForwardM
   const int k = *rc::gen::inRange(1, E + 1);
   TransformerConfig c = small_moe_config(E, k);
   c.moe_token_dispatcher_type = *rc::gen::element<std::string>("allgather", "alltoall");
-  c.moe_router_load_balancing_type = *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss", "none");
+  c.moe_router_load_balancing_type =
+      *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss", "none");
   c.moe_z_loss_coeff = 1e-3;
   c.gated_linear_unit = *rc::gen::arbitrary<bool>();
   if (*rc::gen::arbitrary<bool>()) {
@@ -208,7 +209,8 @@ TEST(MoEErrors, PaddingMaskOfTheWrongShape) {
   MlpArgs args;
   args.lead = {s, b};
   args.padding_mask = &wrong;
-  const std::string msg = error_of<ShapeError>([&] { layer.forward(random_mat(rng, s * b, c.hidden_size), args, Taps()); });
+  const std::string msg =
+      error_of<ShapeError>([&] { layer.forward(random_mat(rng, s * b, c.hidden_size), args, Taps()); });
   EXPECT_NE(msg.find("padding_mask"), std::string::npos) << msg;
   EXPECT_NE(msg.find("[2, 3]"), std::string::npos) << msg;  // expected [b, s]
   EXPECT_NE(msg.find("[3, 2]"), std::string::npos) << msg;  // got
@@ -229,7 +231,8 @@ TEST(MoEErrors, RecordedRoutingMapThatIsNotACapacityOutcome) {
   std::mt19937_64 rng(11);
   MoELayer layer(c, kFp32);
   layer.load_state_dict(random_moe_state_dict(c, rng), "mlp.");
-  const Tensor every_pair = Tensor::from_vector<bool>({8, 4}, std::vector<bool>(32, true));  // every token to every expert
+  const Tensor every_pair =
+      Tensor::from_vector<bool>({8, 4}, std::vector<bool>(32, true));  // every token to every expert
   MlpArgs args;
   args.lead = {4, 2};
   args.recorded_routing_map = &every_pair;

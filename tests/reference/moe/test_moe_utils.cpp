@@ -80,11 +80,13 @@ TEST(MoEUtils, SigmoidExpertBiasChoosesButDoesNotWeigh) {
   opt.topk = 1;
   opt.score_function = "sigmoid";
   const std::vector<double> expert_bias = {0.0, 5.0, 0.0};
-  const Routing r = topk_routing_with_score_function(mat(1, 3, {2.0, 1.0, 0.0}), opt, &expert_bias, DType::F64, Rounding{true});
+  const Routing r =
+      topk_routing_with_score_function(mat(1, 3, {2.0, 1.0, 0.0}), opt, &expert_bias, DType::F64, Rounding{true});
   EXPECT_TRUE(r.routing_map(0, 1));
   EXPECT_NEAR(r.probs(0, 1), 1.0 / (1.0 + std::exp(-1.0)), 1e-15);  // top-1: not renormalised
-  opt.topk = 2;  // top-2: renormalised over the two chosen
-  const Routing r2 = topk_routing_with_score_function(mat(1, 3, {2.0, 1.0, 0.0}), opt, &expert_bias, DType::F64, Rounding{true});
+  opt.topk = 2;                                                     // top-2: renormalised over the two chosen
+  const Routing r2 =
+      topk_routing_with_score_function(mat(1, 3, {2.0, 1.0, 0.0}), opt, &expert_bias, DType::F64, Rounding{true});
   const double s0 = 1.0 / (1.0 + std::exp(-2.0)), s1 = 1.0 / (1.0 + std::exp(-1.0));
   EXPECT_NEAR(r2.probs(0, 0), s0 / (s0 + s1 + 1e-20), 1e-15);
   EXPECT_NEAR(r2.probs(0, 1), s1 / (s0 + s1 + 1e-20), 1e-15);

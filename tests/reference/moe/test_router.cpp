@@ -71,11 +71,14 @@ TEST(TopKRouter, GlobalAuxLossAveragesTokensPerExpertOverForwards) {
   EXPECT_NEAR(first.at("global_load_balancing_loss"), a1.at("load_balancing_loss"), 1e-12);  // one forward: equal
 
   // Second forward: scores of x2, tokens per expert (tpe(x1) + tpe(x2)) / 2.
-  const AuxScores s1 = compute_routing_scores_for_aux_loss(r.gating(x1), 2, "softmax", nullptr, DType::F64, Rounding{true});
-  const AuxScores s2 = compute_routing_scores_for_aux_loss(r.gating(x2), 2, "softmax", nullptr, DType::F64, Rounding{true});
+  const AuxScores s1 =
+      compute_routing_scores_for_aux_loss(r.gating(x1), 2, "softmax", nullptr, DType::F64, Rounding{true});
+  const AuxScores s2 =
+      compute_routing_scores_for_aux_loss(r.gating(x2), 2, "softmax", nullptr, DType::F64, Rounding{true});
   std::vector<double> avg(4);
   for (int e = 0; e < 4; ++e) avg[e] = (s1.routing_map.col(e).count() + s2.routing_map.col(e).count()) / 2.0;
-  EXPECT_NEAR(second.at("global_load_balancing_loss"), switch_load_balancing_loss_func(s2.scores, avg, 6, 2, 4, 1.0), 1e-12);
+  EXPECT_NEAR(second.at("global_load_balancing_loss"), switch_load_balancing_loss_func(s2.scores, avg, 6, 2, 4, 1.0),
+              1e-12);
   EXPECT_EQ(r.ga_steps, 2.0);
 }
 

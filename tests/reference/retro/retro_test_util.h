@@ -53,12 +53,13 @@ inline Tensor random_tensor(Shape shape, std::uint32_t seed, double scale = 1.0)
 
 // A Retro decoder layer (local spec) with the fixture's weights; the first Retro layer owns the encoder.
 inline std::unique_ptr<reference::TransformerLayer> retro_decoder_layer(const TransformerConfig& c, bool with_encoder,
-                                                                       bool te = false, int layer_number = 6) {
+                                                                        bool te = false, int layer_number = 6) {
   using namespace reference::retro;
   std::optional<reference::TransformerBlockSubmodules> enc;
   if (with_encoder) enc = get_retro_encoder_block_spec(c, te);
   const RetroLayerSpec spec = te ? get_retro_decoder_layer_te_spec(enc) : get_retro_decoder_layer_local_spec(enc);
-  std::unique_ptr<reference::BaseTransformerLayer> built = spec.spec.build(c, layer_number, reference::Precision::from_config(c));
+  std::unique_ptr<reference::BaseTransformerLayer> built =
+      spec.spec.build(c, layer_number, reference::Precision::from_config(c));
   std::unique_ptr<reference::TransformerLayer> layer(dynamic_cast<reference::TransformerLayer*>(built.release()));
   layer->load_state_dict(retro_layer_params(with_encoder));
   return layer;

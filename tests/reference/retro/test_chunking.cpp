@@ -158,6 +158,6 @@ TEST(RetroChunking, ClearErrors) {
   } catch (const ShapeError& e) {
     EXPECT_NE(std::string(e.what()).find("[8, 7, 4]"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(split_neighbors(iota({6, 8, 4}), 8, 2), ShapeError);  // r mismatch
+  EXPECT_THROW(split_neighbors(iota({6, 8, 4}), 8, 2), ShapeError);               // r mismatch
   EXPECT_THROW(unchunk_decoder_output(iota({4, 3, 2}), 8, 2, 2, 3), ShapeError);  // bs*l mismatch
 }

@@ -48,7 +48,8 @@ rc::Gen<Case> gen_case(bool with_encoder) {
   });
 }
 
-std::pair<Tensor, std::optional<Tensor>> run(reference::TransformerLayer& layer, const Tensor& hidden, const Tensor& context) {
+std::pair<Tensor, std::optional<Tensor>> run(reference::TransformerLayer& layer, const Tensor& hidden,
+                                             const Tensor& context) {
   LayerInputs in;
   in.context = &context;
   return layer.forward(hidden, in);
@@ -78,7 +79,10 @@ std::set<std::pair<std::int64_t, std::int64_t>> changed_tokens(const Tensor& a, 
     for (std::int64_t j = 0; j < B; ++j)
       for (std::int64_t e = 0; e < d; ++e) {
         const auto i = static_cast<std::size_t>((s * B + j) * d + e);
-        if (av[i] != bv[i]) { out.insert({s, j}); break; }
+        if (av[i] != bv[i]) {
+          out.insert({s, j});
+          break;
+        }
       }
   return out;
 }
@@ -176,7 +180,8 @@ void expect_shape_error(const std::function<void()>& f, const std::vector<std::s
     f();
     FAIL() << "expected ShapeError";
   } catch (const ShapeError& e) {
-    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what() << "\nmissing: " << p;
+    for (const auto& p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what() << "\nmissing: " << p;
   }
 }
 

@@ -17,8 +17,6 @@ using namespace twin::reference::retro;
 
 namespace {
 
-
-
 std::string error_of(const std::function<void()>& fn) {
   try {
     fn();
@@ -72,8 +70,9 @@ TEST(RetroDecoderLayout, PipelineParallelismIsRejected) {
   TransformerConfig c;
   c.num_layers = 12;
   c.pipeline_model_parallel_size = 2;
-  EXPECT_NE(error_of([&] { get_retro_decoder_block_layout(c); }).find("does not currently support pipeline parallelism"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { get_retro_decoder_block_layout(c); }).find("does not currently support pipeline parallelism"),
+      std::string::npos);
   c.pipeline_model_parallel_size = 1;
   c.virtual_pipeline_model_parallel_size = 2;
   EXPECT_NE(error_of([&] { get_retro_decoder_block_layout(c); }).find("virtual pipeline parallelism"),

@@ -52,7 +52,8 @@ TEST(RetroEncoderAttention, BiasDropoutAddRejectsMismatchedNeighbours) {
 RC_GTEST_PROP(RetroEncoderLayerNorm, SplitNormStackIsPerRow, ()) {
   const int k = *rc::gen::inRange(1, 4), N = *rc::gen::inRange(1, 4), r = *rc::gen::inRange(1, 4), d = 8;
   RetroEncoderLayerNorm ln(k, std::make_unique<LayerNorm>(d, 1e-5, false, Precision{}));
-  ln.norm->load_state_dict(StateDict({{"weight", test::random_tensor({d}, 3)}, {"bias", test::random_tensor({d}, 4)}}), "");
+  ln.norm->load_state_dict(StateDict({{"weight", test::random_tensor({d}, 3)}, {"bias", test::random_tensor({d}, 4)}}),
+                           "");
   const Mat x = to_mat(test::random_tensor({r, k * N, d}, 5), r * k * N, d, "x");
   const Mat a = ln.forward(x), b = ln.forward_split(x, k * N);
   RC_ASSERT(a == b);
@@ -69,7 +70,8 @@ TEST(RetroEncoderAttention, EachNeighbourAttendsToItsChunk) {
   const TransformerConfig config = test::retro_config(4, 2, 2);  // r = 8, k = 2
   RetroEncoderCrossAttention attn(config, 1, AttnMaskType::padding, Precision{});
   StateDict sd;
-  for (const auto& name : test::first_layer_fixture().names_with_prefix("param.cross_attention.encoder.layers.0.cross_attention."))
+  for (const auto& name :
+       test::first_layer_fixture().names_with_prefix("param.cross_attention.encoder.layers.0.cross_attention."))
     sd.set(name.substr(std::string("param.cross_attention.encoder.layers.0.cross_attention.").size()),
            test::first_layer_fixture().tensor(name));
   attn.load_state_dict(sd, "");

@@ -25,8 +25,10 @@ struct Nd {
   Nd reshape(std::vector<std::int64_t> s) const {
     std::int64_t neg = -1, prod = 1;
     for (std::size_t i = 0; i < s.size(); ++i) {
-      if (s[i] == -1) neg = static_cast<std::int64_t>(i);
-      else prod *= s[i];
+      if (s[i] == -1)
+        neg = static_cast<std::int64_t>(i);
+      else
+        prod *= s[i];
     }
     if (neg >= 0) s[static_cast<std::size_t>(neg)] = numel() / prod;
     Nd r{s, v};
@@ -38,14 +40,20 @@ struct Nd {
     const std::size_t n = shape.size();
     std::vector<std::int64_t> stride(n, 1), ns(n), nstride(n);
     for (std::size_t i = n - 1; i-- > 0;) stride[i] = stride[i + 1] * shape[i + 1];
-    for (std::size_t i = 0; i < n; ++i) { ns[i] = shape[static_cast<std::size_t>(p[i])]; nstride[i] = stride[static_cast<std::size_t>(p[i])]; }
+    for (std::size_t i = 0; i < n; ++i) {
+      ns[i] = shape[static_cast<std::size_t>(p[i])];
+      nstride[i] = stride[static_cast<std::size_t>(p[i])];
+    }
     Nd r{ns, std::vector<double>(v.size())};
     std::vector<std::int64_t> idx(n, 0);
     for (std::int64_t flat = 0; flat < r.numel(); ++flat) {
       std::int64_t src = 0;
       for (std::size_t i = 0; i < n; ++i) src += idx[i] * nstride[i];
       r.v[static_cast<std::size_t>(flat)] = v[static_cast<std::size_t>(src)];
-      for (std::size_t i = n; i-- > 0;) { if (++idx[i] < ns[i]) break; idx[i] = 0; }
+      for (std::size_t i = n; i-- > 0;) {
+        if (++idx[i] < ns[i]) break;
+        idx[i] = 0;
+      }
     }
     return r;
   }
@@ -87,7 +95,8 @@ struct Nd {
     Nd r{{s[0], static_cast<std::int64_t>(xs.size()), s[1], s[2]}, {}};
     for (std::int64_t a = 0; a < s[0]; ++a)
       for (const Nd& x : xs)
-        for (std::int64_t j = 0; j < s[1] * s[2]; ++j) r.v.push_back(x.v[static_cast<std::size_t>(a * s[1] * s[2] + j)]);
+        for (std::int64_t j = 0; j < s[1] * s[2]; ++j)
+          r.v.push_back(x.v[static_cast<std::size_t>(a * s[1] * s[2] + j)]);
     return r;
   }
 };

@@ -16,16 +16,20 @@ __global__ void shuffle_forward_kernel(const T* in, T* out, int kind, int arg, i
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   T v = in[t];
   T r;
-  if (kind == kShfl) r = __shfl_sync(0xffffffffu, v, arg, width);
-  else if (kind == kShflUp) r = __shfl_up_sync(0xffffffffu, v, static_cast<unsigned>(arg), width);
-  else if (kind == kShflDown) r = __shfl_down_sync(0xffffffffu, v, static_cast<unsigned>(arg), width);
-  else r = __shfl_xor_sync(0xffffffffu, v, arg, width);
+  if (kind == kShfl)
+    r = __shfl_sync(0xffffffffu, v, arg, width);
+  else if (kind == kShflUp)
+    r = __shfl_up_sync(0xffffffffu, v, static_cast<unsigned>(arg), width);
+  else if (kind == kShflDown)
+    r = __shfl_down_sync(0xffffffffu, v, static_cast<unsigned>(arg), width);
+  else
+    r = __shfl_xor_sync(0xffffffffu, v, arg, width);
   out[t] = r;
 }
 
 // Per thread: ballot, any, all over the full warp, and the same over lanes 0..15 only.
-__global__ void vote_forward_kernel(const int* pred, unsigned* ballot, int* any, int* all,
-                                    unsigned* half_ballot, int* half_any, int* half_all) {
+__global__ void vote_forward_kernel(const int* pred, unsigned* ballot, int* any, int* all, unsigned* half_ballot,
+                                    int* half_any, int* half_all) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   const int p = pred[t];
   ballot[t] = __ballot_sync(0xffffffffu, p);
@@ -110,8 +114,10 @@ __global__ void shared_read_uninitialized_kernel(unsigned* out) {
 // poisons static shared memory before every block, so a read-before-write shows 0xFFFFFFFF).
 __global__ void static_shared_probe_kernel(unsigned* out, bool write) {
   __shared__ unsigned probe[64];
-  if (write) probe[threadIdx.x] = 7u;
-  else out[blockIdx.x * blockDim.x + threadIdx.x] = probe[threadIdx.x];
+  if (write)
+    probe[threadIdx.x] = 7u;
+  else
+    out[blockIdx.x * blockDim.x + threadIdx.x] = probe[threadIdx.x];
 }
 
 // sum[b] = sum of x[b * n + i] over i: warp shuffles, then one warp over the per-warp sums.
