@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -68,35 +69,27 @@ double round_to(DType dt, double x);
 // Unit roundoff u = 2^-p of a floating dtype: the relative error bound of one rounding.
 double unit_roundoff(DType dt);
 
+// The DType of a host element type (dtype_of<T>::value); other types do not compile.
 template <class T>
-struct dtype_of;
-template <>
-struct dtype_of<double> {
-  static constexpr DType value = DType::F64;
-};
-template <>
-struct dtype_of<float> {
-  static constexpr DType value = DType::F32;
-};
-template <>
-struct dtype_of<bf16_t> {
-  static constexpr DType value = DType::BF16;
-};
-template <>
-struct dtype_of<fp16_t> {
-  static constexpr DType value = DType::F16;
-};
-template <>
-struct dtype_of<std::int64_t> {
-  static constexpr DType value = DType::I64;
-};
-template <>
-struct dtype_of<std::int32_t> {
-  static constexpr DType value = DType::I32;
-};
-template <>
-struct dtype_of<bool> {
-  static constexpr DType value = DType::BOOL;
+struct dtype_of {
+  static constexpr DType value = [] {
+    if constexpr (std::is_same_v<T, double>)
+      return DType::F64;
+    else if constexpr (std::is_same_v<T, float>)
+      return DType::F32;
+    else if constexpr (std::is_same_v<T, bf16_t>)
+      return DType::BF16;
+    else if constexpr (std::is_same_v<T, fp16_t>)
+      return DType::F16;
+    else if constexpr (std::is_same_v<T, std::int64_t>)
+      return DType::I64;
+    else if constexpr (std::is_same_v<T, std::int32_t>)
+      return DType::I32;
+    else {
+      static_assert(std::is_same_v<T, bool>, "dtype_of: no DType for this type");
+      return DType::BOOL;
+    }
+  }();
 };
 
 }  // namespace twin

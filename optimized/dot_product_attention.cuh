@@ -107,6 +107,13 @@ __global__ void dot_product_attention_forward_kernel(const T* qkv, QkvLayout lay
     m[r] = -INFINITY;
     l[r] = 0.0f;
   }
+  // Whether key j is in query row i's softmax (the tile's end, the causal mask), and its score
+  // against the warp's r-th query row.
+  auto in_row = [&](int i, int j) { return j < k_end && !(p.mask == MaskMode::Causal && j > i); };
+  auto score = [&](int r, int i, int j) {
+    return attn_score<T>(q_s + (warp * kAttnRowsPerWarp + r) * hn, k_s + lane * kstride, hn, p, bi, h_global, i, j,
+                         fill);
+  };
   // ---- pass 1: online max and sum of exp over the row
   for (int k0 = 0; k0 < k_end; k0 += kAttnBK) {
     __syncthreads();  // previous tile consumed (and q_s written, first time)
@@ -119,12 +126,10 @@ __global__ void dot_product_attention_forward_kernel(const T* qkv, QkvLayout lay
       const int i = q0 + warp * kAttnRowsPerWarp + r;
       if (i >= p.sq) break;  // warp-uniform
       const int j = k0 + lane;
-      const bool in_row = j < k_end && !(p.mask == MaskMode::Causal && j > i);
-      const float s = in_row ? attn_score<T>(q_s + (warp * kAttnRowsPerWarp + r) * hn, k_s + lane * kstride, hn, p, bi,
-                                             h_global, i, j, fill)
-                             : -INFINITY;
+      const bool keep = in_row(i, j);
+      const float s = keep ? score(r, i, j) : -INFINITY;
       const float m_new = fmaxf(m[r], warp_max(s));
-      const float e_s = in_row ? expf(s - m_new) : 0.0f;
+      const float e_s = keep ? expf(s - m_new) : 0.0f;
       l[r] = (m_new == -INFINITY ? l[r] : l[r] * expf(m[r] - m_new)) + warp_sum(e_s);
       m[r] = m_new;
     }
@@ -146,12 +151,9 @@ __global__ void dot_product_attention_forward_kernel(const T* qkv, QkvLayout lay
       const int i = q0 + warp * kAttnRowsPerWarp + r;
       if (i >= p.sq) break;  // warp-uniform
       const int j = k0 + lane;
-      const bool in_row = j < k_end && !(p.mask == MaskMode::Causal && j > i);
       float pr = 0.0f;
-      if (in_row) {
-        const float s = attn_score<T>(q_s + (warp * kAttnRowsPerWarp + r) * hn, k_s + lane * kstride, hn, p, bi,
-                                      h_global, i, j, fill);
-        pr = round_to<T>(expf(s - m[r]) / l[r]);  // rounds: softmax output (fp32), probs.to(T)
+      if (in_row(i, j)) {
+        pr = round_to<T>(expf(score(r, i, j) - m[r]) / l[r]);  // rounds: softmax output (fp32), probs.to(T)
         if (p.drop.active) {
           const std::uint64_t e = ((std::uint64_t(bi) * p.np_total + h_global) * p.sq + i) * std::uint64_t(p.sk) + j;
           pr =
