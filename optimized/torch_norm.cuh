@@ -98,11 +98,13 @@ inline void norm_forward(bool rms, DType dt, const void* x, void* y, const void*
   require(rows.width > 0, std::string(op) + ": row width must be > 0, got " + std::to_string(rows.width));
   require(rows.n_rows >= 0 && rows.rows_per_chunk > 0, std::string(op) + ": bad row layout");
   require(weight != nullptr, std::string(op) + ": weight is null");
-  // counts: LayerNorm reduces twice (mean, variance) and stores two fp32 statistics and the output;
-  // RMSNorm reduces once, stores rstd in fp32, x * rstd and the output in T.
+  // counts: LayerNorm reduces twice (mean, variance); its stores are counted as torch 1.13's CPU
+  // kernel makes them (mean, variance, rstd, the shift -rstd * mean and the output, all in T), so
+  // the bound holds against goldens from that kernel too (reference/torch_norm.cpp has the
+  // measurement). RMSNorm reduces once, stores rstd in fp32, x * rstd and the output in T.
   rounding_reduce((rms ? 1 : 2) * std::int64_t(rows.width));
-  rounding_store(DType::F32, rms ? 1 : 2);
-  rounding_store(dt, rms ? 2 : 1);
+  if (rms) rounding_store(DType::F32);
+  rounding_store(dt, rms ? 2 : 5);
   require(x != nullptr && y != nullptr, std::string(op) + ": x / y is null");
   require(eps >= 0.0, std::string(op) + ": eps must be >= 0");
   if (rows.n_rows == 0) return;

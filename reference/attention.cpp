@@ -102,14 +102,18 @@ SelfAttention::QKV SelfAttention::get_query_key_value_tensors(const Mat& hidden_
   // q and k are parallel branches from linear_qkv: neither inherits the other's roundings.
   const RoundingCount at_split = rounding_now();
   if (q_layernorm) {
+    const double magnitude = taps.enabled() ? q_layernorm->error_magnitude(out.query) : -1.0;
     out.query = q_layernorm->forward(out.query);
     record_mat(taps, "q_layernorm", out.query, {a.s, a.b, np_, hn_}, p_);
+    taps.set_magnitude(magnitude);
   }
   const RoundingCount query_path = rounding_now();
   rounding_set(at_split);
   if (k_layernorm) {
+    const double magnitude = taps.enabled() ? k_layernorm->error_magnitude(out.key) : -1.0;
     out.key = k_layernorm->forward(out.key);
     record_mat(taps, "k_layernorm", out.key, {a.s, a.b, ng_, hn_}, p_);
+    taps.set_magnitude(magnitude);
   }
   rounding_join(query_path);
   return out;

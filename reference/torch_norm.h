@@ -6,8 +6,11 @@
 //   L2Norm:    y = x * rsqrt(mean(x^2) + eps)                        (no parameters)
 // gamma is `weight`, or 1 + weight with zero-centred gamma (Megatron's
 // layernorm_zero_centered_gamma; WrappedTorchNorm itself rejects that flag, TE norms honour it).
-// Statistics are computed in fp32 (torch upcasts bf16/fp16 inputs), the output stored in the
-// activation dtype.
+// Statistics are computed in fp32 (torch's CUDA kernel upcasts bf16/fp16 inputs), the output
+// stored in the activation dtype. torch 1.13's CPU LayerNorm instead keeps the statistics in the
+// activation dtype T (Welford in T; mean, rstd and the shift -rstd * mean stored in T), so the
+// rounding points LayerNorm counts are those of that path: any correct implementation does no
+// worse (see LayerNorm::forward).
 #pragma once
 
 #include <memory>
@@ -28,6 +31,9 @@ class Norm {
   virtual int hidden_size() const = 0;
   // The weight (gamma parameter as stored, not 1 + weight); empty for L2Norm.
   virtual RowVec weight() const { return RowVec(); }
+  // The magnitude the error of forward(x) scales with (RecordEntry::magnitude), or -1 when it is
+  // the output's own max |y|.
+  virtual double error_magnitude(const Mat& /*x*/) const { return -1.0; }
 };
 
 class LayerNorm : public Norm {
@@ -37,9 +43,13 @@ class LayerNorm : public Norm {
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;  // weight, bias
   int hidden_size() const override { return hidden_size_; }
   RowVec weight() const override { return weight_; }
+  // max over elements of |gamma| (|x| + |mean|) rstd + |beta|: statistics rounded in T err relative
+  // to the terms x * rstd and -mean * rstd before they cancel, not to the output.
+  double error_magnitude(const Mat& x) const override;
   RowVec weight_, bias_;  // [hidden]; default gamma 1 (0 zero-centred), beta 0
 
  private:
+  RowVec gamma() const;  // weight, or 1 + weight with zero-centred gamma
   int hidden_size_;
   double eps_;
   bool zero_centered_gamma_;

@@ -58,9 +58,12 @@ Tensor TransformerBlock::forward(const Tensor& hidden_states_in, const LayerInpu
   // Final layer norm.
   if (final_layernorm) {
     const std::int64_t s = hidden_states.size(0), b = hidden_states.size(1), h = hidden_states.size(2);
-    const Mat y = final_layernorm->forward(to_mat(hidden_states, s * b, h, "hidden_states"));
-    hidden_states = precision.to_tensor(y, {s, b, h});
-    if (taps.enabled()) taps.record("final_layernorm", hidden_states);
+    const Mat x = to_mat(hidden_states, s * b, h, "hidden_states");
+    hidden_states = precision.to_tensor(final_layernorm->forward(x), {s, b, h});
+    if (taps.enabled()) {
+      taps.record("final_layernorm", hidden_states);
+      taps.set_magnitude(final_layernorm->error_magnitude(x));
+    }
   }
   if (context_out) *context_out = context;
   return hidden_states;

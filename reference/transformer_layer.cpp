@@ -128,7 +128,10 @@ Mat TransformerLayer::apply_norm(const std::unique_ptr<Norm>& norm, const Mat& x
                                  const Taps& taps) const {
   if (!norm) return x;  // IdentityOp
   Mat y = norm->forward(x);
-  if (taps.enabled()) taps.record(name, precision.to_tensor(y, {s, b, y.cols()}));
+  if (taps.enabled()) {
+    taps.record(name, precision.to_tensor(y, {s, b, y.cols()}));
+    taps.set_magnitude(norm->error_magnitude(x));
+  }
   return y;
 }
 

@@ -82,6 +82,7 @@ class RetroEncoderLayerNorm : public Norm {
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;  // prefix + "norm."
   int hidden_size() const override { return norm->hidden_size(); }
   RowVec weight() const override { return norm->weight(); }
+  double error_magnitude(const Mat& x) const override { return norm->error_magnitude(x); }
 
   std::unique_ptr<Norm> norm;
   int retro_num_neighbors;
