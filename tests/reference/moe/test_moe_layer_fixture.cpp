@@ -39,10 +39,12 @@ TEST(MoELayerFixture, MlpHalfMatchesEveryMoeFixture) {
       CountRoundings counting;
       layer.forward(to_mat(x, s * b, h, "pre_mlp_layernorm"), args, Taps(&rec, "mlp."));
     }
-    // The MoE half of the golden: its taps, expert inputs and aux losses, through the one comparison.
+    // The MoE half of the golden: its taps, expert inputs, aux losses and router state, through the
+    // one comparison.
     parity::Expected expected;
     for (const auto& [key, t] : parity::expected_of(f))
-      if (key.rfind("tap.mlp.", 0) == 0 || key.rfind("tap_in.mlp.", 0) == 0 || key.rfind("aux.", 0) == 0)
+      if (key.rfind("tap.mlp.", 0) == 0 || key.rfind("tap_in.mlp.", 0) == 0 || key.rfind("aux.", 0) == 0 ||
+          key.rfind("state.mlp.", 0) == 0)
         expected.emplace_back(key, t);
     int compared = 0;
     for (const Comparison& c : parity::compare_record(rec, expected, "reference")) {
