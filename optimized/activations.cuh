@@ -5,7 +5,10 @@
  * Design: one element-wise pass reading fc1's GEMM output once and writing the ffn-wide input of
  * linear_fc2 once (the unfused graph makes up to four passes). Inside, the stores of the unfused
  * torch graph are kept as rounding points (bias add in T, activation output in T, GLU product in
- * T), so the fused result has the reference's bits. With tensor parallelism each rank holds
+ * T), so relu and squared_relu have the reference's bits (every rounding point is one IEEE
+ * operation); gelu, silu and quick_gelu call fp32 erff / expf and gelu and quick_gelu evaluate in
+ * several fp32 operations what the reference rounds once, so they agree within a few ulp of T
+ * (tests/optimized/test_ops.cpp). With tensor parallelism each rank holds
  * [its columns of the GLU half | its columns of the linear half], the layout linear_fc1's column
  * split produces, so the kernel is the same at every TP size. */
 #pragma once

@@ -1,7 +1,19 @@
 // Every optimized kernel against the reference module it implements, on the CUDA simulator.
 // One case = one canonical id ("norm(kind=rms,dtype=bf16,rows=7,width=96)"); a failure prints it
 // and TWIN_OP_CASE=<id> reruns just that case. Bounds come from parity/bounds.h, each with its
-// reason: elementwise ops keep the reference's rounding points, so they must agree bit for bit.
+// reason.
+//
+// Bit for bit where every rounding point is one IEEE operation (+, -, *, /) on values of T stored
+// in T: the kernel rounds the operation to fp32 and then to T, the reference rounds it to double
+// and then to T, and rounding twice gives the correctly rounded result whenever the first format
+// has at least 2p + 2 bits for a second of p bits (Figueroa, "When is double rounding
+// innocuous?", 1995): fp32's 24 >= 2 * 11 + 2 for fp16 (8 for bf16), double's 53 >= 2 * 24 + 2
+// for fp32. So relu and squared_relu (with the bias add and the GLU product) and
+// bias-dropout-add must equal the reference's bits. Not bit for bit, checked with op_bound: ops
+// that call an fp32 math function (erff, expf, sinf, cosf are not correctly rounded; CUDA's carry
+// up to 2 ulp) or evaluate in several fp32 operations what the reference rounds once (gelu's
+// x * 0.5 * (1 + erf(x / sqrt 2)), quick_gelu's sigmoid): gelu, silu, quick_gelu, rope; and the
+// norms and attention, whose fp32 reductions run in another order.
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
@@ -189,8 +201,11 @@ TEST(OptimizedOps, BiasActivationMatchesReference) {
           const ref::Mat r =
               glu ? ref::glu(fn, m, 0.0, std::nullopt, prec(dt)) : ref::apply_activation(fn, m, prec(dt));
           const Tensor e = prec(dt).to_tensor(r, {n, f});
-          // stores: bias add, up to two inside the activation, the GLU product; no reduction.
-          expect_pass(compare(id, y, e, parity::op_bound(dt, 4, 1, max_abs(e))), id);
+          const std::string name = act;
+          if (name == "relu" || name == "squared_relu")  // IEEE operations only (see the top of the file)
+            expect_pass(compare_exact(id, y, e), id);
+          else  // stores: bias add, up to two inside the activation, the GLU product; no reduction.
+            expect_pass(compare(id, y, e, parity::op_bound(dt, 4, 1, max_abs(e))), id);
         }
   EXPECT_THROW(k::act_from_name("tanh"), std::invalid_argument);
 }
@@ -215,7 +230,8 @@ TEST(OptimizedOps, RotaryPosEmbMatchesReference) {
         const ref::Mat r = ref::apply_rotary_pos_emb(ref::to_mat(t, s * b * heads, hn, "t"),
                                                      ref::rotary_freqs(freqs, s, hn), b * heads, interleaved, prec(dt));
         const Tensor e = prec(dt).to_tensor(r, {s, b, heads, hn});
-        // stores: cos/sin, the two products, the sum.
+        // stores: cos/sin, the two products, the sum; cosf / sinf are not correctly rounded on a GPU,
+        // so the bits may differ there (the simulator's glibc ones happen to agree).
         expect_pass(compare(id, y, e, parity::op_bound(dt, 4, 1, max_abs(e))), id);
       }
 }

@@ -1,7 +1,10 @@
 // Tap-by-tap diff and the numerics-derived bounds.
 #include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
 
 #include <cmath>
+#include <random>
+#include <vector>
 
 #include "parity/bounds.h"
 #include "parity/tap_diff.h"
@@ -61,20 +64,102 @@ TEST(TapDiff, AnExtraOutputFails) {
   EXPECT_NE(d.rows[1].message.find("golden has none"), std::string::npos) << d.rows[1].message;
 }
 
-TEST(Bounds, GammaAndReductionBoundGrowWithLength) {
-  const double u = unit_roundoff(DType::F32);
-  EXPECT_NEAR(gamma_n(10, u), 10 * u / (1 - 10 * u), 1e-20);
-  const Tolerance t64 = reduction_bound(DType::F32, 64, 1.0), t4096 = reduction_bound(DType::F32, 4096, 1.0);
-  EXPECT_GT(t4096.atol, t64.atol);
-  EXPECT_EQ(t64.rtol, Tolerance::for_dtype(DType::F32).rtol);
-  EXPECT_NE(t64.reason.find("gamma_64"), std::string::npos);
-  // A fp32 sum of 4096 unit terms in two orders can differ by far more than the default atol.
-  EXPECT_GT(t4096.atol, 1e-4);
-  const Tolerance r = reference_error_bound(DType::BF16, 0.25, 2.0);
-  EXPECT_DOUBLE_EQ(r.atol, Tolerance::for_dtype(DType::BF16).atol + 0.5 + 2.0 * 2.0 * unit_roundoff(DType::BF16));
+namespace {
+
+// fp32 dot product accumulated in order (what an fp32 reduction does), and the exact value: each
+// product of two floats is exact in double, so the double sum is exact up to gamma_n(2^-53).
+struct Dot {
+  double fp32, exact, abs_sum;
+};
+Dot dot(const std::vector<float>& a, const std::vector<float>& b) {
+  float acc = 0.0f;
+  double exact = 0.0, abs_sum = 0.0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const float prod = a[i] * b[i];
+    acc = acc + prod;
+    exact += static_cast<double>(a[i]) * b[i];
+    abs_sum += std::abs(static_cast<double>(a[i]) * b[i]);
+  }
+  return {acc, exact, abs_sum};
+}
+
+double stored_in(DType dt, double v) { return Tensor::from_doubles(dt, {1}, {v}).at_f64(0); }
+
+}  // namespace
+
+// gamma_n is the bound of recursive summation (Higham, Accuracy and Stability of Numerical
+// Algorithms, 2nd ed., section 3.1): an fp32 dot product of length n is within
+// gamma_n(2^-24) sum |a_i b_i| of the exact value, here on random vectors of mixed sign and
+// magnitude, against the exact sum (plus the double sum's own gamma_n(2^-53)).
+RC_GTEST_PROP(Bounds, GammaBoundsAnFp32DotProduct, ()) {
+  const int n = *rc::gen::inRange(1, 5000);
+  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::uniform_int_distribution<int> ex(-6, 6);
+  std::vector<float> a(n), b(n);
+  for (int i = 0; i < n; ++i) {
+    a[i] = static_cast<float>(std::ldexp(nd(g), ex(g)));
+    b[i] = static_cast<float>(nd(g));
+  }
+  const Dot d = dot(a, b);
+  const double u32 = std::ldexp(1.0, -24), u64 = std::ldexp(1.0, -53);
+  RC_ASSERT(std::abs(d.fp32 - d.exact) <= (gamma_n(n, u32) + gamma_n(n, u64)) * d.abs_sum);
+}
+
+// The bound is attained to within a factor of two, so it is not vacuous: 1 followed by n - 1 terms
+// of 0.75 u each. In order, every add rounds back to 1 (the term is below half an ulp of 1, which
+// is 2u = 2^-23); the exact sum is 1 + 0.75 (n - 1) u, an error of 0.75 (n - 1) u of a sum ~1.
+// Reversed, the small terms add up exactly first. So two orders of one fp32 reduction differ by
+// that much: more than the default fp32 atol at n = 4096, and within reduction_bound's 2 gamma_n.
+TEST(Bounds, GammaIsAttainedAndTwoSummationOrdersStayWithinTheReductionBound) {
+  const double u32 = std::ldexp(1.0, -24);
+  for (int n : {64, 1024, 4096}) {
+    std::vector<float> a(n, static_cast<float>(0.75 * u32)), ones(n, 1.0f);
+    a[0] = 1.0f;
+    const Dot forward = dot(a, ones);
+    std::vector<float> rev(a.rbegin(), a.rend());
+    const Dot backward = dot(rev, ones);
+    EXPECT_EQ(forward.fp32, 1.0) << n;
+    const double err = std::abs(forward.fp32 - forward.exact);
+    EXPECT_LE(err, gamma_n(n, u32) * forward.abs_sum) << n;
+    EXPECT_GE(err, 0.5 * gamma_n(n, u32) * forward.abs_sum) << n;
+    const double orders = std::abs(forward.fp32 - backward.fp32);
+    const Tolerance t = reduction_bound(DType::F32, n, forward.abs_sum);
+    EXPECT_LE(orders, t.atol + t.rtol * std::abs(backward.fp32)) << n << ": " << t.reason;
+    EXPECT_NE(t.reason.find("gamma_" + std::to_string(n)), std::string::npos) << t.reason;
+    if (n == 4096) {  // the default fp32 tolerance alone would call these two correct sums different
+      const Tolerance def = Tolerance::for_dtype(DType::F32);
+      EXPECT_GT(orders, def.atol + def.rtol * std::abs(backward.fp32));
+    }
+  }
   EXPECT_EQ(max_abs(vec({-3, 2})), 3.0);
   EXPECT_EQ(max_abs_diff(vec({1, 2}), vec({1, 4})), 2.0);
   EXPECT_THROW(max_abs_diff(vec({1}), vec({1, 2})), ShapeError);
+}
+
+// reference_error_bound's claim: two implementations, each within the reference's error e of the
+// exact value and each storing its result in dt, agree within the bound (triangle inequality, plus
+// a rounding of each store). Checked on values whose errors point opposite ways, the worst case,
+// where the two differ by about 2 e: with e far above the dtype's default tolerance, the default
+// alone rejects them, the bound accepts them.
+RC_GTEST_PROP(Bounds, ReferenceErrorBoundCoversTwoImplementationsWithinTheReferenceError, ()) {
+  const DType dt = *rc::gen::element(DType::F32, DType::BF16, DType::F16);
+  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  std::uniform_real_distribution<double> unit(-1.0, 1.0);
+  const double magnitude = 4.0;
+  const double exact = magnitude * 0.9 * unit(g);
+  const double e = 0.1 * std::abs(unit(g));  // the reference's max error vs fp64
+  const Tolerance t = reference_error_bound(dt, e, magnitude);
+  const double d1 = e * unit(g), d2 = e * unit(g);
+  const double a = stored_in(dt, exact + d1), b = stored_in(dt, exact + d2);
+  RC_ASSERT(std::abs(a - b) <= t.atol + t.rtol * std::abs(b));
+  // Opposite extremes: |a - b| ~ 2 e.
+  const double hi = stored_in(dt, exact + e), lo = stored_in(dt, exact - e);
+  RC_ASSERT(std::abs(hi - lo) <= t.atol + t.rtol * std::abs(lo));
+  const Tolerance def = Tolerance::for_dtype(dt);
+  // 2 e minus the two stores' rounding (<= 2 u 3.7, 0.029 in bf16) exceeds the largest default
+  // (bf16: 1e-5 + 0.016 x 3.7) once e > 0.05.
+  if (e > 0.05) RC_ASSERT(std::abs(hi - lo) > def.atol + def.rtol * std::abs(lo));
 }
 
 // The golden bound from a count, written out from its definition: eps = sum n u + 2 gamma_R(fp32)

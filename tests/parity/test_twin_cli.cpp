@@ -171,7 +171,8 @@ TEST(TwinCli, InspectPtFileWrittenByLibTorch) {
     const TwinRun r = run_twin("inspect " + quote(path));
     EXPECT_EQ(r.code, 2);
     EXPECT_TRUE(has(r.err, "unsupported")) << r.err;
-    return;
+    // Without LibTorch no .pt file can be written here, so the round trip below is not run.
+    GTEST_SKIP() << "built without LibTorch: no .pt file to inspect (the plain error for .pt input was checked)";
   }
   write_torch_file(path, {{"weight", Tensor::from_vector<float>({2, 3}, {1, -2, 3, 4, 5, 6})},
                           {"steps", Tensor::from_vector<std::int64_t>({2}, {10, 20})},

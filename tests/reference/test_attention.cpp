@@ -231,26 +231,66 @@ TEST(SelfAttention, BadInputErrors) {
                                       {"hidden_states", "[3, 2, 8]"}));
 }
 
-TEST(SelfAttention, TapsInComputationOrder) {
-  TransformerConfig c = small_config(8, 2, 1, 16);
+// The taps in computation order, and the q / k layernorm taps' values: each head of Q and of K
+// (from separate projections, as in naive_attention) normalised over hn by LayerNorm's definition
+// written out here, with random gamma and beta, on a random input.
+TEST(SelfAttention, TapsInComputationOrderAndQkLayernormValues) {
+  const Sizes z{2, 1, 4, 3, 2, 8};
+  TransformerConfig c = config_for(z);
   c.qk_layernorm = true;
   SelfAttentionSubmodules sub;
   sub.q_layernorm = sub.k_layernorm = [](const TransformerConfig& cc, int h, double eps, Precision p) {
     return wrapped_torch_norm(cc, h, eps, p);
   };
   SelfAttention attn(c, sub, 1, AttnMaskType::causal, exact());
+  std::mt19937_64 g(6);
+  const SeparateWeights w = random_weights(g, z);
+  attn.linear_qkv.weight = fuse_qkv(w, z);
+  attn.linear_qkv.bias.setZero();
+  attn.linear_proj.weight = w.wo;
+  attn.linear_proj.bias.setZero();
+  auto* qn = dynamic_cast<LayerNorm*>(attn.q_layernorm.get());
+  auto* kn = dynamic_cast<LayerNorm*>(attn.k_layernorm.get());
+  ASSERT_NE(qn, nullptr);
+  ASSERT_NE(kn, nullptr);
+  qn->weight_ = random_mat(g, 1, z.hn).row(0).array() + 1.0;
+  qn->bias_ = random_mat(g, 1, z.hn, 0.5).row(0);
+  kn->weight_ = random_mat(g, 1, z.hn).row(0).array() + 1.0;
+  kn->bias_ = random_mat(g, 1, z.hn, 0.5).row(0);
+  const Mat x = random_mat(g, z.s * z.b, z.h);  // [s * b, h]
   TapRecord rec;
-  AttentionArgs a;
-  a.s = 3;
-  a.b = 2;
-  attn.forward(Mat::Ones(6, 8), a, Taps(&rec, "self_attention."));
+  attn.forward(x, args_for(z), Taps(&rec, "self_attention."));
   std::vector<std::string> names;
   for (const auto& e : rec.entries) names.push_back(e.name);
   EXPECT_EQ(names, (std::vector<std::string>{"self_attention.linear_qkv.0", "self_attention.q_layernorm",
                                              "self_attention.k_layernorm", "self_attention.core_attention",
                                              "self_attention.linear_proj.0", "self_attention.linear_proj.1",
                                              "self_attention.0", "self_attention.1"}));
-  EXPECT_EQ(rec.find("self_attention.k_layernorm")->shape(), (Shape{3, 2, 1, 4}));
+  const Tensor* q_tap = rec.find("self_attention.q_layernorm");
+  const Tensor* k_tap = rec.find("self_attention.k_layernorm");
+  ASSERT_EQ(q_tap->shape(), (Shape{z.s, z.b, z.np, z.hn}));
+  ASSERT_EQ(k_tap->shape(), (Shape{z.s, z.b, z.ng, z.hn}));
+  // LayerNorm over one head: (v - mean) / sqrt(biased var + eps) * gamma + beta.
+  auto layer_norm = [&](const Eigen::RowVectorXd& v, const RowVec& gamma, const RowVec& beta) {
+    const double mean = v.mean();
+    const double var = (v.array() - mean).square().mean();
+    return Eigen::RowVectorXd(((v.array() - mean) / std::sqrt(var + c.layernorm_epsilon)) * gamma.array() +
+                              beta.array());
+  };
+  for (int t = 0; t < z.s * z.b; ++t) {  // token t = s_idx * b + b_idx: the tap's [s, b] order
+    for (int h = 0; h < z.np; ++h) {
+      const Eigen::RowVectorXd q = x.row(t) * w.wq.middleRows(h * z.hn, z.hn).transpose();
+      const Eigen::RowVectorXd want = layer_norm(q, qn->weight_, qn->bias_);
+      for (int i = 0; i < z.hn; ++i)
+        EXPECT_NEAR(q_tap->at_f64((t * z.np + h) * z.hn + i), want[i], kExactTol) << "token " << t << " head " << h;
+    }
+    for (int gi = 0; gi < z.ng; ++gi) {
+      const Eigen::RowVectorXd k = x.row(t) * w.wk.middleRows(gi * z.hn, z.hn).transpose();
+      const Eigen::RowVectorXd want = layer_norm(k, kn->weight_, kn->bias_);
+      for (int i = 0; i < z.hn; ++i)
+        EXPECT_NEAR(k_tap->at_f64((t * z.ng + gi) * z.hn + i), want[i], kExactTol) << "token " << t << " group " << gi;
+    }
+  }
 }
 
 TEST(CrossAttention, EqualsNaiveAttentionOverTheContext) {

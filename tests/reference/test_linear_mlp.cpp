@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "dense_test_util.h"
 #include "reference/activations.h"
 #include "reference/linear.h"
@@ -12,6 +15,27 @@
 using namespace twin;
 using namespace twin::reference;
 using namespace twin::reference::testing;
+
+namespace {
+
+// The definitions the activations implement, written out in double here (not taken from the code
+// under test), with the constants derived rather than copied.
+const double kPi = std::acos(-1.0);
+const double kSqrt2OverPi = std::sqrt(2.0 / kPi);  // the tanh approximation's sqrt(2 / pi)
+// The cubic coefficient of the tanh approximation as Hendrycks & Gimpel define it ("Gaussian Error
+// Linear Units (GELUs)", 2016, section 2: 0.5 x (1 + tanh[sqrt(2/pi) (x + 0.044715 x^3)])).
+constexpr double kGeluCubic = 0.044715;
+
+double erf_gelu_def(double x) { return x * 0.5 * std::erfc(-x / std::sqrt(2.0)); }  // x Phi(x)
+double tanh_gelu_def(double x) { return 0.5 * x * (1.0 + std::tanh(kSqrt2OverPi * (x + kGeluCubic * x * x * x))); }
+double silu_def(double x) { return x / (1.0 + std::exp(-x)); }  // x sigmoid(x)
+
+// Megatron writes sqrt(2 / pi) to a fixed number of decimals (0.79788456, 0.7978845608): a constant
+// within `dc` of sqrt(2 / pi) moves 0.5 x (1 + tanh(c u)), u = x (1 + 0.044715 x^2), by at most
+// |d/dc| dc = 0.5 |x| sech^2(c u) |u| dc <= 0.5 |x u| dc.
+double tanh_constant_bound(double x, double dc) { return 0.5 * std::abs(x * x * (1.0 + kGeluCubic * x * x)) * dc; }
+
+}  // namespace
 
 RC_GTEST_PROP(Linear, SkipBiasAddReturnsTheBiasSeparately, ()) {
   const int in = *rc::gen::inRange(1, 12), out = *rc::gen::inRange(1, 12);
@@ -59,6 +83,31 @@ TEST(Activations, KnownValues) {
   EXPECT_TRUE(throws_with<ConfigError>([] { activation_from_name("swishy"); }, {"activation_func", "swishy"}));
 }
 
+// Every GELU form against its definition in double, over [-6, 6]: gelu is x Phi(x); openai_gelu and
+// fast_gelu are the tanh approximation with sqrt(2 / pi) written to 16 and 10 decimals; erf_gelu
+// divides by 1.41421 for sqrt(2). Each bound is what that written-out constant can move the value
+// (plus kExactTol for double's own rounding), so a wrong coefficient (1e-5 off) fails by orders
+// of magnitude.
+TEST(Activations, GeluFormsMatchTheirDefinitions) {
+  const Precision p = exact();
+  Mat x(1, 241);
+  for (int i = 0; i < x.cols(); ++i) x(0, i) = -6.0 + 0.05 * i;
+  const Mat gelu = apply_activation(ActivationFunc::Gelu, x, p);
+  const Mat openai = apply_activation(ActivationFunc::OpenAIGelu, x, p);
+  const Mat fast = apply_activation(ActivationFunc::FastGelu, x, p);
+  const Mat erf_form = apply_activation(ActivationFunc::ErfGelu, x, p);
+  const double sqrt2 = std::sqrt(2.0);
+  for (int i = 0; i < x.cols(); ++i) {
+    const double v = x(0, i);
+    EXPECT_NEAR(gelu(0, i), erf_gelu_def(v), kExactTol) << v;
+    EXPECT_NEAR(openai(0, i), tanh_gelu_def(v), tanh_constant_bound(v, 0.5e-16) + kExactTol) << v;
+    EXPECT_NEAR(fast(0, i), tanh_gelu_def(v), tanh_constant_bound(v, 0.5e-10) + kExactTol) << v;
+    // d/dd 0.5 x erf(x / d) = -0.5 x erf'(x / d) x / d^2, erf' <= 2 / sqrt(pi); |1.41421 - sqrt 2| < 4e-6
+    const double erf_bound = 0.5 * v * v * (2.0 / std::sqrt(kPi)) / (1.41421 * 1.41421) * std::abs(1.41421 - sqrt2);
+    EXPECT_NEAR(erf_form(0, i), erf_gelu_def(v), erf_bound + kExactTol) << v;
+  }
+}
+
 // glu(x) = act(first half) * (second half + offset), with the clamp.
 RC_GTEST_PROP(Activations, GluSplitsFirstHalfActivated, ()) {
   const int f = *rc::gen::inRange(1, 8);
@@ -66,11 +115,14 @@ RC_GTEST_PROP(Activations, GluSplitsFirstHalfActivated, ()) {
   const Mat x = random_mat(g, 3, 2 * f, 3.0);
   const double offset = *rc::gen::inRange(0, 3);
   const Mat y = glu(ActivationFunc::Silu, x, offset, std::nullopt, exact());
-  const Mat a = apply_activation(ActivationFunc::Silu, x.leftCols(f), exact());
-  RC_ASSERT(max_abs_diff(y, a.cwiseProduct((x.rightCols(f).array() + offset).matrix())) < kExactTol);
   const Mat yc = glu(ActivationFunc::Silu, x, 0.0, 1.0, exact());
-  const Mat ac = apply_activation(ActivationFunc::Silu, x.leftCols(f).cwiseMin(1.0), exact());
-  RC_ASSERT(max_abs_diff(yc, ac.cwiseProduct(x.rightCols(f).cwiseMin(1.0).cwiseMax(-1.0))) < kExactTol);
+  for (Eigen::Index r = 0; r < x.rows(); ++r)
+    for (Eigen::Index c = 0; c < f; ++c) {
+      const double first = x(r, c), second = x(r, f + c);
+      RC_ASSERT(std::abs(y(r, c) - silu_def(first) * (second + offset)) < kExactTol);
+      // activation_func_clamp_value 1: the first half clamped above, the second to [-1, 1]
+      RC_ASSERT(std::abs(yc(r, c) - silu_def(std::min(first, 1.0)) * std::clamp(second, -1.0, 1.0)) < kExactTol);
+    }
 }
 
 // MLP = fc2(act(fc1(x) + b1)) with fc2's bias returned separately; taps in order.
@@ -90,7 +142,7 @@ TEST(MLP, ComputesFc1ActivationFc2AndRecordsTaps) {
   const OutputWithBias out = mlp.forward(x, args, Taps(&rec, "mlp."));
   Mat h = x * mlp.linear_fc1.weight.transpose();
   h.rowwise() += mlp.linear_fc1.bias;
-  const Mat expect = apply_activation(ActivationFunc::Gelu, h, exact()) * mlp.linear_fc2.weight.transpose();
+  const Mat expect = h.unaryExpr(&erf_gelu_def) * mlp.linear_fc2.weight.transpose();
   EXPECT_LT(max_abs_diff(out.output, expect), kExactTol);
   ASSERT_TRUE(out.bias);
   EXPECT_LT((*out.bias - mlp.linear_fc2.bias).cwiseAbs().maxCoeff(), kExactTol);
@@ -136,9 +188,12 @@ TEST(MLP, BiasActivationFusionMirrorsTheFusedFunctions) {
   const RowVec b1 = random_mat(gw, 1, 6).row(0);
   Mat h = x * w1.transpose();
   h.rowwise() += b1;
-  const Mat tanh_gelu =
-      h.unaryExpr([](double v) { return v * 0.5 * (1.0 + std::tanh(0.79788456 * v * (1 + 0.044715 * v * v))); });
-  EXPECT_LT(max_abs_diff(run(c), tanh_gelu.leftCols(4)), kExactTol);
+  // bias_gelu_impl is the tanh approximation with sqrt(2 / pi) written as 0.79788456 (8 decimals).
+  const Mat fused = run(c);
+  for (Eigen::Index r = 0; r < fused.rows(); ++r)
+    for (Eigen::Index j = 0; j < fused.cols(); ++j)
+      EXPECT_NEAR(fused(r, j), tanh_gelu_def(h(r, j)), tanh_constant_bound(h(r, j), 0.5e-8) + kExactTol)
+          << "row " << r << " column " << j << " (fc2 is the identity: column j is fc1's)";
   TransformerConfig unfused = c;
   unfused.bias_activation_fusion = false;
   EXPECT_GT(max_abs_diff(run(c), run(unfused)), 1e-6);  // erf vs tanh gelu differ

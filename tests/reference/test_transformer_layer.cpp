@@ -2,7 +2,12 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
+#include <cmath>
+#include <stdexcept>
+
 #include "dense_test_util.h"
+#include "reference/philox.h"
+#include "reference/transformer_block.h"
 #include "reference/transformer_layer.h"
 
 using namespace twin;
@@ -220,6 +225,234 @@ TEST(TransformerLayer, HiddenDropoutTrainingReproducibleBySeed) {
   EXPECT_GT(max_abs_diff(d->forward(x).first, y1), 0.0);
   d->training = false;  // eval: no dropout at all
   EXPECT_EQ(max_abs_diff(d->forward(x).first, eval->forward(x).first), 0.0);
+}
+
+// ---- Dropout, checked against its definition rather than twin against twin ---------------------
+
+namespace {
+
+// The keep decision of philox.h's mapping, written out from the KAT-checked Philox 4x32-10
+// (test_philox_dropout.cpp): key (lo, hi of the seed), counter (lo, hi of element / 4, lo, hi of
+// the offset), word element % 4, kept when its top 24 bits as a uniform in [0, 1) are below 1 - p.
+bool keep_def(std::uint64_t seed, std::uint64_t offset, std::uint64_t element, double p) {
+  const auto lo = [](std::uint64_t v) { return static_cast<std::uint32_t>(v); };
+  const auto hi = [](std::uint64_t v) { return static_cast<std::uint32_t>(v >> 32); };
+  const auto r = philox4x32_10({lo(element / 4), hi(element / 4), lo(offset), hi(offset)}, {lo(seed), hi(seed)});
+  return std::ldexp(static_cast<double>(r[element % 4] >> 8), -24) < 1.0 - p;
+}
+
+// A slot that records its input under "in" and returns a fixed [n, h] value with no bias, so the
+// bias-dropout-add after it adds dropout(value) to its residual: the next slot's input minus this
+// one's is the kept-and-scaled value, exactly zero where the mask drops.
+struct Probe {
+  Mat value;
+  void record(const Mat& x, const Taps& taps, Shape lead) const {
+    lead.push_back(x.cols());
+    if (taps.enabled()) taps.record("in", Tensor::from_doubles(DType::F64, lead, {x.data(), x.data() + x.size()}));
+  }
+};
+class ProbeAttention : public AttentionModule {
+ public:
+  explicit ProbeAttention(Probe p) : probe_(std::move(p)) {}
+  AttentionOutput forward(const Mat& x, const AttentionArgs& args, const Taps& taps) override {
+    probe_.record(x, taps, {args.s, args.b});
+    AttentionOutput o;
+    o.output = probe_.value;
+    return o;
+  }
+  void load_state_dict(const StateDict&, const std::string&) override {}
+
+ private:
+  Probe probe_;
+};
+class ProbeMlp : public MlpModule {
+ public:
+  explicit ProbeMlp(Probe p) : probe_(std::move(p)) {}
+  OutputWithBias forward(const Mat& x, const MlpArgs& args, const Taps& taps) override {
+    probe_.record(x, taps, args.lead);
+    return OutputWithBias{probe_.value, std::nullopt};
+  }
+  void load_state_dict(const StateDict&, const std::string&) override {}
+
+ private:
+  Probe probe_;
+};
+
+std::vector<double> values_of(const TapRecord& rec, const std::string& name) {
+  const Tensor* t = rec.find(name);
+  if (!t) throw std::runtime_error("no tap " + name);
+  return t->to_f64();
+}
+
+// Pearson correlation of two 0/1 masks.
+double mask_correlation(const std::vector<bool>& a, const std::vector<bool>& b) {
+  const double n = static_cast<double>(a.size());
+  double sa = 0, sb = 0, sab = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    sa += a[i];
+    sb += b[i];
+    sab += a[i] && b[i];
+  }
+  const double ma = sa / n, mb = sb / n;
+  return (sab / n - ma * mb) / std::sqrt(ma * (1 - ma) * mb * (1 - mb));
+}
+
+}  // namespace
+
+// Every bias-dropout-add site (self_attn_bda, cross_attn_bda, mlp_bda) of both layers of a block,
+// read off the layer itself: probes in the attention, cross-attention and MLP slots return a fixed
+// value v, the input is zero, and the difference of consecutive probe inputs is dropout(v).
+//  - keep rate: each site keeps 1 - p of its n elements within 6 binomial standard deviations,
+//    sqrt(p (1 - p) / n) (a false alarm has probability about 2e-9 per check: none expected over
+//    every check of every case a run makes);
+//  - scale: a kept element is v * (1 / (1 - p)), torch's noise.div_(1 - p) times x, bit for bit at
+//    the first site (its residual is zero) and within the one rounding of the residual add after it;
+//  - masks: the six sites draw distinct masks, pairwise uncorrelated: independent masks have a
+//    sample correlation with standard deviation 1 / sqrt(n), so |r| < 6 / sqrt(n) (the same 6-sigma
+//    reason), where one stream shared by two sites would give r = 1.
+RC_GTEST_PROP(TransformerLayer, HiddenDropoutKeepsAtItsRateScalesExactlyAndDrawsAMaskPerSiteAndLayer, ()) {
+  const double p = *rc::gen::inRange(1, 10) / 10.0;
+  const DropoutRng rng{*rc::gen::arbitrary<std::uint64_t>(), *rc::gen::inRange<std::uint64_t>(0, 1u << 20)};
+  const int s = 16, b = 4, h = 256;  // n = 16384 elements per site
+  TransformerConfig c = small_config(h, 2, 2, 32);
+  c.hidden_dropout = p;
+  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  Probe probe{Mat(s * b, h)};
+  std::uniform_real_distribution<double> v(1.0, 2.0);  // nonzero, one binade: a kept value never vanishes in a sum
+  for (Eigen::Index i = 0; i < probe.value.size(); ++i) probe.value.data()[i] = v(g);
+  TransformerLayerSubmodules sub;
+  sub.self_attention = [&](const TransformerConfig&, int, Precision) {
+    return std::make_unique<ProbeAttention>(probe);
+  };
+  sub.cross_attention = [&](const TransformerConfig&, int, Precision) {
+    return std::make_unique<ProbeAttention>(probe);
+  };
+  sub.mlp = [&](const TransformerConfig&, int, Precision) { return std::make_unique<ProbeMlp>(probe); };
+  sub.self_attn_bda = sub.cross_attn_bda = sub.mlp_bda = get_bias_dropout_add();
+  ModuleSpec spec = get_gpt_layer_local_spec();
+  spec.submodules = sub;
+  TransformerBlockSubmodules block_spec;
+  block_spec.layer_specs = {spec, spec};
+  TransformerBlock block(c, block_spec, exact());
+  TapRecord rec;
+  block.forward(Tensor::zeros(DType::F64, {s, b, h}), {}, /*training=*/true, rng, Taps(&rec));
+
+  const double scale = 1.0 / (1.0 - p);
+  const std::size_t n = static_cast<std::size_t>(s) * b * h;
+  std::vector<std::vector<bool>> masks;
+  std::vector<std::string> names;
+  for (int l = 0; l < 2; ++l) {
+    const std::string L = "layers." + std::to_string(l) + ".";
+    const std::vector<std::vector<double>> stages = {values_of(rec, L + "self_attention.in"),
+                                                     values_of(rec, L + "cross_attention.in"),
+                                                     values_of(rec, L + "mlp.in"), values_of(rec, L + "0")};
+    const char* site[] = {"self_attn_bda", "cross_attn_bda", "mlp_bda"};
+    for (int k = 0; k < 3; ++k) {
+      std::vector<bool> mask(n);
+      std::size_t kept = 0;
+      for (std::size_t e = 0; e < n; ++e) {
+        const double before = stages[k][e], after = stages[k + 1][e], want = probe.value.data()[e] * scale;
+        mask[e] = after != before;
+        kept += mask[e];
+        if (!mask[e]) continue;
+        // Residual 0 at the first site: the kept value itself. Later sites: one rounding of the
+        // residual add (u = 2^-53 of |after|) and one of the subtraction here.
+        if (l == 0 && k == 0)
+          RC_ASSERT(after == want);
+        else
+          RC_ASSERT(std::abs((after - before) - want) <= std::ldexp(std::abs(after) + std::abs(before), -52));
+      }
+      const double rate = static_cast<double>(kept) / n, sigma = std::sqrt(p * (1 - p) / n);
+      RC_ASSERT(std::abs(rate - (1 - p)) <= 6 * sigma);
+      masks.push_back(mask);
+      names.push_back(L + site[k]);
+    }
+  }
+  for (std::size_t i = 0; i < masks.size(); ++i)
+    for (std::size_t j = i + 1; j < masks.size(); ++j) {
+      RC_ASSERT(masks[i] != masks[j]);
+      const double r = mask_correlation(masks[i], masks[j]);
+      RC_LOG() << names[i] << " vs " << names[j] << ": r = " << r << "\n";
+      RC_ASSERT(std::abs(r) < 6.0 / std::sqrt(static_cast<double>(n)));
+    }
+}
+
+// Attention dropout in each layer of a real two-layer block: the core_attention tap equals
+// attention computed here from the layer's own input_layernorm tap and linear_qkv parameters
+// (Megatron's [s, b, ng, (np / ng + 2) hn] qkv layout, causal softmax in double) with dropout
+// applied by hand: probs over the flat [b, np, sq, sk] elements kept by keep_def from the layer's
+// stream (offset + 0 of the layer's, transformer_layer.h; a block's layer i has offset + 8 i) and
+// scaled by 1 / (1 - p), dropped ones zero. An attention dropout that ignores its mask (keeps
+// all, drops none, or draws another stream) changes the context where the mask drops and fails.
+RC_GTEST_PROP(TransformerLayer, AttentionDropoutChangesTheContextExactlyWhereItsMaskSays, ()) {
+  const double p = *rc::gen::inRange(2, 10) / 10.0;
+  const int ng = *rc::gen::inRange(1, 3), np = ng * *rc::gen::inRange(1, 3), hn = 4;
+  const int s = *rc::gen::inRange(6, 10), b = *rc::gen::inRange(1, 3), h = 16;
+  const DropoutRng rng{*rc::gen::arbitrary<std::uint64_t>(), *rc::gen::inRange<std::uint64_t>(0, 1u << 20)};
+  TransformerConfig c = small_config(h, np, ng, 32);
+  c.kv_channels = hn;
+  c.attention_dropout = p;
+  c.hidden_dropout = 0.0;
+  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  TransformerBlockSubmodules block_spec;
+  block_spec.layer_specs = {get_gpt_layer_local_spec(), get_gpt_layer_local_spec()};
+  TransformerBlock block(c, block_spec, exact());
+  std::map<std::string, Tensor> params;
+  for (int l = 0; l < 2; ++l)
+    for (auto& [k, t] : random_params(g, c)) params["layers." + std::to_string(l) + "." + k] = t;
+  block.load_state_dict(StateDict(params));
+  TapRecord rec;
+  block.forward(random_tensor(g, {s, b, h}), {}, /*training=*/true, rng, Taps(&rec));
+
+  const int r = np / ng, group = (r + 2) * hn;
+  std::size_t dropped_unmasked = 0;
+  for (int l = 0; l < 2; ++l) {
+    const std::string L = "layers." + std::to_string(l) + ".";
+    const std::uint64_t offset = rng.offset + 8 * l;
+    const std::vector<double> x = values_of(rec, L + "input_layernorm");                       // [s, b, h]
+    const std::vector<double> ctx = values_of(rec, L + "self_attention.core_attention");       // [s, b, np * hn]
+    const std::vector<double> w = params.at(L + "self_attention.linear_qkv.weight").to_f64();  // [ng * group, h]
+    const std::vector<double> bias = params.at(L + "self_attention.linear_qkv.bias").to_f64();
+    auto mixed = [&](int si, int bi, int row) {  // linear_qkv output of token (si, bi), row `row`
+      double acc = bias[row];
+      for (int k = 0; k < h; ++k) acc += x[(si * b + bi) * h + k] * w[row * h + k];
+      return acc;
+    };
+    for (int bi = 0; bi < b; ++bi)
+      for (int head = 0; head < np; ++head) {
+        const int gi = head / r, q0 = gi * group + (head % r) * hn, k0 = gi * group + r * hn, v0 = k0 + hn;
+        for (int i = 0; i < s; ++i) {
+          std::vector<double> probs(s, 0.0);
+          double mx = -1e300, sum = 0.0;
+          for (int j = 0; j <= i; ++j) {  // causal: j > i masked
+            double dot = 0.0;
+            for (int d = 0; d < hn; ++d) dot += mixed(i, bi, q0 + d) * mixed(j, bi, k0 + d);
+            probs[j] = dot / std::sqrt(static_cast<double>(hn));
+            mx = std::max(mx, probs[j]);
+          }
+          for (int j = 0; j <= i; ++j) sum += probs[j] = std::exp(probs[j] - mx);
+          for (int j = 0; j <= i; ++j) {
+            probs[j] /= sum;
+            const std::uint64_t e = ((static_cast<std::uint64_t>(bi) * np + head) * s + i) * s + j;
+            if (keep_def(rng.seed, offset, e, p)) {
+              probs[j] *= 1.0 / (1.0 - p);
+            } else {
+              probs[j] = 0.0;
+              ++dropped_unmasked;
+            }
+          }
+          for (int d = 0; d < hn; ++d) {
+            double want = 0.0;
+            for (int j = 0; j <= i; ++j) want += probs[j] * mixed(j, bi, v0 + d);
+            const double got = ctx[((i * b + bi) * np + head) * hn + d];
+            RC_ASSERT(std::abs(got - want) <= 1e-10 * (1.0 + std::abs(want)));
+          }
+        }
+      }
+  }
+  // A case where the mask dropped no unmasked probability shows nothing (2 layers x >= 21 of them
+  // at p >= 0.2: that happens with probability < 1e-4): discarded, not passed.
+  RC_PRE(dropped_unmasked > 0);
 }
 
 namespace {

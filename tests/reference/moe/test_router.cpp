@@ -1,10 +1,13 @@
 // TopKRouter: the loss variants against their definitions (seq_aux_loss = mean of each
-// sequence's aux loss; global_aux_loss = aux loss with tokens per expert averaged over the
-// forwards), z-loss logging, the expert-bias token counter, sinkhorn, gating dtype.
+// sequence's aux loss; global_aux_loss = the Switch loss, written out here, with tokens per expert
+// averaged over the forwards), the tapped logits / probs / routing map against their definitions,
+// z-loss logging, the expert-bias token counter, sinkhorn, gating dtype.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
+#include <vector>
 
 #include "reference/moe/router.h"
 #include "tests/reference/moe/moe_test_util.h"
@@ -17,6 +20,57 @@ using testing::random_mat;
 using testing::small_moe_config;
 
 const Precision kExact{ComputeMode::Exact, DType::F32};
+
+// The router's math written out in double from Megatron's definitions, independent of the code
+// under test: logits = x W^T, softmax over the experts, the top-k experts by value (random inputs
+// have no ties).
+Mat logits_def(const Mat& x, const Mat& w) { return x * w.transpose(); }  // [T, h] x [h, E] -> [T, E]
+
+std::vector<double> softmax_def(const std::vector<double>& v) {
+  const double mx = *std::max_element(v.begin(), v.end());
+  std::vector<double> e(v.size());
+  double sum = 0.0;
+  for (std::size_t i = 0; i < v.size(); ++i) sum += e[i] = std::exp(v[i] - mx);
+  for (double& x : e) x /= sum;
+  return e;
+}
+
+std::vector<int> topk_def(const std::vector<double>& v, int k) {
+  std::vector<int> idx(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) idx[i] = static_cast<int>(i);
+  std::sort(idx.begin(), idx.end(), [&](int a, int b) { return v[a] > v[b]; });
+  idx.resize(k);
+  return idx;
+}
+
+// Switch Transformer's load-balancing loss (Fedus et al. 2021, eq. 4; Megatron's
+// switch_load_balancing_loss_func docstring), logged divided by its coefficient:
+//   E * sum_i f_i P_i,  f_i = tokens_per_expert_i / (T topk),  P_i = (1 / T) sum_t softmax(logits_t)_i.
+double switch_loss_def(const Mat& logits, const std::vector<double>& tokens_per_expert, int topk) {
+  const Index T = logits.rows(), E = logits.cols();
+  double loss = 0.0;
+  for (Index i = 0; i < E; ++i) {
+    double P = 0.0;
+    for (Index t = 0; t < T; ++t) {
+      std::vector<double> row(E);
+      for (Index e = 0; e < E; ++e) row[e] = logits(t, e);
+      P += softmax_def(row)[i] / T;
+    }
+    loss += tokens_per_expert[i] / (static_cast<double>(T) * topk) * P;
+  }
+  return E * loss;
+}
+
+// Tokens per expert under top-k routing of the softmax scores.
+std::vector<double> tokens_per_expert_def(const Mat& logits, int topk) {
+  std::vector<double> count(logits.cols(), 0.0);
+  for (Index t = 0; t < logits.rows(); ++t) {
+    std::vector<double> row(logits.cols());
+    for (Index e = 0; e < logits.cols(); ++e) row[e] = logits(t, e);
+    for (int e : topk_def(row, topk)) count[e] += 1.0;
+  }
+  return count;
+}
 
 TopKRouter make_router(const TransformerConfig& c, const Mat& weight) {
   TopKRouter r(c, kExact);
@@ -63,22 +117,16 @@ TEST(TopKRouter, GlobalAuxLossAveragesTokensPerExpertOverForwards) {
   r.forward(x1, 6, 1, nullptr, Taps(), &first);
   r.forward(x2, 6, 1, nullptr, Taps(), &second);
 
-  TransformerConfig local = c;
-  local.moe_router_load_balancing_type = "aux_loss";
-  AuxLosses a1;
-  TopKRouter ra = make_router(local, w);
-  ra.forward(x1, 6, 1, nullptr, Taps(), &a1);
-  EXPECT_NEAR(first.at("global_load_balancing_loss"), a1.at("load_balancing_loss"), 1e-12);  // one forward: equal
-
-  // Second forward: scores of x2, tokens per expert (tpe(x1) + tpe(x2)) / 2.
-  const AuxScores s1 =
-      compute_routing_scores_for_aux_loss(r.gating(x1), 2, "softmax", nullptr, DType::F64, Rounding{true});
-  const AuxScores s2 =
-      compute_routing_scores_for_aux_loss(r.gating(x2), 2, "softmax", nullptr, DType::F64, Rounding{true});
+  // One forward: the Switch loss of x1 with its own tokens per expert.
+  const Mat l1 = logits_def(x1, w), l2 = logits_def(x2, w);
+  const std::vector<double> tpe1 = tokens_per_expert_def(l1, 2), tpe2 = tokens_per_expert_def(l2, 2);
+  EXPECT_NEAR(first.at("global_load_balancing_loss"), switch_loss_def(l1, tpe1, 2), 1e-12);
+  // Second forward: scores of x2, tokens per expert averaged over both forwards, (tpe1 + tpe2) / 2.
   std::vector<double> avg(4);
-  for (int e = 0; e < 4; ++e) avg[e] = (s1.routing_map.col(e).count() + s2.routing_map.col(e).count()) / 2.0;
-  EXPECT_NEAR(second.at("global_load_balancing_loss"), switch_load_balancing_loss_func(s2.scores, avg, 6, 2, 4, 1.0),
-              1e-12);
+  for (int e = 0; e < 4; ++e) avg[e] = (tpe1[e] + tpe2[e]) / 2.0;
+  ASSERT_NE(tpe1, tpe2) << "the two batches route alike: the average would not be tested";
+  EXPECT_NEAR(second.at("global_load_balancing_loss"), switch_loss_def(l2, avg, 2), 1e-12);
+  EXPECT_GT(std::abs(switch_loss_def(l2, avg, 2) - switch_loss_def(l2, tpe2, 2)), 1e-6);  // the average matters
   EXPECT_EQ(r.ga_steps, 2.0);
 }
 
@@ -134,16 +182,42 @@ TEST(TopKRouter, GatingRoundsToTheRouterDtype) {
   EXPECT_THROW(TopKRouter(c, bf16), MoEError);
 }
 
+// The taps' values, not only their shapes: logits = x W^T laid out [s, b, E]; probs = softmax over
+// each token's top-k logits (moe_router_pre_softmax off), zero elsewhere; the routing map true at
+// exactly the top-k experts.
 TEST(TopKRouter, LogitsProbsAndMapAreTapped) {
   const TransformerConfig c = small_moe_config(4, 2);
+  ASSERT_FALSE(c.moe_router_pre_softmax);
   std::mt19937_64 rng(1);
-  TopKRouter r = make_router(c, random_mat(rng, 4, c.hidden_size));
+  const Mat w = random_mat(rng, 4, c.hidden_size),
+            x = random_mat(rng, 6, c.hidden_size);  // token t = s_idx * b + b_idx
+  TopKRouter r = make_router(c, w);
   TapRecord rec;
-  r.forward(random_mat(rng, 6, c.hidden_size), 3, 2, nullptr, Taps(&rec, "mlp.router."), nullptr);
-  ASSERT_NE(rec.find("mlp.router.logits"), nullptr);
-  EXPECT_EQ(rec.find("mlp.router.logits")->shape(), (Shape{3, 2, 4}));
-  EXPECT_EQ(rec.find("mlp.router.0")->shape(), (Shape{6, 4}));
-  EXPECT_EQ(rec.find("mlp.router.1")->dtype(), DType::BOOL);
+  r.forward(x, 3, 2, nullptr, Taps(&rec, "mlp.router."), nullptr);
+  const Tensor* logits = rec.find("mlp.router.logits");
+  const Tensor* probs = rec.find("mlp.router.0");
+  const Tensor* map = rec.find("mlp.router.1");
+  ASSERT_NE(logits, nullptr);
+  ASSERT_NE(probs, nullptr);
+  ASSERT_NE(map, nullptr);
+  EXPECT_EQ(logits->shape(), (Shape{3, 2, 4}));
+  EXPECT_EQ(probs->shape(), (Shape{6, 4}));
+  EXPECT_EQ(map->dtype(), DType::BOOL);
+  EXPECT_EQ(map->shape(), (Shape{6, 4}));
+  const Mat l = logits_def(x, w);
+  for (Index t = 0; t < 6; ++t) {
+    std::vector<double> row(4);
+    for (Index e = 0; e < 4; ++e) row[e] = l(t, e);
+    const std::vector<int> top = topk_def(row, 2);
+    const std::vector<double> top_probs = softmax_def({row[top[0]], row[top[1]]});
+    for (Index e = 0; e < 4; ++e) {
+      const Index i = t * 4 + e;
+      EXPECT_NEAR(logits->at_f64(i), l(t, e), 1e-12) << "token " << t << " expert " << e;
+      const int rank = e == top[0] ? 0 : e == top[1] ? 1 : -1;
+      EXPECT_EQ(map->at_f64(i) != 0.0, rank >= 0) << "token " << t << " expert " << e;
+      EXPECT_NEAR(probs->at_f64(i), rank >= 0 ? top_probs[rank] : 0.0, 1e-12) << "token " << t << " expert " << e;
+    }
+  }
 }
 
 }  // namespace

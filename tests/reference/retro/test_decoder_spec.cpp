@@ -1,5 +1,6 @@
-// get_retro_decoder_block_layout: the rule for every num_layers from 6 to 96 (checked against an
-// independent statement of it), the errors, the printer, and the golden layout table.
+// get_retro_decoder_block_layout: every num_layers from 1 to 96 against the layouts Megatron-Core
+// builds (a table its own get_retro_decoder_block_spec wrote), the errors, the printer, and the
+// golden layout table.
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
@@ -28,24 +29,41 @@ std::string error_of(const std::function<void()>& fn) {
 
 }  // namespace
 
-// get_retro_decoder_block_spec's rule, stated per layer: Retro layers at start, start + 3, ... with start = 6
-// for at most 15 layers, else 9; the first of them owns the encoder; the rest are GPT layers.
-TEST(RetroDecoderLayout, MatchesTheRuleFor6To96Layers) {
-  for (int n = 6; n <= 96; ++n) {
-    const std::vector<RetroLayerKind> layout = get_retro_decoder_block_layout(n);
-    ASSERT_EQ(layout.size(), static_cast<std::size_t>(n));
-    const int start = n <= 15 ? 6 : 9;
-    int with_encoder = 0, retro = 0;
-    for (int layer = 1; layer <= n; ++layer) {
-      const bool is_retro = layer >= start && (layer - start) % 3 == 0;
-      const RetroLayerKind expected =
-          !is_retro ? RetroLayerKind::Gpt : (layer == start ? RetroLayerKind::RetroWithEncoder : RetroLayerKind::Retro);
-      EXPECT_EQ(layout[layer - 1], expected) << "num_layers " << n << ", layer " << layer;
-      with_encoder += layout[layer - 1] == RetroLayerKind::RetroWithEncoder;
-      retro += layout[layer - 1] != RetroLayerKind::Gpt;
+// Megatron-Core's own layouts for 1..96 layers (retro_decoder_layout_table_1_96.json, written by
+// megatron_retro_layout_oracle.py from the real get_retro_decoder_block_spec): every layer of every
+// count equal, and Megatron's error (no Retro layer) exactly where the twin gives its own.
+TEST(RetroDecoderLayout, EqualToMegatronFor1To96Layers) {
+  const Fixture f = load_fixture(TWIN_RETRO_LAYOUT_1_96);
+  ASSERT_EQ(f.kind, "retro_layout_table");
+  const nlohmann::json& entries = f.table["entries"];
+  ASSERT_EQ(entries.size(), 96u);
+  for (int n = 1; n <= 96; ++n) {
+    const nlohmann::json& e = entries[n - 1];
+    ASSERT_EQ(e["num_layers"], n);
+    if (e.contains("error")) {
+      EXPECT_NE(error_of([n] { get_retro_decoder_block_layout(n); }), "") << "num_layers " << n;
+      continue;
     }
-    EXPECT_EQ(with_encoder, 1) << "num_layers " << n;
-    EXPECT_EQ(retro, (n - start) / 3 + 1) << "num_layers " << n;
+    const std::vector<RetroLayerKind> layout = get_retro_decoder_block_layout(n);
+    ASSERT_EQ(layout.size(), e["layers"].size()) << "num_layers " << n;
+    for (int layer = 1; layer <= n; ++layer)
+      EXPECT_EQ(retro_layer_kind_name(layout[layer - 1]), e["layers"][layer - 1].get<std::string>())
+          << "num_layers " << n << ", layer " << layer;
+  }
+  // The same table through the golden handler: every cell equal.
+  for (const auto& c : compare_fixture(f, TwinKind::Reference)) EXPECT_TRUE(c.pass) << c.name << ": " << c.message;
+}
+
+// The oracle reproduces the golden table where both have a row (1..24): both are Megatron's.
+TEST(RetroDecoderLayout, OracleTableAgreesWithTheGolden) {
+  const Fixture oracle = load_fixture(TWIN_RETRO_LAYOUT_1_96);
+  const Fixture golden = load_fixture(golden_dir() + "/retro_decoder_layout_table.json");
+  ASSERT_FALSE(golden.table["entries"].empty());
+  for (const auto& g : golden.table["entries"]) {
+    const int n = g["num_layers"].get<int>();
+    ASSERT_GE(n, 1);
+    ASSERT_LE(n, 96);
+    EXPECT_EQ(oracle.table["entries"][n - 1], g) << "num_layers " << n;
   }
 }
 
