@@ -123,3 +123,4 @@ def bootstrap():
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _STATE.update(src=src, commit=commit, shims=list(applied))
     return _STATE
+

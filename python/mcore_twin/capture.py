@@ -108,6 +108,11 @@ TIE_BREAK_NOTE = (
     "'position', zero probs for padding): which tied tokens are kept is torch/CPU implementation-defined. Take "
     "tap.mlp.router.1 (final routing_map) as given when comparing."
 )
+TOPK_TIE_NOTE = (
+    "router_topk_ties lists the tokens whose router scores are tied at a torch.topk cut (expert, group or "
+    "aux-loss selection): which tied expert is chosen is implementation-defined; tap.mlp.router.1 is what "
+    "Megatron chose."
+)
 
 # Submodules whose output is not recorded: identities (an absent layernorm or cross attention),
 # dropout, the fused softmax inside core attention (its probabilities are internal to
@@ -470,6 +475,39 @@ def capture_layer(
 
             undo.setattr(router_mod, "apply_router_token_dropping", drop_spy)
 
+        # --- ties at the router's top-k cut (expert selection, group selection, aux-loss map):
+        # which tied expert torch.topk returns is implementation-defined too.
+        topk_tie_rows = set()
+        in_routing = []
+        if routers:
+            orig_topk = torch.topk
+
+            def topk_spy(*args, **kw):
+                res = orig_topk(*args, **kw)
+                if in_routing:
+                    inp = args[0] if args else kw.get("input")
+                    k = args[1] if len(args) > 1 else kw.get("k")
+                    dim = args[2] if len(args) > 2 else kw.get("dim", -1)
+                    largest = args[3] if len(args) > 3 else kw.get("largest", True)
+                    if isinstance(inp, torch.Tensor) and inp.dim() == 2 and dim in (1, -1) and largest:
+                        if k < inp.shape[1]:
+                            v, _ = torch.sort(inp.detach(), dim=1, descending=True)
+                            tied = (v[:, k - 1] == v[:, k]) & torch.isfinite(v[:, k - 1])
+                            topk_tie_rows.update(tied.nonzero().flatten().tolist())
+                return res
+
+            undo.setattr(torch, "topk", topk_spy)
+            for router in routers.values():
+
+                def routing(*a, _orig=router.routing, **k):
+                    in_routing.append(True)
+                    try:
+                        return _orig(*a, **k)
+                    finally:
+                        in_routing.pop()
+
+                undo.setattr(router, "routing", routing)
+
         # --- hooks
         modules = dict(layer.named_modules())
 
@@ -646,8 +684,13 @@ def capture_layer(
         aux = {k[len("aux.") :]: float(tensors[k].item()) for k in tap_order if k.startswith("aux.")}
         meta["aux_losses"] = json.dumps(aux)
         meta["tie_break_dependent"] = "true" if tie_dependent else "false"
+        if topk_tie_rows:
+            meta["tie_break_dependent"] = "true"
+            meta["router_topk_ties"] = json.dumps(sorted(topk_tie_rows))
         if tie_dependent:
             meta["tie_break_note"] = TIE_BREAK_NOTE
+        if topk_tie_rows:
+            meta["tie_break_note"] = (meta.get("tie_break_note", "") + " " + TOPK_TIE_NOTE).strip()
     if bad:
         meta["non_finite"] = json.dumps(bad)
     written = dict(sorted(tensors.items()))
