@@ -71,7 +71,7 @@ def unpack(tarball):
             target = os.path.realpath(os.path.join(tmp, member.name))
             if not target.startswith(os.path.realpath(tmp) + os.sep) or member.issym() or member.islnk():
                 raise MegatronNotFound(f"{tarball}: refusing member {member.name!r}")
-        tf.extractall(tmp)
+        tf.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     try:
         os.rename(tmp, dest)  # atomic: a concurrent unpacker loses the race and keeps its copy out
     except OSError:

@@ -322,6 +322,46 @@ def api_checks(kind, cfg, seed, opts, first_path, workdir):
     return problems
 
 
+def golden_name_checks(workdir):
+    """The capture of each golden's own config names what the golden names: the same tensors for
+    dense layers (their hooks are the same), a superset for MoE and Retro (the goldens hooked fewer
+    modules). Returns (goldens checked, problems)."""
+    import glob
+
+    from . import bootstrap, st_io
+    from .cli import capture_config, load_config
+
+    problems, n = [], 0
+    for g in sorted(glob.glob(os.path.join(bootstrap.SOURCE_ROOT, "fixtures", "megatron-core", "*.safetensors"))):
+        tensors, meta = st_io.read(g)
+        cfg, kind, layer_number = load_config(g)
+        out = os.path.join(workdir, "golden_" + os.path.basename(g))
+        explicit = "input.attention_mask" in tensors and cfg.get("attn_mask_type") == "causal"
+        try:
+            r = capture_retrying(capture_config, cfg, kind, 1, out, layer_number=layer_number,
+                                 padding_mask="input.padding_mask" in tensors,
+                                 context_mask="input.context_mask" in tensors, explicit_mask=explicit)  # fmt: skip
+        except Exception as e:
+            problems.append(f"{os.path.basename(g)}: its config does not capture: {_first_line(e)}")
+            continue
+        n += 1
+        mine, theirs = set(r.tensors), set(tensors)
+        missing, extra = sorted(theirs - mine), sorted(mine - theirs)
+        if missing or (kind == "dense_layer" and extra):
+            problems.append(f"{os.path.basename(g)}: capture lacks {missing[:4]}, adds {extra[:4] if kind == 'dense_layer' else []}")
+        for k in theirs & mine:
+            if tensors[k].dtype != r.tensors[k].dtype or tensors[k].dim() != r.tensors[k].dim():
+                problems.append(f"{os.path.basename(g)}: {k} is {r.tensors[k].dtype} rank {r.tensors[k].dim()}, "
+                                f"the golden's {tensors[k].dtype} rank {tensors[k].dim()}")  # fmt: skip
+        for key in ("kind", "config", "layer_number", "training", "tie_break_dependent"):
+            if key == "config":
+                if json.loads(meta[key]) != json.loads(r.metadata[key]):
+                    problems.append(f"{os.path.basename(g)}: config differs from the golden's")
+            elif meta.get(key) != r.metadata.get(key) and not (key == "tie_break_dependent" and "router_topk_ties" in r.metadata):
+                problems.append(f"{os.path.basename(g)}: {key} {r.metadata.get(key)!r}, the golden's {meta.get(key)!r}")
+    return n, problems
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m mcore_twin.live", description=__doc__.split("\n\n")[0])
     p.add_argument("--twin", required=True, help="the twin binary")
@@ -371,6 +411,13 @@ def main(argv=None):
     workdir = tempfile.mkdtemp(prefix="megatron-live.")
     rng = random.Random(run_seed)
     seeds = a.replay or None
+    golden_problems = []
+    if not seeds:
+        n, golden_problems = golden_name_checks(workdir)
+        print(f"megatron-live: {n} goldens recaptured from their configs: "
+              + ("same tensor names, dtypes, config and metadata" if not golden_problems else "MISMATCH"))  # fmt: skip
+        for line in golden_problems:
+            print("    " + line)
     target = len(seeds) if seeds else a.cases
     max_attempts = len(seeds) if seeds else (a.max_attempts or 3 * a.cases)
 
@@ -465,6 +512,9 @@ def main(argv=None):
         print(f"  skipped {len(case_seeds)}: {reason} (e.g. case {case_seeds[0]})")
     for reason, n in sorted(opt_unsupported.items(), key=lambda kv: -kv[1]):
         print(f"  checked by the reference twin alone ({n}): the optimized twin does not implement {reason}")
+    if golden_problems:
+        print("FAIL: a capture of a golden's config names other tensors than the golden (see above)")
+        return 1
     if failures:
         print(f"FAIL: cases {' '.join(map(str, failures))} (replay: --replay SEED; files in {a.kept})")
         return 1
