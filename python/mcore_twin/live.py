@@ -13,7 +13,8 @@ checked by a twin.
 - A failing case prints its case seed and config and is kept in `--kept` (the file reruns with
   `twin fixture FILE`; `--replay SEED` redraws and recaptures it).
 - Known open classes, reported apart and not failing the run: bf16 LayerNorm outputs a few bf16
-  ulps off (the first failing tensor a layernorm output, in a bf16 LayerNorm config); router top-k
+  ulps off (the first failing tensor a layernorm output, in a bf16 LayerNorm config; or the first
+  failing tensor a routing decision after layernorm outputs that already differ); router top-k
   ties (the capture's `router_topk_ties`: the reference takes Megatron's recorded routing map only
   for ties at the capacity cut, not for ties in the expert choice).
 - Dense cases with a feature the optimized twin does not implement (OPTIMIZED_UNSUPPORTED) run the
@@ -214,7 +215,7 @@ def draw_retro(r):
 def draw(case_seed):
     r = random.Random(case_seed)
     u = r.random()
-    kind, cfg, opts = draw_dense(r) if u < 0.4 else draw_moe(r) if u < 0.8 else draw_retro(r)
+    kind, cfg, opts = draw_dense(r) if u < 0.4 else draw_moe(r) if u < 0.75 else draw_retro(r)
     return kind, dict(sorted(cfg.items())), opts
 
 
@@ -265,6 +266,23 @@ OPTIMIZED_UNSUPPORTED = {
 
 def optimized_unsupported(cfg):
     return [k for k, bad in OPTIMIZED_UNSUPPORTED.items() if k in cfg and bad(cfg[k])]
+
+
+def bf16_layernorm_routing_flip(cfg, result):
+    """The known bf16 LayerNorm class seen through the router: in a bf16 LayerNorm config the first
+    failing tensor is a routing decision, after layernorm outputs that already differ from Megatron's
+    (within their bound); a near tie in the router flipped on that difference."""
+    if not (cfg.get("bf16") and cfg.get("normalization", "LayerNorm") == "LayerNorm"):
+        return False
+    if result["status"] == "error" and "recorded routing map" in result.get("message", ""):
+        # A tie-break-dependent golden: the reference's own pre-drop routing (flipped) disagrees
+        # with Megatron's recorded map, and the handler stops before it reports rows.
+        return True
+    rows = result.get("tensors", [])
+    first = next((i for i, t in enumerate(rows) if not t.get("pass")), None)
+    if first is None or ".router." not in rows[first]["name"]:
+        return False
+    return any(t["name"].split("#")[0].endswith("layernorm") and t["max_abs"] > 0 for t in rows[:first])
 
 
 def describe_failure(result):
@@ -460,6 +478,8 @@ def main(argv=None):
                     continue
                 if st == "fail" and known_bf16_layernorm(cfg, res):
                     known = known or "known-bf16-layernorm"
+                elif st in ("fail", "error") and bf16_layernorm_routing_flip(cfg, res):
+                    known = known or "bf16-layernorm-routing-flip"
                 elif topk_ties and st in ("fail", "error"):
                     # The reference takes the recorded routing map only for capacity-cut ties.
                     known = known or "router-topk-tie"
@@ -506,7 +526,8 @@ def main(argv=None):
     elapsed = time.time() - t_start
     print(f"megatron-live: {checked} cases checked ({', '.join(f'{k} {v}' for k, v in sorted(by_kind.items()))}) "
           f"of {attempts} drawn in {elapsed:.0f}s: {counts['pass']} pass, {counts['fail']} fail, "
-          f"{counts.get('known-bf16-layernorm', 0)} known bf16-LayerNorm class, "
+          f"{counts.get('known-bf16-layernorm', 0)} known bf16-LayerNorm class "
+          f"(+{counts.get('bf16-layernorm-routing-flip', 0)} where it flipped a routing near-tie), "
           f"{counts.get('router-topk-tie', 0)} router top-k tie, {sum(map(len, skips.values()))} skipped")  # fmt: skip
     for reason, case_seeds in sorted(skips.items(), key=lambda kv: -len(kv[1])):
         print(f"  skipped {len(case_seeds)}: {reason} (e.g. case {case_seeds[0]})")
