@@ -1,0 +1,126 @@
+"""Makes the pinned Megatron-Core importable and initialises a one-rank process group.
+
+Where Megatron-Core comes from, first match wins:
+  1. $MCORE_SRC: a directory holding `megatron/core/`, or the shared directory with the tarball
+     `megatron-core-<commit>.tar.xz` (and `mcore_shims.py`);
+  2. `../shared/megatron-core` beside the mcore-twin source tree (the project's shared copy).
+A tarball is unpacked once into $XDG_CACHE_HOME/mcore_twin (default ~/.cache/mcore_twin), keyed
+by its name and size. `mcore_shims.py`, when it sits beside the tarball or the source, is imported
+before Megatron: it makes that commit run on a CPU-only torch 1.13 (see its docstring).
+"""
+
+import glob
+import os
+import socket
+import sys
+import tarfile
+import tempfile
+
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class MegatronNotFound(RuntimeError):
+    pass
+
+
+def default_location():
+    """The Megatron-Core location this process would use, or None (with the reason in the error)."""
+    env = os.environ.get("MCORE_SRC")
+    if env:
+        return env
+    shared = os.path.normpath(os.path.join(SOURCE_ROOT, "..", "shared", "megatron-core"))
+    return shared if os.path.isdir(shared) else None
+
+
+def find_megatron():
+    """(directory holding megatron/core, directory of mcore_shims.py or None, commit or None)."""
+    loc = default_location()
+    if loc is None:
+        raise MegatronNotFound(
+            "Megatron-Core not found: set MCORE_SRC, or provide ../shared/megatron-core beside the source tree "
+            f"({os.path.normpath(os.path.join(SOURCE_ROOT, '..', 'shared', 'megatron-core'))})"
+        )
+    if not os.path.isdir(loc):
+        raise MegatronNotFound(f"MCORE_SRC={loc} is not a directory")
+    shims = loc if os.path.isfile(os.path.join(loc, "mcore_shims.py")) else None
+    if os.path.isdir(os.path.join(loc, "megatron", "core")):
+        return loc, shims, None
+    tarballs = sorted(glob.glob(os.path.join(loc, "megatron-core-*.tar.xz")))
+    if not tarballs:
+        raise MegatronNotFound(f"{loc} holds neither megatron/core nor a megatron-core-*.tar.xz")
+    tarball = tarballs[-1]
+    commit = os.path.basename(tarball)[len("megatron-core-") : -len(".tar.xz")]
+    return unpack(tarball), shims, commit
+
+
+def cache_dir():
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mcore_twin")
+
+
+def unpack(tarball):
+    """Unpacks `tarball` once; later calls (and other processes) reuse the directory."""
+    name = os.path.basename(tarball)[: -len(".tar.xz")]
+    dest = os.path.join(cache_dir(), f"{name}-{os.path.getsize(tarball)}")
+    if os.path.isdir(os.path.join(dest, "megatron", "core")):
+        return dest
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=name + ".", dir=cache_dir())
+    with tarfile.open(tarball, "r:xz") as tf:
+        for member in tf.getmembers():  # a tarball is outside bytes: nothing may land outside tmp
+            target = os.path.realpath(os.path.join(tmp, member.name))
+            if not target.startswith(os.path.realpath(tmp) + os.sep) or member.issym() or member.islnk():
+                raise MegatronNotFound(f"{tarball}: refusing member {member.name!r}")
+        tf.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    try:
+        os.rename(tmp, dest)  # atomic: a concurrent unpacker loses the race and keeps its copy out
+    except OSError:
+        if not os.path.isdir(os.path.join(dest, "megatron", "core")):
+            raise
+    return dest
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_STATE = {}
+
+
+def bootstrap():
+    """Imports Megatron-Core (pinned copy, shims first) and initialises world size 1, once per
+    process. Returns a dict with `src`, `commit`, `shims` (the patches applied)."""
+    if _STATE:
+        return _STATE
+    src, shims_dir, commit = find_megatron()
+    for p in (src, shims_dir):
+        if p and p not in sys.path:
+            sys.path.insert(0, p)
+    applied = []
+    mcore_shims = None
+    if shims_dir:
+        import mcore_shims  # noqa: F401  (before any megatron module)
+
+        applied = mcore_shims.PATCHES
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    if mcore_shims is not None:
+        mcore_shims.post_import_patches()
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # No CUDA RNG on the CPU: the inference tracker draws from torch's CPU generator.
+    mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    _STATE.update(src=src, commit=commit, shims=list(applied))
+    return _STATE
+

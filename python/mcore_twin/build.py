@@ -1,0 +1,212 @@
+"""Builds a Megatron-Core layer and its inputs from a golden-style config and a seed (the CLI and
+the live tests). Call bootstrap.bootstrap() first.
+
+The config is what a golden's `__metadata__.config` holds: TransformerConfig (and RetroConfig)
+fields plus the run description (seq_length, micro_batch_size, attn_mask_type,
+position_embedding_type, rotary_base, rotary_percent; Retro context_shape, retro_r,
+retro_l_chunks). The layer is built as the project's goldens were: local specs, CPU
+initialisation, no fusions, dropout 0 (what the capture records), bf16 models cast with
+`.bfloat16()` as Float16Module does.
+
+The seed decides everything random, from one CPU generator in a fixed order: parameters (weights
+N(0, 0.05^2), norm weights 1 + N(0, 0.1^2), biases and the expert bias N(0, 0.02^2) / N(0, 0.05^2);
+Megatron's own init would leave norms at 1 and biases at 0 and hide their handling), then
+hidden_states N(0, 1), masks, context.
+"""
+
+import dataclasses
+import math
+
+import torch
+
+from .capture import RUN_FIELDS, CaptureError
+
+# Run-description fields the CLI takes beside the config (not TransformerConfig fields).
+EXTRA_FIELDS = set(RUN_FIELDS)
+
+FORCED = dict(
+    use_cpu_initialization=True,
+    bias_dropout_fusion=False,
+    bias_activation_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+    gradient_accumulation_fusion=False,
+)
+
+
+def _activation(name):
+    """The activation function Megatron-Core names `name` (torch's for gelu / silu / relu)."""
+    import torch.nn.functional as F
+
+    from megatron.core import activations
+    from megatron.core.transformer import utils as tutils
+
+    torch_fns = {"gelu": F.gelu, "silu": F.silu, "swish": F.silu, "relu": F.relu}
+    fn = torch_fns.get(name) or getattr(activations, name, None) or getattr(tutils, name, None)
+    if fn is None or not callable(fn):
+        raise CaptureError(f"activation_func {name!r}: no such function in this Megatron-Core")
+    return fn
+
+
+def make_config(cfg, kind):
+    """TransformerConfig / RetroConfig from a golden-style config dict."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cls = TransformerConfig
+    if kind.startswith("retro"):
+        from megatron.core.models.retro.config import RetroConfig
+
+        cls = RetroConfig
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in cfg.items():
+        if k in EXTRA_FIELDS:
+            continue
+        if k not in known:
+            raise CaptureError(f"config field {k!r} is not a {cls.__name__} field")
+        if k == "activation_func":
+            v = _activation(v)
+        elif k == "params_dtype":
+            v = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[v]
+        elif k == "window_size" and v is not None:
+            v = tuple(v)
+        kwargs[k] = v
+    for k in ("hidden_dropout", "attention_dropout", "retro_encoder_hidden_dropout", "retro_encoder_attention_dropout"):
+        if k in known:
+            kwargs[k] = 0.0
+    kwargs.update({k: v for k, v in FORCED.items() if k in known})
+    if kwargs.get("bf16") and "params_dtype" not in kwargs:
+        kwargs["params_dtype"] = torch.bfloat16
+    return cls(**kwargs)
+
+
+def _spec(config, kind, attn_mask_type):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if kind in ("dense_layer", "moe_layer"):
+        spec = get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts if kind == "moe_layer" else None,
+            moe_grouped_gemm=False,
+            qk_layernorm=config.qk_layernorm,
+            normalization=config.normalization,
+            qk_l2_norm=config.qk_l2_norm,
+        )
+        if attn_mask_type not in (None, "causal"):
+            spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType[attn_mask_type]
+        return spec
+    from megatron.core.models.retro.decoder_spec import (
+        get_retro_decoder_block_spec,
+        get_retro_decoder_layer_local_spec,
+    )
+    from megatron.core.models.retro.encoder_spec import get_retro_encoder_block_spec
+
+    if kind == "retro_decoder_layer_first":
+        return get_retro_decoder_layer_local_spec(get_retro_encoder_block_spec(config, False))
+    if kind == "retro_decoder_layer":
+        return get_retro_decoder_layer_local_spec()
+    return get_retro_decoder_block_spec(config, False)
+
+
+def _init_params(module, gen):
+    with torch.no_grad():
+        for name, t in module.state_dict(keep_vars=True).items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+            noise = torch.randn(tuple(t.shape), generator=gen, dtype=torch.float32)
+            if leaf == "expert_bias":
+                v = 0.05 * noise
+            elif "norm" in owner and leaf == "weight":
+                v = 1.0 + 0.1 * noise
+            elif leaf == "bias" or leaf == "softmax_offset":
+                v = 0.02 * noise
+            else:
+                v = 0.05 * noise
+            t.data.copy_(v.to(t.dtype))
+
+
+def build(kind, cfg, seed, *, layer_number=None, padding_mask=False, context_mask=False, explicit_mask=False):
+    """(module, capture kwargs) for `kind` from a golden-style config dict and a seed."""
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    s = int(cfg["seq_length"])
+    b = int(cfg.get("micro_batch_size", 1))
+    config = make_config(cfg, kind)
+    is_retro = kind.startswith("retro")
+    attn_mask_type = cfg.get("attn_mask_type", "causal")
+    gen = torch.Generator().manual_seed(int(seed))
+    torch.manual_seed(int(seed))  # anything Megatron draws itself (init before ours)
+    spec = _spec(config, kind, None if is_retro else attn_mask_type)
+    if kind == "retro_block":
+        module = TransformerBlock(config=config, spec=spec)
+    else:
+        if layer_number is None:  # Retro layers where get_retro_decoder_block_spec puts them
+            first = 6 if config.num_layers <= 15 else 9
+            layer_number = {"retro_decoder_layer_first": first, "retro_decoder_layer": first + 3}.get(kind, 1)
+        module = build_module(spec, config=config, layer_number=layer_number)
+    _init_params(module, gen)
+    dtype = torch.float32
+    if config.bf16:
+        module = module.bfloat16()
+        dtype = torch.bfloat16
+    elif config.fp16:
+        module = module.half()
+        dtype = torch.float16
+    module.train()
+
+    h = config.hidden_size
+    kw = {"hidden_states": torch.randn(s, b, h, generator=gen).to(dtype)}
+    if not is_retro:
+        if attn_mask_type == "padding" or explicit_mask:
+            if attn_mask_type == "padding":
+                # random keys masked, never a query's own position (no fully masked row)
+                m = torch.rand(b, 1, s, s, generator=gen) < 0.3
+                m &= ~torch.eye(s, dtype=torch.bool).view(1, 1, s, s)
+            else:
+                # causal plus a padded tail of keys per batch entry
+                m = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1).view(1, 1, s, s).repeat(b, 1, 1, 1)
+                for i in range(b):
+                    pad = int(torch.randint(0, max(1, s // 2), (1,), generator=gen))
+                    if pad:
+                        m[i, :, :, s - pad :] = True
+                        m[i, :, :, 0] = False  # every query keeps one key
+            kw["attention_mask"] = m
+        if cfg.get("position_embedding_type", "none") == "rope":
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+            rope = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=float(cfg.get("rotary_percent", 1.0)),
+                rotary_interleaved=config.rotary_interleaved,
+                rotary_base=cfg.get("rotary_base", 10000),
+                use_cpu_initialization=True,
+            )
+            kw["rotary_pos_emb"] = rope(s)
+            kw["rotary_base"] = cfg.get("rotary_base", 10000)
+            kw["rotary_percent"] = float(cfg.get("rotary_percent", 1.0))
+        if kind == "moe_layer" and padding_mask:
+            pm = torch.zeros(b, s, dtype=torch.bool)
+            for i in range(b):
+                pad = int(torch.randint(0, max(1, s // 2) + 1, (1,), generator=gen))
+                if pad:
+                    pm[i, s - pad :] = True
+            pm[0, 0] = False  # at least one real token
+            kw["padding_mask"] = pm
+    else:
+        m = config.retro_chunk_length
+        k = config.retro_num_neighbors
+        r = config.retro_retrieved_length
+        l = int(math.ceil(s / m))
+        if kind == "retro_decoder_layer":
+            shape = (r * k, b * l, h)  # the encoder output
+        else:
+            shape = (r, k * b * l, h)  # neighbour embeddings
+        kw["context"] = torch.randn(*shape, generator=gen).to(dtype)
+        if context_mask and kind != "retro_decoder_layer":
+            cm = torch.rand(k * b * l, 1, r, r, generator=gen) < 0.2
+            kw["context_mask"] = cm
+    return module, kw
