@@ -19,6 +19,7 @@ struct Result {
   std::string file;
   std::optional<std::string> kind;  // unknown when the file could not be loaded
   std::string twin;
+  bool isolated = false;
   Status status = Status::Error;
   std::string message;
   std::vector<Comparison> rows;
@@ -30,14 +31,18 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   r.file = fx.path;
   r.kind = fx.kind;
   r.twin = twin_kind_name(twin);
-  const FixtureHandler handler = opt.lookup(fx.kind, twin);
+  r.isolated = opt.isolate;
+  const RunMode mode{opt.isolate};
+  const FixtureHandler handler = opt.lookup(fx.kind, twin, mode);
   if (!handler) {
     r.status = Status::Unsupported;
-    r.message = fmt::format("the {} twin does not support fixture kind '{}' yet", r.twin, fx.kind);
+    r.message = opt.isolate && opt.lookup(fx.kind, twin, RunMode{})
+                    ? fmt::format("the {} twin does not run fixture kind '{}' isolated yet", r.twin, fx.kind)
+                    : fmt::format("the {} twin does not support fixture kind '{}' yet", r.twin, fx.kind);
     return r;
   }
   try {
-    r.rows = compare_fixture(handler, fx, twin);
+    r.rows = compare_fixture(handler, fx, twin, mode);
   } catch (...) {
     r.status = Status::Error;
     r.message = describe_exception(std::current_exception());
@@ -76,9 +81,13 @@ json to_json(const Result& r) {
                        {"tol_abs", c.tol.atol},
                        {"tol_rel", c.tol.rtol},
                        {"pass", c.pass}});
-  return {{"file", r.file},       {"kind", r.kind ? json(*r.kind) : json(nullptr)},
-          {"twin", r.twin},       {"status", status_name(r.status)},
-          {"message", r.message}, {"tensors", tensors}};
+  return {{"file", r.file},
+          {"kind", r.kind ? json(*r.kind) : json(nullptr)},
+          {"twin", r.twin},
+          {"isolated", r.isolated},
+          {"status", status_name(r.status)},
+          {"message", r.message},
+          {"tensors", tensors}};
 }
 
 void print_text(const Result& r, std::ostream& out, std::ostream& err) {
@@ -90,7 +99,8 @@ void print_text(const Result& r, std::ostream& out, std::ostream& err) {
     out << fmt::format("{}: unsupported: {}\n", r.file, r.message);
     return;
   }
-  out << fmt::format("{}  [kind {}, {} twin]\n", r.file, r.kind.value_or("?"), r.twin);
+  out << fmt::format("{}  [kind {}, {} twin{}]\n", r.file, r.kind.value_or("?"), r.twin,
+                     r.isolated ? ", isolated" : "");
   std::size_t nw = 6, sw = 5;
   for (const auto& c : r.rows) {
     nw = std::max(nw, c.name.size());
@@ -152,6 +162,7 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
       Result r;
       r.file = path;
       r.twin = opt.twin;
+      r.isolated = opt.isolate;
       r.status = Status::Unsupported;
       r.message = "not a fixture file: fixtures are .safetensors files or .json tables";
       emit(r);
@@ -165,6 +176,7 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
       Result r;
       r.file = path;
       r.twin = opt.twin;
+      r.isolated = opt.isolate;
       r.status = Status::Error;
       r.message = describe_exception(std::current_exception());
       emit(r);

@@ -32,7 +32,12 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"reference", "optimized", "both"}))
       ->capture_default_str();
   fixture_cmd->add_flag("--json", fixture.json,
-                        "One JSON object per file and twin per line: file, kind, twin, status, message, tensors[]");
+                        "One JSON object per file and twin per line: file, kind, twin, isolated, status, message, "
+                        "tensors[]");
+  fixture_cmd->add_flag("--isolate", fixture.isolate,
+                        "Run each module on the golden's own recorded input to it (the previous tap), so each row "
+                        "shows the error that module introduces rather than the error it inherits (default: end "
+                        "to end)");
 
   CheckOptions check;
   auto* check_cmd =

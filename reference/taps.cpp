@@ -4,7 +4,8 @@ namespace twin::reference {
 
 Mat Taps::record(const std::string& name, const Mat& m, Shape shape, DType dtype) const {
   if (!record_) return m;
-  const Tensor* s = add(Role::Tap, name, Tensor::from_doubles(dtype, shape, std::vector<double>(m.data(), m.data() + m.size())), false);
+  const Tensor* s = add(Role::Tap, name,
+                        Tensor::from_doubles(dtype, shape, std::vector<double>(m.data(), m.data() + m.size())), false);
   return s ? to_mat(*s, m.rows(), m.cols(), prefix_ + name) : m;
 }
 
