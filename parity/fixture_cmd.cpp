@@ -9,6 +9,7 @@
 #include "fixtures/fixture.h"
 #include "parity/cli_common.h"
 #include "parity/fixture_kinds.h"
+#include "parity/report.h"
 
 namespace twin::cli {
 namespace {
@@ -72,22 +73,13 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
 }
 
 json to_json(const Result& r) {
-  json tensors = json::array();
-  for (const auto& c : r.rows)
-    tensors.push_back({{"name", c.name},
-                       {"shape", c.shape},
-                       {"max_abs", c.max_abs},
-                       {"max_rel", c.max_rel},
-                       {"tol_abs", c.tol.atol},
-                       {"tol_rel", c.tol.rtol},
-                       {"pass", c.pass}});
   return {{"file", r.file},
           {"kind", r.kind ? json(*r.kind) : json(nullptr)},
           {"twin", r.twin},
           {"isolated", r.isolated},
           {"status", status_name(r.status)},
           {"message", r.message},
-          {"tensors", tensors}};
+          {"tensors", rows_json(r.rows)}};
 }
 
 void print_text(const Result& r, std::ostream& out, std::ostream& err) {
@@ -101,32 +93,7 @@ void print_text(const Result& r, std::ostream& out, std::ostream& err) {
   }
   out << fmt::format("{}  [kind {}, {} twin{}]\n", r.file, r.kind.value_or("?"), r.twin,
                      r.isolated ? ", isolated" : "");
-  std::size_t nw = 6, sw = 5;
-  for (const auto& c : r.rows) {
-    nw = std::max(nw, c.name.size());
-    sw = std::max(sw, shape_str(c.shape).size());
-  }
-  out << fmt::format("    {:<{}}  {:<{}}  {:>11}  {:>11}  {:>24}  {:>8}\n", "tensor", nw, "shape", sw, "max abs err",
-                     "max rel err", "tolerance (abs + rel|e|)", "used");
-  for (std::size_t i = 0; i < r.rows.size(); ++i) {
-    const Comparison& c = r.rows[i];
-    const bool first = static_cast<int>(i) == r.first_failure;
-    const std::string mark = first ? ">>" : (c.pass ? "  " : " x");
-    const std::string used = c.message.empty() ? num(100.0 * c.share_used) + "%" : "-";
-    out << fmt::format("  {}{:<{}}  {:<{}}  {:>11}  {:>11}  {:>24}  {:>8}{}\n", mark, c.name, nw, shape_str(c.shape),
-                       sw, num(c.max_abs), num(c.max_rel), num(c.tol.atol) + " + " + num(c.tol.rtol), used,
-                       first ? "  <- first out of tolerance" : "");
-  }
-  if (r.first_failure >= 0) {
-    const Comparison& c = r.rows[r.first_failure];
-    if (!c.message.empty())
-      out << fmt::format("  first out of tolerance: {}: {}\n", c.name, c.message);
-    else
-      out << fmt::format(
-          "  first out of tolerance: {} at {}: actual {}, expected {}; {} of {} elements out; tolerance: {}\n", c.name,
-          c.worst_index_str(), num(c.worst_actual), num(c.worst_expected), c.mismatches, shape_numel(c.shape),
-          c.tol.reason);
-  }
+  print_rows(out, r.rows, r.first_failure);
   out << fmt::format("  {}: {}\n", r.status == Status::Pass ? "PASS" : "FAIL", r.message);
 }
 
