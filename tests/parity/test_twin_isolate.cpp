@@ -88,8 +88,8 @@ TEST(TwinIsolate, ADenseModuleFailsAloneInIsolation) {
       perturbed_copy(dir, "dense_ln_mha_gelu_bias.safetensors", "param.mlp.linear_fc1.weight", 1.01);
   EXPECT_EQ(failing(rows_of(path, kIsolated)), std::set<std::string>{"tap.mlp.linear_fc1.0"});
   // End to end everything computed from it fails (its bias taps are parameters: exact, and pass).
-  EXPECT_EQ(failing(rows_of(path, kEndToEnd)),
-            (std::set<std::string>{"tap.mlp.linear_fc1.0", "tap.mlp.linear_fc2.0", "tap.mlp.0", "output.hidden_states"}));
+  EXPECT_EQ(failing(rows_of(path, kEndToEnd)), (std::set<std::string>{"tap.mlp.linear_fc1.0", "tap.mlp.linear_fc2.0",
+                                                                      "tap.mlp.0", "output.hidden_states"}));
 }
 
 // The router's weight x 1.01: its logits fail; in isolation the probabilities, the routing map,
@@ -107,8 +107,8 @@ TEST(TwinIsolate, TheMoERouterFailsAloneInIsolation) {
 // A block: layer 2's MLP perturbed. In isolation layer 3 starts from the golden's layer-2 output.
 TEST(TwinIsolate, OneLayerOfABlockFailsAloneInIsolation) {
   TempDir dir;
-  const std::string path = perturbed_copy(dir, "retro_block_6layers_nondivisible.safetensors",
-                                          "param.layers.2.mlp.linear_fc1.weight", 1.01);
+  const std::string path =
+      perturbed_copy(dir, "retro_block_6layers_nondivisible.safetensors", "param.layers.2.mlp.linear_fc1.weight", 1.01);
   EXPECT_EQ(failing(rows_of(path, kIsolated)), std::set<std::string>{"tap.layers.2.0"});
   const std::set<std::string> end_to_end = failing(rows_of(path, kEndToEnd));
   for (const char* downstream :
