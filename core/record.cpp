@@ -18,6 +18,10 @@ const char* role_prefix(Role r) {
       return "state.";
     case Role::Column:
       return "";
+    case Role::Input:
+      return "input.";
+    case Role::Param:
+      return "param.";
   }
   return "";
 }

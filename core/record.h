@@ -15,9 +15,12 @@
 
 namespace twin {
 
-// The golden-file prefix of each kind of entry; Column: a column of a JSON table golden.
-enum class Role { Output, Tap, TapIn, Aux, State, Column };
-const char* role_prefix(Role r);  // "output." | "tap." | "tap_in." | "aux." | "state." | ""
+// The golden-file prefix of each kind of entry; Column: a column of a JSON table golden. Input and
+// Param: a layer's given tensors (input.*, param.*), which a twin does not compute; a comparison of
+// two captures of one layer checks them too (parity/capture_diff.h).
+enum class Role { Output, Tap, TapIn, Aux, State, Column, Input, Param };
+// "output." | "tap." | "tap_in." | "aux." | "state." | "" | "input." | "param."
+const char* role_prefix(Role r);
 
 struct RecordEntry {
   Role role = Role::Tap;

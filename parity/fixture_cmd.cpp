@@ -9,6 +9,7 @@
 #include "fixtures/fixture.h"
 #include "parity/cli_common.h"
 #include "parity/fixture_kinds.h"
+#include "parity/report.h"
 
 namespace twin::cli {
 namespace {
@@ -19,6 +20,7 @@ struct Result {
   std::string file;
   std::optional<std::string> kind;  // unknown when the file could not be loaded
   std::string twin;
+  bool isolated = false;
   Status status = Status::Error;
   std::string message;
   std::vector<Comparison> rows;
@@ -30,14 +32,18 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   r.file = fx.path;
   r.kind = fx.kind;
   r.twin = twin_kind_name(twin);
-  const FixtureHandler handler = opt.lookup(fx.kind, twin);
+  r.isolated = opt.isolate;
+  const RunMode mode{opt.isolate};
+  const FixtureHandler handler = opt.lookup(fx.kind, twin, mode);
   if (!handler) {
     r.status = Status::Unsupported;
-    r.message = fmt::format("the {} twin does not support fixture kind '{}' yet", r.twin, fx.kind);
+    r.message = opt.isolate && opt.lookup(fx.kind, twin, RunMode{})
+                    ? fmt::format("the {} twin does not run fixture kind '{}' isolated yet", r.twin, fx.kind)
+                    : fmt::format("the {} twin does not support fixture kind '{}' yet", r.twin, fx.kind);
     return r;
   }
   try {
-    r.rows = compare_fixture(handler, fx, twin);
+    r.rows = compare_fixture(handler, fx, twin, mode);
   } catch (...) {
     r.status = Status::Error;
     r.message = describe_exception(std::current_exception());
@@ -67,18 +73,13 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
 }
 
 json to_json(const Result& r) {
-  json tensors = json::array();
-  for (const auto& c : r.rows)
-    tensors.push_back({{"name", c.name},
-                       {"shape", c.shape},
-                       {"max_abs", c.max_abs},
-                       {"max_rel", c.max_rel},
-                       {"tol_abs", c.tol.atol},
-                       {"tol_rel", c.tol.rtol},
-                       {"pass", c.pass}});
-  return {{"file", r.file},       {"kind", r.kind ? json(*r.kind) : json(nullptr)},
-          {"twin", r.twin},       {"status", status_name(r.status)},
-          {"message", r.message}, {"tensors", tensors}};
+  return {{"file", r.file},
+          {"kind", r.kind ? json(*r.kind) : json(nullptr)},
+          {"twin", r.twin},
+          {"isolated", r.isolated},
+          {"status", status_name(r.status)},
+          {"message", r.message},
+          {"tensors", rows_json(r.rows)}};
 }
 
 void print_text(const Result& r, std::ostream& out, std::ostream& err) {
@@ -90,33 +91,9 @@ void print_text(const Result& r, std::ostream& out, std::ostream& err) {
     out << fmt::format("{}: unsupported: {}\n", r.file, r.message);
     return;
   }
-  out << fmt::format("{}  [kind {}, {} twin]\n", r.file, r.kind.value_or("?"), r.twin);
-  std::size_t nw = 6, sw = 5;
-  for (const auto& c : r.rows) {
-    nw = std::max(nw, c.name.size());
-    sw = std::max(sw, shape_str(c.shape).size());
-  }
-  out << fmt::format("    {:<{}}  {:<{}}  {:>11}  {:>11}  {:>24}  {:>8}\n", "tensor", nw, "shape", sw, "max abs err",
-                     "max rel err", "tolerance (abs + rel|e|)", "used");
-  for (std::size_t i = 0; i < r.rows.size(); ++i) {
-    const Comparison& c = r.rows[i];
-    const bool first = static_cast<int>(i) == r.first_failure;
-    const std::string mark = first ? ">>" : (c.pass ? "  " : " x");
-    const std::string used = c.message.empty() ? num(100.0 * c.share_used) + "%" : "-";
-    out << fmt::format("  {}{:<{}}  {:<{}}  {:>11}  {:>11}  {:>24}  {:>8}{}\n", mark, c.name, nw, shape_str(c.shape),
-                       sw, num(c.max_abs), num(c.max_rel), num(c.tol.atol) + " + " + num(c.tol.rtol), used,
-                       first ? "  <- first out of tolerance" : "");
-  }
-  if (r.first_failure >= 0) {
-    const Comparison& c = r.rows[r.first_failure];
-    if (!c.message.empty())
-      out << fmt::format("  first out of tolerance: {}: {}\n", c.name, c.message);
-    else
-      out << fmt::format(
-          "  first out of tolerance: {} at {}: actual {}, expected {}; {} of {} elements out; tolerance: {}\n", c.name,
-          c.worst_index_str(), num(c.worst_actual), num(c.worst_expected), c.mismatches, shape_numel(c.shape),
-          c.tol.reason);
-  }
+  out << fmt::format("{}  [kind {}, {} twin{}]\n", r.file, r.kind.value_or("?"), r.twin,
+                     r.isolated ? ", isolated" : "");
+  print_rows(out, r.rows, r.first_failure);
   out << fmt::format("  {}: {}\n", r.status == Status::Pass ? "PASS" : "FAIL", r.message);
 }
 
@@ -152,6 +129,7 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
       Result r;
       r.file = path;
       r.twin = opt.twin;
+      r.isolated = opt.isolate;
       r.status = Status::Unsupported;
       r.message = "not a fixture file: fixtures are .safetensors files or .json tables";
       emit(r);
@@ -165,6 +143,7 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
       Result r;
       r.file = path;
       r.twin = opt.twin;
+      r.isolated = opt.isolate;
       r.status = Status::Error;
       r.message = describe_exception(std::current_exception());
       emit(r);

@@ -7,35 +7,41 @@ namespace twin {
 
 const char* twin_kind_name(TwinKind t) { return t == TwinKind::Reference ? "reference" : "optimized"; }
 
-FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin) {
+FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, const RunMode& mode) {
   using namespace parity;
-  // One line per supported (kind, twin); the twins add theirs as they learn a kind.
-  static const std::map<std::pair<std::string, TwinKind>, FixtureHandler> handlers = {
-      {{"layer_offset_table", TwinKind::Reference}, run_reference_layer_offset_table},
-      {{"retro_layout_table", TwinKind::Reference}, run_reference_retro_layout_table},
-      {{"retro_decoder_layer_first", TwinKind::Reference}, run_reference_retro_decoder_layer_first},
-      {{"retro_decoder_layer", TwinKind::Reference}, run_reference_retro_decoder_layer},
-      {{"retro_block", TwinKind::Reference}, run_reference_retro_block},
-      {{"dense_layer", TwinKind::Reference}, run_reference_dense_layer},
-      {{"dense_layer", TwinKind::Optimized}, run_optimized_dense_layer},
-      {{"moe_layer", TwinKind::Reference}, run_reference_moe_layer},
+  struct Entry {
+    FixtureHandler handler;
+    bool isolates;  // runs each module on the golden's own input to it (RunMode::isolate)
+  };
+  // One line per supported (kind, twin); the twins add theirs as they learn a kind. A table has
+  // no modules to isolate: its run is the same in both modes.
+  static const std::map<std::pair<std::string, TwinKind>, Entry> handlers = {
+      {{"layer_offset_table", TwinKind::Reference}, {run_reference_layer_offset_table, true}},
+      {{"retro_layout_table", TwinKind::Reference}, {run_reference_retro_layout_table, true}},
+      {{"retro_decoder_layer_first", TwinKind::Reference}, {run_reference_retro_decoder_layer_first, true}},
+      {{"retro_decoder_layer", TwinKind::Reference}, {run_reference_retro_decoder_layer, true}},
+      {{"retro_block", TwinKind::Reference}, {run_reference_retro_block, true}},
+      {{"dense_layer", TwinKind::Reference}, {run_reference_dense_layer, true}},
+      {{"dense_layer", TwinKind::Optimized}, {run_optimized_dense_layer, false}},
+      {{"moe_layer", TwinKind::Reference}, {run_reference_moe_layer, true}},
   };
   auto it = handlers.find({kind, twin});
-  return it == handlers.end() ? nullptr : it->second;
+  if (it == handlers.end() || (mode.isolate && !it->second.isolates)) return nullptr;
+  return it->second.handler;
 }
 
-std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin) {
-  const TwinRun run = handler(f);
+std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin, const RunMode& mode) {
+  const TwinRun run = handler(f, mode);
   return parity::compare_record(run.record, run.expected ? *run.expected : parity::expected_of(f),
                                 twin_kind_name(twin));
 }
 
-std::vector<Comparison> compare_fixture(const Fixture& f, TwinKind twin) {
-  const FixtureHandler h = find_fixture_handler(f.kind, twin);
+std::vector<Comparison> compare_fixture(const Fixture& f, TwinKind twin, const RunMode& mode) {
+  const FixtureHandler h = find_fixture_handler(f.kind, twin, mode);
   if (!h)
     throw FixtureError(f.path + ": the " + twin_kind_name(twin) + " twin does not support fixture kind '" + f.kind +
-                       "'");
-  return compare_fixture(h, f, twin);
+                       "'" + (mode.isolate ? " isolated" : ""));
+  return compare_fixture(h, f, twin, mode);
 }
 
 namespace parity {
@@ -59,6 +65,13 @@ const Tensor* optional_input(const Fixture& f, const std::string& name, int rank
     throw FixtureError(f.path + ": input." + name + " must have rank " + std::to_string(rank) + ", got " +
                        shape_str(t.shape()));
   return &t;
+}
+
+std::function<const Tensor*(const std::string& key)> golden_substitutes(const Fixture& f) {
+  return [&f](const std::string& key) -> const Tensor* {
+    const bool tap = key.rfind("tap.", 0) == 0 || key.rfind("tap_in.", 0) == 0;
+    return tap && f.has(key) ? &f.tensor(key) : nullptr;
+  };
 }
 
 const Tensor& input(const Fixture& f, const std::string& name, int rank) {

@@ -2,8 +2,14 @@
 // the golden's config and params, runs it on the golden's inputs and returns what the twin
 // computed (a Record); compare_fixture turns that into comparison rows with the one comparison
 // (parity/golden.h), so adding a kind or a twin adds no comparison code.
+//
+// Two ways to run a layer golden: end to end (the default: the twin runs the whole layer on the
+// golden's inputs, each tap inheriting the error of everything before it) and isolated (each
+// module runs on the golden's own recorded input to it, the previous tap, so each row shows the
+// error that module introduces; reference/taps.h says how).
 #pragma once
 
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -27,20 +33,25 @@ struct TwinRun {
   std::optional<parity::Expected> expected;
 };
 
-// Throws FixtureError / ConfigError / ShapeError for bad input.
-using FixtureHandler = TwinRun (*)(const Fixture&);
+struct RunMode {
+  bool isolate = false;  // each module on the golden's own input to it (see above)
+};
 
-// nullptr when that twin does not support the kind (yet).
-FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin);
+// Throws FixtureError / ConfigError / ShapeError for bad input.
+using FixtureHandler = TwinRun (*)(const Fixture&, const RunMode&);
+
+// nullptr when that twin does not support the kind (yet), or not in that mode.
+FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, const RunMode& mode = {});
 
 // Runs the handler and compares its record with the golden: the one path from a golden to rows.
-std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin);
+std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin,
+                                        const RunMode& mode = {});
 // The same with the handler of the golden's kind; FixtureError when that twin has none.
-std::vector<Comparison> compare_fixture(const Fixture& f, TwinKind twin);
+std::vector<Comparison> compare_fixture(const Fixture& f, TwinKind twin, const RunMode& mode = {});
 
 namespace parity {
 
-// What the handlers share: reading a layer golden's inputs.
+// What the handlers share: reading a layer golden's inputs, and in isolation its taps.
 // Throws FixtureError naming any input.* tensor outside `known` (bad input, not something to ignore).
 void check_inputs(const Fixture& f, const std::set<std::string>& known);
 // param.<key> tensors under their state-dict keys.
@@ -48,17 +59,20 @@ std::map<std::string, Tensor> params_of(const Fixture& f, const std::string& pre
 // input.<name>, checked to have `rank` dimensions (-1: any), or null when the golden has none.
 const Tensor* optional_input(const Fixture& f, const std::string& name, int rank = -1);
 const Tensor& input(const Fixture& f, const std::string& name, int rank = -1);
+// Isolation's substitutes (reference/taps.h Substitutes): the golden's tap.* and tap_in.* tensors
+// by key; null for every other key. The lookup refers to f.
+std::function<const Tensor*(const std::string& key)> golden_substitutes(const Fixture& f);
 
 // The handlers of each twin (parity/reference_handlers.cpp, parity/table_handlers.cpp,
 // parity/dense_run.cpp).
-TwinRun run_reference_dense_layer(const Fixture& f);
-TwinRun run_reference_moe_layer(const Fixture& f);
-TwinRun run_reference_retro_decoder_layer_first(const Fixture& f);
-TwinRun run_reference_retro_decoder_layer(const Fixture& f);
-TwinRun run_reference_retro_block(const Fixture& f);
-TwinRun run_reference_layer_offset_table(const Fixture& f);
-TwinRun run_reference_retro_layout_table(const Fixture& f);
-TwinRun run_optimized_dense_layer(const Fixture& f);
+TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode);
+TwinRun run_reference_moe_layer(const Fixture& f, const RunMode& mode);
+TwinRun run_reference_retro_decoder_layer_first(const Fixture& f, const RunMode& mode);
+TwinRun run_reference_retro_decoder_layer(const Fixture& f, const RunMode& mode);
+TwinRun run_reference_retro_block(const Fixture& f, const RunMode& mode);
+TwinRun run_reference_layer_offset_table(const Fixture& f, const RunMode& mode);
+TwinRun run_reference_retro_layout_table(const Fixture& f, const RunMode& mode);
+TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode);
 
 }  // namespace parity
 }  // namespace twin

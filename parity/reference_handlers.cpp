@@ -3,7 +3,8 @@
 // retro_decoder_layer_first / retro_decoder_layer (a Retro decoder layer owning the retriever
 // encoder, or not) and retro_block (a decoder TransformerBlock from get_retro_decoder_block_spec).
 // Each builds the layer from the golden's config and params, runs it on the golden's inputs while
-// counting rounding points, and returns the record; parity/golden.h compares.
+// counting rounding points, and returns the record; parity/golden.h compares. Isolated
+// (RunMode::isolate), the taps continue from the golden's own tap tensors (golden_substitutes).
 #include <memory>
 #include <string>
 
@@ -31,18 +32,19 @@ LayerInputs layer_inputs(const Fixture& f) {
 }
 
 // Runs `layer` (a TransformerLayer or a subclass) on the golden's hidden states.
-TwinRun run_layer(TransformerLayer& layer, const Fixture& f, const LayerInputs& in) {
+TwinRun run_layer(TransformerLayer& layer, const Fixture& f, const LayerInputs& in, const RunMode& mode) {
   layer.load_state_dict(StateDict(params_of(f)));
   layer.training = f.training;
   TwinRun run;
+  const Substitutes substitutes = mode.isolate ? golden_substitutes(f) : nullptr;
   CountRoundings counting;
-  auto [hidden_states, context] = layer.forward(input(f, "hidden_states", 3), in, Taps(&run.record));
+  auto [hidden_states, context] = layer.forward(input(f, "hidden_states", 3), in, Taps(&run.record, "", &substitutes));
   run.record.add(Role::Output, "hidden_states", hidden_states);
   if (context) run.record.add(Role::Output, "context", *context);
   return run;
 }
 
-TwinRun run_retro_layer(const Fixture& f, bool with_encoder) {
+TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode) {
   const TransformerConfig& config = f.config;
   validate_retro_config(config);
   check_inputs(f, {"hidden_states", "context", "context_mask"});
@@ -56,22 +58,22 @@ TwinRun run_retro_layer(const Fixture& f, bool with_encoder) {
   LayerInputs in;
   in.context = &input(f, "context", 3);
   in.context_mask = optional_input(f, "context_mask");
-  return run_layer(layer, f, in);  // strict: every param.* key must be owned by the spec
+  return run_layer(layer, f, in, mode);  // strict: every param.* key must be owned by the spec
 }
 
 }  // namespace
 
-TwinRun run_reference_dense_layer(const Fixture& f) {
+TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
   const TransformerConfig& cfg = f.config;
   validate_transformer_config(cfg);
   check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb"});
   const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
                                                    attn_mask_type_from_name(cfg.attn_mask_type));
   TransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
-  return run_layer(layer, f, layer_inputs(f));
+  return run_layer(layer, f, layer_inputs(f), mode);
 }
 
-TwinRun run_reference_moe_layer(const Fixture& f) {
+TwinRun run_reference_moe_layer(const Fixture& f, const RunMode& mode) {
   const TransformerConfig& cfg = f.config;
   if (!cfg.num_moe_experts) throw FixtureError(f.path + ": kind moe_layer but config.num_moe_experts is None");
   check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb", "padding_mask"});
@@ -87,13 +89,17 @@ TwinRun run_reference_moe_layer(const Fixture& f) {
     throw FixtureError(f.path + ": __metadata__.tie_break_dependent must be \"true\" or \"false\", got \"" + tie +
                        "\"");
   if (tie == "true") in.recorded_routing_map = &f.tensor("tap.mlp.router.1");
-  return run_layer(layer, f, in);
+  return run_layer(layer, f, in, mode);
 }
 
-TwinRun run_reference_retro_decoder_layer_first(const Fixture& f) { return run_retro_layer(f, true); }
-TwinRun run_reference_retro_decoder_layer(const Fixture& f) { return run_retro_layer(f, false); }
+TwinRun run_reference_retro_decoder_layer_first(const Fixture& f, const RunMode& mode) {
+  return run_retro_layer(f, true, mode);
+}
+TwinRun run_reference_retro_decoder_layer(const Fixture& f, const RunMode& mode) {
+  return run_retro_layer(f, false, mode);
+}
 
-TwinRun run_reference_retro_block(const Fixture& f) {
+TwinRun run_reference_retro_block(const Fixture& f, const RunMode& mode) {
   const TransformerConfig& config = f.config;
   check_inputs(f, {"hidden_states", "context", "context_mask"});
   TransformerBlock block(config, retro::get_retro_decoder_block_spec(config, false), Precision::from_config(config));
@@ -104,9 +110,10 @@ TwinRun run_reference_retro_block(const Fixture& f) {
   in.context = &input(f, "context", 3);
   in.context_mask = optional_input(f, "context_mask");
   TwinRun run;
+  const Substitutes substitutes = mode.isolate ? golden_substitutes(f) : nullptr;
   CountRoundings counting;
   const Tensor hidden_states =
-      block.forward(input(f, "hidden_states", 3), in, f.training, DropoutRng{}, Taps(&run.record));
+      block.forward(input(f, "hidden_states", 3), in, f.training, DropoutRng{}, Taps(&run.record, "", &substitutes));
   run.record.add(Role::Output, "hidden_states", hidden_states);
   return run;
 }

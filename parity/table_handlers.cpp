@@ -114,7 +114,7 @@ TransformerConfig table_config(const Fixture& f, const json& entry_config, std::
 
 }  // namespace
 
-TwinRun run_reference_layer_offset_table(const Fixture& f) {
+TwinRun run_reference_layer_offset_table(const Fixture& f, const RunMode& /*mode: a table has no modules*/) {
   const json& entries = f.table.contains("entries") ? f.table["entries"] : json();
   if (!entries.is_array() || entries.empty()) bad_table(f, "no 'entries' array");
 
@@ -185,7 +185,7 @@ TwinRun run_reference_layer_offset_table(const Fixture& f) {
   return run;
 }
 
-TwinRun run_reference_retro_layout_table(const Fixture& f) {
+TwinRun run_reference_retro_layout_table(const Fixture& f, const RunMode& /*mode: a table has no modules*/) {
   const json& entries = f.table.contains("entries") ? f.table["entries"] : json();
   if (!entries.is_array() || entries.empty()) bad_table(f, "no 'entries' array");
 

@@ -5,6 +5,7 @@
 
 #include "parity/case_cmd.h"
 #include "parity/check.h"
+#include "parity/diff_cmd.h"
 #include "parity/cli_common.h"
 #include "parity/fixture_cmd.h"
 #include "parity/inspect.h"
@@ -15,7 +16,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "twin: a numerical twin of Megatron-Core's TransformerLayer (reference and CUDA twins, golden fixtures)"};
   app.require_subcommand(1);
-  app.footer("Exit codes: 0 pass, 1 mismatch, 2 bad input, 3 unsupported fixture kind.");
+  app.footer(
+      "Exit codes: 0 pass, 1 mismatch (diff: a computed tensor diverges), 2 bad input, 3 unsupported fixture kind.");
 
   InspectOptions inspect;
   auto* inspect_cmd = app.add_subcommand("inspect",
@@ -32,7 +34,27 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"reference", "optimized", "both"}))
       ->capture_default_str();
   fixture_cmd->add_flag("--json", fixture.json,
-                        "One JSON object per file and twin per line: file, kind, twin, status, message, tensors[]");
+                        "One JSON object per file and twin per line: file, kind, twin, isolated, status, message, "
+                        "tensors[]");
+  fixture_cmd->add_flag("--isolate", fixture.isolate,
+                        "Run each module on the golden's own recorded input to it (the previous tap), so each row "
+                        "shows the error that module introduces rather than the error it inherits (default: end "
+                        "to end)");
+
+  DiffOptions diff;
+  auto* diff_cmd = app.add_subcommand(
+      "diff",
+      "Compare two captures of one layer (golden files of one kind: two runs, TP sizes, commits, GPU and CPU) "
+      "tensor by tensor in computation order, each within the bound of its rounding points; name the first that "
+      "diverges");
+  diff_cmd
+      ->add_option("A", diff.a,
+                   "The first capture (.safetensors); the reference twin runs on it for the order "
+                   "and the rounding counts")
+      ->required();
+  diff_cmd->add_option("B", diff.b, "The second capture (.safetensors), of the same kind")->required();
+  diff_cmd->add_flag("--json", diff.json,
+                     "One JSON object: a, b, kind, status, message, first_divergence, differing_given, tensors[]");
 
   CheckOptions check;
   auto* check_cmd =
@@ -65,6 +87,7 @@ int main(int argc, char** argv) {
   try {
     if (*inspect_cmd) return run_inspect(inspect, std::cout, std::cerr);
     if (*fixture_cmd) return run_fixture(fixture, std::cout, std::cerr);
+    if (*diff_cmd) return run_diff(diff, std::cout, std::cerr);
     if (*check_cmd) return run_check(check, std::cout, std::cerr);
     if (*case_cmd) return run_case_command(case_opt, std::cout, std::cerr);
     if (*layout_cmd) {

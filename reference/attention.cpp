@@ -9,14 +9,14 @@ namespace twin::reference {
 namespace {
 std::string dims(std::initializer_list<std::int64_t> d) { return shape_str(Shape(d)); }
 
-void record_mat(const Taps& taps, const std::string& name, const Mat& m, Shape shape, const Precision& p) {
-  if (taps.enabled()) taps.record(name, p.to_tensor(m, std::move(shape)));
-}
-
-void record_own_output(const Taps& taps, const AttentionOutput& out, int s, int b, const Precision& p) {
+// linear_proj's output, recorded as linear_proj.0 / .1 and again as the module's own output 0 / 1
+// (the same tensors: the module returns linear_proj's pair). Continues with what the taps return.
+void record_output(const Taps& taps, AttentionOutput& out, int s, int b, const Precision& p) {
   if (!taps.enabled()) return;
-  taps.record("0", p.to_tensor(out.output, {s, b, out.output.cols()}));
-  if (out.bias) taps.record_param("1", p.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
+  for (const std::string name : {"linear_proj.", ""}) {
+    out.output = taps.record(name + "0", out.output, {s, b, out.output.cols()}, p);
+    if (out.bias) taps.record_param(name + "1", p.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
+  }
 }
 
 int checked_groups(const TransformerConfig& c) {
@@ -73,8 +73,7 @@ SelfAttention::QKV SelfAttention::get_query_key_value_tensors(const Mat& hidden_
                                                               const Taps& taps) const {
   // Attention heads [sq, b, h] --> [sq, b, ng * (np/ng + 2) * hn]
   const OutputWithBias qkv = linear_qkv.forward(hidden_states);
-  const Mat& mixed_qkv = qkv.output;
-  record_mat(taps, "linear_qkv.0", mixed_qkv, {a.s, a.b, mixed_qkv.cols()}, p_);
+  const Mat mixed_qkv = taps.record("linear_qkv.0", qkv.output, {a.s, a.b, qkv.output.cols()}, p_);
 
   const int r = np_ / ng_;  // num_query_heads_per_group
   const int per_group = (output_gate_ ? 2 * r + 2 : r + 2) * hn_;
@@ -103,16 +102,14 @@ SelfAttention::QKV SelfAttention::get_query_key_value_tensors(const Mat& hidden_
   const RoundingCount at_split = rounding_now();
   if (q_layernorm) {
     const double magnitude = taps.enabled() ? q_layernorm->error_magnitude(out.query) : -1.0;
-    out.query = q_layernorm->forward(out.query);
-    record_mat(taps, "q_layernorm", out.query, {a.s, a.b, np_, hn_}, p_);
+    out.query = taps.record("q_layernorm", q_layernorm->forward(out.query), {a.s, a.b, np_, hn_}, p_);
     taps.set_magnitude(magnitude);
   }
   const RoundingCount query_path = rounding_now();
   rounding_set(at_split);
   if (k_layernorm) {
     const double magnitude = taps.enabled() ? k_layernorm->error_magnitude(out.key) : -1.0;
-    out.key = k_layernorm->forward(out.key);
-    record_mat(taps, "k_layernorm", out.key, {a.s, a.b, ng_, hn_}, p_);
+    out.key = taps.record("k_layernorm", k_layernorm->forward(out.key), {a.s, a.b, ng_, hn_}, p_);
     taps.set_magnitude(magnitude);
   }
   rounding_join(query_path);
@@ -134,7 +131,7 @@ AttentionOutput SelfAttention::forward(const Mat& hidden_states, const Attention
 
   Mat core_attn_out = core_attention.forward(qkv.query, qkv.key, qkv.value, a.s, a.s, a.b, a.attention_mask, a.training,
                                              a.rng);  // [sq, b, np * hn]
-  record_mat(taps, "core_attention", core_attn_out, {a.s, a.b, core_attn_out.cols()}, p_);
+  core_attn_out = taps.record("core_attention", core_attn_out, {a.s, a.b, core_attn_out.cols()}, p_);
 
   if (qkv.gate) {  // _apply_output_gate: x * sigmoid(gate.float()), back to x's dtype
     for (Eigen::Index t = 0; t < core_attn_out.rows(); ++t)
@@ -149,12 +146,7 @@ AttentionOutput SelfAttention::forward(const Mat& hidden_states, const Attention
 
   AttentionOutput out;
   static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out);
-  if (taps.enabled()) {
-    record_mat(taps, "linear_proj.0", out.output, {a.s, a.b, out.output.cols()}, p_);
-    if (out.bias)
-      taps.record_param("linear_proj.1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
-  }
-  record_own_output(taps, out, a.s, a.b, p_);
+  record_output(taps, out, a.s, a.b, p_);
   return out;
 }
 
@@ -203,31 +195,30 @@ AttentionOutput CrossAttention::forward_mats(const Mat& hidden_states, int sq, i
   if (hidden_states.rows() != static_cast<Eigen::Index>(sq) * b || hidden_states.cols() != hidden_)
     throw ShapeError("CrossAttention: hidden_states expected shape " + dims({sq, b, hidden_}));
   // Attention heads [sk, b, h] --> [sk, b, (np * 2 * hn)] --> [sk, b, np, 2 * hn] --> 2 x [sk, b, np, hn]
-  const OutputWithBias mixed_kv = linear_kv.forward(key_value_states);
-  record_mat(taps, "linear_kv.0", mixed_kv.output, {sk, b, mixed_kv.output.cols()}, p_);
+  const RoundingCount hidden_states_rounding = rounding_now();
+  const OutputWithBias kv_out = linear_kv.forward(key_value_states);
+  const Mat mixed_kv = taps.record("linear_kv.0", kv_out.output, {sk, b, kv_out.output.cols()}, p_);
+  // The query comes from hidden_states, not through linear_kv's tap (a no-op end to end, where the
+  // count only grows; in isolation that tap reset it).
+  rounding_join(hidden_states_rounding);
   const Eigen::Index kv_rows = static_cast<Eigen::Index>(sk) * b * np_;
   Mat key(kv_rows, hn_), value(kv_rows, hn_);
   for (Eigen::Index t = 0; t < static_cast<Eigen::Index>(sk) * b; ++t)
     for (int h = 0; h < np_; ++h) {
-      key.row(t * np_ + h) = mixed_kv.output.row(t).segment(static_cast<Eigen::Index>(h) * 2 * hn_, hn_);
-      value.row(t * np_ + h) = mixed_kv.output.row(t).segment(static_cast<Eigen::Index>(h) * 2 * hn_ + hn_, hn_);
+      key.row(t * np_ + h) = mixed_kv.row(t).segment(static_cast<Eigen::Index>(h) * 2 * hn_, hn_);
+      value.row(t * np_ + h) = mixed_kv.row(t).segment(static_cast<Eigen::Index>(h) * 2 * hn_ + hn_, hn_);
     }
   // Attention head [sq, b, h] --> [sq, b, hp] --> [sq, b, np, hn]
-  const OutputWithBias q = linear_q.forward(hidden_states);
-  record_mat(taps, "linear_q.0", q.output, {sq, b, q.output.cols()}, p_);
-  const Mat query = Eigen::Map<const Mat>(q.output.data(), static_cast<Eigen::Index>(sq) * b * np_, hn_);
+  const OutputWithBias q_out = linear_q.forward(hidden_states);
+  const Mat q = taps.record("linear_q.0", q_out.output, {sq, b, q_out.output.cols()}, p_);
+  const Mat query = Eigen::Map<const Mat>(q.data(), static_cast<Eigen::Index>(sq) * b * np_, hn_);
 
-  const Mat core_attn_out = core_attention.forward(query, key, value, sq, sk, b, attention_mask, training, rng);
-  record_mat(taps, "core_attention", core_attn_out, {sq, b, core_attn_out.cols()}, p_);
+  Mat core_attn_out = core_attention.forward(query, key, value, sq, sk, b, attention_mask, training, rng);
+  core_attn_out = taps.record("core_attention", core_attn_out, {sq, b, core_attn_out.cols()}, p_);
 
   AttentionOutput out;
   static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out);
-  if (taps.enabled()) {
-    record_mat(taps, "linear_proj.0", out.output, {sq, b, out.output.cols()}, p_);
-    if (out.bias)
-      taps.record_param("linear_proj.1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
-  }
-  record_own_output(taps, out, sq, b, p_);
+  record_output(taps, out, sq, b, p_);
   return out;
 }
 

@@ -4,13 +4,13 @@
 
 namespace twin::reference {
 
-void record_output_with_bias(const Taps& taps, const std::string& name, const OutputWithBias& o, const Shape& lead,
+void record_output_with_bias(const Taps& taps, const std::string& prefix, OutputWithBias& o, const Shape& lead,
                              const Precision& p) {
   if (!taps.enabled()) return;
   Shape shape = lead;
   shape.push_back(o.output.cols());
-  taps.record(name + ".0", p.to_tensor(o.output, shape));
-  if (o.bias) taps.record_param(name + ".1", p.to_tensor(*o.bias, {static_cast<std::int64_t>(o.bias->size())}));
+  o.output = taps.record(prefix + "0", o.output, shape, p);
+  if (o.bias) taps.record_param(prefix + "1", p.to_tensor(*o.bias, {static_cast<std::int64_t>(o.bias->size())}));
 }
 
 static int fc1_out(const TransformerConfig& c, std::optional<int> ffn) {
@@ -81,7 +81,7 @@ void MLP::load_state_dict(const StateDict& sd, const std::string& prefix) {
 OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) const {
   // [s, b, 4 * h/p]
   OutputWithBias fc1 = linear_fc1.forward(hidden_states);
-  record_output_with_bias(taps, "linear_fc1", fc1, args.lead, p_);
+  record_output_with_bias(taps, "linear_fc1.", fc1, args.lead, p_);
   Mat intermediate_parallel = fc1.output;
   bool weighted_fused = false;  // the fused weighted swiglu already applied per_token_scale
   if (bias_activation_fusion && args.per_token_scale) {
@@ -133,7 +133,7 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
 
   // [s, b, h]
   OutputWithBias out = linear_fc2.forward(intermediate_parallel);
-  record_output_with_bias(taps, "linear_fc2", out, args.lead, p_);
+  record_output_with_bias(taps, "linear_fc2.", out, args.lead, p_);
   if (per_token_scale && out.bias) {
     // output += output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1); output_bias = None.
     // The product is stored in the promoted dtype (fp32 scale: fp32), the sum in the output's.
@@ -151,12 +151,7 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
 
 OutputWithBias MLP::forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) {
   OutputWithBias out = forward_inner(hidden_states, args, taps);
-  if (taps.enabled()) {
-    Shape shape = args.lead;
-    shape.push_back(out.output.cols());
-    taps.record("0", p_.to_tensor(out.output, shape));
-    if (out.bias) taps.record_param("1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
-  }
+  record_output_with_bias(taps, "", out, args.lead, p_);  // the module's own output: "0", "1"
   return out;
 }
 

@@ -54,8 +54,9 @@ class MlpModule {
   virtual void load_state_dict(const StateDict& sd, const std::string& prefix) = 0;
 };
 
-// Records a (output, bias) pair as name.0 / name.1 with shape lead + [cols].
-void record_output_with_bias(const Taps& taps, const std::string& name, const OutputWithBias& o, const Shape& lead,
+// Records a (output, bias) pair as <prefix>0 / <prefix>1 with shape lead + [cols] ("linear_fc1." or
+// "" for the module's own output); o.output becomes the value to continue with (Taps::record).
+void record_output_with_bias(const Taps& taps, const std::string& prefix, OutputWithBias& o, const Shape& lead,
                              const Precision& p);
 
 class MLP : public MlpModule {

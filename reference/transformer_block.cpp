@@ -40,7 +40,12 @@ Tensor TransformerBlock::forward(const Tensor& hidden_states_in, const LayerInpu
   std::optional<Tensor> context;
   if (inputs.context) context = *inputs.context;
   const Taps layer_taps = taps.child("layers");
+  // The block's inputs reach every layer (the context as is): each layer starts from at least their
+  // rounding points (a no-op end to end, where the count only grows; in isolation each layer's
+  // output tap resets it).
+  const RoundingCount inputs_rounding = rounding_now();
   for (std::size_t l_no = 0; l_no < layers.size(); ++l_no) {
+    rounding_join(inputs_rounding);
     TransformerLayer& layer = *layers[l_no];
     layer.training = training;
     layer.rng = rng.with_offset(rng.offset + 8 * l_no);
@@ -48,22 +53,16 @@ Tensor TransformerBlock::forward(const Tensor& hidden_states_in, const LayerInpu
     layer_inputs.context = context ? &*context : nullptr;
     const Taps t = layer_taps.child(std::to_string(l_no));
     auto [h, c] = layer.forward(hidden_states, layer_inputs, t);
-    hidden_states = std::move(h);
+    hidden_states = layer_taps.record(std::to_string(l_no) + ".0", h);
     context = std::move(c);
-    if (taps.enabled()) {
-      layer_taps.record(std::to_string(l_no) + ".0", hidden_states);
-      if (context) layer_taps.record(std::to_string(l_no) + ".1", *context);
-    }
+    if (context) context = layer_taps.record(std::to_string(l_no) + ".1", *context);
   }
   // Final layer norm.
   if (final_layernorm) {
     const std::int64_t s = hidden_states.size(0), b = hidden_states.size(1), h = hidden_states.size(2);
     const Mat x = to_mat(hidden_states, s * b, h, "hidden_states");
-    hidden_states = precision.to_tensor(final_layernorm->forward(x), {s, b, h});
-    if (taps.enabled()) {
-      taps.record("final_layernorm", hidden_states);
-      taps.set_magnitude(final_layernorm->error_magnitude(x));
-    }
+    hidden_states = taps.record("final_layernorm", precision.to_tensor(final_layernorm->forward(x), {s, b, h}));
+    if (taps.enabled()) taps.set_magnitude(final_layernorm->error_magnitude(x));
   }
   if (context_out) *context_out = context;
   return hidden_states;

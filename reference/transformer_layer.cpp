@@ -127,17 +127,19 @@ void TransformerLayer::load_state_dict(const std::map<std::string, Tensor>& sd) 
 Mat TransformerLayer::apply_norm(const std::unique_ptr<Norm>& norm, const Mat& x, const std::string& name, int s, int b,
                                  const Taps& taps) const {
   if (!norm) return x;  // IdentityOp
-  Mat y = norm->forward(x);
-  if (taps.enabled()) {
-    taps.record(name, precision.to_tensor(y, {s, b, y.cols()}));
-    taps.set_magnitude(norm->error_magnitude(x));
-  }
-  return y;
+  const Mat y = norm->forward(x);
+  const Mat out = taps.record(name, y, {s, b, y.cols()}, precision);
+  if (taps.enabled()) taps.set_magnitude(norm->error_magnitude(x));
+  return out;
 }
 
 Mat TransformerLayer::apply_bda(const BdaBuilder& bda, const AttentionOutput& x_with_bias, const Mat& residual,
-                                std::uint64_t offset) const {
+                                const RoundingCount& residual_rounding, std::uint64_t offset) const {
   if (!bda) return x_with_bias.output;  // IdentityFuncOp: returns its first argument
+  // The residual was taken before the module whose output meets it here: its rounding points
+  // count as well (a no-op end to end, where the count only grows; in isolation the count was
+  // reset to the module's substituted input, which the residual did not come through).
+  rounding_join(residual_rounding);
   return bda(training, config.bias_dropout_fusion, rng.with_offset(rng.offset + offset), precision)(
       x_with_bias, residual, hidden_dropout);
 }
@@ -161,6 +163,7 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
                                                                            const Taps& taps) {
   // Residual connection.
   Mat residual = hidden_states_in;
+  RoundingCount residual_rounding = rounding_now();
   // Optional Input Layer norm
   const Mat input_layernorm_output = apply_norm(input_layernorm, hidden_states_in, "input_layernorm", s, b, taps);
 
@@ -183,10 +186,11 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   } else {
     attention_output_with_bias.output = input_layernorm_output;  // IdentityOp
   }
-  Mat hidden_states = apply_bda(self_attn_bda, attention_output_with_bias, residual, 1);
+  Mat hidden_states = apply_bda(self_attn_bda, attention_output_with_bias, residual, residual_rounding, 1);
 
   // Residual connection.
   residual = hidden_states;
+  residual_rounding = rounding_now();
   // Optional Layer norm after self-attention
   const Mat pre_cross_attn_layernorm_output =
       apply_norm(pre_cross_attn_layernorm, hidden_states, "pre_cross_attn_layernorm", s, b, taps);
@@ -204,7 +208,7 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
     attention_output_with_bias = AttentionOutput();
     attention_output_with_bias.output = pre_cross_attn_layernorm_output;  // IdentityOp
   }
-  hidden_states = apply_bda(cross_attn_bda, attention_output_with_bias, residual, 3);
+  hidden_states = apply_bda(cross_attn_bda, attention_output_with_bias, residual, residual_rounding, 3);
   return {hidden_states, context};
 }
 
@@ -216,6 +220,7 @@ Mat TransformerLayer::_forward_mlp(const Mat& hidden_states, int s, int b, const
                                    const Taps& taps) {
   // Residual connection.
   const Mat residual = hidden_states;
+  const RoundingCount residual_rounding = rounding_now();
   // Optional Layer norm post the cross-attention.
   const Mat pre_mlp_layernorm_output = _forward_pre_mlp_layernorm(hidden_states, s, b, taps);
   OutputWithBias mlp_output_with_bias;
@@ -229,13 +234,14 @@ Mat TransformerLayer::_forward_mlp(const Mat& hidden_states, int s, int b, const
   } else {
     mlp_output_with_bias.output = pre_mlp_layernorm_output;  // IdentityOp
   }
-  return _forward_post_mlp(mlp_output_with_bias, residual);
+  return _forward_post_mlp(mlp_output_with_bias, residual, residual_rounding);
 }
 
-Mat TransformerLayer::_forward_post_mlp(const OutputWithBias& mlp_output_with_bias, const Mat& residual) {
+Mat TransformerLayer::_forward_post_mlp(const OutputWithBias& mlp_output_with_bias, const Mat& residual,
+                                        const RoundingCount& residual_rounding) {
   AttentionOutput x_with_bias;
   static_cast<OutputWithBias&>(x_with_bias) = mlp_output_with_bias;
-  return apply_bda(mlp_bda, x_with_bias, residual, 4);
+  return apply_bda(mlp_bda, x_with_bias, residual, residual_rounding, 4);
 }
 
 std::optional<std::vector<RowVec>> TransformerLayer::get_layer_norm_weights() const { return std::nullopt; }

@@ -162,7 +162,9 @@ class TransformerLayer : public BaseTransformerLayer {
                                                            const LayerInputs& inputs, const Taps& taps);
   Mat _forward_pre_mlp_layernorm(const Mat& hidden_states, int s, int b, const Taps& taps);
   Mat _forward_mlp(const Mat& hidden_states, int s, int b, const LayerInputs& inputs, const Taps& taps);
-  Mat _forward_post_mlp(const OutputWithBias& mlp_output_with_bias, const Mat& residual);
+  // residual_rounding: the rounding points counted before the residual was taken.
+  Mat _forward_post_mlp(const OutputWithBias& mlp_output_with_bias, const Mat& residual,
+                        const RoundingCount& residual_rounding = {});
 
   // Megatron's get_layer_norm_weights returns None at this commit: so does this (nullopt).
   std::optional<std::vector<RowVec>> get_layer_norm_weights() const;
@@ -194,7 +196,7 @@ class TransformerLayer : public BaseTransformerLayer {
   Mat apply_norm(const std::unique_ptr<Norm>& norm, const Mat& x, const std::string& name, int s, int b,
                  const Taps& taps) const;
   Mat apply_bda(const BdaBuilder& bda, const AttentionOutput& x_with_bias, const Mat& residual,
-                std::uint64_t offset) const;
+                const RoundingCount& residual_rounding, std::uint64_t offset) const;
 };
 
 }  // namespace twin::reference

@@ -53,14 +53,12 @@ Mat SequentialMLP::forward(const Mat& permuted_local_hidden_states, const std::v
     args.per_token_scale = &probs;
     args.per_token_scale_dtype = probs_dtype_;
     const Mat output = local_experts[i].forward_inner(hidden.middleRows(start, n), args, expert_taps).output;
-    if (expert_taps.enabled()) expert_taps.record("0", p_.to_tensor(output, {n, output.cols()}));
-    output_local.middleRows(start, n) = output;
+    output_local.middleRows(start, n) = expert_taps.record("0", output, {n, output.cols()}, p_);
     start += n;
     experts_end.join(rounding_now());
   }
   rounding_set(experts_end);
-  if (taps.enabled()) taps.record("0", p_.to_tensor(output_local, {output_local.rows(), output_local.cols()}));
-  return output_local;
+  return taps.record("0", output_local, {output_local.rows(), output_local.cols()}, p_);
 }
 
 }  // namespace twin::reference::moe

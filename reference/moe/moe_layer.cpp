@@ -81,11 +81,10 @@ void MoELayer::load_state_dict(const StateDict& sd, const std::string& prefix) {
 std::optional<Mat> MoELayer::shared_experts_compute(const Mat& hidden_states, const Shape& lead,
                                                     const Taps& taps) const {
   if (!shared_experts) return std::nullopt;
-  Mat shared_expert_output = shared_experts->forward(hidden_states, lead, taps.child("shared_experts"));
+  const Mat shared_expert_output = shared_experts->forward(hidden_states, lead, taps.child("shared_experts"));
   Shape shape = lead;
   shape.push_back(shared_expert_output.cols());
-  if (taps.enabled()) taps.record("shared_experts", p_.to_tensor(shared_expert_output, shape));
-  return shared_expert_output;
+  return taps.record("shared_experts", shared_expert_output, shape, p_);
 }
 
 RouterOutput MoELayer::route(const Mat& hidden_states, Index seq_length, Index bsz,
@@ -104,20 +103,29 @@ DispatchTensors MoELayer::dispatch(DispatchTensors x) { return token_dispatcher-
 
 OutputWithBias MoELayer::routed_experts_compute(DispatchTensors x, const Taps& taps) {
   const double probs_magnitude = x.probs_magnitude;
-  const ExpertInputs in = token_dispatcher->dispatch_postprocess(std::move(x));
+  ExpertInputs in = token_dispatcher->dispatch_postprocess(std::move(x));
   const Taps experts_taps = taps.child("experts");
-  if (taps.enabled()) {  // the experts' inputs (fixtures: tap_in.mlp.experts.*)
-    const Taps& in_taps = experts_taps;
-    in_taps.record_input("dispatched_input",
-                         p_.to_tensor(in.dispatched_input, {in.dispatched_input.rows(), in.dispatched_input.cols()}));
-    in_taps.record_input("tokens_per_expert",
-                         Tensor::from_vector<std::int64_t>(
-                             {static_cast<Index>(in.tokens_per_expert.size())},
-                             std::vector<std::int64_t>(in.tokens_per_expert.begin(), in.tokens_per_expert.end())));
-    in_taps.record_input(
-        "permuted_probs",
-        Tensor::from_doubles(router.router_dtype(), {static_cast<Index>(in.permuted_probs.size())}, in.permuted_probs));
-    in_taps.set_magnitude(probs_magnitude);
+  if (taps.enabled()) {  // the experts' inputs (fixtures: tap_in.mlp.experts.*), continued with as the taps return
+    const Index n = in.dispatched_input.rows(), h = in.dispatched_input.cols();
+    in.dispatched_input =
+        to_mat(experts_taps.record_input("dispatched_input", p_.to_tensor(in.dispatched_input, {n, h})), n, h,
+               "dispatched_input");
+    // Both floating inputs reach the experts: the count goes on with the larger of what each carries.
+    const RoundingCount dispatched_input_rounding = rounding_now();
+    // The split follows the twin's own counts (from the routing map, itself given in isolation):
+    // counts that disagree with the rows of a given dispatched input would make no expert batch.
+    experts_taps.record_input("tokens_per_expert",
+                              Tensor::from_vector<std::int64_t>(
+                                  {static_cast<Index>(in.tokens_per_expert.size())},
+                                  std::vector<std::int64_t>(in.tokens_per_expert.begin(), in.tokens_per_expert.end())));
+    in.permuted_probs =
+        experts_taps
+            .record_input("permuted_probs",
+                          Tensor::from_doubles(router.router_dtype(), {static_cast<Index>(in.permuted_probs.size())},
+                                               in.permuted_probs))
+            .to_f64();
+    experts_taps.set_magnitude(probs_magnitude);
+    rounding_join(dispatched_input_rounding);
   }
   const Mat expert_output = experts.forward(in.dispatched_input, in.tokens_per_expert, in.permuted_probs, experts_taps);
   OutputWithBias out;  // mlp_bias is None: expert biases are added inside the experts
@@ -168,8 +176,12 @@ MoERouteOutput MoELayer::forward_route(const Mat& hidden_states, const MlpArgs& 
                        shape_str({seq_length * bsz, *config_.num_moe_experts}) + ", got " + m.describe());
     recorded = to_bool_mat(m, m.size(0), m.size(1));
   }
+  const RoundingCount hidden_states_rounding = rounding_now();
   const RouterOutput routed = route(hidden_states, seq_length, bsz, padding_mask ? &*padding_mask : nullptr, taps,
                                     recorded ? &*recorded : nullptr);
+  // The tokens dispatched are hidden_states, which did not come through the router's taps (a no-op
+  // end to end, where the count only grows; in isolation the router's taps reset it).
+  rounding_join(hidden_states_rounding);
   r.hidden_states_and_probs = preprocess(hidden_states, seq_length, bsz, routed.probs, routed.routing_map);
   r.hidden_states_and_probs.probs_magnitude = 1.0 + (routed.logits.size() ? routed.logits.cwiseAbs().maxCoeff() : 0.0);
   r.token_dispatcher_attrs = token_dispatcher->state;
@@ -188,8 +200,7 @@ OutputWithBias MoELayer::forward_expert_compute(const DispatchTensors& hidden_st
 Mat MoELayer::forward_postprocess(const Mat& output, const std::optional<Mat>& shared_expert_output, const Taps& taps) {
   Mat result = postprocess(output, shared_expert_output);  // [T, h]
   const DispatcherState& st = token_dispatcher->state;
-  if (taps.enabled()) taps.record("0", p_.to_tensor(result, {st.seq_length, st.bsz, result.cols()}));
-  return result;
+  return taps.record("0", result, {st.seq_length, st.bsz, result.cols()}, p_);
 }
 
 OutputWithBias MoELayer::forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) {

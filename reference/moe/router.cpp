@@ -268,11 +268,11 @@ RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz, 
     throw MoEError("moe_router_force_load_balancing (random benchmark logits) is not supported by the reference");
   const Mat jittered = apply_input_jitter(input);            // [T, h]
   if (config_.moe_input_jitter_eps) precision_.count_act();  // input * noise
-  const Mat logits = gating(jittered);                       // [T, E]
   const DType rdt = router_dtype_;
+  const Mat gated = gating(jittered);            // [T, E]
   precision_.count_reduce(config_.hidden_size);  // the gating GEMM, stored in the router dtype
   precision_.count_store(rdt);
-  taps.record("logits", to_tensor(logits, rdt, {seq_length, bsz, num_experts_}));
+  const Mat logits = taps.record("logits", gated, {seq_length, bsz, num_experts_}, rdt);
   AuxLosses logged;  // this call's losses, recorded below and added to *aux_losses
   RouterOutput r = routing(logits, seq_length, bsz, padding_mask, &logged, recorded_routing_map);
   if (aux_losses)
@@ -286,9 +286,10 @@ RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz, 
   // Probabilities move with the logits' absolute error (softmax and sigmoid are 1-Lipschitz).
   double max_logit = 0.0;
   for (Index i = 0; i < logits.size(); ++i) max_logit = std::max(max_logit, std::abs(logits.data()[i]));
-  taps.record("0", to_tensor(r.probs, rdt, {r.probs.rows(), r.probs.cols()}));
+  r.probs = taps.record("0", r.probs, {r.probs.rows(), r.probs.cols()}, rdt);
   taps.set_magnitude(1.0 + max_logit);
-  taps.record("1", to_tensor(r.routing_map));
+  if (taps.enabled())
+    r.routing_map = to_bool_mat(taps.record("1", to_tensor(r.routing_map)), r.routing_map.rows(), r.routing_map.cols());
   for (const auto& [name, v] : logged) {  // computed from the logits and probabilities above
     taps.record_aux(name, Tensor::from_doubles(DType::F64, {}, {v}));
     taps.set_magnitude(1.0 + max_logit);

@@ -58,8 +58,12 @@ AttentionOutput RetroDecoderCrossAttention::forward(const Mat& hidden_states, co
     encoder_inputs.context = &chunked_output;
     encoder_inputs.context_mask = nullptr;  // get_all_true_mask returns None
     DropoutRng encoder_rng = args.rng.with_offset(args.rng.offset + (std::uint64_t{1} << 40));
-    const Tensor encoded = encoder->forward(kv_in, encoder_inputs, args.training, encoder_rng, taps.child("encoder"));
-    if (taps.enabled()) taps.record("encoder", encoded);
+    const RoundingCount hidden_states_rounding = rounding_now();
+    const Tensor encoded = taps.record(
+        "encoder", encoder->forward(kv_in, encoder_inputs, args.training, encoder_rng, taps.child("encoder")));
+    // The attending chunks come from hidden_states, not through the encoder's tap (a no-op end to
+    // end, where the count only grows; in isolation that tap reset it).
+    rounding_join(hidden_states_rounding);
     key_value_states = encoded.reshape({r * k, bs * l, d});  // [ r*k, bs*l, d ]
   } else {
     const Shape want{r * k, bs * l, d};
@@ -81,13 +85,10 @@ AttentionOutput RetroDecoderCrossAttention::forward(const Mat& hidden_states, co
                         /*attention_mask=*/nullptr, args.training, args.rng, taps.child("attn"));
 
   // Return dimensions for bias-dropout step.
-  out.context = key_value_states;
+  out.output = taps.record("attention_output", out.output, {m, bs * l, d}, p_);
+  if (out.bias && taps.enabled()) taps.record_param("attention_bias", p_.to_tensor(*out.bias, {d}));
+  out.context = taps.record("context", key_value_states);
   out.extra = std::make_shared<RetroDecoderChunking>(RetroDecoderChunking{ns, bs, d, l, pad, m});
-  if (taps.enabled()) {
-    taps.record("attention_output", p_.to_tensor(out.output, {m, bs * l, d}));
-    if (out.bias) taps.record_param("attention_bias", p_.to_tensor(*out.bias, {d}));
-    taps.record("context", key_value_states);
-  }
   return out;
 }
 

@@ -39,9 +39,13 @@ std::vector<RetroEncoderAttentionTuple> RetroEncoderCrossAttention::forward_tupl
                      std::to_string(N) + " from key_value_states " + shape_str(kv.shape()) + ")");
   const Mat key_value_states = to_mat(kv, sk * N, d, "key_value_states");
 
-  // Per-chunk attention.
+  // Per-chunk attention. Each neighbour's attention is a branch from the input, and its residual
+  // is the input itself: none inherits another's roundings (they join after the loop).
+  const RoundingCount at_input = rounding_now();
+  RoundingCount neighbours_end = at_input;
   std::vector<RetroEncoderAttentionTuple> attention_output_tuples;
   for (std::int64_t n = 0; n < k; ++n) {
+    rounding_set(at_input);
     // Attend to current neighboring chunks.
     // - chunked_output:   [ r, bs*l, d ]  (hidden_states.reshape(r, -1, k, d)[:, :, n])
     // - key_value_states: [ m, bs*l, d ]
@@ -53,15 +57,18 @@ std::vector<RetroEncoderAttentionTuple> RetroEncoderCrossAttention::forward_tupl
                                                   args.training, neighbour_rng(args.rng, n), taps.child("attn"));
 
     // Residual connection. [ r, bs*l, d ]
-    RetroEncoderAttentionTuple t{std::move(attention.output), std::move(attention.bias), chunked_output};
-    if (taps.enabled()) {
-      const std::string i = std::to_string(n);
-      taps.record(i + ".0", p_.to_tensor(t.attention_output, {r, N, d}));
-      if (t.attention_bias) taps.record_param(i + ".1", p_.to_tensor(*t.attention_bias, {d}));
-      taps.record(i + ".2", p_.to_tensor(t.residual, {r, N, d}));
-    }
+    const std::string i = std::to_string(n);
+    RetroEncoderAttentionTuple t;
+    t.attention_output = taps.record(i + ".0", attention.output, {r, N, d}, p_);
+    t.attention_bias = std::move(attention.bias);
+    if (t.attention_bias && taps.enabled()) taps.record_param(i + ".1", p_.to_tensor(*t.attention_bias, {d}));
+    neighbours_end.join(rounding_now());
+    rounding_set(at_input);
+    t.residual = taps.record(i + ".2", chunked_output, {r, N, d}, p_);
+    neighbours_end.join(rounding_now());
     attention_output_tuples.push_back(std::move(t));
   }
+  rounding_set(neighbours_end);
   return attention_output_tuples;
 }
 

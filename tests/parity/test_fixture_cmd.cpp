@@ -30,26 +30,28 @@ TwinRun fake_run(const std::vector<std::tuple<std::string, Tensor, Tensor>>& row
   return run;
 }
 
-TwinRun all_pass(const Fixture& fx) {
+TwinRun all_pass(const Fixture& fx, const RunMode&) {
   const Tensor& x = fx.tensor("input.hidden_states");
   return fake_run({{"tap.a", x, x}, {"output.hidden_states", x, x}});
 }
 
-TwinRun second_and_third_fail(const Fixture& fx) {
+TwinRun second_and_third_fail(const Fixture& fx, const RunMode&) {
   const Tensor& x = fx.tensor("input.hidden_states");
   const Tensor y = Tensor::from_vector<float>({2}, {1.0f, 2.0f});
   const Tensor y_off = Tensor::from_vector<float>({2}, {1.0f, 2.5f});
   return fake_run({{"tap.first", x, x}, {"tap.second", y_off, y}, {"tap.third", y, x}, {"output.hidden_states", x, x}});
 }
 
-TwinRun throws_shape(const Fixture&) { throw ShapeError("linear_qkv: expected shape [8, 8], got [8, 4]"); }
-TwinRun compares_nothing(const Fixture&) {
+TwinRun throws_shape(const Fixture&, const RunMode&) {
+  throw ShapeError("linear_qkv: expected shape [8, 8], got [8, 4]");
+}
+TwinRun compares_nothing(const Fixture&, const RunMode&) {
   TwinRun run;
   run.expected.emplace();
   return run;
 }
 
-FixtureHandler fake_lookup(const std::string& kind, TwinKind twin) {
+FixtureHandler fake_lookup(const std::string& kind, TwinKind twin, const RunMode&) {
   if (twin == TwinKind::Optimized) return nullptr;
   if (kind == "fake_pass") return all_pass;
   if (kind == "fake_fail") return second_and_third_fail;

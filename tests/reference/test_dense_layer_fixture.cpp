@@ -56,7 +56,7 @@ TEST(DenseLayerFixture, AnOutputRoundedToBf16FailsTheCountedBound) {
   for (const auto& path : dense_files()) {
     SCOPED_TRACE(path.string());
     const Fixture f = load_fixture(path.string());
-    TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f);
+    TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f, RunMode{});
     RecordEntry& out = run.record.entries.back();
     ASSERT_EQ(out.key(), "output.hidden_states");
     out.value = out.value.to(DType::BF16).to(DType::F32);

@@ -1,0 +1,91 @@
+#include "parity/diff_cmd.h"
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "fixtures/fixture.h"
+#include "parity/capture_diff.h"
+#include "parity/cli_common.h"
+#include "parity/report.h"
+
+namespace twin::cli {
+
+namespace {
+
+std::string list(const std::vector<std::string>& names) {
+  std::string s;
+  for (std::size_t i = 0; i < names.size(); ++i) s += (i ? ", " : "") + names[i];
+  return s;
+}
+
+}  // namespace
+
+int run_diff(const DiffOptions& opt, std::ostream& out, std::ostream& err) {
+  using json = nlohmann::json;
+  std::optional<std::string> kind;
+  parity::CaptureDiff d;
+  try {
+    const Fixture a = load_fixture(opt.a), b = load_fixture(opt.b);
+    kind = a.kind;
+    d = parity::diff_captures(a, b);
+  } catch (...) {
+    const std::string message = describe_exception(std::current_exception());
+    if (opt.json)
+      out << json{{"a", opt.a},
+                  {"b", opt.b},
+                  {"kind", nullptr},
+                  {"status", status_name(Status::Error)},
+                  {"message", message},
+                  {"first_divergence", nullptr},
+                  {"differing_given", json::array()},
+                  {"tensors", json::array()}}
+                 .dump()
+          << "\n";
+    else
+      err << "error: " << message << "\n";
+    return 2;
+  }
+
+  const int computed = static_cast<int>(d.rows.size()) - d.given;
+  std::string message;
+  if (d.diverges()) {
+    int out_of_bound = 0;
+    for (std::size_t i = static_cast<std::size_t>(d.given); i < d.rows.size(); ++i) out_of_bound += !d.rows[i].pass;
+    message = fmt::format("{} of {} computed tensors out of bound; first divergence: {}", out_of_bound, computed,
+                          d.first_divergence_name());
+  } else {
+    message = fmt::format("{} computed tensors within bound", computed);
+  }
+  if (!d.differing_given.empty())
+    message += fmt::format("; {} of {} inputs and parameters differ", d.differing_given.size(), d.given);
+  const Status status = d.diverges() ? Status::Fail : Status::Pass;
+
+  if (opt.json) {
+    out << json{{"a", opt.a},
+                {"b", opt.b},
+                {"kind", *kind},
+                {"status", status_name(status)},
+                {"message", message},
+                {"first_divergence", d.diverges() ? json(d.first_divergence_name()) : json(nullptr)},
+                {"differing_given", d.differing_given},
+                {"tensors", rows_json(d.rows)}}
+               .dump()
+        << "\n";
+  } else {
+    out << fmt::format("{} vs {}  [kind {}; bounds from the reference twin's rounding counts on A]\n", opt.a, opt.b,
+                       *kind);
+    print_rows(out, d.rows, d.first_divergence, RowWords{"first divergence", "A", "B"});
+    out << (d.differing_given.empty()
+                ? fmt::format("  inputs and parameters: all {} equal\n", d.given)
+                : fmt::format("  inputs and parameters that differ: {}\n", list(d.differing_given)));
+    if (d.not_compared)
+      out << fmt::format("  not compared: {} grad.* / grad_in.* tensors (the twins run forward only: no bound)\n",
+                         d.not_compared);
+    out << fmt::format("  {}: {}\n", d.diverges() ? "DIVERGE" : "SAME", message);
+  }
+  return d.diverges() ? 1 : 0;
+}
+
+}  // namespace twin::cli

@@ -1,0 +1,208 @@
+// `twin diff A B`: two captures of one layer compared tensor by tensor in computation order. The
+// second capture is made the way a second implementation makes one: the reference twin runs on a
+// copy of the golden (perturbed or not) and its record is written as a capture.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/safetensors.h"
+#include "parity/fixture_kinds.h"
+#include "tests/parity/twin_cli_util.h"
+
+using namespace twin;
+using twin::testing::quote;
+using twin::testing::run_twin;
+using twin::testing::TempDir;
+using json = nlohmann::json;
+using CliRun = twin::testing::TwinRun;
+
+namespace {
+
+const std::string kDense = "dense_ln_mha_gelu_bias.safetensors";
+
+std::string golden(const std::string& name) { return twin::golden_dir() + "/" + name; }
+
+using Tensors = std::vector<std::pair<std::string, Tensor>>;
+
+Tensors tensors_of(const SafetensorsFile& f) {
+  Tensors t;
+  for (const auto& n : f.names()) t.emplace_back(n, f.at(n));
+  return t;
+}
+
+Tensor scaled(const Tensor& t, double factor) {
+  std::vector<double> v = t.to_f64();
+  for (double& x : v) x *= factor;
+  return Tensor::from_doubles(t.dtype(), t.shape(), v);
+}
+
+// A capture of the golden's layer made by the reference twin: the golden with `param` scaled by
+// `factor` (1: unchanged), and every tensor the twin computes replaced by the twin's value.
+std::string twin_capture(const TempDir& dir, const std::string& name, const std::string& param, double factor) {
+  const SafetensorsFile src = read_safetensors(golden(name));
+  Tensors tensors = tensors_of(src);
+  for (auto& [n, t] : tensors)
+    if (n == param) t = scaled(t, factor);
+  const std::string inputs = dir.file("inputs_" + name);
+  write_safetensors(inputs, tensors, src.metadata());
+  const Fixture f = load_fixture(inputs);
+  const TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f, RunMode{});
+  int replaced = 0;
+  for (auto& [n, t] : tensors)
+    for (const RecordEntry& e : run.record.entries)
+      if (e.key() == n) {
+        t = e.value.to(t.dtype());
+        ++replaced;
+        break;
+      }
+  EXPECT_GT(replaced, 10) << "the twin computed few of the golden's tensors";
+  const std::string path = dir.file("twin_" + name);
+  write_safetensors(path, tensors, src.metadata());
+  return path;
+}
+
+// The golden with its metadata changed (or added) and tensors edited by `edit`.
+template <typename Edit>
+std::string edited_copy(const TempDir& dir, const std::string& name, const std::string& out,
+                        const std::map<std::string, std::string>& meta, Edit edit) {
+  const SafetensorsFile src = read_safetensors(golden(name));
+  Tensors tensors = tensors_of(src);
+  edit(tensors);
+  std::map<std::string, std::string> metadata = src.metadata();
+  for (const auto& [k, v] : meta) metadata[k] = v;
+  const std::string path = dir.file(out);
+  write_safetensors(path, tensors, metadata);
+  return path;
+}
+
+std::vector<std::string> row_names(const json& v) {
+  std::vector<std::string> r;
+  for (const auto& t : v["tensors"]) r.push_back(t["name"]);
+  return r;
+}
+
+}  // namespace
+
+TEST(TwinDiff, ACaptureAgainstItselfIsTheSame) {
+  const CliRun text = run_twin("diff " + quote(golden(kDense)) + " " + quote(golden(kDense)));
+  EXPECT_EQ(text.code, 0) << text.out << text.err;
+  EXPECT_NE(text.out.find("SAME: 15 computed tensors within bound"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("inputs and parameters: all 13 equal"), std::string::npos) << text.out;
+  const CliRun j = run_twin("diff --json " + quote(golden(kDense)) + " " + quote(golden(kDense)));
+  EXPECT_EQ(j.code, 0);
+  const json v = json::parse(j.out);
+  EXPECT_EQ(v["status"], "pass");
+  EXPECT_EQ(v["kind"], "dense_layer");
+  EXPECT_TRUE(v["first_divergence"].is_null());
+  EXPECT_EQ(v["tensors"].size(), 28u);  // 13 inputs and parameters, 15 computed
+}
+
+// Megatron's capture against the reference twin's of the same layer: two implementations, each
+// rounding at Megatron's points, agree within the counted bounds.
+TEST(TwinDiff, TwoImplementationsOfOneLayerAgree) {
+  TempDir dir;
+  const std::string b = twin_capture(dir, kDense, "", 1.0);
+  const CliRun r = run_twin("diff --json " + quote(golden(kDense)) + " " + quote(b));
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_EQ(json::parse(r.out)["message"], "15 computed tensors within bound");
+}
+
+// The acceptance case: B's linear_fc1 weight x 1.01 and everything after it recomputed. The
+// parameter is reported, not the divergence; the first computed tensor out of bound is fc1's output.
+TEST(TwinDiff, NamesTheFirstComputedTensorThatDiverges) {
+  TempDir dir;
+  const std::string b = twin_capture(dir, kDense, "param.mlp.linear_fc1.weight", 1.01);
+  for (const auto& [x, y] : {std::pair{golden(kDense), b}, std::pair{b, golden(kDense)}}) {
+    const CliRun j = run_twin("diff --json " + quote(x) + " " + quote(y));
+    EXPECT_EQ(j.code, 1) << j.out << j.err;
+    const json v = json::parse(j.out);
+    EXPECT_EQ(v["status"], "fail");
+    EXPECT_EQ(v["first_divergence"], "tap.mlp.linear_fc1.0");
+    EXPECT_EQ(v["differing_given"], json::array({"param.mlp.linear_fc1.weight"}));
+    // Every computed tensor before it is within bound.
+    bool before = false;
+    for (const auto& t : v["tensors"]) {
+      const std::string n = t["name"];
+      if (n == "tap.input_layernorm") before = true;
+      if (n == "tap.mlp.linear_fc1.0") break;
+      if (before) {
+        EXPECT_TRUE(t["pass"].get<bool>()) << n;
+      }
+    }
+    EXPECT_TRUE(before);
+  }
+  const CliRun text = run_twin("diff " + quote(golden(kDense)) + " " + quote(b));
+  EXPECT_EQ(text.code, 1);
+  EXPECT_EQ(twin::testing::lines(text.out).size(), 28u + 1 + 1 + 4) << text.out;  // title, header, rows, 4 notes
+  EXPECT_NE(text.out.find(">>tap.mlp.linear_fc1.0"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("first divergence: tap.mlp.linear_fc1.0 at ["), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("inputs and parameters that differ: param.mlp.linear_fc1.weight"), std::string::npos);
+  EXPECT_NE(text.out.find("DIVERGE: 4 of 15 computed tensors out of bound"), std::string::npos) << text.out;
+}
+
+TEST(TwinDiff, TapOrderMetadataOrdersTheRowsAndUnknownTensorsComeLast) {
+  TempDir dir;
+  const std::string order = R"(["output.hidden_states", "tap.mlp.linear_fc1.0"])";
+  const Tensor extra = Tensor::from_vector<float>({2}, {1.0f, 2.0f});
+  const std::string a = edited_copy(dir, kDense, "a.safetensors", {{"tap_order", order}},
+                                    [&](Tensors& t) { t.emplace_back("tap.not_a_module_of_the_twin", extra); });
+  const CliRun r = run_twin("diff --json " + quote(a) + " " + quote(a));
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  const std::vector<std::string> names = row_names(json::parse(r.out));
+  ASSERT_EQ(names.size(), 29u);
+  EXPECT_EQ(names[13], "output.hidden_states");  // after the 13 inputs and parameters
+  EXPECT_EQ(names[14], "tap.mlp.linear_fc1.0");
+  EXPECT_EQ(names[15], "tap.input_layernorm");  // then the twin's order
+  EXPECT_EQ(names.back(), "tap.not_a_module_of_the_twin");
+
+  // A tensor the twin does not compute is bounded by the whole layer's count: an error of 1e-3
+  // relative is far outside an fp32 layer's (a few hundred 2^-24).
+  const std::string b = edited_copy(dir, kDense, "b.safetensors", {}, [&](Tensors& t) {
+    t.emplace_back("tap.not_a_module_of_the_twin", scaled(extra, 1.001));
+  });
+  const CliRun off = run_twin("diff --json " + quote(a) + " " + quote(b));
+  EXPECT_EQ(off.code, 1) << off.out << off.err;
+  EXPECT_EQ(json::parse(off.out)["first_divergence"], "tap.not_a_module_of_the_twin");
+}
+
+TEST(TwinDiff, BadInputExits2WithAClearMessage) {
+  TempDir dir;
+  const std::string dense = quote(golden(kDense));
+  auto expect_bad = [&](const std::string& a, const std::string& b, const std::string& says) {
+    const CliRun r = run_twin("diff " + a + " " + b);
+    EXPECT_EQ(r.code, 2) << r.out << r.err;
+    EXPECT_EQ(twin::testing::lines(r.err).size(), 1u) << r.err;
+    EXPECT_NE(r.err.find(says), std::string::npos) << r.err;
+    const CliRun j = run_twin("diff --json " + a + " " + b);
+    EXPECT_EQ(j.code, 2);
+    EXPECT_EQ(json::parse(j.out)["status"], "error");
+  };
+  expect_bad(dense, quote(golden("moe_top2_aux_allgather.safetensors")), "not captures of the same layer");
+  expect_bad(dense, quote(golden("layer_offset_table.json")), "JSON table");
+  expect_bad(dense, quote(dir.file("missing.safetensors")), "missing.safetensors");
+  const std::string fewer = edited_copy(dir, kDense, "fewer.safetensors", {}, [](Tensors& t) {
+    t.erase(std::remove_if(t.begin(), t.end(), [](const auto& p) { return p.first == "tap.mlp.0"; }), t.end());
+  });
+  expect_bad(dense, quote(fewer), "only in " + golden(kDense) + ": tap.mlp.0");
+  const std::string bf16 = edited_copy(dir, kDense, "bf16.safetensors", {}, [](Tensors& t) {
+    for (auto& [n, x] : t)
+      if (n == "tap.mlp.0") x = x.to(DType::BF16);
+  });
+  expect_bad(dense, quote(bf16), "tap.mlp.0:");
+  const std::string reshaped = edited_copy(dir, kDense, "reshaped.safetensors", {}, [](Tensors& t) {
+    for (auto& [n, x] : t)
+      if (n == "tap.mlp.0") x = x.reshape({x.numel()});
+  });
+  expect_bad(dense, quote(reshaped), "tap.mlp.0:");
+  const std::string bad_order =
+      edited_copy(dir, kDense, "bad_order.safetensors", {{"tap_order", R"(["tap.no_such_tensor"])"}}, [](Tensors&) {});
+  expect_bad(quote(bad_order), dense, "tap_order names tap.no_such_tensor");
+  const std::string not_list =
+      edited_copy(dir, kDense, "not_list.safetensors", {{"tap_order", R"({"a": 1})"}}, [](Tensors&) {});
+  expect_bad(quote(not_list), dense, "tap_order must be a JSON list");
+}
