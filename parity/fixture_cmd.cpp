@@ -1,5 +1,7 @@
 #include "parity/fixture_cmd.h"
 
+#include <algorithm>
+#include <filesystem>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -107,8 +109,24 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
     err << "error: --twin must be reference, optimized or both, not '" << opt.twin << "'\n";
     return 2;
   }
+  // A folder stands for the fixtures under it (subfolders too, sorted): `twin fixture DIR`.
+  std::vector<std::string> files;
+  for (const std::string& path : opt.files) {
+    std::error_code ec;
+    if (!std::filesystem::is_directory(path, ec)) {
+      files.push_back(path);
+      continue;
+    }
+    std::vector<std::string> found;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(path, ec)) {
+      const std::string f = e.path().string();
+      if (e.is_regular_file() && (ends_with(f, ".safetensors") || ends_with(f, ".json"))) found.push_back(f);
+    }
+    std::sort(found.begin(), found.end());
+    files.insert(files.end(), found.begin(), found.end());
+  }
   // Progress only for people watching a terminal; pipes and tests see the results alone.
-  const bool progress = opt.files.size() > 1 && isatty(STDERR_FILENO);
+  const bool progress = files.size() > 1 && isatty(STDERR_FILENO);
   int code = -1;
   int counts[4] = {0, 0, 0, 0};
   auto emit = [&](const Result& r) {
@@ -121,9 +139,9 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
     ++counts[static_cast<int>(r.status)];
     code = code < 0 ? exit_code(r.status) : combine_exit_codes(code, exit_code(r.status));
   };
-  for (std::size_t i = 0; i < opt.files.size(); ++i) {
-    const std::string& path = opt.files[i];
-    if (progress) err << fmt::format("\r\033[K[{}/{}] {}", i + 1, opt.files.size(), path) << std::flush;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const std::string& path = files[i];
+    if (progress) err << fmt::format("\r\033[K[{}/{}] {}", i + 1, files.size(), path) << std::flush;
     if (!ends_with(path, ".safetensors") && !ends_with(path, ".json")) {
       // Not a fixture at all (a README beside the fixtures, say): nothing any twin can run.
       Result r;

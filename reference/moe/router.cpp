@@ -290,9 +290,21 @@ RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz, 
   taps.set_magnitude(1.0 + max_logit);
   if (taps.enabled())
     r.routing_map = to_bool_mat(taps.record("1", to_tensor(r.routing_map)), r.routing_map.rows(), r.routing_map.cols());
-  for (const auto& [name, v] : logged) {  // computed from the logits and probabilities above
-    taps.record_aux(name, Tensor::from_doubles(DType::F64, {}, {v}));
-    taps.set_magnitude(1.0 + max_logit);
+  // The losses, computed from the logits above, each with its own rounding points (later tensors
+  // do not inherit them), at most in the router dtype: z_loss stores logsumexp, its square, their
+  // mean over the tokens, x coeff and the logged / coeff; a load-balancing loss the sum over the
+  // tokens, x tokens_per_expert, the sum over the experts, x its scale and / coeff. Megatron logs
+  // them into an fp32 tracker tensor (save_to_aux_losses_tracker): one fp32 store more. Their
+  // error follows the logits' (softmax and sigmoid are 1-Lipschitz) or, for z_loss, their own size.
+  const RoundingCount before_log = rounding_now();
+  for (const auto& [name, v] : logged) {
+    const bool z = name == "z_loss";
+    precision_.count_store(rdt, z ? 5 : 4);
+    precision_.count_reduce(logits.rows() + (z ? 0 : num_experts_));
+    precision_.count_f32();
+    taps.record_aux(name, Tensor::from_doubles(precision_.fp32_storage_dtype(), {}, {v}));  // rounds: fp32 tracker
+    taps.set_magnitude(std::max(1.0 + max_logit, std::abs(v)));
+    rounding_set(before_log);
   }
   if (expert_bias)
     taps.record_state("local_tokens_per_expert_after",

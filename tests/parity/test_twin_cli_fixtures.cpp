@@ -41,7 +41,7 @@ TEST(TwinCliFixtures, InspectDenseListsConfigAndAll42Tensors) {
 }
 
 TEST(TwinCliFixtures, InspectEveryFixture) {
-  for (const auto& e : std::filesystem::directory_iterator(fixtures_dir())) {
+  for (const auto& e : std::filesystem::recursive_directory_iterator(fixtures_dir())) {
     const auto ext = e.path().extension();
     if (ext != ".safetensors" && ext != ".json") continue;
     const TwinRun r = run_twin("inspect --json " + quote(e.path().string()));
@@ -54,12 +54,14 @@ TEST(TwinCliFixtures, InspectEveryFixture) {
 // kind the reference twin supports (the README's table), so each must pass with tensors compared
 // and every compared tensor within its bound; the optimized twin may say it does not support a
 // kind (then the line says exactly that), and where it has a handler the file must pass too. Files
-// that are not fixtures (README.md, PROVENANCE.md) are `unsupported` as not a fixture file.
+// that are not fixtures (README.md, PROVENANCE.md) are `unsupported` as not a fixture file; a
+// folder (random/) stands for the fixtures under it.
 TEST(TwinCliFixtures, FixtureJsonOverTheDirectory) {
   std::size_t files = 0, fixtures = 0;
-  for (const auto& e : std::filesystem::directory_iterator(fixtures_dir())) {
-    files += e.is_regular_file();
-    fixtures += e.path().extension() == ".safetensors" || e.path().extension() == ".json";
+  for (const auto& e : std::filesystem::recursive_directory_iterator(fixtures_dir())) {
+    const bool fixture = e.path().extension() == ".safetensors" || e.path().extension() == ".json";
+    fixtures += fixture;
+    files += e.is_regular_file() && (fixture || e.path().parent_path() == fixtures_dir());
   }
   ASSERT_GT(fixtures, 0u);
   const TwinRun r = run_twin("fixture --json --twin both " + quote(fixtures_dir()) + "/*");
