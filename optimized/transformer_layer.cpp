@@ -139,8 +139,6 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
                                                std::to_string(m.np) + " and num_query_groups " + std::to_string(m.ng));
   reject(m.ffn % tp != 0, "tp " + std::to_string(tp) + " must divide ffn_hidden_size " + std::to_string(m.ffn));
   reject(o.sp && tp == 1, "sequence parallelism needs tp > 1");
-  reject(c.apply_query_key_layer_scaling && (c.fp16 || c.bf16) && !c.attention_softmax_in_fp32,
-         "apply_query_key_layer_scaling needs attention_softmax_in_fp32");
   reject(o.attn_mask_type != "causal" && o.attn_mask_type != "no_mask" && o.attn_mask_type != "padding" &&
              o.attn_mask_type != "arbitrary" && o.attn_mask_type != "padding_causal",
          "attn_mask_type '" + o.attn_mask_type + "' (causal, no_mask, padding, padding_causal, arbitrary)");
@@ -210,7 +208,8 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
       scale /= std::max(1, o.layer_number);
     }
     p.alpha = static_cast<float>(scale);
-    p.softmax_fp32 = !(c.fp16 || c.bf16) || c.attention_softmax_in_fp32;
+    // TransformerConfig.__post_init__: apply_query_key_layer_scaling sets attention_softmax_in_fp32.
+    p.softmax_fp32 = !(c.fp16 || c.bf16) || c.attention_softmax_in_fp32 || c.apply_query_key_layer_scaling;
     p.hidden_dropout = c.hidden_dropout;
     p.attention_dropout = c.attention_dropout;
 

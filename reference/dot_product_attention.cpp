@@ -24,7 +24,8 @@ DotProductAttention::DotProductAttention(const TransformerConfig& config, int la
       np_(config.num_attention_heads),
       ng_(config.query_groups()),
       hn_(config.head_dim()),
-      softmax_in_fp32_(config.attention_softmax_in_fp32),
+      // TransformerConfig.__post_init__: apply_query_key_layer_scaling sets attention_softmax_in_fp32.
+      softmax_in_fp32_(config.attention_softmax_in_fp32 || config.apply_query_key_layer_scaling),
       input_in_float16_(config.fp16 || config.bf16),
       softmax_type_(config.softmax_type),
       window_size_(config.window_size),
@@ -38,10 +39,6 @@ DotProductAttention::DotProductAttention(const TransformerConfig& config, int la
     coeff = layer_number;
     softmax_scale /= *coeff;
   }
-  if (coeff && !softmax_in_fp32_)
-    throw ConfigError(
-        "apply_query_key_layer_scaling: softmax should be in fp32 when scaled "
-        "(attention_softmax_in_fp32 is false)");
   if (softmax_type_ == "off-by-one") {
     softmax_offset = RowVec::Zero(np_);
   } else if (softmax_type_ == "learnable") {

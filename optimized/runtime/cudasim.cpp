@@ -676,9 +676,12 @@ void check_config(const Launch& L) {
 }
 
 void run_grid(const LaunchSpec& spec, Thunk thunk, std::shared_ptr<const void> ctx) {
+  // Dynamic parallelism (a launch from kernel code) is not simulated: named with the launching
+  // kernel's block and thread, and the launch's own file:line.
   if (tl_worker && tl_worker->in_block)
-    throw KernelError("cudasim: launch_kernel(" + kernel_name_from_args(spec.args_text) + ") at " +
-                      where(spec.file, spec.line) + ": launching from device code is not supported");
+    throw KernelError(prefix(*tl_worker, tl_worker->current) + "launch_kernel(" +
+                      kernel_name_from_args(spec.args_text) + ") at " + where(spec.file, spec.line) +
+                      ": launching from device code (dynamic parallelism) is not supported");
   Launch L;
   L.spec = spec;
   L.thunk = thunk;

@@ -15,6 +15,7 @@
 
 #include "core/torch_io.h"
 #include "tests/core/corrupt_safetensors.h"
+#include "tests/optional_dependency.h"
 
 using namespace twin;
 using namespace std::string_literals;  // "...\x00..."s keeps the NUL bytes of a pickle
@@ -25,17 +26,6 @@ namespace {
 
 // The interpreter python3-torch installs into; `python3` on PATH may be another one without torch.
 constexpr const char* kPython = "/usr/bin/python3";
-
-// The project rule: a missing optional dependency skips on a user's machine and fails under CI.
-bool under_ci() {
-  const char* ci = std::getenv("CI");
-  return ci && std::string(ci) == "true";
-}
-#define SKIP_OR_FAIL(why)                                                        \
-  do {                                                                           \
-    if (under_ci()) FAIL() << (why) << " (CI=true: a missing dependency fails)"; \
-    GTEST_SKIP() << (why);                                                       \
-  } while (0)
 
 std::string slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -54,9 +44,9 @@ const std::optional<std::string>& python_torch_missing() {
   return why;
 }
 
-#define REQUIRE_PYTHON_TORCH()                                        \
-  do {                                                                \
-    if (const auto& why = python_torch_missing()) SKIP_OR_FAIL(*why); \
+#define REQUIRE_PYTHON_TORCH()                                              \
+  do {                                                                      \
+    if (const auto& why = python_torch_missing()) TWIN_SKIP_OPTIONAL(*why); \
   } while (0)
 
 // Run by every generator script: save(obj, file) writes <dir>/<file> with torch.save and prints
@@ -439,7 +429,7 @@ print("{}")
 // ---- LibTorch's writer ------------------------------------------------------------------------
 
 TEST(TorchIO, DictOfEveryDtypeRoundTrips) {
-  if (!torch_write_available()) SKIP_OR_FAIL("built without LibTorch: write_torch_file is unavailable");
+  if (!torch_write_available()) TWIN_SKIP_OPTIONAL("built without LibTorch: write_torch_file is unavailable");
   TempDir dir;
   const std::string path = dir.file("state.pt");
   const auto tensors = every_dtype();
@@ -458,7 +448,7 @@ TEST(TorchIO, DictOfEveryDtypeRoundTrips) {
 }
 
 TEST(TorchIO, BareTensorIsNamedTensor) {
-  if (!torch_write_available()) SKIP_OR_FAIL("built without LibTorch: write_torch_file is unavailable");
+  if (!torch_write_available()) TWIN_SKIP_OPTIONAL("built without LibTorch: write_torch_file is unavailable");
   TempDir dir;
   const std::string path = dir.file("t.pt");
   write_torch_file(path, {{"", Tensor::from_vector<float>({3}, {1, 2, 3})}});
@@ -470,7 +460,7 @@ TEST(TorchIO, BareTensorIsNamedTensor) {
 
 // What LibTorch's writer makes, torch.load reads with the same values.
 TEST(TorchIO, PythonLoadsWhatTwinWrites) {
-  if (!torch_write_available()) SKIP_OR_FAIL("built without LibTorch: write_torch_file is unavailable");
+  if (!torch_write_available()) TWIN_SKIP_OPTIONAL("built without LibTorch: write_torch_file is unavailable");
   REQUIRE_PYTHON_TORCH();
   TempDir dir;
   const auto tensors = every_dtype();
@@ -505,7 +495,7 @@ print(json.dumps([{"name": k, "dtype": DT[v.dtype], "shape": list(v.shape), "val
 }
 
 TEST(TorchIO, ArchiveWrittenByLibTorchCutShortIsAnError) {
-  if (!torch_write_available()) SKIP_OR_FAIL("built without LibTorch: write_torch_file is unavailable");
+  if (!torch_write_available()) TWIN_SKIP_OPTIONAL("built without LibTorch: write_torch_file is unavailable");
   TempDir dir;
   const std::string good = dir.file("good.pt");
   write_torch_file(good, every_dtype());

@@ -13,6 +13,8 @@
 // reduced-precision accumulation, not mirrored); deeper taps 15-60% bitwise, all within bound.
 #include <gtest/gtest.h>
 
+#include "tests/optional_dependency.h"
+
 #ifdef TWIN_HAVE_TORCH
 #include <torch/torch.h>
 #endif
@@ -263,6 +265,10 @@ TEST(DenseTorchCrosscheck, Bf16AndFp32MatchTorchsRoundingPoints) {
     for (DType dt : {DType::BF16, DType::F32}) crosscheck(k, dt, seed++);
 }
 #else
-TEST(DenseTorchCrosscheck, Bf16AndFp32MatchTorchsRoundingPoints) { GTEST_SKIP() << "built without LibTorch"; }
-TEST(LayerNormTorchCrosscheck, Bf16TorchCpuWithinTheCountedBound) { GTEST_SKIP() << "built without LibTorch"; }
+TEST(DenseTorchCrosscheck, Bf16AndFp32MatchTorchsRoundingPoints) {
+  TWIN_SKIP_OPTIONAL("built without LibTorch (install libtorch-dev: ci/setup does)");
+}
+TEST(LayerNormTorchCrosscheck, Bf16TorchCpuWithinTheCountedBound) {
+  TWIN_SKIP_OPTIONAL("built without LibTorch (install libtorch-dev: ci/setup does)");
+}
 #endif

@@ -3,23 +3,13 @@
 #include "optimized/runtime/cudasim_options.h"
 #include "optimized/runtime/device.h"
 #include "tests/optimized/runtime/kernels/oob_kernels.cuh"
+#include "tests/optimized/runtime/marked_line.h"
 
 #include <gtest/gtest.h>
 
-#include <fstream>
 #include <string>
 
-namespace {
-[[maybe_unused]] int marked_line(const char* file, const std::string& marker) {
-  std::ifstream f(file);
-  std::string line;
-  for (int n = 1; std::getline(f, line); ++n)
-    if (line.size() >= marker.size() + 4 &&
-        line.compare(line.size() - marker.size() - 4, std::string::npos, "// @" + marker) == 0)
-      return n;
-  return -1;
-}
-}  // namespace
+using twin::testing::marked_line;
 
 TEST(SimAsan, OutOfBoundsGlobalWriteIsReportedWithItsSourceLine) {
 #if !defined(TWIN_ASAN)

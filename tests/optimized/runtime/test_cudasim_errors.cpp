@@ -2,9 +2,9 @@
 // cudasim::KernelError (a std::runtime_error) whose message names the kernel and the source line;
 // a missing barrier must give a wrong result in at least one resume order.
 #include "tests/optimized/runtime/kernels/negative_kernels.cuh"
+#include "tests/optimized/runtime/marked_line.h"
 #include "tests/optimized/runtime/sim_fixture.h"
 
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -12,14 +12,7 @@ namespace {
 
 // "negative_kernels.cuh:<line>" of the line marked `// @marker`.
 std::string marked(const std::string& marker) {
-  std::ifstream f(negative::source_file());
-  if (!f) throw std::runtime_error(std::string("cannot open ") + negative::source_file());
-  std::string line;
-  for (int n = 1; std::getline(f, line); ++n)
-    if (line.size() >= marker.size() + 4 &&
-        line.compare(line.size() - marker.size() - 4, std::string::npos, "// @" + marker) == 0)
-      return "negative_kernels.cuh:" + std::to_string(n);
-  throw std::runtime_error("marker @" + marker + " not found");
+  return "negative_kernels.cuh:" + std::to_string(twin::testing::marked_line(negative::source_file(), marker));
 }
 
 // Runs `launch`, expects a KernelError, returns its message.
@@ -98,6 +91,33 @@ TEST_F(SimTest, CallingLaneMissingFromItsMaskIsReported) {
   EXPECT_HAS(m, "is not in its mask 0x1");
 }
 
+TEST_F(SimTest, ShuffleWidthNotAPowerOfTwoInOneToThirtyTwoIsReported) {
+  twin::rt::DeviceBuffer out(dev(), 32 * 4);
+  for (int width : {0, 3, 12, 64}) {
+    std::string m = launch_error(
+        [&] { launch_kernel(negative::shuffle_bad_width_forward_kernel, 1, 32, 0, nullptr, out.as<int>(), width); });
+    EXPECT_HAS(m, "negative::shuffle_bad_width_forward_kernel");
+    EXPECT_HAS(m, "__shfl_sync at");
+    EXPECT_HAS(m, marked("bad_width"));
+    EXPECT_HAS(m, "width " + std::to_string(width) + " is not a power of two in [1, 32]");
+  }
+  // The valid widths run (their results are checked by the semantics cases).
+  for (int width : {1, 2, 4, 8, 16, 32})
+    launch_kernel(negative::shuffle_bad_width_forward_kernel, 1, 32, 0, nullptr, out.as<int>(), width);
+}
+
+TEST_F(SimTest, ShuffleReadingALaneOutsideTheMaskIsReported) {
+  twin::rt::DeviceBuffer out(dev(), 32 * 4);
+  std::string m = launch_error(
+      [&] { launch_kernel(negative::shuffle_source_outside_mask_forward_kernel, 1, 32, 0, nullptr, out.as<int>()); });
+  EXPECT_HAS(m, "negative::shuffle_source_outside_mask_forward_kernel");
+  EXPECT_HAS(m, "__shfl_down_sync at");
+  EXPECT_HAS(m, marked("outside_mask"));
+  // Lane 8 is the first lane whose source (8 + 8 = 16) lies outside 0xffff.
+  EXPECT_HAS(m, "thread (8,0,0)");
+  EXPECT_HAS(m, "(warp 0, lane 8) reads lane 16, which is not in the mask 0xffff");
+}
+
 TEST_F(SimTest, ExceptionInKernelNamesKernelBlockAndThread) {
   twin::rt::DeviceBuffer out(dev(), 64 * 4);
   std::string m =
@@ -155,6 +175,28 @@ __device__ int deep_recursion(int n) {
 }
 __global__ void stack_overflow_forward_kernel(int* out, int depth) { out[threadIdx.x] = deep_recursion(depth); }
 }  // namespace
+
+namespace {
+// Simulator-only kernels (a .cpp file): nvcc would reject a host launch inside a kernel.
+__global__ void launched_from_device_forward_kernel(int* out) { out[threadIdx.x] = 1; }
+int g_inner_launch_line = 0;
+__global__ void launching_forward_kernel(int* out) {
+  if (threadIdx.x == 2) {
+    g_inner_launch_line = __LINE__ + 1;
+    launch_kernel(launched_from_device_forward_kernel, 1, 1, 0, nullptr, out);
+  }
+  out[threadIdx.x] = 0;
+}
+}  // namespace
+
+TEST_F(SimTest, LaunchFromDeviceCodeIsReported) {
+  twin::rt::DeviceBuffer out(dev(), 4 * 4);
+  std::string m = launch_error([&] { launch_kernel(launching_forward_kernel, 1, 4, 0, nullptr, out.as<int>()); });
+  EXPECT_HAS(m, "kernel 'launching_forward_kernel' block (0,0,0) thread (2,0,0)");
+  EXPECT_HAS(m, "launch_kernel(launched_from_device_forward_kernel) at " + std::string(__FILE__) + ":" +
+                    std::to_string(g_inner_launch_line));
+  EXPECT_HAS(m, "launching from device code (dynamic parallelism) is not supported");
+}
 
 TEST(SimDeathTest, FiberStackOverflowIsReportedNotASilentCrash) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");

@@ -49,6 +49,9 @@ TEST_F(SimTest, BadLaunchConfigurationsAreErrors) {
   expect_error(dim3(1), dim3(64, 32), 0, "more than 1024 threads");
   expect_error(dim3(0), dim3(32), 0, "zero dimension");
   expect_error(dim3(1), dim3(32), 300 * 1024, "227 KiB");
+  // CUDA's grid limits: y and z at most 65535 (x up to 2^31 - 1).
+  expect_error(dim3(1, 65536, 1), dim3(32), 0, "grid (1,65536,1): y and z must be <= 65535");
+  expect_error(dim3(1, 1, 65536), dim3(32), 0, "grid (1,1,65536): y and z must be <= 65535");
 }
 
 TEST_F(SimTest, ConcurrentLaunchesFromSeveralHostThreads) {

@@ -5,6 +5,9 @@
 #define RUNTIME_FIXTURE SimTest
 #include "tests/optimized/runtime/runtime_cases.inc"
 
+#include <sstream>
+#include <vector>
+
 TEST_F(SimTest, CopiesOutsideADeviceAllocationAreErrors) {
   twin::rt::Device& d = dev();
   twin::rt::DeviceBuffer a(d, 64);
@@ -35,6 +38,57 @@ TEST_F(SimTest, CaptureMisuseIsAnError) {
   EXPECT_THROW(s.synchronize(), twin::rt::CudaError);
   twin::rt::Graph g = s.end_capture();
   g.launch(s);  // an empty graph replays nothing
+}
+
+TEST_F(SimTest, ElapsedTimeOfAnUnrecordedEventIsAnError) {
+  twin::rt::Device& d = dev();
+  twin::rt::Event recorded(d), never(d);
+  d.record(recorded.handle(), nullptr);  // on the default stream
+  for (const bool start_recorded : {true, false}) {
+    try {
+      (void)(start_recorded ? never.elapsed_ms_since(recorded) : recorded.elapsed_ms_since(never));
+      ADD_FAILURE() << "elapsed time of an unrecorded event accepted";
+    } catch (const twin::rt::CudaError& e) {
+      EXPECT_NE(std::string(e.what()).find("cudaEventElapsedTime [sim]: cudaErrorInvalidResourceHandle: an event "
+                                           "was not recorded"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  // Recorded on a capturing stream, the event is recorded only when the graph runs.
+  twin::rt::Stream s(d);
+  twin::rt::Event captured(d);
+  s.begin_capture();
+  captured.record(s);
+  twin::rt::Graph g = s.end_capture();
+  EXPECT_THROW(captured.elapsed_ms_since(recorded), twin::rt::CudaError);
+  g.launch(s);
+  EXPECT_GE(captured.elapsed_ms_since(recorded), 0.0f);
+}
+
+TEST_F(SimTest, FreeOfADeadPointerIsReported) {
+  twin::rt::Device& d = dev();
+  void* p = d.malloc(64);
+  d.free(p);
+  std::ostringstream name;
+  name << p;
+  // cudaFree cannot throw (destructors call it): the report goes to stderr and nothing is freed.
+  ::testing::internal::CaptureStderr();
+  d.free(p);
+  int on_stack = 0;
+  d.free(&on_stack);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("cudaFree(" + name.str() + ") [sim]: not a live device allocation"), std::string::npos) << err;
+  std::ostringstream stack_name;
+  stack_name << static_cast<void*>(&on_stack);
+  EXPECT_NE(err.find("cudaFree(" + stack_name.str() + ") [sim]: not a live device allocation"), std::string::npos)
+      << err;
+  // The allocator is intact afterwards.
+  twin::rt::DeviceBuffer b(d, 64);
+  std::vector<char> host(64, 7), back(64);
+  b.upload(host.data(), 64);
+  b.download(back.data(), 64);
+  EXPECT_EQ(back, host);
 }
 
 TEST(Backends, CudaIsReportedUnavailableWithAReason) {

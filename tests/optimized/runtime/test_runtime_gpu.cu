@@ -19,6 +19,8 @@
     reinterpret_cast<void*>(&negative::partial_warp_shuffle_forward_kernel),
     reinterpret_cast<void*>(&negative::partial_warp_full_mask_forward_kernel),
     reinterpret_cast<void*>(&negative::caller_not_in_mask_forward_kernel),
+    reinterpret_cast<void*>(&negative::shuffle_bad_width_forward_kernel),
+    reinterpret_cast<void*>(&negative::shuffle_source_outside_mask_forward_kernel),
     reinterpret_cast<void*>(&negative::neighbour_forward_kernel),
     reinterpret_cast<void*>(&negative::throwing_forward_kernel),
 };

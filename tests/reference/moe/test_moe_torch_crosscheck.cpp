@@ -10,6 +10,8 @@
 // silu was found); in fp32 within 16 u max|e| (fp32 accumulation order).
 #include <gtest/gtest.h>
 
+#include "tests/optional_dependency.h"
+
 #ifdef TWIN_HAVE_TORCH
 #include <torch/torch.h>
 #endif
@@ -246,7 +248,9 @@ TEST(MoETorchCrossCheck, Fp32MatchesTorchKernels) {
 }
 
 #else
-TEST(MoETorchCrossCheck, NeedsLibTorch) { GTEST_SKIP() << "built without LibTorch"; }
+TEST(MoETorchCrossCheck, NeedsLibTorch) {
+  TWIN_SKIP_OPTIONAL("built without LibTorch (install libtorch-dev: ci/setup does)");
+}
 #endif
 
 }  // namespace

@@ -60,6 +60,23 @@ __global__ void caller_not_in_mask_forward_kernel(int* out) {
   out[threadIdx.x] = v;
 }
 
+// A shuffle with a width that is not a power of two in [1, 32] (CUDA leaves it undefined).
+__global__ void shuffle_bad_width_forward_kernel(int* out, int width) {
+  int v = static_cast<int>(threadIdx.x);
+  v = __shfl_sync(0xffffffffu, v, 0, width);  // @bad_width
+  out[threadIdx.x] = v;
+}
+
+// Launched with 32 threads: lanes 0..15 shuffle under mask 0xffff, so lane 8 reads lane 16, which
+// exists but is not in the mask (undefined on a GPU); lanes 16..31 do not take part.
+__global__ void shuffle_source_outside_mask_forward_kernel(int* out) {
+  int v = static_cast<int>(threadIdx.x);
+  if (threadIdx.x < 16) {
+    v = __shfl_down_sync(0x0000ffffu, v, 8);  // @outside_mask
+  }
+  out[threadIdx.x] = v;
+}
+
 // Missing barrier: each thread reads its neighbour's shared value without waiting for it.
 // With `sync` true the barrier is there and the result is right in every order.
 __global__ void neighbour_forward_kernel(const float* in, float* out, bool sync) {
