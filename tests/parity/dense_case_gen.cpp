@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/case_id.h"
+
 namespace twin::parity {
 
 namespace {
@@ -17,6 +19,8 @@ std::string draw_sample(const std::vector<std::string>& samples) {
 }  // namespace
 
 rc::Gen<DenseCase> gen_dense_case(CaseLimits lim) {
+  // TWIN_CASE='dense(...)' reruns one case (tests/case_id.h): the same id `twin case` takes.
+  if (const char* id = proptest::rerun_request("dense")) return rc::gen::just(parse_case_id(id));
   return rc::gen::exec([lim]() {
     const auto& fields = dense_case_fields();
     auto field = [&](const char* key) -> const CaseField<DenseCase>& { return find_field(fields, key); };
