@@ -50,8 +50,8 @@ inline std::string outside_counted_bound(const Mat& y, const Mat& exact, const R
     const double err = std::fabs(y.data()[i] - exact.data()[i]);
     if (!(err <= tol.atol + tol.rtol * std::fabs(exact.data()[i]))) {
       std::ostringstream os;
-      os << "element " << i << ": " << y.data()[i] << " vs exact " << exact.data()[i] << ", error " << err
-         << " > atol " << tol.atol << " + rtol " << tol.rtol << " |exact| (" << tol.reason << ")";
+      os << "element " << i << ": " << y.data()[i] << " vs exact " << exact.data()[i] << ", error " << err << " > atol "
+         << tol.atol << " + rtol " << tol.rtol << " |exact| (" << tol.reason << ")";
       return os.str();
     }
   }

@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <cmath>
 
+#include "counted_bound.h"
 #include "dense_test_util.h"
 #include "reference/activations.h"
 #include "reference/linear.h"
 #include "reference/mlp.h"
 #include "reference/state_dict.h"
+#include "tests/case_id.h"
 
 using namespace twin;
 using namespace twin::reference;
@@ -35,15 +37,101 @@ double silu_def(double x) { return x / (1.0 + std::exp(-x)); }  // x sigmoid(x)
 // |d/dc| dc = 0.5 |x| sech^2(c u) |u| dc <= 0.5 |x u| dc.
 double tanh_constant_bound(double x, double dc) { return 0.5 * std::abs(x * x * (1.0 + kGeluCubic * x * x)) * dc; }
 
+// One Linear case: weight [out, in], bias [out] and an input [rows, in] drawn from `seed`.
+struct LinearCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "linear";
+  int in = 1;
+  int out = 1;
+  int rows = 1;
+  DType dtype = DType::F32;
+  std::uint64_t seed = 0;
+  template <class V>
+  void fields(V& v) {
+    v("in", in);
+    v("out", out);
+    v("rows", rows);
+    v("dtype", dtype);
+    v("seed", seed);
+  }
+};
+rc::Gen<LinearCase> gen_linear_case(bool dtypes) {
+  return proptest::rerunnable<LinearCase>(rc::gen::exec([dtypes] {
+    LinearCase c;
+    c.in = *rc::gen::inRange(1, 12);
+    c.out = *rc::gen::inRange(1, 12);
+    c.rows = *rc::gen::inRange(1, 6);
+    if (dtypes) c.dtype = *proptest::gen_case_dtype();
+    c.seed = *rc::gen::arbitrary<std::uint32_t>();
+    return c;
+  }));
+}
+
+// One MLP case (Megatron's MLP: linear_fc1, activation or GLU, linear_fc2) with its parameters
+// and an input [rows, h] drawn from `seed`.
+struct MlpCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "mlp";
+  int h = 2;
+  int ffn = 2;
+  int rows = 1;
+  std::string act = "gelu";  // gelu | silu | relu
+  bool glu = false;
+  bool bias = true;
+  DType dtype = DType::F32;
+  std::uint64_t seed = 0;
+  template <class V>
+  void fields(V& v) {
+    v("h", h);
+    v("ffn", ffn);
+    v("rows", rows);
+    v("act", act);
+    v("glu", glu);
+    v("bias", bias);
+    v("dtype", dtype);
+    v("seed", seed);
+  }
+};
+rc::Gen<MlpCase> gen_mlp_case() {
+  return proptest::rerunnable<MlpCase>(rc::gen::exec([] {
+    MlpCase c;
+    c.h = *rc::gen::inRange(1, 17);
+    c.ffn = *rc::gen::inRange(1, 33);
+    c.rows = *rc::gen::inRange(1, 7);
+    c.act = *rc::gen::element<std::string>("gelu", "silu", "relu");
+    c.glu = *rc::gen::arbitrary<bool>();
+    c.bias = *rc::gen::arbitrary<bool>();
+    c.dtype = *proptest::gen_case_dtype();
+    c.seed = *rc::gen::arbitrary<std::uint32_t>();
+    return c;
+  }));
+}
+
+// One GLU case: an input [rows, 2 f] (spread 3) from `seed`, the offset added to the second half.
+struct GluCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "glu";
+  int f = 1;
+  int rows = 3;
+  double offset = 0.0;
+  std::uint64_t seed = 0;
+  template <class V>
+  void fields(V& v) {
+    v("f", f);
+    v("rows", rows);
+    v("offset", offset);
+    v("seed", seed);
+  }
+};
+
 }  // namespace
 
+// Exact mode (no dtype enters): skip_bias_add moves the bias out of the product, nothing else.
 RC_GTEST_PROP(Linear, SkipBiasAddReturnsTheBiasSeparately, ()) {
-  const int in = *rc::gen::inRange(1, 12), out = *rc::gen::inRange(1, 12);
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  const LinearCase lc = *gen_linear_case(false);
+  const int in = lc.in, out = lc.out;
+  std::mt19937_64 g(lc.seed);
   Linear fused(in, out, true, false, exact()), skip(in, out, true, true, exact());
   fused.weight = skip.weight = random_mat(g, out, in);
   fused.bias = skip.bias = random_mat(g, 1, out).row(0);
-  const Mat x = random_mat(g, 5, in);
+  const Mat x = random_mat(g, lc.rows, in);
   const OutputWithBias a = fused.forward(x), b = skip.forward(x);
   RC_ASSERT(!a.bias.has_value());
   RC_ASSERT(b.bias.has_value());
@@ -109,11 +197,19 @@ TEST(Activations, GeluFormsMatchTheirDefinitions) {
 }
 
 // glu(x) = act(first half) * (second half + offset), with the clamp.
+// Exact mode (no dtype enters).
 RC_GTEST_PROP(Activations, GluSplitsFirstHalfActivated, ()) {
-  const int f = *rc::gen::inRange(1, 8);
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
-  const Mat x = random_mat(g, 3, 2 * f, 3.0);
-  const double offset = *rc::gen::inRange(0, 3);
+  const GluCase gc = *proptest::rerunnable<GluCase>(rc::gen::exec([] {
+    GluCase c;
+    c.f = *rc::gen::inRange(1, 8);
+    c.offset = *rc::gen::inRange(0, 3);
+    c.seed = *rc::gen::arbitrary<std::uint32_t>();
+    return c;
+  }));
+  const int f = gc.f;
+  std::mt19937_64 g(gc.seed);
+  const Mat x = random_mat(g, gc.rows, 2 * f, 3.0);
+  const double offset = gc.offset;
   const Mat y = glu(ActivationFunc::Silu, x, offset, std::nullopt, exact());
   const Mat yc = glu(ActivationFunc::Silu, x, 0.0, 1.0, exact());
   for (Eigen::Index r = 0; r < x.rows(); ++r)
@@ -123,6 +219,69 @@ RC_GTEST_PROP(Activations, GluSplitsFirstHalfActivated, ()) {
       // activation_func_clamp_value 1: the first half clamped above, the second to [-1, 1]
       RC_ASSERT(std::abs(yc(r, c) - silu_def(std::min(first, 1.0)) * std::clamp(second, -1.0, 1.0)) < kExactTol);
     }
+}
+
+// Linear stored in fp32, bf16 or fp16: the output is a value of that dtype within the golden bound
+// of its counted rounding points (one store after an fp32-accumulated product of length in) of the
+// Exact run on the same dtype-valued weight, bias and input.
+RC_GTEST_PROP(Linear, StoredDtypeRunIsWithinItsCountedRoundingsOfExact, ()) {
+  const LinearCase lc = *gen_linear_case(true);
+  std::mt19937_64 g(lc.seed);
+  Linear l(lc.in, lc.out, true, false, Precision{ComputeMode::FP32, lc.dtype}), e(lc.in, lc.out, true, false, exact());
+  l.weight = e.weight = round_mat(random_mat(g, lc.out, lc.in), lc.dtype);
+  l.bias = e.bias = round_vec(random_mat(g, 1, lc.out).row(0), lc.dtype);
+  const Mat x = round_mat(random_mat(g, lc.rows, lc.in), lc.dtype);
+  const auto [y, rounding] = run_counted([&] { return l.forward(x).output; });
+  RC_ASSERT(all_in_dtype(y, lc.dtype));
+  // The error of x W^T + b follows |x| |W|^T + |b| (the product's store rounds relative to the
+  // product, which the bias may cancel), not the output's own size.
+  Mat mag = x.cwiseAbs() * e.weight.cwiseAbs().transpose();
+  mag.rowwise() += e.bias.cwiseAbs();
+  const std::string why = outside_counted_bound(y, e.forward(x).output, rounding, mag.maxCoeff());
+  RC_LOG() << why;
+  RC_ASSERT(why.empty());
+}
+
+// The MLP (gelu / silu / relu, with or without GLU and biases) stored in fp32, bf16 or fp16: the
+// output a value of that dtype, within the golden bound of the rounding points the run counted
+// (fc1's and fc2's stores and reductions, the activation's) of its Exact run.
+RC_GTEST_PROP(MLP, StoredDtypeRunIsWithinItsCountedRoundingsOfExact, ()) {
+  const MlpCase mc = *gen_mlp_case();
+  TransformerConfig c = small_config(mc.h, 1, 1, mc.ffn);
+  c.activation_func = mc.act;
+  c.gated_linear_unit = mc.glu;
+  c.add_bias_linear = mc.bias;
+  MLP mlp(c, Precision{ComputeMode::FP32, mc.dtype}), ex(c, exact());
+  std::mt19937_64 g(mc.seed);
+  const int fc1_out = mc.glu ? 2 * mc.ffn : mc.ffn;
+  mlp.linear_fc1.weight = ex.linear_fc1.weight = round_mat(random_mat(g, fc1_out, mc.h), mc.dtype);
+  mlp.linear_fc2.weight = ex.linear_fc2.weight = round_mat(random_mat(g, mc.h, mc.ffn), mc.dtype);
+  if (mc.bias) {
+    mlp.linear_fc1.bias = ex.linear_fc1.bias = round_vec(random_mat(g, 1, fc1_out).row(0), mc.dtype);
+    mlp.linear_fc2.bias = ex.linear_fc2.bias = round_vec(random_mat(g, 1, mc.h).row(0), mc.dtype);
+  }
+  const Mat x = round_mat(random_mat(g, mc.rows, mc.h), mc.dtype);
+  MlpArgs args;
+  args.lead = {mc.rows};
+  const auto [y, rounding] = run_counted([&] { return mlp.forward(x, args, Taps()).output; });
+  RC_ASSERT(all_in_dtype(y, mc.dtype));
+  // The magnitude each rounding error propagates with, layer by layer (running error analysis):
+  // fc1's output errors follow m1 = |x| |W1|^T + |b1|; the activation passes them on scaled by at
+  // most its largest slope L (GELU's is 1.129 at x = 1.5, SiLU's 1.100, ReLU's 1) and is itself at
+  // most |y| <= m1 in size; GLU's act(y1) y2 moves by L m1a |y2| + |act(y1)| m1b <= (L + 1) m1a m1b;
+  // fc2 then sums them with |W2| (its bias is returned apart: skip_bias_add). Each store's error is
+  // at most u times this magnitude at the output, so the count's eps times it bounds them all.
+  const double L = 1.13;
+  const Mat m1 = [&] {
+    Mat m = x.cwiseAbs() * ex.linear_fc1.weight.cwiseAbs().transpose();
+    if (mc.bias) m.rowwise() += ex.linear_fc1.bias.cwiseAbs();
+    return m;
+  }();
+  const Mat ma = mc.glu ? Mat((L + 1.0) * m1.leftCols(mc.ffn).cwiseProduct(m1.rightCols(mc.ffn))) : Mat(L * m1);
+  const Mat mag = ma * ex.linear_fc2.weight.cwiseAbs().transpose();
+  const std::string why = outside_counted_bound(y, ex.forward(x, args, Taps()).output, rounding, mag.maxCoeff());
+  RC_LOG() << why;
+  RC_ASSERT(why.empty());
 }
 
 // MLP = fc2(act(fc1(x) + b1)) with fc2's bias returned separately; taps in order.
