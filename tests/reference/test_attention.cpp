@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
+#include "counted_bound.h"
 #include "dense_test_util.h"
 #include "reference/attention.h"
 #include "reference/rotary_pos_embedding.h"
+#include "tests/case_id.h"
 
 using namespace twin;
 using namespace twin::reference;
@@ -17,22 +19,52 @@ struct Sizes {
   int np, ng, hn, s, b, h;
 };
 
-rc::Gen<Sizes> gen_sizes(bool gqa) {
-  return rc::gen::exec([gqa] {
-    Sizes z;
-    z.ng = *rc::gen::inRange(1, 4);
-    z.np = gqa ? z.ng * *rc::gen::inRange(1, 4) : z.ng;
-    z.hn = 2 * *rc::gen::inRange(1, 5);
-    z.s = *rc::gen::inRange(1, 7);
-    z.b = *rc::gen::inRange(1, 3);
-    z.h = *rc::gen::inRange(2, 17);
-    return z;
-  });
+// One self-attention case: the sizes, a position t (the prefix property's), the stored dtype and
+// the seed of the weights and inputs.
+struct AttentionCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "attention";
+  int np = 1, ng = 1, hn = 2, s = 1, b = 1, h = 2, t = 0;
+  DType dtype = DType::F32;
+  std::uint64_t seed = 0;
+  Sizes sizes() const { return {np, ng, hn, s, b, h}; }
+  template <class V>
+  void fields(V& v) {
+    v("np", np);
+    v("ng", ng);
+    v("hn", hn);
+    v("s", s);
+    v("b", b);
+    v("h", h);
+    v("t", t);
+    v("dtype", dtype);
+    v("seed", seed);
+  }
+};
+
+// dtypes false: fp32 only, for properties run in Exact mode (which rounds nowhere).
+rc::Gen<AttentionCase> gen_attention_case(bool dtypes) {
+  return proptest::rerunnable<AttentionCase>(rc::gen::exec([dtypes] {
+    AttentionCase c;
+    c.ng = *rc::gen::inRange(1, 4);
+    c.np = c.ng * *rc::gen::inRange(1, 4);
+    c.hn = 2 * *rc::gen::inRange(1, 5);
+    c.s = *rc::gen::inRange(1, 7);
+    c.b = *rc::gen::inRange(1, 3);
+    c.h = *rc::gen::inRange(2, 17);
+    c.t = *rc::gen::inRange(0, c.s);
+    if (dtypes) c.dtype = *proptest::gen_case_dtype();
+    c.seed = *rc::gen::arbitrary<std::uint32_t>();
+    return c;
+  }));
 }
 
-TransformerConfig config_for(const Sizes& z) {
+TransformerConfig config_for(const Sizes& z, DType dt = DType::F32) {
   TransformerConfig c = small_config(z.h, z.np, z.ng, 2 * z.h);
   c.kv_channels = z.hn;
+  // Megatron's Float16Module: bf16 / fp16 flags (the attention reads them for its softmax storage).
+  c.bf16 = dt == DType::BF16;
+  c.fp16 = dt == DType::F16;
+  c.params_dtype = dt == DType::BF16 ? "bfloat16" : dt == DType::F16 ? "float16" : "float32";
   return c;
 }
 
@@ -107,9 +139,11 @@ AttentionArgs args_for(const Sizes& z) {
 
 // Acceptance: a QKV weight built from separate Q, K, V through the documented group layout gives
 // the same attention as computing Q, K, V separately (GQA included).
+// Exact mode: the naive oracle computes in double.
 RC_GTEST_PROP(SelfAttention, FusedQkvLayoutEqualsSeparateProjections, ()) {
-  const Sizes z = *gen_sizes(true);
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  const AttentionCase ac = *gen_attention_case(false);
+  const Sizes z = ac.sizes();
+  std::mt19937_64 g(ac.seed);
   const SeparateWeights w = random_weights(g, z);
   const Mat x = random_mat(g, z.s * z.b, z.h);
   auto attn = make_self_attention(config_for(z), fuse_qkv(w, z), w.wo);
@@ -120,8 +154,9 @@ RC_GTEST_PROP(SelfAttention, FusedQkvLayoutEqualsSeparateProjections, ()) {
 // Acceptance: GQA with groups == heads equals MHA; and GQA equals MHA with each group's K/V head
 // replicated for its query heads (repeat_interleave).
 RC_GTEST_PROP(SelfAttention, GqaEqualsMhaWithReplicatedKeyValueHeads, ()) {
-  const Sizes z = *gen_sizes(true);
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  const AttentionCase ac = *gen_attention_case(false);
+  const Sizes z = ac.sizes();
+  std::mt19937_64 g(ac.seed);
   const SeparateWeights w = random_weights(g, z);
   const Mat x = random_mat(g, z.s * z.b, z.h);
   const int r = z.np / z.ng;
@@ -146,17 +181,48 @@ RC_GTEST_PROP(SelfAttention, GqaEqualsMhaWithReplicatedKeyValueHeads, ()) {
   RC_ASSERT(max_abs_diff(explicit_groups->forward(x, args_for(zm), Taps()).output, b) == 0.0);
 }
 
-// With a causal mask, changing tokens after position t leaves outputs up to t unchanged.
+// Stored in fp32, bf16 or fp16, GQA and MHA with each group's K/V head replicated compute every
+// head from the same values through the same rounding points: bitwise equal.
+RC_GTEST_PROP(SelfAttention, GqaEqualsReplicatedMhaBitwiseInEachDtype, ()) {
+  const AttentionCase ac = *gen_attention_case(true);
+  const Sizes z = ac.sizes();
+  std::mt19937_64 g(ac.seed);
+  SeparateWeights w = random_weights(g, z);
+  for (Mat* m : {&w.wq, &w.wk, &w.wv, &w.wo}) *m = round_mat(*m, ac.dtype);
+  const Mat x = round_mat(random_mat(g, z.s * z.b, z.h), ac.dtype);
+  const int r = z.np / z.ng;
+  SeparateWeights mha = w;
+  mha.wk.resize(z.np * z.hn, z.h);
+  mha.wv.resize(z.np * z.hn, z.h);
+  for (int h = 0; h < z.np; ++h) {
+    mha.wk.middleRows(h * z.hn, z.hn) = w.wk.middleRows((h / r) * z.hn, z.hn);
+    mha.wv.middleRows(h * z.hn, z.hn) = w.wv.middleRows((h / r) * z.hn, z.hn);
+  }
+  Sizes zm = z;
+  zm.ng = z.np;
+  const Precision p{ComputeMode::FP32, ac.dtype};
+  auto gqa = make_self_attention(config_for(z, ac.dtype), fuse_qkv(w, z), w.wo, p);
+  auto mhaa = make_self_attention(config_for(zm, ac.dtype), fuse_qkv(mha, zm), w.wo, p);
+  const Mat a = gqa->forward(x, args_for(z), Taps()).output, b = mhaa->forward(x, args_for(zm), Taps()).output;
+  RC_ASSERT(all_in_dtype(a, ac.dtype));
+  RC_ASSERT(a == b);
+}
+
+// With a causal mask, changing tokens after position t leaves outputs up to t unchanged, in each
+// stored dtype.
 RC_GTEST_PROP(SelfAttention, CausalMaskPrefixProperty, ()) {
-  const Sizes z = *gen_sizes(true);
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
-  const SeparateWeights w = random_weights(g, z);
-  const Mat x = random_mat(g, z.s * z.b, z.h);
-  const int t = *rc::gen::inRange(0, z.s);
+  const AttentionCase ac = *gen_attention_case(true);
+  const Sizes z = ac.sizes();
+  std::mt19937_64 g(ac.seed);
+  SeparateWeights w = random_weights(g, z);
+  for (Mat* m : {&w.wq, &w.wk, &w.wv, &w.wo}) *m = round_mat(*m, ac.dtype);
+  const Mat x = round_mat(random_mat(g, z.s * z.b, z.h), ac.dtype);
+  const int t = ac.t;
   Mat y = x;
   for (int i = t + 1; i < z.s; ++i)
-    for (int b = 0; b < z.b; ++b) y.row(i * z.b + b) = random_mat(g, 1, z.h, 3.0);
-  auto attn = make_self_attention(config_for(z), fuse_qkv(w, z), w.wo, Precision{});
+    for (int b = 0; b < z.b; ++b) y.row(i * z.b + b) = round_mat(random_mat(g, 1, z.h, 3.0), ac.dtype);
+  auto attn =
+      make_self_attention(config_for(z, ac.dtype), fuse_qkv(w, z), w.wo, Precision{ComputeMode::FP32, ac.dtype});
   const Mat a = attn->forward(x, args_for(z), Taps()).output, b = attn->forward(y, args_for(z), Taps()).output;
   RC_ASSERT(a.topRows((t + 1) * z.b) == b.topRows((t + 1) * z.b));  // bitwise: masked terms are exactly 0
 }
@@ -347,24 +413,57 @@ TEST(RotaryEmbedding, AnglesAsMegatronComputesThem) {
   EXPECT_EQ(RotaryEmbedding(8, 0.5).dim(), 4);
 }
 
-// RoPE rotates pairs: norms of each rotated pair are kept, position 0 is the identity, channels
-// past rot_dim (rotary_percent < 1) pass through.
-RC_GTEST_PROP(RotaryEmbedding, RotatesPairsAndPassesTheTail, (bool interleaved)) {
-  const int hn = 2 * *rc::gen::inRange(1, 6);
-  const int rot = 2 * *rc::gen::inRange(1, hn / 2 + 1);
-  const int s = *rc::gen::inRange(1, 6), rows = *rc::gen::inRange(1, 4);
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
-  const Mat t = random_mat(g, s * rows, hn);
-  const Tensor emb = RotaryEmbedding(hn, double(rot) / hn, interleaved).forward(s);
+// One RoPE case: head width hn, rot rotated channels, s positions, `rows` rows per position.
+struct RopeCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "rope";
+  int hn = 2, rot = 2, s = 1, rows = 1;
+  bool interleaved = false;
+  DType dtype = DType::F32;
+  std::uint64_t seed = 0;
+  template <class V>
+  void fields(V& v) {
+    v("hn", hn);
+    v("rot", rot);
+    v("s", s);
+    v("rows", rows);
+    v("interleaved", interleaved);
+    v("dtype", dtype);
+    v("seed", seed);
+  }
+};
+
+// RoPE rotates pairs: norms of each rotated pair are kept (Exact mode), position 0 is the identity
+// and channels past rot_dim (rotary_percent < 1) pass through, bitwise in each stored dtype.
+RC_GTEST_PROP(RotaryEmbedding, RotatesPairsAndPassesTheTail, ()) {
+  const RopeCase rc_ = *proptest::rerunnable<RopeCase>(rc::gen::exec([] {
+    RopeCase c;
+    c.hn = 2 * *rc::gen::inRange(1, 6);
+    c.rot = 2 * *rc::gen::inRange(1, c.hn / 2 + 1);
+    c.s = *rc::gen::inRange(1, 6);
+    c.rows = *rc::gen::inRange(1, 4);
+    c.interleaved = *rc::gen::arbitrary<bool>();
+    c.dtype = *proptest::gen_case_dtype();
+    c.seed = *rc::gen::arbitrary<std::uint32_t>();
+    return c;
+  }));
+  const int hn = rc_.hn, rot = rc_.rot, s = rc_.s, rows = rc_.rows;
+  std::mt19937_64 g(rc_.seed);
+  const Mat t = round_mat(random_mat(g, s * rows, hn), rc_.dtype);
+  const Tensor emb = RotaryEmbedding(hn, double(rot) / hn, rc_.interleaved).forward(s);
   const Mat freqs = rotary_freqs(emb, s, hn);
-  const Mat y = apply_rotary_pos_emb(t, freqs, rows, interleaved, exact());
+  const Mat y = apply_rotary_pos_emb(t, freqs, rows, rc_.interleaved, exact());
   RC_ASSERT(max_abs_diff(y.topRows(rows), t.topRows(rows)) < 1e-15);  // angle 0
   RC_ASSERT(max_abs_diff(y.rightCols(hn - rot), t.rightCols(hn - rot)) == 0.0);
   for (Eigen::Index r = 0; r < y.rows(); ++r)
     for (int i = 0; i < rot / 2; ++i) {
-      const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + rot / 2;
+      const int a = rc_.interleaved ? 2 * i : i, b = rc_.interleaved ? 2 * i + 1 : i + rot / 2;
       RC_ASSERT(std::abs(std::hypot(y(r, a), y(r, b)) - std::hypot(t(r, a), t(r, b))) < 1e-12);
     }
+  // Stored in the case's dtype: cos 0 = 1 and sin 0 = 0 keep position 0, the tail is copied.
+  const Mat yd = apply_rotary_pos_emb(t, freqs, rows, rc_.interleaved, Precision{ComputeMode::FP32, rc_.dtype});
+  RC_ASSERT(all_in_dtype(yd, rc_.dtype));
+  RC_ASSERT(yd.topRows(rows) == t.topRows(rows));
+  RC_ASSERT(yd.rightCols(hn - rot) == t.rightCols(hn - rot));
 }
 
 // window_size (w0, w1) applies the sliding-window causal mask: query i sees keys i - w0 .. i + w1
