@@ -5,10 +5,12 @@
 #include <rapidcheck/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 #include <random>
 
 #include "reference/moe/moe_layer.h"
+#include "tests/reference/moe/moe_case.h"
 #include "tests/reference/moe/moe_test_util.h"
 
 namespace twin::reference::moe {
@@ -18,64 +20,70 @@ using testing::random_mat;
 using testing::random_moe_state_dict;
 using testing::small_moe_config;
 
+using testing::MoECase;
+
 struct Options {
   bool capacity = false;       // may set moe_expert_capacity_factor
   bool capacity_fits = false;  // capacity <= tokens whenever padding to capacity (alltoall needs it)
   bool shared = true;          // may add shared experts
+  bool dtypes = true;          // draws fp32 | bf16 | fp16 (false: fp32, for Exact-mode properties)
+  int max_s = 6, max_b = 3;
 };
 
-// A random MoE config that validates.
-TransformerConfig gen_config(const Options& o, Index tokens) {
-  const int E = *rc::gen::inRange(2, 9);
-  const int k = *rc::gen::inRange(1, E + 1);
-  TransformerConfig c = small_moe_config(E, k);
-  c.moe_router_score_function = *rc::gen::element<std::string>("softmax", "sigmoid");
-  c.moe_router_pre_softmax = (k == 1 && c.moe_router_score_function == "softmax") ? true : *rc::gen::arbitrary<bool>();
-  if (*rc::gen::arbitrary<bool>()) {  // group-limited routing
-    std::vector<int> divisors;
-    for (int g = 2; g <= E; ++g)
-      if (E % g == 0) divisors.push_back(g);
-    if (!divisors.empty()) {
-      const int G = *rc::gen::elementOf(divisors);
-      const int group_topk = *rc::gen::inRange(1, G + 1);
-      if (k <= group_topk * (E / G)) {
-        c.moe_router_num_groups = G;
-        c.moe_router_group_topk = group_topk;
+// A random MoE case whose config validates; `tweak` then sets what one property needs (inside the
+// generator, so the printed id is the case the property ran).
+rc::Gen<MoECase> gen_moe_case(Options o, std::function<void(MoECase&)> tweak = {}) {
+  return proptest::rerunnable<MoECase>(rc::gen::exec([o, tweak] {
+    MoECase m;
+    m.s = *rc::gen::inRange(1, o.max_s + 1);
+    m.b = *rc::gen::inRange(1, o.max_b + 1);
+    m.E = *rc::gen::inRange(2, 9);
+    m.k = *rc::gen::inRange(1, m.E + 1);
+    m.score = *rc::gen::element<std::string>("softmax", "sigmoid");
+    m.pre_softmax = (m.k == 1 && m.score == "softmax") ? true : *rc::gen::arbitrary<bool>();
+    if (*rc::gen::arbitrary<bool>()) {  // group-limited routing
+      std::vector<int> divisors;
+      for (int g = 2; g <= m.E; ++g)
+        if (m.E % g == 0) divisors.push_back(g);
+      if (!divisors.empty()) {
+        const int G = *rc::gen::elementOf(divisors);
+        const int group_topk = *rc::gen::inRange(1, G + 1);
+        if (m.k <= group_topk * (m.E / G)) {
+          m.groups = G;
+          m.group_topk = group_topk;
+        }
       }
     }
-  }
-  if (*rc::gen::arbitrary<bool>()) c.moe_router_topk_scaling_factor = 2.5;
-  c.gated_linear_unit = *rc::gen::arbitrary<bool>();
-  c.activation_func = *rc::gen::element<std::string>("gelu", "silu");
-  c.moe_token_dispatcher_type = *rc::gen::element<std::string>("allgather", "alltoall");
-  c.moe_router_load_balancing_type =
-      *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss", "none");
-  if (*rc::gen::arbitrary<bool>()) c.moe_z_loss_coeff = 1e-3;
-  if (c.moe_router_score_function == "sigmoid" && *rc::gen::arbitrary<bool>()) c.moe_router_enable_expert_bias = true;
-  if (o.shared && *rc::gen::arbitrary<bool>()) {
-    c.moe_shared_expert_intermediate_size = 5;
-    c.moe_shared_expert_gate = *rc::gen::arbitrary<bool>();
-  } else {
-    c.add_bias_linear = *rc::gen::arbitrary<bool>();
-  }
-  if (o.capacity && *rc::gen::arbitrary<bool>()) {
-    c.moe_expert_capacity_factor = *rc::gen::inRange(1, 21) / 10.0;
-    c.moe_token_drop_policy = *rc::gen::element<std::string>("probs", "position");
-    c.moe_pad_expert_input_to_capacity = *rc::gen::arbitrary<bool>();
-    if (o.capacity_fits && c.moe_pad_expert_input_to_capacity &&
-        get_capacity(tokens * k, E, *c.moe_expert_capacity_factor) > tokens)
-      c.moe_pad_expert_input_to_capacity = false;
-  }
-  return c;
+    if (*rc::gen::arbitrary<bool>()) m.topk_scale = 2.5;
+    m.glu = *rc::gen::arbitrary<bool>();
+    m.act = *rc::gen::element<std::string>("gelu", "silu");
+    m.dispatcher = *rc::gen::element<std::string>("allgather", "alltoall");
+    m.lb = *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss", "none");
+    if (*rc::gen::arbitrary<bool>()) m.z_loss = 1e-3;
+    if (m.score == "sigmoid" && *rc::gen::arbitrary<bool>()) m.expert_bias = true;
+    if (o.shared && *rc::gen::arbitrary<bool>()) {
+      m.shared = 5;
+      m.shared_gate = *rc::gen::arbitrary<bool>();
+    } else {
+      m.bias = *rc::gen::arbitrary<bool>();
+    }
+    if (o.capacity && *rc::gen::arbitrary<bool>()) {
+      m.cap = *rc::gen::inRange(1, 21) / 10.0;
+      m.drop = *rc::gen::element<std::string>("probs", "position");
+      m.pad_cap = *rc::gen::arbitrary<bool>();
+      if (o.capacity_fits && m.pad_cap && get_capacity(Index{m.tokens()} * m.k, m.E, m.cap) > m.tokens())
+        m.pad_cap = false;
+    }
+    if (o.dtypes) m.dtype = *proptest::gen_case_dtype();
+    if (tweak) tweak(m);
+    m.seed = *rc::gen::arbitrary<std::uint64_t>();
+    return m;
+  }));
 }
 
-StateDict gen_state_dict(const TransformerConfig& c, std::mt19937_64& rng) {
-  StateDict sd = random_moe_state_dict(c, rng);
-  if (c.moe_router_enable_expert_bias) {
-    const Index E = *c.num_moe_experts;
-    sd.set("mlp.router.expert_bias", testing::f64_tensor(random_mat(rng, 1, E, 0.2), {E}));
-  }
-  return sd;
+// The case's hidden states [s * b, h], in its dtype (after its parameters in the seed's stream).
+Mat hidden_states(const MoECase& m, const TransformerConfig& c, std::mt19937_64& rng) {
+  return reference::testing::round_mat(random_mat(rng, m.tokens(), c.hidden_size), m.dtype);
 }
 
 struct Run {
@@ -103,24 +111,27 @@ bool bitwise_equal(const Mat& a, const Mat& b) {
 }
 
 const Precision kExact{ComputeMode::Exact, DType::F32};
-const Precision kFp32{ComputeMode::FP32, DType::F32};
 
 // Without capacity dropping, permuting the tokens permutes the outputs and leaves every loss
 // unchanged. Exact mode: the only differences are double summation orders (Eigen's GEMM kernels
 // and the loss sums visit rows in another order), far below 1e-12 relative.
 RC_GTEST_PROP(MoEProperties, TokenPermutationPermutesOutputsAndKeepsLosses, ()) {
-  const Index T = *rc::gen::inRange(1, 13);
-  const TransformerConfig c = gen_config(Options{}, T);
-  std::mt19937_64 rng(*rc::gen::arbitrary<std::uint64_t>());
-  const StateDict sd = gen_state_dict(c, rng);
-  const Mat x = random_mat(rng, T, c.hidden_size);
+  Options o;
+  o.dtypes = false;  // Exact mode rounds nowhere
+  o.max_s = 12;
+  o.max_b = 1;  // one sequence (b = 1): the per-sequence loss sees every token too
+  const MoECase mc = *gen_moe_case(o);
+  const Index T = mc.tokens();
+  const TransformerConfig c = to_config(mc);
+  std::mt19937_64 rng(mc.seed);
+  const StateDict sd = moe_state_dict(mc, c, rng);
+  const Mat x = hidden_states(mc, c, rng);
   std::vector<Index> perm(T);
   std::iota(perm.begin(), perm.end(), Index{0});
   std::shuffle(perm.begin(), perm.end(), rng);
   Mat px(T, c.hidden_size);
   for (Index i = 0; i < T; ++i) px.row(i) = x.row(perm[i]);
 
-  // One sequence (b = 1): the per-sequence loss sees every token too.
   const Run a = run_layer(c, sd, kExact, x, T, 1);
   const Run pa = run_layer(c, sd, kExact, px, T, 1);
   for (Index i = 0; i < T; ++i)
@@ -132,10 +143,33 @@ RC_GTEST_PROP(MoEProperties, TokenPermutationPermutesOutputsAndKeepsLosses, ()) 
 
 // permute followed by unpermute with probabilities 1/k gives back the input (k copies of x / k,
 // summed: within k roundings of x).
+// The permutation case: T tokens of width H, E experts, top k (fp64 throughout: DType::F64 below).
+struct PermuteCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "moe_permute";
+  int T = 1, E = 1, H = 1, k = 1;
+  std::uint64_t seed = 0;
+  template <class V>
+  void fields(V& v) {
+    v("T", T);
+    v("E", E);
+    v("H", H);
+    v("k", k);
+    v("seed", seed);
+  }
+};
+
 RC_GTEST_PROP(MoEProperties, PermuteThenUnpermuteWithProbsOneOverKIsIdentity, ()) {
-  const Index T = *rc::gen::inRange(1, 17), E = *rc::gen::inRange(1, 9), H = *rc::gen::inRange(1, 6);
-  const Index k = *rc::gen::inRange<Index>(1, E + 1);
-  std::mt19937_64 rng(*rc::gen::arbitrary<std::uint64_t>());
+  const PermuteCase pc = *proptest::rerunnable<PermuteCase>(rc::gen::exec([] {
+    PermuteCase c;
+    c.T = *rc::gen::inRange(1, 17);
+    c.E = *rc::gen::inRange(1, 9);
+    c.H = *rc::gen::inRange(1, 6);
+    c.k = *rc::gen::inRange(1, c.E + 1);
+    c.seed = *rc::gen::arbitrary<std::uint64_t>();
+    return c;
+  }));
+  const Index T = pc.T, E = pc.E, H = pc.H, k = pc.k;
+  std::mt19937_64 rng(pc.seed);
   const Mat tokens = random_mat(rng, T, H);
   const TopK top = topk_rows(random_mat(rng, T, E), static_cast<int>(k));
   BoolMat routing_map = BoolMat::Constant(T, E, false);
@@ -155,14 +189,17 @@ RC_GTEST_PROP(MoEProperties, PermuteThenUnpermuteWithProbsOneOverKIsIdentity, ()
 // Every routing-map row holds exactly k experts when nothing is dropped (no capacity factor, or
 // one so large that no expert can overflow).
 RC_GTEST_PROP(MoEProperties, EveryRowHasExactlyKExpertsWithoutDropping, ()) {
-  const Index s = *rc::gen::inRange(1, 7), b = *rc::gen::inRange(1, 4);
-  TransformerConfig c = gen_config(Options{}, s * b);
-  if (*rc::gen::arbitrary<bool>()) {
-    c.moe_expert_capacity_factor = static_cast<double>(*c.num_moe_experts) / c.moe_router_topk;  // capacity >= T
-    c.moe_token_drop_policy = *rc::gen::element<std::string>("probs", "position");
-  }
-  std::mt19937_64 rng(*rc::gen::arbitrary<std::uint64_t>());
-  const Run r = run_layer(c, gen_state_dict(c, rng), kFp32, random_mat(rng, s * b, c.hidden_size), s, b);
+  const MoECase mc = *gen_moe_case(Options{}, [](MoECase& m) {
+    if (*rc::gen::arbitrary<bool>()) {
+      m.cap = static_cast<double>(m.E) / m.k;  // capacity >= T
+      m.drop = *rc::gen::element<std::string>("probs", "position");
+    }
+  });
+  const Index s = mc.s, b = mc.b;
+  const TransformerConfig c = to_config(mc);
+  std::mt19937_64 rng(mc.seed);
+  const StateDict sd = moe_state_dict(mc, c, rng);
+  const Run r = run_layer(c, sd, precision_of(mc), hidden_states(mc, c, rng), s, b);
   const Tensor& map = *r.taps.find("mlp.router.1");
   const BoolMat m = to_bool_mat(map, s * b, *c.num_moe_experts);
   for (Index t = 0; t < m.rows(); ++t) RC_ASSERT(m.row(t).count() == c.moe_router_topk);
@@ -171,15 +208,18 @@ RC_GTEST_PROP(MoEProperties, EveryRowHasExactlyKExpertsWithoutDropping, ()) {
 // No expert ever holds more tokens than its capacity; padding to capacity fills every expert to
 // exactly the capacity.
 RC_GTEST_PROP(MoEProperties, NoExpertExceedsCapacity, ()) {
-  const Index s = *rc::gen::inRange(1, 7), b = *rc::gen::inRange(1, 4), T = s * b;
-  TransformerConfig c = gen_config(Options{}, T);
-  c.moe_expert_capacity_factor = *rc::gen::inRange(1, 21) / 10.0;
-  c.moe_token_drop_policy = *rc::gen::element<std::string>("probs", "position");
-  c.moe_pad_expert_input_to_capacity = *rc::gen::arbitrary<bool>();
+  const MoECase mc = *gen_moe_case(Options{}, [](MoECase& m) {
+    m.cap = *rc::gen::inRange(1, 21) / 10.0;
+    m.drop = *rc::gen::element<std::string>("probs", "position");
+    m.pad_cap = *rc::gen::arbitrary<bool>();
+    if (m.pad_cap && get_capacity(Index{m.tokens()} * m.k, m.E, m.cap) > m.tokens()) m.dispatcher = "allgather";
+  });
+  const Index s = mc.s, b = mc.b, T = mc.tokens();
+  const TransformerConfig c = to_config(mc);
   const Index capacity = get_capacity(T * c.moe_router_topk, *c.num_moe_experts, *c.moe_expert_capacity_factor);
-  if (c.moe_pad_expert_input_to_capacity && capacity > T) c.moe_token_dispatcher_type = "allgather";
-  std::mt19937_64 rng(*rc::gen::arbitrary<std::uint64_t>());
-  const Run r = run_layer(c, gen_state_dict(c, rng), kFp32, random_mat(rng, T, c.hidden_size), s, b);
+  std::mt19937_64 rng(mc.seed);
+  const StateDict sd = moe_state_dict(mc, c, rng);
+  const Run r = run_layer(c, sd, precision_of(mc), hidden_states(mc, c, rng), s, b);
   const BoolMat m = to_bool_mat(*r.taps.find("mlp.router.1"), T, *c.num_moe_experts);
   const Tensor& tokens_per_expert = *r.taps.find("mlp.experts.tokens_per_expert", Role::TapIn);
   for (Index e = 0; e < m.cols(); ++e) {
@@ -192,39 +232,42 @@ RC_GTEST_PROP(MoEProperties, NoExpertExceedsCapacity, ()) {
 // Padding tokens (padding_mask [b, s], True = padding) change no loss: replacing their hidden
 // states leaves every loss bitwise unchanged (they are still routed and computed).
 RC_GTEST_PROP(MoEProperties, PaddingTokensChangeNoLoss, ()) {
-  const Index s = *rc::gen::inRange(1, 7), b = *rc::gen::inRange(1, 4), T = s * b;
-  TransformerConfig c = gen_config(Options{}, T);
-  c.moe_router_load_balancing_type = *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss");
-  c.moe_z_loss_coeff = 1e-3;
-  std::vector<bool> pad(static_cast<std::size_t>(T));
-  for (Index i = 0; i < T; ++i) pad[i] = *rc::gen::arbitrary<bool>();
-  pad[static_cast<std::size_t>(*rc::gen::inRange<Index>(0, T))] = false;  // at least one real token
-  const Tensor padding_mask = Tensor::from_vector<bool>({b, s}, pad);     // [b, s]
-  std::mt19937_64 rng(*rc::gen::arbitrary<std::uint64_t>());
-  const StateDict sd = gen_state_dict(c, rng);
-  const Mat x = random_mat(rng, T, c.hidden_size);
+  const MoECase mc = *gen_moe_case(Options{}, [](MoECase& m) {
+    m.lb = *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss");
+    m.z_loss = 1e-3;
+    m.pad.assign(static_cast<std::size_t>(m.tokens()), '0');
+    for (char& bit : m.pad) bit = *rc::gen::arbitrary<bool>() ? '1' : '0';
+    m.pad[static_cast<std::size_t>(*rc::gen::inRange(0, m.tokens()))] = '0';  // at least one real token
+  });
+  const Index s = mc.s, b = mc.b, T = mc.tokens();
+  const TransformerConfig c = to_config(mc);
+  const Tensor padding_mask = padding_mask_of(mc);  // [b, s]
+  std::mt19937_64 rng(mc.seed);
+  const StateDict sd = moe_state_dict(mc, c, rng);
+  const Mat x = hidden_states(mc, c, rng);
   Mat y = x;
-  const Mat noise = random_mat(rng, T, c.hidden_size, 3.0);
+  const Mat noise = reference::testing::round_mat(random_mat(rng, T, c.hidden_size, 3.0), mc.dtype);
   for (Index bi = 0; bi < b; ++bi)
     for (Index si = 0; si < s; ++si)
-      if (pad[bi * s + si]) y.row(si * b + bi) = noise.row(si * b + bi);  // token t = s_idx * b + b_idx
-  const Run rx = run_layer(c, sd, kFp32, x, s, b, &padding_mask);
-  const Run ry = run_layer(c, sd, kFp32, y, s, b, &padding_mask);
+      if (mc.pad[bi * s + si] == '1') y.row(si * b + bi) = noise.row(si * b + bi);  // token t = s_idx * b + b_idx
+  const Run rx = run_layer(c, sd, precision_of(mc), x, s, b, &padding_mask);
+  const Run ry = run_layer(c, sd, precision_of(mc), y, s, b, &padding_mask);
   RC_ASSERT(!rx.aux.empty());
   RC_ASSERT(rx.aux == ry.aux);
 }
 
 // allgather and alltoall dispatch agree bitwise: outputs, the experts' inputs and every tap.
 RC_GTEST_PROP(MoEProperties, AllgatherAndAlltoallAgreeBitwise, ()) {
-  const Index s = *rc::gen::inRange(1, 7), b = *rc::gen::inRange(1, 4);
-  TransformerConfig c = gen_config(Options{true, true, true}, s * b);
-  std::mt19937_64 rng(*rc::gen::arbitrary<std::uint64_t>());
-  const StateDict sd = gen_state_dict(c, rng);
-  const Mat x = random_mat(rng, s * b, c.hidden_size);
+  const MoECase mc = *gen_moe_case(Options{true, true, true});
+  const Index s = mc.s, b = mc.b;
+  TransformerConfig c = to_config(mc);
+  std::mt19937_64 rng(mc.seed);
+  const StateDict sd = moe_state_dict(mc, c, rng);
+  const Mat x = hidden_states(mc, c, rng);
   c.moe_token_dispatcher_type = "allgather";
-  const Run ag = run_layer(c, sd, kFp32, x, s, b);
+  const Run ag = run_layer(c, sd, precision_of(mc), x, s, b);
   c.moe_token_dispatcher_type = "alltoall";
-  const Run a2a = run_layer(c, sd, kFp32, x, s, b);
+  const Run a2a = run_layer(c, sd, precision_of(mc), x, s, b);
   RC_ASSERT(bitwise_equal(ag.output, a2a.output));
   RC_ASSERT(ag.aux == a2a.aux);
   RC_ASSERT(ag.taps.entries.size() == a2a.taps.entries.size());
@@ -240,14 +283,15 @@ RC_GTEST_PROP(MoEProperties, AllgatherAndAlltoallAgreeBitwise, ()) {
 
 // MoELayer's three groups (route, expert_compute, postprocess) compose bitwise to forward.
 RC_GTEST_PROP(MoEProperties, MoELayerGroupsComposeBitwiseToForward, ()) {
-  const Index s = *rc::gen::inRange(1, 7), b = *rc::gen::inRange(1, 4);
-  const TransformerConfig c = gen_config(Options{true, true, true}, s * b);
-  std::mt19937_64 rng(*rc::gen::arbitrary<std::uint64_t>());
-  const StateDict sd = gen_state_dict(c, rng);
-  const Mat x = random_mat(rng, s * b, c.hidden_size);
-  const Run whole = run_layer(c, sd, kFp32, x, s, b);
+  const MoECase mc = *gen_moe_case(Options{true, true, true});
+  const Index s = mc.s, b = mc.b;
+  const TransformerConfig c = to_config(mc);
+  std::mt19937_64 rng(mc.seed);
+  const StateDict sd = moe_state_dict(mc, c, rng);
+  const Mat x = hidden_states(mc, c, rng);
+  const Run whole = run_layer(c, sd, precision_of(mc), x, s, b);
 
-  MoELayer layer(c, kFp32);
+  MoELayer layer(c, precision_of(mc));
   layer.load_state_dict(sd, "mlp.");
   MlpArgs args;
   args.lead = {s, b};

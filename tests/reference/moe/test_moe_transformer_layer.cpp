@@ -8,6 +8,7 @@
 #include <random>
 
 #include "reference/moe/moe_transformer_layer.h"
+#include "tests/reference/moe/moe_case.h"
 #include "tests/reference/moe/moe_test_util.h"
 
 namespace twin::reference::moe {
@@ -25,9 +26,10 @@ bool same_bytes(const Tensor& a, const Tensor& b) {
   return a.shape() == b.shape() && a.dtype() == b.dtype() && std::equal(a.raw(), a.raw() + a.nbytes(), b.raw());
 }
 
-std::unique_ptr<MoETransformerLayer> make_layer(const TransformerConfig& c, const StateDict& sd) {
+std::unique_ptr<MoETransformerLayer> make_layer(const TransformerConfig& c, const StateDict& sd,
+                                                const Precision& p = kFp32) {
   const ModuleSpec spec = get_gpt_layer_local_moe_spec(*c.num_moe_experts);
-  auto layer = std::make_unique<MoETransformerLayer>(c, spec.submodules, 1, std::nullopt, kFp32);
+  auto layer = std::make_unique<MoETransformerLayer>(c, spec.submodules, 1, std::nullopt, p);
   layer->training = true;
   layer->moe_layer().load_state_dict(sd, "mlp.");  // the norms keep gamma 1, beta 0
   return layer;
@@ -35,40 +37,53 @@ std::unique_ptr<MoETransformerLayer> make_layer(const TransformerConfig& c, cons
 
 // The three phases, called one after the other with the plain structs between them, give the
 // whole _forward_mlp bitwise: output, every tap and every loss.
+// Drawn in fp32, bf16 and fp16 (the phases must agree bitwise in every stored dtype).
 RC_GTEST_PROP(MoETransformerLayerProperties, ThreePhasesComposeBitwiseToForwardMlp, ()) {
-  const int s = *rc::gen::inRange(1, 6), b = *rc::gen::inRange(1, 4);
-  const int E = *rc::gen::inRange(2, 7);
-  const int k = *rc::gen::inRange(1, E + 1);
-  TransformerConfig c = small_moe_config(E, k);
-  c.moe_token_dispatcher_type = *rc::gen::element<std::string>("allgather", "alltoall");
-  c.moe_router_load_balancing_type =
-      *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss", "none");
-  c.moe_z_loss_coeff = 1e-3;
-  c.gated_linear_unit = *rc::gen::arbitrary<bool>();
-  if (*rc::gen::arbitrary<bool>()) {
-    c.moe_shared_expert_intermediate_size = 4;
-    c.moe_shared_expert_gate = *rc::gen::arbitrary<bool>();
-  } else {
-    c.add_bias_linear = *rc::gen::arbitrary<bool>();
-  }
-  if (*rc::gen::arbitrary<bool>()) {
-    c.moe_expert_capacity_factor = *rc::gen::inRange(2, 16) / 10.0;
-    c.moe_token_drop_policy = *rc::gen::element<std::string>("probs", "position");
-  }
-  std::mt19937_64 rng(*rc::gen::arbitrary<std::uint64_t>());
-  const StateDict sd = random_moe_state_dict(c, rng);
-  const Mat hidden_states = random_mat(rng, static_cast<Index>(s) * b, c.hidden_size);
-  std::vector<bool> pad(static_cast<std::size_t>(s * b), false);
-  for (std::size_t i = 1; i < pad.size(); ++i) pad[i] = *rc::gen::arbitrary<bool>();
-  const Tensor padding_mask = Tensor::from_vector<bool>({b, s}, pad);
+  const testing::MoECase mc = *proptest::rerunnable<testing::MoECase>(rc::gen::exec([] {
+    testing::MoECase m;
+    m.s = *rc::gen::inRange(1, 6);
+    m.b = *rc::gen::inRange(1, 4);
+    m.E = *rc::gen::inRange(2, 7);
+    m.k = *rc::gen::inRange(1, m.E + 1);
+    m.pre_softmax = m.k == 1;  // small_moe_config's choice
+    m.dispatcher = *rc::gen::element<std::string>("allgather", "alltoall");
+    m.lb = *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss", "none");
+    m.z_loss = 1e-3;
+    m.glu = *rc::gen::arbitrary<bool>();
+    if (*rc::gen::arbitrary<bool>()) {
+      m.shared = 4;
+      m.shared_gate = *rc::gen::arbitrary<bool>();
+    } else {
+      m.bias = *rc::gen::arbitrary<bool>();
+    }
+    if (*rc::gen::arbitrary<bool>()) {
+      m.cap = *rc::gen::inRange(2, 16) / 10.0;
+      m.drop = *rc::gen::element<std::string>("probs", "position");
+    }
+    if (*rc::gen::arbitrary<bool>()) {  // a padding mask, its first token real
+      m.pad.assign(static_cast<std::size_t>(m.tokens()), '0');
+      for (std::size_t i = 1; i < m.pad.size(); ++i) m.pad[i] = *rc::gen::arbitrary<bool>() ? '1' : '0';
+    }
+    m.dtype = *proptest::gen_case_dtype();
+    m.seed = *rc::gen::arbitrary<std::uint64_t>();
+    return m;
+  }));
+  const int s = mc.s, b = mc.b;
+  const TransformerConfig c = testing::to_config(mc);
+  std::mt19937_64 rng(mc.seed);
+  const StateDict sd = testing::moe_state_dict(mc, c, rng);
+  const Mat hidden_states =
+      reference::testing::round_mat(random_mat(rng, static_cast<Index>(s) * b, c.hidden_size), mc.dtype);
+  const Tensor padding_mask = testing::padding_mask_of(mc);
   LayerInputs inputs;
-  if (*rc::gen::arbitrary<bool>()) inputs.padding_mask = &padding_mask;
+  if (mc.pad != "none") inputs.padding_mask = &padding_mask;
+  const Precision p = testing::precision_of(mc);
 
-  auto whole_layer = make_layer(c, sd);
+  auto whole_layer = make_layer(c, sd, p);
   TapRecord whole_taps;
   const Mat whole = whole_layer->_forward_mlp(hidden_states, s, b, inputs, Taps(&whole_taps));
 
-  auto phased_layer = make_layer(c, sd);
+  auto phased_layer = make_layer(c, sd, p);
   TapRecord phased_taps;
   const Taps taps(&phased_taps);
   const MoERouterPhaseOutput routed = phased_layer->_forward_mlp_router(hidden_states, s, b, inputs, taps);
