@@ -24,14 +24,23 @@ inline const Fixture& first_layer_fixture() {
 }
 
 // param.* of the first-layer fixture; with_encoder = false drops the encoder's keys (a later layer).
-inline reference::StateDict retro_layer_params(bool with_encoder) {
+// dtype: the parameters converted to it (bf16 / fp16 as Megatron's Float16Module holds them).
+inline reference::StateDict retro_layer_params(bool with_encoder, DType dtype = DType::F32) {
   reference::StateDict sd;
   for (const auto& name : first_layer_fixture().names_with_prefix("param.")) {
     const std::string key = name.substr(6);
     if (!with_encoder && key.rfind("cross_attention.encoder.", 0) == 0) continue;
-    sd.set(key, first_layer_fixture().tensor(name));
+    const Tensor& t = first_layer_fixture().tensor(name);
+    sd.set(key, dtype == DType::F32 ? t : t.to(dtype));
   }
   return sd;
+}
+
+// The Float16Module flags and params_dtype of a stored dtype (fp32, bf16, fp16).
+inline void set_params_dtype(TransformerConfig& c, DType dtype) {
+  c.bf16 = dtype == DType::BF16;
+  c.fp16 = dtype == DType::F16;
+  c.params_dtype = dtype == DType::BF16 ? "bfloat16" : dtype == DType::F16 ? "float16" : "float32";
 }
 
 inline TransformerConfig retro_config(int chunk_length, int neighbors, int retrieved_chunks) {
@@ -61,7 +70,7 @@ inline std::unique_ptr<reference::TransformerLayer> retro_decoder_layer(const Tr
   std::unique_ptr<reference::BaseTransformerLayer> built =
       spec.spec.build(c, layer_number, reference::Precision::from_config(c));
   std::unique_ptr<reference::TransformerLayer> layer(dynamic_cast<reference::TransformerLayer*>(built.release()));
-  layer->load_state_dict(retro_layer_params(with_encoder));
+  layer->load_state_dict(retro_layer_params(with_encoder, reference::Precision::from_config(c).params_dtype));
   return layer;
 }
 

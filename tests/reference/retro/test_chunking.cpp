@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "reference/retro/chunking.h"
+#include "tests/case_id.h"
 #include "tests/reference/retro/torch_like.h"
 
 using namespace twin;
@@ -14,11 +15,54 @@ using twin::test::Nd;
 
 namespace {
 
-Tensor iota(Shape s, double start = 1.0) {
+// 1, 2, 3, ... in dtype dt (every value drawn here is below 256: exact in bf16 and fp16 too).
+Tensor iota(Shape s, DType dt = DType::F32, double start = 1.0) {
   std::vector<double> v(static_cast<std::size_t>(shape_numel(s)));
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = start + static_cast<double>(i);
-  return Tensor::from_doubles(DType::F32, s, v);
+  return Tensor::from_doubles(dt, s, v);
 }
+
+// One chunking case: chunk length m, ns tokens, bs samples, width d, in a stored dtype (values
+// only move: the reshuffles keep the dtype and every bit).
+struct ChunkCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "retro_chunks";
+  int m = 1, ns = 1, bs = 1, d = 1;
+  DType dtype = DType::F32;
+  template <class V>
+  void fields(V& v) {
+    v("m", m);
+    v("ns", ns);
+    v("bs", bs);
+    v("d", d);
+    v("dtype", dtype);
+  }
+};
+rc::Gen<ChunkCase> gen_chunk_case() {
+  return proptest::rerunnable<ChunkCase>(rc::gen::exec([] {
+    ChunkCase c;
+    c.m = *rc::gen::inRange(1, 6);
+    c.ns = *rc::gen::inRange(1, 20);
+    c.bs = *rc::gen::inRange(1, 4);
+    c.d = *rc::gen::inRange(1, 4);
+    c.dtype = *proptest::gen_case_dtype();
+    return c;
+  }));
+}
+
+// One neighbour split/stack case: r rows, k neighbours, N = bs * l columns each, width d.
+struct SplitCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "retro_split";
+  int r = 1, k = 1, N = 1, d = 1;
+  DType dtype = DType::F32;
+  template <class V>
+  void fields(V& v) {
+    v("r", r);
+    v("k", k);
+    v("N", N);
+    v("d", d);
+    v("dtype", dtype);
+  }
+};
 
 // decoder_attention.py, `if self.encoder:` branch.
 Nd python_chunked_output(const Nd& h, std::int64_t m) {
@@ -53,37 +97,34 @@ Nd python_unchunk(const Nd& x, std::int64_t m, std::int64_t ns, std::int64_t bs,
 }  // namespace
 
 RC_GTEST_PROP(RetroChunking, EncoderContextMatchesPython, ()) {
-  const std::int64_t m = *rc::gen::inRange<std::int64_t>(1, 6);
-  const std::int64_t ns = *rc::gen::inRange<std::int64_t>(1, 20);
-  const std::int64_t bs = *rc::gen::inRange<std::int64_t>(1, 4);
-  const std::int64_t d = *rc::gen::inRange<std::int64_t>(1, 4);
-  const Tensor h = iota({ns, bs, d});
+  const ChunkCase cc = *gen_chunk_case();
+  const std::int64_t m = cc.m, ns = cc.ns, bs = cc.bs, d = cc.d;
+  const Tensor h = iota({ns, bs, d}, cc.dtype);
   const Tensor got = chunk_encoder_context(h, m);
+  RC_ASSERT(got.dtype() == cc.dtype);
   const Nd want = python_chunked_output(Nd::from(h), m);
   RC_ASSERT(got.shape() == want.shape);
   RC_ASSERT(got.to_f64() == want.v);
 }
 
 RC_GTEST_PROP(RetroChunking, AttendingChunksMatchPython, ()) {
-  const std::int64_t m = *rc::gen::inRange<std::int64_t>(1, 6);
-  const std::int64_t ns = *rc::gen::inRange<std::int64_t>(1, 20);
-  const std::int64_t bs = *rc::gen::inRange<std::int64_t>(1, 4);
-  const std::int64_t d = *rc::gen::inRange<std::int64_t>(1, 4);
-  const Tensor h = iota({ns, bs, d});
+  const ChunkCase cc = *gen_chunk_case();
+  const std::int64_t m = cc.m, ns = cc.ns, bs = cc.bs, d = cc.d;
+  const Tensor h = iota({ns, bs, d}, cc.dtype);
   const Tensor got = pad_attending_chunks(h, m);
+  RC_ASSERT(got.dtype() == cc.dtype);
   const Nd want = python_padded_chunked_output(Nd::from(h), m);
   RC_ASSERT(got.shape() == want.shape);
   RC_ASSERT(got.to_f64() == want.v);
 }
 
 RC_GTEST_PROP(RetroChunking, UnchunkMatchesPython, ()) {
-  const std::int64_t m = *rc::gen::inRange<std::int64_t>(1, 6);
-  const std::int64_t ns = *rc::gen::inRange<std::int64_t>(1, 20);
-  const std::int64_t bs = *rc::gen::inRange<std::int64_t>(1, 4);
-  const std::int64_t d = *rc::gen::inRange<std::int64_t>(1, 4);
+  const ChunkCase cc = *gen_chunk_case();
+  const std::int64_t m = cc.m, ns = cc.ns, bs = cc.bs, d = cc.d;
   const std::int64_t l = num_chunks(ns, m), pad = attending_pad(ns, m);
-  const Tensor x = iota({m, bs * l, d});
+  const Tensor x = iota({m, bs * l, d}, cc.dtype);
   const Tensor got = unchunk_decoder_output(x, ns, bs, l, pad);
+  RC_ASSERT(got.dtype() == cc.dtype);
   const Nd want = python_unchunk(Nd::from(x), m, ns, bs, l, pad);
   RC_ASSERT(got.shape() == want.shape);
   RC_ASSERT(got.to_f64() == want.v);
@@ -92,10 +133,9 @@ RC_GTEST_PROP(RetroChunking, UnchunkMatchesPython, ()) {
 // Unchunking the attending chunks gives back the sequence, the first pad tokens zeroed: every
 // token from pad on goes to exactly one chunk slot and comes back to its own position.
 RC_GTEST_PROP(RetroChunking, UnchunkInvertsAttendingChunks, ()) {
-  const std::int64_t m = *rc::gen::inRange<std::int64_t>(1, 6);
-  const std::int64_t ns = *rc::gen::inRange<std::int64_t>(1, 20);
-  const std::int64_t bs = *rc::gen::inRange<std::int64_t>(1, 4);
-  const Tensor h = iota({ns, bs, 2});
+  const ChunkCase cc = *gen_chunk_case();  // width 2 here, d unused
+  const std::int64_t m = cc.m, ns = cc.ns, bs = cc.bs;
+  const Tensor h = iota({ns, bs, 2}, cc.dtype);
   const std::int64_t l = num_chunks(ns, m), pad = attending_pad(ns, m);
   const Tensor back = unchunk_decoder_output(pad_attending_chunks(h, m), ns, bs, l, pad);
   const auto hv = h.to_f64(), bv = back.to_f64();
@@ -107,11 +147,17 @@ RC_GTEST_PROP(RetroChunking, UnchunkInvertsAttendingChunks, ()) {
 }
 
 RC_GTEST_PROP(RetroChunking, NeighbourSplitAndStackMatchPython, ()) {
-  const std::int64_t r = *rc::gen::inRange<std::int64_t>(1, 6);
-  const std::int64_t k = *rc::gen::inRange<std::int64_t>(1, 4);
-  const std::int64_t N = *rc::gen::inRange<std::int64_t>(1, 5);  // bs * l
-  const std::int64_t d = *rc::gen::inRange<std::int64_t>(1, 4);
-  const Tensor h = iota({r, N * k, d});
+  const SplitCase sc = *proptest::rerunnable<SplitCase>(rc::gen::exec([] {
+    SplitCase c;
+    c.r = *rc::gen::inRange(1, 6);
+    c.k = *rc::gen::inRange(1, 4);
+    c.N = *rc::gen::inRange(1, 5);  // bs * l
+    c.d = *rc::gen::inRange(1, 4);
+    c.dtype = *proptest::gen_case_dtype();
+    return c;
+  }));
+  const std::int64_t r = sc.r, k = sc.k, N = sc.N, d = sc.d;
+  const Tensor h = iota({r, N * k, d}, sc.dtype);
   const auto parts = split_neighbors(h, r, k);
   const Nd chunked_outputs = Nd::from(h).reshape({r, -1, k, d});
   std::vector<Nd> want_parts;

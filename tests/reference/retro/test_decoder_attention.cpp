@@ -15,6 +15,7 @@
 
 #include "reference/retro/chunking.h"
 #include "reference/retro/decoder_attention.h"
+#include "tests/case_id.h"
 #include "tests/reference/retro/retro_test_util.h"
 
 using namespace twin;
@@ -23,9 +24,16 @@ using twin::reference::LayerInputs;
 
 namespace {
 
-struct Case {
-  int m, k, chunks, ns, bs;
-  bool with_encoder;
+// One neighbour-reach case: chunk length m, k neighbours, retrieved chunks, ns tokens of bs
+// samples, whether the layer is the first (owns the encoder); the chunk (pick_b, pick_c) whose
+// neighbours are perturbed; the stored dtype and the seed of the inputs.
+struct Case : proptest::PropertyCase {
+  static constexpr const char* kKind = "retro_reach";
+  int m = 1, k = 1, chunks = 1, ns = 1, bs = 1;
+  bool with_encoder = true;
+  int pick_b = 0, pick_c = 0;
+  DType dtype = DType::F32;
+  std::uint64_t seed = 1;
   std::int64_t l() const { return (ns + m - 1) / m; }
   std::int64_t pad() const { return (ns - 1) % m; }
   std::int64_t r() const { return static_cast<std::int64_t>(chunks) * m; }
@@ -33,10 +41,34 @@ struct Case {
   Shape context_shape(std::int64_t d) const {
     return with_encoder ? Shape{r(), k * bs * l(), d} : Shape{r() * k, bs * l(), d};
   }
+  template <class V>
+  void fields(V& v) {
+    v("m", m);
+    v("k", k);
+    v("chunks", chunks);
+    v("ns", ns);
+    v("bs", bs);
+    v("encoder", with_encoder);
+    v("pick_b", pick_b);
+    v("pick_c", pick_c);
+    v("dtype", dtype);
+    v("seed", seed);
+  }
 };
 
+Case fixed_case(int m, int k, int chunks, int ns, int bs, bool with_encoder) {
+  Case c;
+  c.m = m;
+  c.k = k;
+  c.chunks = chunks;
+  c.ns = ns;
+  c.bs = bs;
+  c.with_encoder = with_encoder;
+  return c;
+}
+
 rc::Gen<Case> gen_case(bool with_encoder) {
-  return rc::gen::exec([with_encoder] {
+  return proptest::rerunnable<Case>(rc::gen::exec([with_encoder] {
     Case c;
     c.m = *rc::gen::inRange(1, 5);
     c.k = *rc::gen::inRange(1, 3);
@@ -44,8 +76,12 @@ rc::Gen<Case> gen_case(bool with_encoder) {
     c.ns = *rc::gen::inRange(1, 3 * c.m + 2);
     c.bs = *rc::gen::inRange(1, 3);
     c.with_encoder = with_encoder;
+    c.pick_b = *rc::gen::inRange(0, c.bs);
+    c.pick_c = *rc::gen::inRange(0, static_cast<int>(c.l()));
+    c.dtype = *proptest::gen_case_dtype();
+    c.seed = *rc::gen::inRange<std::uint32_t>(1, 1000);
     return c;
-  });
+  }));
 }
 
 std::pair<Tensor, std::optional<Tensor>> run(reference::TransformerLayer& layer, const Tensor& hidden,
@@ -87,28 +123,30 @@ std::set<std::pair<std::int64_t, std::int64_t>> changed_tokens(const Tensor& a, 
   return out;
 }
 
-void check_neighbour_reach(const Case& cs, std::uint32_t seed) {
-  const TransformerConfig config = retro_config(cs.m, cs.k, cs.chunks);
+// In the case's dtype: parameters, hidden states and neighbours held in it, the layer storing in it.
+void check_neighbour_reach(const Case& cs) {
+  TransformerConfig config = retro_config(cs.m, cs.k, cs.chunks);
+  set_params_dtype(config, cs.dtype);
   auto layer = retro_decoder_layer(config, cs.with_encoder);
   const std::int64_t d = config.hidden_size;
-  const Tensor hidden = random_tensor({cs.ns, cs.bs, d}, seed);
+  const auto seed = static_cast<std::uint32_t>(cs.seed);
+  const Tensor hidden = random_tensor({cs.ns, cs.bs, d}, seed).to(cs.dtype);
   const Tensor context = random_tensor(cs.context_shape(d), seed + 1);
-  const auto [out, ctx] = run(*layer, hidden, context);
+  const auto [out, ctx] = run(*layer, hidden, context.to(cs.dtype));
+  RC_ASSERT(out.dtype() == cs.dtype);
   RC_ASSERT(out.shape() == (Shape{cs.ns, cs.bs, d}));
   RC_ASSERT(ctx.has_value());
   RC_ASSERT(ctx->shape() == (Shape{cs.r() * cs.k, cs.bs * cs.l(), d}));
-
   // Changing the neighbours of chunk (b, c) changes exactly the tokens that attend to it:
   // positions pad + c*m .. pad + c*m + m - 1 (those < ns) of sample b.
-  const std::int64_t b = *rc::gen::inRange<std::int64_t>(0, cs.bs);
-  const std::int64_t c = *rc::gen::inRange<std::int64_t>(0, cs.l());
-  const auto [out2, ctx2] = run(*layer, hidden, perturb_chunk(context, cs, b, c));
+  const std::int64_t b = cs.pick_b, c = cs.pick_c;
+  const auto [out2, ctx2] = run(*layer, hidden, perturb_chunk(context, cs, b, c).to(cs.dtype));
   std::set<std::pair<std::int64_t, std::int64_t>> expected;
   for (std::int64_t s = cs.pad() + c * cs.m; s < cs.pad() + (c + 1) * cs.m && s < cs.ns; ++s) expected.insert({s, b});
   RC_ASSERT(changed_tokens(out, out2) == expected);
 
   // The first pad tokens are unaffected by the retrieved neighbours: all neighbours replaced.
-  const auto [out3, ctx3] = run(*layer, hidden, random_tensor(cs.context_shape(d), seed + 2));
+  const auto [out3, ctx3] = run(*layer, hidden, random_tensor(cs.context_shape(d), seed + 2).to(cs.dtype));
   for (const auto& [s, j] : changed_tokens(out, out3)) RC_ASSERT(s >= cs.pad());
   // ... and every attending token is.
   RC_ASSERT(static_cast<std::int64_t>(changed_tokens(out, out3).size()) == (cs.ns - cs.pad()) * cs.bs);
@@ -117,11 +155,11 @@ void check_neighbour_reach(const Case& cs, std::uint32_t seed) {
 }  // namespace
 
 RC_GTEST_PROP(RetroDecoderAttention, NeighboursReachOnlyTheirChunkFirstLayer, ()) {
-  check_neighbour_reach(*gen_case(true), *rc::gen::inRange<std::uint32_t>(1, 1000));
+  check_neighbour_reach(*gen_case(true));
 }
 
 RC_GTEST_PROP(RetroDecoderAttention, NeighboursReachOnlyTheirChunkLaterLayer, ()) {
-  check_neighbour_reach(*gen_case(false), *rc::gen::inRange<std::uint32_t>(1, 1000));
+  check_neighbour_reach(*gen_case(false));
 }
 
 // Sequence lengths divisible and not divisible by the chunk length, explicitly (the properties
@@ -129,7 +167,7 @@ RC_GTEST_PROP(RetroDecoderAttention, NeighboursReachOnlyTheirChunkLaterLayer, ()
 TEST(RetroDecoderAttention, DivisibleAndNonDivisibleSequenceLengths) {
   for (int ns : {8, 9, 10, 11, 3}) {
     SCOPED_TRACE("ns = " + std::to_string(ns));
-    const Case cs{4, 2, 2, ns, 2, true};
+    const Case cs = fixed_case(4, 2, 2, ns, 2, true);
     const TransformerConfig config = retro_config(cs.m, cs.k, cs.chunks);
     auto layer = retro_decoder_layer(config, true);
     const Tensor hidden = random_tensor({ns, 2, config.hidden_size}, 7);
@@ -246,7 +284,7 @@ TEST(RetroDecoderAttention, ReachHoldsInBf16AndWithDropout) {
     auto layer = retro_decoder_layer(config, true);
     layer->training = mode == 1;
     layer->rng = reference::DropoutRng{1234, 0};
-    const Case cs{4, 2, 2, 10, 2, true};  // pad = 1
+    const Case cs = fixed_case(4, 2, 2, 10, 2, true);  // pad = 1
     const DType dt = mode == 0 ? DType::BF16 : DType::F32;
     const Tensor hidden = random_tensor({10, 2, 64}, 31).to(dt);
     const Tensor context = random_tensor(cs.context_shape(64), 32).to(dt);

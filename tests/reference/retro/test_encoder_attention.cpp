@@ -8,6 +8,7 @@
 
 #include "reference/retro/chunking.h"
 #include "reference/retro/encoder_attention.h"
+#include "tests/case_id.h"
 #include "tests/reference/retro/retro_test_util.h"
 
 using namespace twin;
@@ -49,12 +50,40 @@ TEST(RetroEncoderAttention, BiasDropoutAddRejectsMismatchedNeighbours) {
 
 // The split into k column blocks, norm, stack back equals norming every row: the blocks return
 // to the rows they came from.
+// One encoder-norm case: k neighbours, N columns each, r rows, the stored dtype, the data seed.
+struct EncoderNormCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "retro_encoder_norm";
+  int k = 1, N = 1, r = 1;
+  DType dtype = DType::F32;
+  std::uint64_t seed = 3;
+  template <class V>
+  void fields(V& v) {
+    v("k", k);
+    v("N", N);
+    v("r", r);
+    v("dtype", dtype);
+    v("seed", seed);
+  }
+};
+
+// In each stored dtype (parameters and input held in it): bitwise, as the same rows are normed.
 RC_GTEST_PROP(RetroEncoderLayerNorm, SplitNormStackIsPerRow, ()) {
-  const int k = *rc::gen::inRange(1, 4), N = *rc::gen::inRange(1, 4), r = *rc::gen::inRange(1, 4), d = 8;
-  RetroEncoderLayerNorm ln(k, std::make_unique<LayerNorm>(d, 1e-5, false, Precision{}));
-  ln.norm->load_state_dict(StateDict({{"weight", test::random_tensor({d}, 3)}, {"bias", test::random_tensor({d}, 4)}}),
+  const EncoderNormCase ec = *proptest::rerunnable<EncoderNormCase>(rc::gen::exec([] {
+    EncoderNormCase c;
+    c.k = *rc::gen::inRange(1, 4);
+    c.N = *rc::gen::inRange(1, 4);
+    c.r = *rc::gen::inRange(1, 4);
+    c.dtype = *proptest::gen_case_dtype();
+    c.seed = *rc::gen::inRange<std::uint32_t>(1, 1000);
+    return c;
+  }));
+  const int k = ec.k, N = ec.N, r = ec.r, d = 8;
+  const auto seed = static_cast<std::uint32_t>(ec.seed);
+  RetroEncoderLayerNorm ln(k, std::make_unique<LayerNorm>(d, 1e-5, false, Precision{ComputeMode::FP32, ec.dtype}));
+  ln.norm->load_state_dict(StateDict({{"weight", test::random_tensor({d}, seed).to(ec.dtype)},
+                                      {"bias", test::random_tensor({d}, seed + 1).to(ec.dtype)}}),
                            "");
-  const Mat x = to_mat(test::random_tensor({r, k * N, d}, 5), r * k * N, d, "x");
+  const Mat x = to_mat(test::random_tensor({r, k * N, d}, seed + 2).to(ec.dtype), r * k * N, d, "x");
   const Mat a = ln.forward(x), b = ln.forward_split(x, k * N);
   RC_ASSERT(a == b);
   RC_ASSERT(a == ln.norm->forward(x));
