@@ -9,6 +9,7 @@
 #include "reference/philox.h"
 #include "reference/transformer_block.h"
 #include "reference/transformer_layer.h"
+#include "tests/case_id.h"
 
 using namespace twin;
 using namespace twin::reference;
@@ -45,20 +46,111 @@ std::map<std::string, Tensor> random_params(std::mt19937_64& g, const Transforme
   return p;
 }
 
-rc::Gen<TransformerConfig> gen_config() {
-  return rc::gen::exec([] {
-    const int ng = *rc::gen::inRange(1, 3);
-    const int np = ng * *rc::gen::inRange(1, 3);
-    const int hn = 2 * *rc::gen::inRange(1, 4);
-    TransformerConfig c = small_config(*rc::gen::inRange(2, 5) * 4, np, ng, *rc::gen::inRange(4, 20));
-    c.kv_channels = hn;
-    c.normalization = *rc::gen::element<std::string>("LayerNorm", "RMSNorm");
-    c.activation_func = *rc::gen::element<std::string>("gelu", "silu", "squared_relu", "quick_gelu");
-    c.gated_linear_unit = *rc::gen::arbitrary<bool>();
-    c.add_bias_linear = *rc::gen::arbitrary<bool>();
-    c.qk_layernorm = *rc::gen::arbitrary<bool>();
+// One dense-layer case of these properties: the layer's sizes and options (the activations include
+// squared_relu and quick_gelu, which `dense(...)` ids do not), s x b tokens, the prefix position t,
+// the stored dtype and the seed of parameters and inputs.
+struct LayerCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "layer";
+  int h = 8, np = 1, ng = 1, hn = 2, ffn = 4;
+  std::string norm = "LayerNorm";
+  std::string act = "gelu";
+  bool glu = false, bias = false, qkln = false;
+  int s = 2, b = 1, t = 0;
+  DType dtype = DType::F32;
+  std::uint64_t seed = 0;
+  template <class V>
+  void fields(V& v) {
+    v("h", h);
+    v("np", np);
+    v("ng", ng);
+    v("hn", hn);
+    v("ffn", ffn);
+    v("norm", norm);
+    v("act", act);
+    v("glu", glu);
+    v("bias", bias);
+    v("qkln", qkln);
+    v("s", s);
+    v("b", b);
+    v("t", t);
+    v("dtype", dtype);
+    v("seed", seed);
+  }
+};
+
+// dtypes false: fp32 only.
+rc::Gen<LayerCase> gen_layer_case(bool dtypes) {
+  return proptest::rerunnable<LayerCase>(rc::gen::exec([dtypes] {
+    LayerCase c;
+    c.ng = *rc::gen::inRange(1, 3);
+    c.np = c.ng * *rc::gen::inRange(1, 3);
+    c.hn = 2 * *rc::gen::inRange(1, 4);
+    c.h = *rc::gen::inRange(2, 5) * 4;
+    c.ffn = *rc::gen::inRange(4, 20);
+    c.norm = *rc::gen::element<std::string>("LayerNorm", "RMSNorm");
+    c.act = *rc::gen::element<std::string>("gelu", "silu", "squared_relu", "quick_gelu");
+    c.glu = *rc::gen::arbitrary<bool>();
+    c.bias = *rc::gen::arbitrary<bool>();
+    c.qkln = *rc::gen::arbitrary<bool>();
+    c.s = *rc::gen::inRange(2, 7);
+    c.b = *rc::gen::inRange(1, 3);
+    c.t = *rc::gen::inRange(0, c.s);
+    if (dtypes) c.dtype = *proptest::gen_case_dtype();
+    c.seed = *rc::gen::arbitrary<std::uint32_t>();
     return c;
-  });
+  }));
+}
+
+TransformerConfig to_config(const LayerCase& lc) {
+  TransformerConfig c = small_config(lc.h, lc.np, lc.ng, lc.ffn);
+  c.kv_channels = lc.hn;
+  c.normalization = lc.norm;
+  c.activation_func = lc.act;
+  c.gated_linear_unit = lc.glu;
+  c.add_bias_linear = lc.bias;
+  c.qk_layernorm = lc.qkln;
+  c.bf16 = lc.dtype == DType::BF16;  // Megatron's Float16Module flags
+  c.fp16 = lc.dtype == DType::F16;
+  c.params_dtype = lc.dtype == DType::BF16 ? "bfloat16" : lc.dtype == DType::F16 ? "float16" : "float32";
+  return c;
+}
+
+// One dropout case: the probability p, Megatron's dropout stream (rng_seed, offset), the attention
+// sizes (ng, np, s, b; unused by the hidden-dropout property) and the seed of the data. Exact mode:
+// the masks and the 1 / (1 - p) scale are what these properties read, in no stored dtype.
+struct DropoutCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "dropout";
+  double p = 0.5;
+  std::uint64_t rng_seed = 0, offset = 0;
+  int ng = 1, np = 1, s = 6, b = 1;
+  std::uint64_t seed = 0;
+  template <class V>
+  void fields(V& v) {
+    v("p", p);
+    v("rng_seed", rng_seed);
+    v("offset", offset);
+    v("ng", ng);
+    v("np", np);
+    v("s", s);
+    v("b", b);
+    v("seed", seed);
+  }
+};
+
+// p in {min_p, ..., 9} / 10; with max_ng > 1 the attention sizes are drawn (s from min_s to min_s + 3).
+rc::Gen<DropoutCase> gen_dropout_case(int min_p, int max_ng, int min_s, int max_b) {
+  return proptest::rerunnable<DropoutCase>(rc::gen::exec([=] {
+    DropoutCase c;
+    c.p = *rc::gen::inRange(min_p, 10) / 10.0;
+    c.ng = *rc::gen::inRange(1, max_ng + 1);
+    c.np = c.ng * *rc::gen::inRange(1, max_ng + 1);
+    c.s = *rc::gen::inRange(min_s, min_s + 4);
+    c.b = *rc::gen::inRange(1, max_b + 2);
+    c.rng_seed = *rc::gen::arbitrary<std::uint64_t>();
+    c.offset = *rc::gen::inRange<std::uint64_t>(0, 1u << 20);
+    c.seed = *rc::gen::arbitrary<std::uint32_t>();
+    return c;
+  }));
 }
 
 std::unique_ptr<TransformerLayer> local_layer(const TransformerConfig& c, Precision p = Precision{}) {
@@ -131,24 +223,29 @@ TEST(TransformerLayer, HiddenStatesOfWrongRankOrSizeAreErrors) {
 // Acceptance: with a causal mask, changing tokens after t leaves the layer's outputs up to t
 // unchanged (bitwise: masked scores contribute exactly 0).
 RC_GTEST_PROP(TransformerLayer, CausalPrefixProperty, ()) {
-  const TransformerConfig c = *gen_config();
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
-  auto layer = local_layer(c);
-  layer->load_state_dict(random_params(g, c));
-  const int s = *rc::gen::inRange(2, 7), b = *rc::gen::inRange(1, 3), t = *rc::gen::inRange(0, s);
+  const LayerCase lc = *gen_layer_case(true);  // in each stored dtype: parameters and input held in it
+  const TransformerConfig c = to_config(lc);
+  std::mt19937_64 g(lc.seed);
+  auto layer = local_layer(c, Precision::from_config(c));
+  std::map<std::string, Tensor> params;
+  for (auto& [k, t] : random_params(g, c)) params[k] = t.to(lc.dtype);
+  layer->load_state_dict(params);
+  const int s = lc.s, b = lc.b, t = lc.t;
   const Mat x = random_mat(g, s * b, c.hidden_size);
   Mat y = x;
   y.bottomRows((s - t - 1) * b) = random_mat(g, (s - t - 1) * b, c.hidden_size, 2.0);
-  const Tensor a = layer->forward(mat_tensor(x, {s, b, c.hidden_size})).first;
-  const Tensor bb = layer->forward(mat_tensor(y, {s, b, c.hidden_size})).first;
+  const Tensor a = layer->forward(mat_tensor(x, {s, b, c.hidden_size}).to(lc.dtype)).first;
+  const Tensor bb = layer->forward(mat_tensor(y, {s, b, c.hidden_size}).to(lc.dtype)).first;
+  RC_ASSERT(a.dtype() == lc.dtype);
   const auto va = a.to_f64(), vb = bb.to_f64();
   for (int i = 0; i < (t + 1) * b * c.hidden_size; ++i) RC_ASSERT(va[i] == vb[i]);
 }
 
 // fp32 mode stays within fp32 rounding of the exact (fp64) mode; outputs are fp32 values.
 RC_GTEST_PROP(TransformerLayer, Fp32ModeIsCloseToExactMode, ()) {
-  const TransformerConfig c = *gen_config();
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  const LayerCase lc = *gen_layer_case(false);
+  const TransformerConfig c = to_config(lc);
+  std::mt19937_64 g(lc.seed);
   const auto params = random_params(g, c);
   auto f = local_layer(c, Precision{}), e = local_layer(c, exact());
   f->load_state_dict(params);
@@ -311,12 +408,13 @@ double mask_correlation(const std::vector<bool>& a, const std::vector<bool>& b) 
 //    sample correlation with standard deviation 1 / sqrt(n), so |r| < 6 / sqrt(n) (the same 6-sigma
 //    reason), where one stream shared by two sites would give r = 1.
 RC_GTEST_PROP(TransformerLayer, HiddenDropoutKeepsAtItsRateScalesExactlyAndDrawsAMaskPerSiteAndLayer, ()) {
-  const double p = *rc::gen::inRange(1, 10) / 10.0;
-  const DropoutRng rng{*rc::gen::arbitrary<std::uint64_t>(), *rc::gen::inRange<std::uint64_t>(0, 1u << 20)};
+  const DropoutCase dc = *gen_dropout_case(1, 1, 1, 1);  // the sizes are fixed here: n per site
+  const double p = dc.p;
+  const DropoutRng rng{dc.rng_seed, dc.offset};
   const int s = 16, b = 4, h = 256;  // n = 16384 elements per site
   TransformerConfig c = small_config(h, 2, 2, 32);
   c.hidden_dropout = p;
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  std::mt19937_64 g(dc.seed);
   Probe probe{Mat(s * b, h)};
   std::uniform_real_distribution<double> v(1.0, 2.0);  // nonzero, one binade: a kept value never vanishes in a sum
   for (Eigen::Index i = 0; i < probe.value.size(); ++i) probe.value.data()[i] = v(g);
@@ -385,15 +483,16 @@ RC_GTEST_PROP(TransformerLayer, HiddenDropoutKeepsAtItsRateScalesExactlyAndDraws
 // scaled by 1 / (1 - p), dropped ones zero. An attention dropout that ignores its mask (keeps
 // all, drops none, or draws another stream) changes the context where the mask drops and fails.
 RC_GTEST_PROP(TransformerLayer, AttentionDropoutChangesTheContextExactlyWhereItsMaskSays, ()) {
-  const double p = *rc::gen::inRange(2, 10) / 10.0;
-  const int ng = *rc::gen::inRange(1, 3), np = ng * *rc::gen::inRange(1, 3), hn = 4;
-  const int s = *rc::gen::inRange(6, 10), b = *rc::gen::inRange(1, 3), h = 16;
-  const DropoutRng rng{*rc::gen::arbitrary<std::uint64_t>(), *rc::gen::inRange<std::uint64_t>(0, 1u << 20)};
+  const DropoutCase dc = *gen_dropout_case(2, 2, 6, 1);
+  const double p = dc.p;
+  const int ng = dc.ng, np = dc.np, hn = 4;
+  const int s = dc.s, b = dc.b, h = 16;
+  const DropoutRng rng{dc.rng_seed, dc.offset};
   TransformerConfig c = small_config(h, np, ng, 32);
   c.kv_channels = hn;
   c.attention_dropout = p;
   c.hidden_dropout = 0.0;
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  std::mt19937_64 g(dc.seed);
   TransformerBlockSubmodules block_spec;
   block_spec.layer_specs = {get_gpt_layer_local_spec(), get_gpt_layer_local_spec()};
   TransformerBlock block(c, block_spec, exact());
