@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "tests/case_id.h"
 #include "fixtures/fixture.h"
 #include "parity/fixture_kinds.h"
 #include "reference/transformer_config.h"
@@ -127,20 +128,57 @@ TEST(LayerOffset, RaisesWhereMegatronRaises) {
 
 // Valid pipeline configs built from per-chunk layer counts, so that every layer exists.
 namespace {
+// One pipeline split: num_layers over pp stages, vp virtual stages when interleaved, the layers
+// of the first / last stage when uneven (0: not set), embedding / loss accounted as a layer. No
+// dtype: this is integer bookkeeping.
+struct SplitCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "pipeline_split";
+  int layers = 1, pp = 2, vp = 1;
+  bool interleaved = false;
+  int first = 0, last = 0;
+  bool embedding = false, loss = false;
+  template <class V>
+  void fields(V& v) {
+    v("layers", layers);
+    v("pp", pp);
+    v("vp", vp);
+    v("interleaved", interleaved);
+    v("first", first);
+    v("last", last);
+    v("embedding", embedding);
+    v("loss", loss);
+  }
+};
+
 struct Split {
   TransformerConfig config;
   int vp_stages = 1;
 };
 
-rc::Gen<Split> gen_split() {
-  return rc::gen::exec([] {
-    Split s;
+Split to_split(const SplitCase& sc) {
+  Split s;
+  TransformerConfig c = pipeline_config(sc.layers, sc.pp, sc.interleaved ? std::optional<int>(sc.vp) : std::nullopt);
+  if (sc.first > 0) c.num_layers_in_first_pipeline_stage = sc.first;
+  if (sc.last > 0) c.num_layers_in_last_pipeline_stage = sc.last;
+  c.account_for_embedding_in_pipeline_split = sc.embedding;
+  c.account_for_loss_in_pipeline_split = sc.loss;
+  s.config = c;
+  s.vp_stages = sc.vp;
+  return s;
+}
+
+rc::Gen<SplitCase> gen_split() {
+  return proptest::rerunnable<SplitCase>(rc::gen::exec([] {
+    SplitCase s;
     const int pp = *rc::gen::inRange(2, 9);
     const bool interleaved = *rc::gen::arbitrary<bool>();
     const int vp = interleaved ? *rc::gen::inRange(1, 5) : 1;
     const int mode = *rc::gen::element(0, 1, 2);  // 0 even, 1 uneven first / last, 2 embedding / loss
     const int chunk = *rc::gen::inRange(1, 5);
-    TransformerConfig c = pipeline_config(pp * vp * chunk, pp, interleaved ? std::optional<int>(vp) : std::nullopt);
+    s.pp = pp;
+    s.vp = vp;
+    s.interleaved = interleaved;
+    s.layers = pp * vp * chunk;
     if (mode == 1) {
       const bool has_first = *rc::gen::arbitrary<bool>();
       bool has_last = !has_first || *rc::gen::arbitrary<bool>();
@@ -148,32 +186,29 @@ rc::Gen<Split> gen_split() {
       if (pp == 2 && has_first && interleaved) has_last = false;
       int layers = (pp - (has_first ? 1 : 0) - (has_last ? 1 : 0)) * vp * chunk;
       if (has_first) {
-        c.num_layers_in_first_pipeline_stage = vp * *rc::gen::inRange(1, 5);
-        layers += *c.num_layers_in_first_pipeline_stage;
+        s.first = vp * *rc::gen::inRange(1, 5);
+        layers += s.first;
       }
       if (has_last) {
-        c.num_layers_in_last_pipeline_stage = vp * *rc::gen::inRange(1, 5);
-        layers += *c.num_layers_in_last_pipeline_stage;
+        s.last = vp * *rc::gen::inRange(1, 5);
+        layers += s.last;
       }
-      c.num_layers = layers;
+      s.layers = layers;
     } else if (mode == 2) {
-      c.account_for_embedding_in_pipeline_split = *rc::gen::arbitrary<bool>();
-      c.account_for_loss_in_pipeline_split = !c.account_for_embedding_in_pipeline_split || *rc::gen::arbitrary<bool>();
-      c.num_layers -=
-          (c.account_for_embedding_in_pipeline_split ? 1 : 0) + (c.account_for_loss_in_pipeline_split ? 1 : 0);
-      if (c.num_layers < 1) c.num_layers += pp * vp;  // one more layer in every chunk
+      s.embedding = *rc::gen::arbitrary<bool>();
+      s.loss = !s.embedding || *rc::gen::arbitrary<bool>();
+      s.layers -= (s.embedding ? 1 : 0) + (s.loss ? 1 : 0);
+      if (s.layers < 1) s.layers += pp * vp;  // one more layer in every chunk
     }
-    s.config = c;
-    s.vp_stages = vp;
     return s;
-  });
+  }));
 }
 }  // namespace
 
 // Model chunks in interleaved order (vp_stage major, then pp_rank) build consecutive layer
 // ranges that together are exactly [0, num_layers).
 RC_GTEST_PROP(LayerOffset, StagesTileTheLayersInOrder, ()) {
-  const Split s = *gen_split();
+  const Split s = to_split(*gen_split());
   const TransformerConfig& c = s.config;
   validate_transformer_config(c);  // a valid split is accepted
   const bool interleaved = c.virtual_pipeline_model_parallel_size.has_value();
