@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "tests/case_id.h"
 #include "parity/bounds.h"
 #include "parity/tap_diff.h"
 
@@ -87,13 +88,42 @@ double stored_in(DType dt, double v) { return Tensor::from_doubles(dt, {1}, {v})
 
 }  // namespace
 
+namespace {
+// One bound case: a length n (the dot product's), a dtype (the stores'), the seed of the values.
+struct BoundCase : twin::proptest::PropertyCase {
+  static constexpr const char* kKind = "bound";
+  int n = 1;
+  DType dtype = DType::F32;
+  std::uint64_t seed = 0;
+  template <class V>
+  void fields(V& v) {
+    v("n", n);
+    v("dtype", dtype);
+    v("seed", seed);
+  }
+};
+// dtypes: fp32 | bf16 | fp16 drawn, n = 1; else fp32 and n in [1, 5000).
+rc::Gen<BoundCase> gen_bound_case(bool dtypes) {
+  return twin::proptest::rerunnable<BoundCase>(rc::gen::exec([dtypes] {
+    BoundCase c;
+    if (dtypes)
+      c.dtype = *twin::proptest::gen_case_dtype();
+    else
+      c.n = *rc::gen::inRange(1, 5000);
+    c.seed = *rc::gen::arbitrary<std::uint32_t>();
+    return c;
+  }));
+}
+}  // namespace
+
 // gamma_n is the bound of recursive summation (Higham, Accuracy and Stability of Numerical
 // Algorithms, 2nd ed., section 3.1): an fp32 dot product of length n is within
 // gamma_n(2^-24) sum |a_i b_i| of the exact value, here on random vectors of mixed sign and
 // magnitude, against the exact sum (plus the double sum's own gamma_n(2^-53)).
 RC_GTEST_PROP(Bounds, GammaBoundsAnFp32DotProduct, ()) {
-  const int n = *rc::gen::inRange(1, 5000);
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  const BoundCase bc = *gen_bound_case(false);
+  const int n = bc.n;
+  std::mt19937_64 g(bc.seed);
   std::normal_distribution<double> nd(0.0, 1.0);
   std::uniform_int_distribution<int> ex(-6, 6);
   std::vector<float> a(n), b(n);
@@ -143,8 +173,9 @@ TEST(Bounds, GammaIsAttainedAndTwoSummationOrdersStayWithinTheReductionBound) {
 // where the two differ by about 2 e: with e far above the dtype's default tolerance, the default
 // alone rejects them, the bound accepts them.
 RC_GTEST_PROP(Bounds, ReferenceErrorBoundCoversTwoImplementationsWithinTheReferenceError, ()) {
-  const DType dt = *rc::gen::element(DType::F32, DType::BF16, DType::F16);
-  std::mt19937_64 g(*rc::gen::arbitrary<std::uint32_t>());
+  const BoundCase bc = *gen_bound_case(true);
+  const DType dt = bc.dtype;
+  std::mt19937_64 g(bc.seed);
   std::uniform_real_distribution<double> unit(-1.0, 1.0);
   const double magnitude = 4.0;
   const double exact = magnitude * 0.9 * unit(g);

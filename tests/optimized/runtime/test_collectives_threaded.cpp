@@ -1,14 +1,17 @@
 // The in-process (threaded) collectives against direct computations, for 1-4 simulated ranks and
 // random sizes (zero-size parts included), plus disagreement and missing-rank errors.
+#include "tests/case_id.h"
 #include "core/dtype.h"
 #include "optimized/runtime/collectives.h"
 
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 using twin::DType;
@@ -40,17 +43,54 @@ std::vector<std::uint16_t> bf16_sum_in_rank_order(const std::vector<std::vector<
 
 }  // namespace
 
+namespace {
+// One collectives case: n ranks, count elements per rank, the broadcast root, the all_to_all
+// counts (rank p to rank q, row-major, '.'-separated) and the seed of the data.
+struct CollectivesCase : twin::proptest::PropertyCase {
+  static constexpr const char* kKind = "collectives";
+  int n = 1, count = 0, root = 0;
+  std::string a2a = "0";
+  std::uint64_t seed = 0;
+  template <class V>
+  void fields(V& v) {
+    v("n", n);
+    v("count", count);
+    v("root", root);
+    v("a2a", a2a);
+    v("seed", seed);
+  }
+};
+}  // namespace
+
 // One random case with n ranks (rapidcheck property body).
 void collectives_match_direct_computation(int n) {
-  const std::size_t count = *rc::gen::inRange<std::size_t>(0, 40);
-  const int root = *rc::gen::inRange(0, n);
-  // all_to_all: counts[p][q] elements from rank p to rank q; zeros are frequent on purpose.
+  const CollectivesCase cc = *twin::proptest::rerunnable<CollectivesCase>(rc::gen::exec([n] {
+    CollectivesCase c;
+    c.n = n;
+    c.count = *rc::gen::inRange(0, 40);
+    c.root = *rc::gen::inRange(0, n);
+    // all_to_all: counts[p][q] elements from rank p to rank q; zeros are frequent on purpose.
+    c.a2a.clear();
+    for (int i = 0; i < n * n; ++i)
+      c.a2a += (i ? "." : "") + std::to_string(*rc::gen::weightedOneOf<std::size_t>(
+                                    {{2, rc::gen::just<std::size_t>(0)}, {3, rc::gen::inRange<std::size_t>(1, 7)}}));
+    c.seed = *rc::gen::arbitrary<std::uint32_t>();
+    return c;
+  }));
+  if (cc.n != n) return;  // a TWIN_CASE rerun for another rank count: that count's check runs it
+  const std::size_t count = static_cast<std::size_t>(cc.count);
+  const int root = cc.root;
   std::vector<std::vector<std::size_t>> a2a(n, std::vector<std::size_t>(n));
-  for (auto& row : a2a)
-    for (auto& c : row)
-      c = *rc::gen::weightedOneOf<std::size_t>(
-          {{2, rc::gen::just<std::size_t>(0)}, {3, rc::gen::inRange<std::size_t>(1, 7)}});
-  std::mt19937 rng(*rc::gen::arbitrary<std::uint32_t>());
+  {
+    std::size_t pos = 0;
+    for (auto& row : a2a)
+      for (auto& c : row) {
+        const std::size_t end = std::min(cc.a2a.find('.', pos), cc.a2a.size());
+        c = std::stoul(cc.a2a.substr(pos, end - pos));
+        pos = end + 1;
+      }
+  }
+  std::mt19937 rng(static_cast<std::uint32_t>(cc.seed));
 
   std::vector<std::vector<float>> f(n);                 // per rank [count]
   std::vector<std::vector<std::uint16_t>> h(n), hs(n);  // per rank [count] and [n * count]

@@ -3,12 +3,16 @@
 // cuBLAS does it; grouped GEMM with empty groups.
 #include "tests/optimized/runtime/gemm_check.h"
 
+#include "tests/case_id.h"
+
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 using namespace gemm_check;
@@ -19,34 +23,124 @@ void run_sim(const GemmArgs& g) { twin::rt::gemm(twin::rt::Backend::Sim).run(g, 
 
 }  // namespace
 
+namespace {
+
+const Epilogue kEpilogues[] = {Epilogue::Default, Epilogue::Relu,     Epilogue::Gelu,
+                               Epilogue::Bias,    Epilogue::ReluBias, Epilogue::GeluBias};
+const char* const kEpilogueNames[] = {"default", "relu", "gelu", "bias", "relu_bias", "gelu_bias"};
+
+// One GEMM case: shapes, transposes, dtypes, scalars, epilogue (by name), the padding of each
+// leading dimension, batch strides (broadcast A / B, the gap past each matrix), in-place C and
+// the seed of the operands. Every field the call reads, so the id reruns the exact call.
+struct GemmCase : twin::proptest::PropertyCase {
+  static constexpr const char* kKind = "gemm";
+  int m = 0, n = 0, k = 0;
+  bool ta = false, tb = false;
+  DType ab = DType::F32, cd = DType::F32, bias = DType::F32;
+  int batch = 1;
+  double alpha = 1.0, beta = 0.0;
+  std::string epilogue = "default";
+  bool in_place = false;
+  int pad_a = 0, pad_b = 0, pad_c = 0, pad_d = 0;
+  bool bcast_a = false, bcast_b = false;
+  int gap_a = 0, gap_b = 0, gap_c = 0, gap_d = 0;
+  std::uint64_t seed = 0;
+  template <class V>
+  void fields(V& v) {
+    v("m", m);
+    v("n", n);
+    v("k", k);
+    v("ta", ta);
+    v("tb", tb);
+    v("ab", ab);
+    v("cd", cd);
+    v("bias", bias);
+    v("batch", batch);
+    v("alpha", alpha);
+    v("beta", beta);
+    v("epilogue", epilogue);
+    v("in_place", in_place);
+    v("pad_a", pad_a);
+    v("pad_b", pad_b);
+    v("pad_c", pad_c);
+    v("pad_d", pad_d);
+    v("bcast_a", bcast_a);
+    v("bcast_b", bcast_b);
+    v("gap_a", gap_a);
+    v("gap_b", gap_b);
+    v("gap_c", gap_c);
+    v("gap_d", gap_d);
+    v("seed", seed);
+  }
+};
+
+rc::Gen<GemmCase> gen_gemm_case() {
+  return twin::proptest::rerunnable<GemmCase>(rc::gen::exec([] {
+    GemmCase c;
+    c.m = *rc::gen::inRange(0, 20);
+    c.n = *rc::gen::inRange(0, 20);
+    c.k = *rc::gen::inRange(0, 40);
+    c.ta = *rc::gen::arbitrary<bool>();
+    c.tb = *rc::gen::arbitrary<bool>();
+    c.ab = *rc::gen::element(DType::BF16, DType::F16, DType::F32);
+    c.cd = *rc::gen::element(c.ab, DType::F32);
+    c.batch = *rc::gen::inRange(1, 4);
+    c.alpha = *rc::gen::element(1.0, -0.5, 2.0);
+    c.beta = *rc::gen::element(0.0, 1.0, -0.25);
+    c.epilogue = kEpilogueNames[*rc::gen::inRange(0, 6)];
+    c.bias = *rc::gen::element(c.cd, DType::F32);
+    c.in_place = c.beta != 0.0 && *rc::gen::arbitrary<bool>();
+    c.pad_a = *rc::gen::inRange(0, 4);
+    c.pad_b = *rc::gen::inRange(0, 4);
+    c.pad_d = *rc::gen::inRange(0, 4);
+    c.pad_c = c.in_place ? 0 : *rc::gen::inRange(0, 4);
+    c.bcast_a = *rc::gen::arbitrary<bool>();
+    c.gap_a = *rc::gen::inRange(0, 5);
+    c.bcast_b = *rc::gen::arbitrary<bool>();
+    c.gap_b = *rc::gen::inRange(0, 5);
+    c.gap_d = *rc::gen::inRange(0, 5);
+    c.gap_c = c.in_place ? 0 : *rc::gen::inRange(0, 5);
+    c.seed = *rc::gen::arbitrary<std::uint32_t>();
+    return c;
+  }));
+}
+
+Epilogue epilogue_of(const std::string& name) {
+  for (int i = 0; i < 6; ++i)
+    if (name == kEpilogueNames[i]) return kEpilogues[i];
+  throw std::invalid_argument("gemm case: epilogue '" + name + "'");
+}
+
+}  // namespace
+
 RC_GTEST_PROP(GemmSim, MatchesDoubleProductOverShapesLayoutsAndDtypes, ()) {
+  const GemmCase gc = *gen_gemm_case();
   GemmArgs g;
-  g.m = *rc::gen::inRange<std::int64_t>(0, 20);
-  g.n = *rc::gen::inRange<std::int64_t>(0, 20);
-  g.k = *rc::gen::inRange<std::int64_t>(0, 40);
-  g.transa = *rc::gen::element(Op::N, Op::T);
-  g.transb = *rc::gen::element(Op::N, Op::T);
-  g.ab_dtype = *rc::gen::element(DType::BF16, DType::F16, DType::F32);
-  g.cd_dtype = *rc::gen::element(g.ab_dtype, DType::F32);
-  g.batch = *rc::gen::inRange<std::int64_t>(1, 4);
-  g.alpha = *rc::gen::element(1.0f, -0.5f, 2.0f);
-  g.beta = *rc::gen::element(0.0f, 1.0f, -0.25f);
-  g.epilogue = *rc::gen::element(Epilogue::Default, Epilogue::Relu, Epilogue::Gelu, Epilogue::Bias, Epilogue::ReluBias,
-                                 Epilogue::GeluBias);
-  g.bias_dtype = *rc::gen::element(g.cd_dtype, DType::F32);
-  const bool in_place = g.beta != 0.0f && *rc::gen::arbitrary<bool>();
+  g.m = gc.m;
+  g.n = gc.n;
+  g.k = gc.k;
+  g.transa = gc.ta ? Op::T : Op::N;
+  g.transb = gc.tb ? Op::T : Op::N;
+  g.ab_dtype = gc.ab;
+  g.cd_dtype = gc.cd;
+  g.batch = gc.batch;
+  g.alpha = static_cast<float>(gc.alpha);
+  g.beta = static_cast<float>(gc.beta);
+  g.epilogue = epilogue_of(gc.epilogue);
+  g.bias_dtype = gc.bias;
+  const bool in_place = gc.in_place;
   const std::int64_t a_rows = g.transa == Op::N ? g.m : g.k, a_cols = g.transa == Op::N ? g.k : g.m;
   const std::int64_t b_rows = g.transb == Op::N ? g.k : g.n, b_cols = g.transb == Op::N ? g.n : g.k;
-  g.lda = std::max<std::int64_t>(1, a_rows) + *rc::gen::inRange(0, 4);
-  g.ldb = std::max<std::int64_t>(1, b_rows) + *rc::gen::inRange(0, 4);
-  g.ldd = std::max<std::int64_t>(1, g.m) + *rc::gen::inRange(0, 4);
-  g.ldc = in_place ? g.ldd : std::max<std::int64_t>(1, g.m) + *rc::gen::inRange(0, 4);
+  g.lda = std::max<std::int64_t>(1, a_rows) + gc.pad_a;
+  g.ldb = std::max<std::int64_t>(1, b_rows) + gc.pad_b;
+  g.ldd = std::max<std::int64_t>(1, g.m) + gc.pad_d;
+  g.ldc = in_place ? g.ldd : std::max<std::int64_t>(1, g.m) + gc.pad_c;
   // Batch strides: past the matrix plus a gap, or 0 for A/B (one matrix broadcast to all batches).
-  g.stride_a = *rc::gen::element<std::int64_t>(0, 1) * (g.lda * a_cols + *rc::gen::inRange(0, 5));
-  g.stride_b = *rc::gen::element<std::int64_t>(0, 1) * (g.ldb * b_cols + *rc::gen::inRange(0, 5));
-  g.stride_d = g.ldd * g.n + *rc::gen::inRange(0, 5);
-  g.stride_c = in_place ? g.stride_d : g.ldc * g.n + *rc::gen::inRange(0, 5);
-  const auto seed = *rc::gen::arbitrary<std::uint32_t>();
+  g.stride_a = gc.bcast_a ? 0 : g.lda * a_cols + gc.gap_a;
+  g.stride_b = gc.bcast_b ? 0 : g.ldb * b_cols + gc.gap_b;
+  g.stride_d = g.ldd * g.n + gc.gap_d;
+  g.stride_c = in_place ? g.stride_d : g.ldc * g.n + gc.gap_c;
+  const auto seed = static_cast<std::uint32_t>(gc.seed);
 
   std::mt19937 rng(seed);
   Buf a(g.ab_dtype, g.stride_a * (g.batch - 1) + g.lda * a_cols + 1);
@@ -74,11 +168,7 @@ RC_GTEST_PROP(GemmSim, MatchesDoubleProductOverShapesLayoutsAndDtypes, ()) {
   g.bias = has_bias(g.epilogue) ? bias.data() : nullptr;
   run_sim(g);
   const std::string err = check_gemm(g, a, b, &c_before, &bias, d, sentinel, "property case");
-  if (!err.empty())
-    RC_FAIL(err + " [m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) + " k=" + std::to_string(g.k) +
-            " lda=" + std::to_string(g.lda) + " ldb=" + std::to_string(g.ldb) + " ldc=" + std::to_string(g.ldc) +
-            " ldd=" + std::to_string(g.ldd) + " batch=" + std::to_string(g.batch) +
-            " in_place=" + std::to_string(in_place) + "]");
+  if (!err.empty()) RC_FAIL(err);  // the case id comes with the counterexample
 }
 
 TEST(GemmSim, RejectsBadLeadingDimensionsLikeCublas) {
