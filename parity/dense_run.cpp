@@ -121,6 +121,8 @@ TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode) {
   opt::LayerOptions lo;
   lo.backend = be && std::string(be) == "cuda" ? rt::Backend::Cuda : rt::Backend::Sim;
   lo.layer_number = f.layer_number;
+  lo.tp = mode.tp;
+  lo.sp = mode.sp;
   lo.attn_mask_type = cfg.attn_mask_type;  // the spec param the fixture ran with
   const std::map<std::string, Tensor> params = params_of(f);
   const auto keys = opt::dense_layer_param_keys(cfg);
