@@ -58,7 +58,6 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   } catch (...) {
     r.status = Status::Error;
     r.message = describe_exception(std::current_exception());
-    if (r.message.find(fx.path) == std::string::npos) r.message = fx.path + ": " + r.message;  // which file
     r.rows.clear();
     return r;
   }
@@ -98,7 +97,8 @@ json to_json(const Result& r) {
 
 void print_text(const Result& r, std::ostream& out, std::ostream& err) {
   if (r.status == Status::Error) {
-    err << "error: " << r.message << "\n";
+    // which file, when the message does not say (JSON has it in "file")
+    err << "error: " << (r.message.find(r.file) == std::string::npos ? r.file + ": " : "") << r.message << "\n";
     return;
   }
   if (r.status == Status::Unsupported) {
