@@ -1,11 +1,13 @@
 // Host side of the optimized dense layer: validation, sharding of the full Megatron state dict,
-// device buffers per rank, simulated ranks, taps. The kernel sequence is transformer_layer.cuh.
+// device buffers per rank, simulated ranks, taps (at tp > 1 gathered across the ranks into the
+// reference's full tensors). The kernel sequence is transformer_layer.cuh.
 #include "optimized/transformer_layer.h"
 
 #include <cmath>
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 
 #include "optimized/activations.cuh"            // Act (the same enum values in both backends)
 #include "optimized/dot_product_attention.cuh"  // MaskMode
@@ -46,6 +48,35 @@ Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1) {
   for (std::int64_t r = 0; r < rows; ++r)
     std::memcpy(out.raw_mut() + static_cast<std::size_t>(r * (c1 - c0)) * es,
                 t.raw() + static_cast<std::size_t>(r * cols + c0) * es, static_cast<std::size_t>(c1 - c0) * es);
+  return out;
+}
+
+// How one rank holds its part of a tap: dim < 0, the whole tensor (the same on every rank);
+// else each rank's tensor, its dims from `dim` on split into `blocks` equal consecutive blocks,
+// holds one slice of each block along `dim` (blocks = 2: linear_fc1 with GLU, whose output is
+// [gate | linear] both on a rank and in the full tensor).
+struct ShardLayout {
+  int dim = -1;
+  int blocks = 1;
+};
+
+// The full tensor from the ranks' shards in rank order: for each index before `dim`, for each
+// block, rank 0's slice, rank 1's, ... (a concatenation along `dim` block by block).
+Tensor gather_shards(const std::vector<const Tensor*>& shards, ShardLayout layout) {
+  const Tensor& s0 = *shards.at(0);
+  if (layout.dim < 0 || shards.size() == 1) return s0;
+  Shape shape = s0.shape();
+  std::int64_t outer = 1;
+  for (int d = 0; d < layout.dim; ++d) outer *= shape[d];
+  const std::size_t chunk = s0.nbytes() / static_cast<std::size_t>(outer * layout.blocks);
+  shape[layout.dim] *= static_cast<std::int64_t>(shards.size());
+  Tensor out = Tensor::empty(s0.dtype(), shape);
+  std::byte* dst = out.raw_mut();
+  for (std::int64_t o = 0; o < outer * layout.blocks; ++o)
+    for (const Tensor* t : shards) {
+      std::memcpy(dst, t->raw() + static_cast<std::size_t>(o) * chunk, chunk);
+      dst += chunk;
+    }
   return out;
 }
 
@@ -271,7 +302,6 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   if (sp && s % tp != 0)
     throw ShapeError("optimized dense layer: sequence length " + std::to_string(s) + " not divisible by tp " +
                      std::to_string(tp) + " with sequence parallelism");
-  if (fo.record_taps && tp != 1) throw std::invalid_argument("optimized dense layer: taps are recorded at tp = 1 only");
   if (fo.use_graph && (tp != 1 || fo.record_taps))
     throw std::invalid_argument("optimized dense layer: graph replay is for tp = 1 without taps");
   int mask_b = 1, mask_h = 1;
@@ -374,78 +404,112 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     p.on_tap = nullptr;
   }
 
-  auto download = [&](const void* ptr, Shape shape) {
-    Tensor t = Tensor::empty(m.dt, shape);
-    m.dev->copy(t.raw_mut(), ptr, t.nbytes(), rt::CopyKind::DeviceToHost, m.ranks[0].stream->handle());
-    m.ranks[0].stream->synchronize();
-    return t;
+  // ---- taps. Each rank records, in its own thread, the part of each tap it holds, with the
+  // rounding points its thread counted; after the ranks finish, the host puts every tap back
+  // together in the reference's full logical shape, shards in rank order (gather_shards), so the
+  // one comparison applies at any tp. What each rank holds, as Megatron shards it:
+  //   input_layernorm, pre_mlp_layernorm, the row-parallel outputs after their reduction
+  //     [s_local, b, h]: with SP each rank's sequence slice, else the same tensor on every rank
+  //     (rank 0's is recorded, as a rank-0 hook in Megatron records it);
+  //   linear_qkv.0 [s, b, ng_l * (hpg + 2) * hn]: this rank's query groups, contiguous in the
+  //     grouped layout; q/k_layernorm [s, b, np_l | ng_l, hn] and core_attention [s, b, np_l * hn]:
+  //     this rank's heads;
+  //   linear_fc1.0 [s, b, f_l] or with GLU [s, b, 2 * f_l] = [this rank's gate columns | its
+  //     linear columns]: the full tensor is [all gate columns | all linear columns];
+  //   biases (skip_bias_add outputs): the full parameter, no rounding point.
+  struct RankTap {
+    std::string name;
+    Tensor value;
+    RoundingCount rounding;  // this rank's thread, when the tap was produced
+    ShardLayout layout;
   };
-  // Declared at function scope: on_tap runs inside the forward below and uses these by reference.
-  RankPlan& p0 = m.ranks[0].plan;
-  const std::int64_t S = s, B = b, H = m.h;
-  auto bias_tap = [&](const std::string& name, const std::string& key) {
-    if (m.full.count(key)) result.record.add_exact(Role::Tap, name, m.full.at(key).clone());
-  };
-  // A row-parallel linear's output and bias (<module>.<linear>.0 / .1), which are also its
-  // module's (<module>.0 / .1): the bias is added later, in the bias-dropout-add.
-  auto row_parallel_taps = [&](const void* y_dev, const std::string& module, const std::string& linear) {
-    const Tensor y = download(y_dev, {S, B, H});
-    const std::string bias_key = module + "." + linear + ".bias";
-    result.record.add(Role::Tap, module + "." + linear + ".0", y);
-    bias_tap(module + "." + linear + ".1", bias_key);
-    result.record.add(Role::Tap, module + ".0", y);
-    bias_tap(module + ".1", bias_key);
-  };
-  if (fo.record_taps) {
-    RankPlan& p = p0;
-    p.on_tap = [&](TapPoint t) {
+  std::vector<std::vector<RankTap>> rank_taps(tp);
+  const ShardLayout seq_layout = sp ? ShardLayout{0, 1} : ShardLayout{};
+  auto tap_handler = [&](int r) {
+    return [&, r](TapPoint t) {
+      Impl::Rank& R = m.ranks[r];
+      const RankPlan& p = R.plan;
+      std::vector<RankTap>& taps = rank_taps[r];
+      const std::int64_t S = s, S_l = p.s_local(), B = b, H = m.h;
+      auto download = [&](const void* ptr, Shape shape) {
+        Tensor v = Tensor::empty(m.dt, std::move(shape));
+        m.dev->copy(v.raw_mut(), ptr, v.nbytes(), rt::CopyKind::DeviceToHost, R.stream->handle());
+        R.stream->synchronize();
+        return v;
+      };
+      auto add = [&](std::string name, Tensor v, ShardLayout layout) {
+        taps.push_back({std::move(name), std::move(v), rounding_now(), layout});
+      };
+      auto bias = [&](const std::string& name, const std::string& key) {
+        if (m.full.count(key)) taps.push_back({name, m.full.at(key).clone(), RoundingCount{}, ShardLayout{}});
+      };
+      // A row-parallel linear's output (after the reduction) and bias (<module>.<linear>.0 / .1),
+      // which are also its module's (<module>.0 / .1): the bias is added later, in the
+      // bias-dropout-add.
+      auto row_parallel = [&](const void* y_dev, const std::string& module, const std::string& linear) {
+        const Tensor y = download(y_dev, {S_l, B, H});  // [s_local, b, h]
+        const std::string bias_key = module + "." + linear + ".bias";
+        add(module + "." + linear + ".0", y, seq_layout);
+        bias(module + "." + linear + ".1", bias_key);
+        add(module + ".0", y, seq_layout);
+        bias(module + ".1", bias_key);
+      };
       switch (t) {
         case TapPoint::InputLayernorm:
-          result.record.add(Role::Tap, "input_layernorm", download(p.ln1, {S, B, H}));
+          add("input_layernorm", download(p.ln1, {S_l, B, H}), seq_layout);
           break;
         case TapPoint::LinearQkv:
-          result.record.add(Role::Tap, "self_attention.linear_qkv.0", download(p.qkv, {S, B, p.qkv_width()}));
+          add("self_attention.linear_qkv.0", download(p.qkv, {S, B, p.qkv_width()}), ShardLayout{2, 1});
           break;
         case TapPoint::QkLayernorm: {
-          // q [s, b, np, hn] and k [s, b, ng, hn] out of the grouped qkv rows
+          // q [s, b, np_l, hn] and k [s, b, ng_l, hn] out of this rank's grouped qkv rows
           const Tensor qkv = download(p.qkv, {S * B, p.qkv_width()});
-          const int hpg = p.hpg();
-          Tensor q = Tensor::empty(m.dt, {S, B, m.np, m.hn}), k = Tensor::empty(m.dt, {S, B, m.ng, m.hn});
+          const int hpg = p.hpg(), ng_l = p.ng_local(), np_l = p.np_local();
+          Tensor q = Tensor::empty(m.dt, {S, B, np_l, m.hn}), k = Tensor::empty(m.dt, {S, B, ng_l, m.hn});
           const std::size_t head = std::size_t(m.hn) * es;
           for (std::int64_t t2 = 0; t2 < S * B; ++t2)
-            for (int g = 0; g < m.ng; ++g) {
+            for (int g = 0; g < ng_l; ++g) {
               const std::byte* grp =
                   qkv.raw() + (std::size_t(t2) * p.qkv_width() + std::size_t(g) * (hpg + 2) * m.hn) * es;
-              std::memcpy(q.raw_mut() + (std::size_t(t2) * m.np + std::size_t(g) * hpg) * head, grp, hpg * head);
-              std::memcpy(k.raw_mut() + (std::size_t(t2) * m.ng + g) * head, grp + hpg * head, head);
+              std::memcpy(q.raw_mut() + (std::size_t(t2) * np_l + std::size_t(g) * hpg) * head, grp, hpg * head);
+              std::memcpy(k.raw_mut() + (std::size_t(t2) * ng_l + g) * head, grp + hpg * head, head);
             }
-          result.record.add(Role::Tap, "self_attention.q_layernorm", q);
-          result.record.add(Role::Tap, "self_attention.k_layernorm", k);
+          add("self_attention.q_layernorm", q, ShardLayout{2, 1});
+          add("self_attention.k_layernorm", k, ShardLayout{2, 1});
           break;
         }
         case TapPoint::CoreAttention:
-          result.record.add(Role::Tap, "self_attention.core_attention",
-                            download(p.ctx, {S, B, std::int64_t(m.np) * m.hn}));
+          add("self_attention.core_attention", download(p.ctx, {S, B, std::int64_t(p.np_local()) * m.hn}),
+              ShardLayout{2, 1});
           break;
         case TapPoint::LinearProj:
-          row_parallel_taps(p.proj, "self_attention", "linear_proj");
+          row_parallel(p.proj, "self_attention", "linear_proj");
           break;
         case TapPoint::PreMlpLayernorm:
-          result.record.add(Role::Tap, "pre_mlp_layernorm", download(p.ln2, {S, B, H}));
+          add("pre_mlp_layernorm", download(p.ln2, {S_l, B, H}), seq_layout);
           break;
         case TapPoint::LinearFc1:
-          result.record.add(Role::Tap, "mlp.linear_fc1.0",
-                            download(p.fc1, {S, B, (p.glu ? 2 : 1) * std::int64_t(m.ffn)}));
-          bias_tap("mlp.linear_fc1.1", "mlp.linear_fc1.bias");
+          add("mlp.linear_fc1.0", download(p.fc1, {S, B, (p.glu ? 2 : 1) * std::int64_t(p.ffn_local())}),
+              ShardLayout{2, p.glu ? 2 : 1});
+          bias("mlp.linear_fc1.1", "mlp.linear_fc1.bias");
           break;
         case TapPoint::LinearFc2:
-          row_parallel_taps(p.fc2, "mlp", "linear_fc2");
+          row_parallel(p.fc2, "mlp", "linear_fc2");
           break;
       }
     };
-  }
+  };
+  if (fo.record_taps)
+    for (int r = 0; r < tp; ++r) m.ranks[r].plan.on_tap = tap_handler(r);
 
+  // Rounding points are counted per thread: each rank's thread counts from the count its input
+  // carries, and the caller's count continues from the ranks' (their join: the ranks execute the
+  // same points).
+  const RoundingCount at_start = rounding_now();
+  std::vector<RoundingCount> at_end(tp);
   auto run_rank = [&](int r) {
+    CountRoundings counting;
+    rounding_set(at_start);
     Impl::Rank& R = m.ranks[r];
     const cudaStream_t st = R.stream->handle();
     auto fwd = [&]() {
@@ -465,6 +529,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
       fwd();
     }
     R.stream->synchronize();
+    at_end[r] = rounding_now();
   };
   if (tp == 1)
     run_rank(0);
@@ -479,6 +544,26 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     m.ranks[r].stream->synchronize();
   }
   for (auto& R : m.ranks) R.plan.on_tap = nullptr;
+  RoundingCount ranks_end = at_start;
+  for (const RoundingCount& e : at_end) ranks_end.join(e);
+  rounding_set(ranks_end);
+
+  // Every rank recorded the same taps in the same order; each becomes one full tensor.
+  for (std::size_t i = 0; i < rank_taps[0].size(); ++i) {
+    const RankTap& first = rank_taps[0][i];
+    std::vector<const Tensor*> shards;
+    RoundingCount rounding = first.rounding;
+    for (int r = 0; r < tp; ++r) {
+      const RankTap& t = rank_taps[r].at(i);
+      if (t.name != first.name)
+        throw std::logic_error("optimized dense layer: rank " + std::to_string(r) + " recorded tap '" + t.name +
+                               "' where rank 0 recorded '" + first.name + "'");
+      shards.push_back(&t.value);
+      rounding.join(t.rounding);
+    }
+    RecordEntry& e = result.record.add(Role::Tap, first.name, gather_shards(shards, first.layout));
+    e.rounding = rounding;
+  }
   result.hidden_states = out;
   return result;
 }

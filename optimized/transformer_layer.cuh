@@ -67,7 +67,9 @@ inline void row_parallel_linear_forward(const RankPlan& p, const void* x, const 
   const std::int64_t n_local = std::int64_t(p.s_local()) * p.b, n_full = std::int64_t(p.s) * p.b;
   linear_forward(p.dt, x, w, nullptr, p.tp > 1 ? partial : y, n_full, in_local, p.h, st);
   if (p.tp == 1) return;
-  rounding_store(p.dt);  // counts: the sum over ranks, stored in T
+  // counts: the sum over ranks adds the tp partials one by one, rounding to T after each addition
+  // (the threaded group's fixed order; NCCL rounds per hop likewise): tp - 1 stores.
+  rounding_store(p.dt, p.tp - 1);
   if (p.sp)
     p.comm->reduce_scatter(partial, y, std::size_t(n_local) * p.h, p.dt, st);
   else

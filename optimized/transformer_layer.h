@@ -39,8 +39,9 @@ struct ForwardOptions {
   std::uint64_t seed = 0;    // Philox key of every dropout call of this forward
   std::uint64_t offset = 0;  // base Philox offset; the calls use offset + 0 (attention), + 1
                              // (self_attn_bda), + 4 (mlp_bda), as the reference layer does
-  bool record_taps = false;  // tp == 1 only: download each submodule output under its module path,
-                             // with the rounding points counted before it (in a CountRoundings scope)
+  bool record_taps = false;  // download each submodule output under its module path, with the
+                             // rounding points counted before it (in a CountRoundings scope); at
+                             // tp > 1 the ranks' shards gathered into the full tensor, in rank order
   bool use_graph = false;    // capture the forward into a CUDA graph once, then replay it
 };
 

@@ -15,9 +15,14 @@ int run_case_command(const CaseOptions& opt, std::ostream& out, std::ostream& er
     err << "error: " << one_line(e.what()) << "\n";
     return 2;
   }
+  if (opt.graph && c.tp != 1) {
+    // One captured graph is one rank's stream; simulated ranks exchange data between threads.
+    err << "error: --graph replays one rank's captured CUDA graph: it needs tp=1, the case has tp=" << c.tp << "\n";
+    return 2;
+  }
   parity::RunOptions ro;
   ro.backend = opt.backend == "cuda" ? rt::Backend::Cuda : rt::Backend::Sim;
-  ro.taps = c.tp == 1 && !opt.graph;
+  ro.taps = !opt.graph;  // a captured graph runs without tap callbacks
   ro.use_graph = opt.graph;
   std::string why;
   if (!rt::available(ro.backend, &why)) {

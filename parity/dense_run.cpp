@@ -71,7 +71,7 @@ CaseResult run_case(const DenseCase& c, const RunOptions& o) {
   CaseResult r;
   r.id = to_id(c);
   const DenseInputs in = make_inputs(c);
-  const bool want_taps = o.taps && c.tp == 1 && !o.use_graph;
+  const bool want_taps = o.taps && !o.use_graph;
   Record ref_rec, exact_rec, opt_rec;
   auto t0 = std::chrono::steady_clock::now();
   const Tensor ref = reference_forward(c, in, false, want_taps ? &ref_rec : nullptr);
@@ -121,6 +121,8 @@ TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode) {
   opt::LayerOptions lo;
   lo.backend = be && std::string(be) == "cuda" ? rt::Backend::Cuda : rt::Backend::Sim;
   lo.layer_number = f.layer_number;
+  lo.tp = mode.tp;
+  lo.sp = mode.sp;
   lo.attn_mask_type = cfg.attn_mask_type;  // the spec param the fixture ran with
   const std::map<std::string, Tensor> params = params_of(f);
   const auto keys = opt::dense_layer_param_keys(cfg);

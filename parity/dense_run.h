@@ -20,7 +20,7 @@ namespace twin::parity {
 
 struct RunOptions {
   rt::Backend backend = rt::Backend::Sim;
-  bool taps = false;       // record taps (tp == 1)
+  bool taps = false;       // record taps (at tp > 1 gathered across the ranks); not with use_graph
   bool use_graph = false;  // optimized: capture a CUDA graph and replay it
 };
 
@@ -35,7 +35,7 @@ struct CaseResult {
   std::string id;
   Comparison output;             // optimized vs reference (FP32 mode), bound from the reference's own error
   double reference_error = 0.0;  // max |reference - exact|
-  TapDiff taps;                  // tp == 1 with RunOptions::taps: every tap, first divergence named
+  TapDiff taps;                  // with RunOptions::taps: every tap, first divergence named
   double seconds_reference = 0.0, seconds_optimized = 0.0;
   bool pass() const { return output.pass; }
   std::string report() const;  // one paragraph: id, errors, bound, tap table on failure

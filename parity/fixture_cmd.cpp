@@ -23,6 +23,8 @@ struct Result {
   std::optional<std::string> kind;  // unknown when the file could not be loaded
   std::string twin;
   bool isolated = false;
+  int tp = 1;  // the twin's tensor-parallel size (the reference: always 1)
+  bool sp = false;
   Status status = Status::Error;
   std::string message;
   std::vector<Comparison> rows;
@@ -35,13 +37,20 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   r.kind = fx.kind;
   r.twin = twin_kind_name(twin);
   r.isolated = opt.isolate;
-  const RunMode mode{opt.isolate};
+  // --tp / --sp shard the optimized twin; a golden is the unsharded layer, which the reference is.
+  const bool sharded = twin == TwinKind::Optimized;
+  r.tp = sharded ? opt.tp : 1;
+  r.sp = sharded && opt.sp;
+  const RunMode mode{opt.isolate, r.tp, r.sp};
   const FixtureHandler handler = opt.lookup(fx.kind, twin, mode);
   if (!handler) {
     r.status = Status::Unsupported;
-    r.message = opt.isolate && opt.lookup(fx.kind, twin, RunMode{})
-                    ? fmt::format("the {} twin does not run fixture kind '{}' isolated yet", r.twin, fx.kind)
-                    : fmt::format("the {} twin does not support fixture kind '{}' yet", r.twin, fx.kind);
+    if (opt.isolate && opt.lookup(fx.kind, twin, RunMode{}))
+      r.message = fmt::format("the {} twin does not run fixture kind '{}' isolated yet", r.twin, fx.kind);
+    else if (r.tp > 1 && opt.lookup(fx.kind, twin, RunMode{opt.isolate}))
+      r.message = fmt::format("the {} twin does not run fixture kind '{}' at tp > 1 yet", r.twin, fx.kind);
+    else
+      r.message = fmt::format("the {} twin does not support fixture kind '{}' yet", r.twin, fx.kind);
     return r;
   }
   try {
@@ -79,6 +88,8 @@ json to_json(const Result& r) {
           {"kind", r.kind ? json(*r.kind) : json(nullptr)},
           {"twin", r.twin},
           {"isolated", r.isolated},
+          {"tp", r.tp},
+          {"sp", r.sp},
           {"status", status_name(r.status)},
           {"message", r.message},
           {"tensors", rows_json(r.rows)}};
@@ -86,15 +97,16 @@ json to_json(const Result& r) {
 
 void print_text(const Result& r, std::ostream& out, std::ostream& err) {
   if (r.status == Status::Error) {
-    err << "error: " << r.message << "\n";
+    // which file, when the message does not say (JSON has it in "file")
+    err << "error: " << (r.message.find(r.file) == std::string::npos ? r.file + ": " : "") << r.message << "\n";
     return;
   }
   if (r.status == Status::Unsupported) {
     out << fmt::format("{}: unsupported: {}\n", r.file, r.message);
     return;
   }
-  out << fmt::format("{}  [kind {}, {} twin{}]\n", r.file, r.kind.value_or("?"), r.twin,
-                     r.isolated ? ", isolated" : "");
+  out << fmt::format("{}  [kind {}, {} twin{}{}]\n", r.file, r.kind.value_or("?"), r.twin,
+                     r.tp > 1 ? fmt::format(", tp {}{}", r.tp, r.sp ? "+sp" : "") : "", r.isolated ? ", isolated" : "");
   print_rows(out, r.rows, r.first_failure);
   out << fmt::format("  {}: {}\n", r.status == Status::Pass ? "PASS" : "FAIL", r.message);
 }
@@ -107,6 +119,16 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
   if (opt.twin == "optimized" || opt.twin == "both") twins.push_back(TwinKind::Optimized);
   if (twins.empty()) {
     err << "error: --twin must be reference, optimized or both, not '" << opt.twin << "'\n";
+    return 2;
+  }
+  if (opt.tp < 1 || (opt.sp && opt.tp == 1)) {
+    err << "error: --tp must be >= 1, and --sp needs --tp > 1 (Megatron rejects sequence parallelism without "
+           "tensor parallelism)\n";
+    return 2;
+  }
+  if ((opt.tp > 1 || opt.sp) && opt.twin == "reference") {
+    err << "error: --tp / --sp shard the optimized twin; the reference is the unsharded layer (use --twin optimized "
+           "or both)\n";
     return 2;
   }
   // A folder stands for the fixtures under it (subfolders too, sorted): `twin fixture DIR`.

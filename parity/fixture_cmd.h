@@ -1,8 +1,9 @@
 // `twin fixture [--twin reference|optimized|both] [--isolate] [--json] FILE...`: runs each Megatron
 // fixture file through the named twin(s) and reports every compared tensor, in the order the layer
 // computes them. End to end by default; --isolate runs each module on the golden's own input to
-// it (parity/fixture_kinds.h), and the report says `isolated`. A file that is not .safetensors or .json (a README
-// beside the fixtures) is reported `unsupported`: no twin runs it.
+// it (parity/fixture_kinds.h), and the report says `isolated`. --tp N [--sp] runs the optimized twin
+// sharded over N simulated ranks (its taps gathered across them), against the same unsharded golden. A file that is not
+// .safetensors or .json (a README beside the fixtures) is reported `unsupported`: no twin runs it.
 //
 // Exit codes: 0 every compared tensor within tolerance; 1 a mismatch; 2 bad input (unreadable or
 // corrupt file, bad config); 3 the twin does not support the fixture kind yet. Over several
@@ -22,6 +23,8 @@ struct FixtureOptions {
   std::string twin = "reference";  // reference | optimized | both
   bool json = false;               // one JSON object per file (and twin) per line on stdout
   bool isolate = false;            // each module on the golden's own input to it
+  int tp = 1;                      // the optimized twin sharded over tp simulated ranks (RunMode::tp)
+  bool sp = false;                 // with sequence parallelism
   // Where handlers come from: the registry, or a test's own.
   FixtureHandler (*lookup)(const std::string& kind, TwinKind twin, const RunMode& mode) = find_fixture_handler;
 };

@@ -11,7 +11,8 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
   using namespace parity;
   struct Entry {
     FixtureHandler handler;
-    bool isolates;  // runs each module on the golden's own input to it (RunMode::isolate)
+    bool isolates;        // runs each module on the golden's own input to it (RunMode::isolate)
+    bool shards = false;  // runs at RunMode::tp > 1
   };
   // One line per supported (kind, twin); the twins add theirs as they learn a kind. A table has
   // no modules to isolate: its run is the same in both modes.
@@ -22,11 +23,12 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
       {{"retro_decoder_layer", TwinKind::Reference}, {run_reference_retro_decoder_layer, true}},
       {{"retro_block", TwinKind::Reference}, {run_reference_retro_block, true}},
       {{"dense_layer", TwinKind::Reference}, {run_reference_dense_layer, true}},
-      {{"dense_layer", TwinKind::Optimized}, {run_optimized_dense_layer, false}},
+      {{"dense_layer", TwinKind::Optimized}, {run_optimized_dense_layer, false, true}},
       {{"moe_layer", TwinKind::Reference}, {run_reference_moe_layer, true}},
   };
   auto it = handlers.find({kind, twin});
-  if (it == handlers.end() || (mode.isolate && !it->second.isolates)) return nullptr;
+  if (it == handlers.end() || (mode.isolate && !it->second.isolates) || (mode.tp > 1 && !it->second.shards))
+    return nullptr;
   return it->second.handler;
 }
 

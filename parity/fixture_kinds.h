@@ -35,6 +35,12 @@ struct TwinRun {
 
 struct RunMode {
   bool isolate = false;  // each module on the golden's own input to it (see above)
+  // The optimized twin's tensor-parallel size over simulated ranks, and sequence parallelism: the
+  // golden's full state dict sharded as Megatron shards it, taps gathered across the ranks. A
+  // golden is the unsharded layer's run, so the reference always runs it at tp = 1; a handler
+  // that cannot shard is not found for tp > 1.
+  int tp = 1;
+  bool sp = false;
 };
 
 // Throws FixtureError / ConfigError / ShapeError for bad input.

@@ -41,6 +41,14 @@ int main(int argc, char** argv) {
                         "shows the error that module introduces rather than the error it inherits (default: end "
                         "to end)");
 
+  fixture_cmd
+      ->add_option("--tp", fixture.tp,
+                   "Shard the optimized twin's layer over N simulated tensor-parallel ranks (taps gathered across "
+                   "them); the golden and the reference stay the unsharded layer")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  fixture_cmd->add_flag("--sp", fixture.sp, "With --tp: sequence parallelism");
+
   DiffOptions diff;
   auto* diff_cmd = app.add_subcommand(
       "diff",

@@ -187,7 +187,14 @@ struct Worker {
   std::size_t asan_size = 0;
 
   ~Worker() {
-    for (auto& s : stacks) munmap(s.lo - page(), s.size + page());
+    for (auto& s : stacks) {
+#if defined(TWIN_ASAN)
+      // Frames left on a fiber stack keep their redzones in ASan's shadow after munmap; memory mapped
+      // later at the same address (a safetensors file, say) would then read as a stack overflow.
+      __asan_unpoison_memory_region(s.lo, s.size);
+#endif
+      munmap(s.lo - page(), s.size + page());
+    }
     std::free(smem);
   }
   static std::size_t page() { return static_cast<std::size_t>(sysconf(_SC_PAGESIZE)); }
