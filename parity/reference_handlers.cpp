@@ -63,6 +63,9 @@ TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode
 
 }  // namespace
 
+// The dense layer runs forward and, when the golden has grad_in.output, backward on it: the
+// gradients follow the forward entries in the record (Role::Grad), the backward's rounding points
+// counted on from the forward's (a gradient depends on every forward activation it reads).
 TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
   const TransformerConfig& cfg = f.config;
   validate_transformer_config(cfg);
@@ -70,7 +73,27 @@ TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
   const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
                                                    attn_mask_type_from_name(cfg.attn_mask_type));
   TransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
-  return run_layer(layer, f, layer_inputs(f), mode);
+  const LayerInputs in = layer_inputs(f);
+  if (!f.has("grad_in.output")) return run_layer(layer, f, in, mode);
+  layer.load_state_dict(StateDict(params_of(f)));
+  layer.training = f.training;
+  TwinRun run;
+  const Substitutes substitutes = mode.isolate ? golden_substitutes(f) : nullptr;
+  CountRoundings counting;
+  TransformerLayerSaved saved;
+  const Tensor hidden_states =
+      layer.forward(input(f, "hidden_states", 3), in, Taps(&run.record, "", &substitutes), &saved).first;
+  run.record.add(Role::Output, "hidden_states", hidden_states);
+  // The backward's count continues from the forward's: end to end that is every rounding point of
+  // the forward (a gradient reads activations from all of it); isolated, those since the last
+  // substituted tap, as for the forward entries.
+  const TransformerLayerGrads grads = layer.backward(f.tensor("grad_in.output"), saved);
+  const Precision p = Precision::from_config(cfg);
+  for (const ParamGrad& g : grads.params)
+    run.record.add(Role::Grad, "param." + g.name, p.to_tensor(g.value, g.shape)).magnitude = g.magnitude;
+  run.record.add(Role::Grad, "input.hidden_states", grads.hidden_states);
+  run.backward = true;
+  return run;
 }
 
 TwinRun run_reference_moe_layer(const Fixture& f, const RunMode& mode) {
