@@ -32,8 +32,8 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
   return it->second.handler;
 }
 
-std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin, const RunMode& mode,
-                                        std::string* grads) {
+std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin,
+                                        [[maybe_unused]] const RunMode& mode, std::string* grads) {
   const TwinRun run = handler(f, mode);
   parity::Expected expected = run.expected ? *run.expected : parity::expected_of(f);
   const bool golden_has_grads = !f.names_with_prefix("grad.").empty();
@@ -44,8 +44,10 @@ std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f
   if (grads)
     *grads = !golden_has_grads ? "none in the golden"
              : run.backward    ? "compared"
-                               : fmt::format("not compared: the {} twin has no backward for fixture kind '{}'{}",
-                                             twin_kind_name(twin), f.kind, mode.isolate ? " (isolated run)" : "");
+             : !run.no_backward_reason.empty()
+                 ? "not compared: " + run.no_backward_reason
+                 : fmt::format("not compared: the {} twin has no backward for fixture kind '{}'", twin_kind_name(twin),
+                               f.kind);
   return parity::compare_record(run.record, expected, twin_kind_name(twin));
 }
 

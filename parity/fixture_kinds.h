@@ -31,6 +31,9 @@ struct TwinRun {
   // True when the record holds the twin's gradients (Role::Grad: grad.input.*, grad.param.*) from a
   // backward run on the golden's grad_in.output; the golden's grad.* tensors are then compared.
   bool backward = false;
+  // Without a backward: why the golden's gradients are not compared (empty: the twin has no
+  // backward for the kind).
+  std::string no_backward_reason;
   // JSON table goldens: the expected columns the handler read from the table. Unset: the golden's
   // own tensors (parity::expected_of).
   std::optional<parity::Expected> expected;

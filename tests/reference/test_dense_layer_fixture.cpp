@@ -38,8 +38,9 @@ TEST(DenseLayerFixture, EveryDenseFixturePassesWithEveryTapCompared) {
     const Fixture f = load_fixture(path.string());
     ASSERT_EQ(f.kind, "dense_layer");
     const auto comparisons = compare_fixture(f, TwinKind::Reference);
-    // one comparison per tap.* plus output.hidden_states
-    EXPECT_EQ(comparisons.size(), f.names_with_prefix("tap.").size() + 1);
+    // one comparison per tap.* plus output.hidden_states, then one per grad.* (the backward's)
+    EXPECT_EQ(comparisons.size(), f.names_with_prefix("tap.").size() + 1 + f.names_with_prefix("grad.").size());
+    EXPECT_FALSE(f.names_with_prefix("grad.").empty());
     for (const auto& c : comparisons) {
       EXPECT_TRUE(c.pass) << c.name << ": " << c.message << " max_abs " << c.max_abs << " share " << c.share_used;
       // Counted, not typed: the reason names the fp32 stores, and an fp32 golden's bound stays far
@@ -57,11 +58,16 @@ TEST(DenseLayerFixture, AnOutputRoundedToBf16FailsTheCountedBound) {
     SCOPED_TRACE(path.string());
     const Fixture f = load_fixture(path.string());
     TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f, RunMode{});
-    RecordEntry& out = run.record.entries.back();
-    ASSERT_EQ(out.key(), "output.hidden_states");
-    out.value = out.value.to(DType::BF16).to(DType::F32);
+    RecordEntry* out = nullptr;
+    for (RecordEntry& e : run.record.entries)
+      if (e.key() == "output.hidden_states") out = &e;
+    ASSERT_NE(out, nullptr);
+    out->value = out->value.to(DType::BF16).to(DType::F32);
+    parity::Expected expected = parity::expected_of(f);
+    if (run.backward)
+      for (auto& g : parity::grads_of(f)) expected.push_back(g);
     bool output_failed = false;
-    for (const auto& c : parity::compare_record(run.record, parity::expected_of(f), "reference"))
+    for (const auto& c : parity::compare_record(run.record, expected, "reference"))
       if (c.name == "output.hidden_states") output_failed = !c.pass;
     EXPECT_TRUE(output_failed);
   }
