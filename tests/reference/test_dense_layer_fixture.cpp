@@ -117,3 +117,41 @@ TEST(DenseLayerFixture, AWrongParameterFails) {
   EXPECT_TRUE(output_failed);
   fs::remove(tmp);
 }
+
+// Each gradient's counted bound is tight enough to catch a 1% error in it alone: one grad.* tensor
+// of the golden scaled by 1.01 fails that row and no other (fp32 goldens: a few 2^-24 per rounding
+// point, far below 1e-2).
+TEST(DenseLayerFixture, AWrongGradientFailsAlone) {
+  const Fixture f = load_fixture((fixture_dir() / "dense_ln_mha_gelu_bias.safetensors").string());
+  const TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f, RunMode{});
+  ASSERT_TRUE(run.backward);
+  for (const auto& [name, grad] : parity::grads_of(f)) {
+    SCOPED_TRACE(name);
+    parity::Expected expected = parity::expected_of(f);
+    for (auto [n, t] : parity::grads_of(f)) {
+      if (n == name) {
+        std::vector<double> v = t.to_f64();
+        for (double& x : v) x *= 1.01;
+        t = Tensor::from_doubles(t.dtype(), t.shape(), v);
+      }
+      expected.emplace_back(n, t);
+    }
+    for (const auto& c : parity::compare_record(run.record, expected, "reference"))
+      EXPECT_EQ(c.pass, c.name != name) << c.name << ": " << c.tol.reason;
+  }
+}
+
+// The report says what happened to the gradients: compared for dense goldens, and plainly not
+// compared for kinds without a backward and for isolated runs (never a silent pass).
+TEST(DenseLayerFixture, TheGradientStatusIsReported) {
+  std::string grads;
+  const Fixture dense = load_fixture((fixture_dir() / "dense_ln_mha_gelu_bias.safetensors").string());
+  compare_fixture(find_fixture_handler(dense.kind, TwinKind::Reference), dense, TwinKind::Reference, RunMode{}, &grads);
+  EXPECT_EQ(grads, "compared");
+  compare_fixture(find_fixture_handler(dense.kind, TwinKind::Reference, RunMode{true}), dense, TwinKind::Reference,
+                  RunMode{true}, &grads);
+  EXPECT_EQ(grads.rfind("not compared: an isolated run", 0), 0u) << grads;
+  const Fixture moe = load_fixture((fixture_dir() / "moe_top2_aux_allgather.safetensors").string());
+  compare_fixture(find_fixture_handler(moe.kind, TwinKind::Reference), moe, TwinKind::Reference, RunMode{}, &grads);
+  EXPECT_EQ(grads, "not compared: the reference twin has no backward for fixture kind 'moe_layer'");
+}

@@ -73,8 +73,8 @@ Case make_case(std::uint64_t id) {
   c = small_config(4 * pick(2, 4), np, ng, pick(4, 12));
   c.kv_channels = hn;
   c.normalization = coin() ? "LayerNorm" : "RMSNorm";
-  static const char* acts[] = {"gelu", "silu", "quick_gelu", "openai_gelu", "fast_gelu", "erf_gelu", "relu",
-                               "squared_relu"};
+  static const char* acts[] = {"gelu",      "silu",     "quick_gelu", "openai_gelu",
+                               "fast_gelu", "erf_gelu", "relu",       "squared_relu"};
   c.activation_func = acts[pick(0, 7)];
   c.gated_linear_unit = coin();
   if (c.gated_linear_unit && coin(0.25)) c.glu_linear_offset = 0.5;
@@ -134,12 +134,15 @@ Case make_case(std::uint64_t id) {
     k.rotary_pos_emb = RotaryEmbedding(hn, c.rotary_percent, c.rotary_interleaved).forward(k.s);
   }
   std::ostringstream d;
-  d << "h " << h << " np " << np << " ng " << ng << " hn " << hn << " ffn " << c.ffn() << " s " << k.s << " b "
-    << k.b << " " << c.normalization << " " << c.activation_func << (c.gated_linear_unit ? " glu" : "")
+  d << "h " << h << " np " << np << " ng " << ng << " hn " << hn << " ffn " << c.ffn() << " s " << k.s << " b " << k.b
+    << " " << c.normalization << " " << c.activation_func << (c.gated_linear_unit ? " glu" : "")
     << (c.glu_linear_offset != 0.0 ? " offset" : "") << (c.activation_func_clamp_value ? " clamp" : "")
     << (c.add_bias_linear ? " bias" : "") << (c.add_qkv_bias ? " qkv_bias" : "")
     << (c.qk_layernorm ? " qk_layernorm" : "") << (c.apply_query_key_layer_scaling ? " qk_layer_scaling" : "")
-    << " softmax " << c.softmax_type << " mask " << (mask_kind == 0 ? "causal" : mask_kind == 1 ? "explicit" : "none")
+    << " softmax " << c.softmax_type << " mask "
+    << (mask_kind == 0   ? "causal"
+        : mask_kind == 1 ? "explicit"
+                         : "none")
     << (k.rotary_pos_emb ? " rope" : "") << (c.rotary_interleaved ? " interleaved" : "")
     << (k.training ? " training" : "") << (c.hidden_dropout > 0 ? " dropout" : "");
   k.describe = d.str();
