@@ -46,8 +46,8 @@ struct Setup {
 
   explicit Setup(const char* id) : c(parity::parse_case_id(id)), in(parity::make_inputs(c)) {
     const TransformerConfig& cfg = in.config;
-    const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization,
-                                                     cfg.qk_l2_norm, attn_mask_type_from_name(cfg.attn_mask_type));
+    const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
+                                                     attn_mask_type_from_name(cfg.attn_mask_type));
     layer = std::make_unique<TransformerLayer>(cfg, spec.submodules, 1, std::nullopt, Precision::from_config(cfg));
     layer->load_state_dict(in.params);
     layer->training = in.training;

@@ -75,6 +75,26 @@ TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
   TransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
   const LayerInputs in = layer_inputs(f);
   if (!f.has("grad_in.output")) return run_layer(layer, f, in, mode);
+  // relu / squared_relu / the GLU clamps have kinks where the gradient jumps; in bf16 / fp16 two
+  // correct implementations put a pre-activation on different sides of a kink often enough that a
+  // counted rounding bound does not hold there (seen against live Megatron: relu + clamp 1.0 in
+  // bf16). Until the comparison can exclude elements whose pre-activation lies within rounding of
+  // a kink, those gradients are reported as not compared rather than failed or passed.
+  const bool kinks = cfg.activation_func == "relu" || cfg.activation_func == "squared_relu" ||
+                     (cfg.gated_linear_unit && cfg.activation_func_clamp_value);
+  if (kinks && layer.precision.params_dtype != DType::F32) {
+    TwinRun run = run_layer(layer, f, in, mode);
+    run.no_backward_reason =
+        "a " + std::string(twin::dtype_name(layer.precision.params_dtype)) +
+        " layer with activation kinks (relu, squared_relu or the GLU clamp): its gradients jump where roundings move a "
+        "pre-activation across a kink, which the rounding bound does not cover yet";
+    return run;
+  }
+  if (const auto why = layer.backward_unsupported()) {
+    TwinRun run = run_layer(layer, f, in, mode);
+    run.no_backward_reason = "the reference's backward does not cover " + *why + " yet";
+    return run;
+  }
   if (mode.isolate) {
     // Isolation restarts each module from the golden's own input to it; the golden records no
     // intermediate gradients for a module's backward to restart from, so gradients are compared

@@ -202,6 +202,13 @@ CoreAttentionGrads DotProductAttention::backward(const Mat& dcontext, const Mat&
   if (dcontext.rows() != static_cast<Eigen::Index>(sq) * b || dcontext.cols() != static_cast<Eigen::Index>(np_) * hn_)
     throw ShapeError("DotProductAttention backward: grad of context expected [" + std::to_string(sq) + ", " +
                      std::to_string(b) + ", " + std::to_string(np_ * hn_) + "]");
+  if (query.rows() != static_cast<Eigen::Index>(sq) * b * np_ || query.cols() != hn_ ||
+      key.rows() != static_cast<Eigen::Index>(sk) * b * ng_ || key.cols() != hn_ || value.rows() != key.rows() ||
+      value.cols() != hn_)
+    throw ShapeError("DotProductAttention backward: query / key / value do not match [" + std::to_string(sq) + ", " +
+                     std::to_string(b) + ", " + std::to_string(np_) + " / " + std::to_string(ng_) + ", " +
+                     std::to_string(hn_) + "]");
+  if (attention_mask) check_attention_mask(*attention_mask, b, np_, sq, sk, "attention_mask");
   if (softmax_type_ == "learnable")
     throw ConfigError("DotProductAttention backward: the learnable softmax offset's gradient is not implemented");
   const bool upcast = input_in_float16_ && softmax_in_fp32_;

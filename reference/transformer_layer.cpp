@@ -150,6 +150,13 @@ std::optional<std::string> TransformerLayer::backward_unsupported() const {
   if (pre_cross_attn_layernorm || cross_attention || cross_attn_bda)
     return std::string("the layer has a cross-attention (Retro)");
   if (mlp && !dynamic_cast<const MLP*>(mlp.get())) return std::string("mlp is not an MLP (MoE)");
+  // Features whose backward is not implemented yet.
+  if (self_attention && config.attention_output_gate)
+    return std::string("attention_output_gate (the output gate's backward)");
+  if (self_attention && config.softmax_type == "learnable")
+    return std::string("softmax_type learnable (the softmax offset's gradient)");
+  if (mlp && config.bias_activation_fusion)
+    return std::string("bias_activation_fusion (the fused activation's backward)");
   return std::nullopt;
 }
 
