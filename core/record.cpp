@@ -22,6 +22,8 @@ const char* role_prefix(Role r) {
       return "input.";
     case Role::Param:
       return "param.";
+    case Role::Grad:
+      return "grad.";
   }
   return "";
 }

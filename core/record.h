@@ -17,9 +17,10 @@ namespace twin {
 
 // The golden-file prefix of each kind of entry; Column: a column of a JSON table golden. Input and
 // Param: a layer's given tensors (input.*, param.*), which a twin does not compute; a comparison of
-// two captures of one layer checks them too (parity/capture_diff.h).
-enum class Role { Output, Tap, TapIn, Aux, State, Column, Input, Param };
-// "output." | "tap." | "tap_in." | "aux." | "state." | "" | "input." | "param."
+// two captures of one layer checks them too (parity/capture_diff.h). Grad: a gradient from the
+// backward, named as the golden names it without "grad." ("input.hidden_states", "param.<key>").
+enum class Role { Output, Tap, TapIn, Aux, State, Column, Input, Param, Grad };
+// "output." | "tap." | "tap_in." | "aux." | "state." | "" | "input." | "param." | "grad."
 const char* role_prefix(Role r);
 
 struct RecordEntry {

@@ -29,6 +29,7 @@ struct Result {
   std::string message;
   std::vector<Comparison> rows;
   int first_failure = -1;  // index into rows
+  std::string grads;       // what happened to the golden's grad.* tensors (compare_fixture)
 };
 
 Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
@@ -54,7 +55,7 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
     return r;
   }
   try {
-    r.rows = compare_fixture(handler, fx, twin, mode);
+    r.rows = compare_fixture(handler, fx, twin, mode, &r.grads);
   } catch (...) {
     r.status = Status::Error;
     r.message = describe_exception(std::current_exception());
@@ -79,6 +80,7 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   } else {
     r.status = Status::Pass;
     r.message = fmt::format("{} tensors within tolerance", r.rows.size());
+    if (r.grads.rfind("not compared", 0) == 0) r.message += "; gradients " + r.grads;
   }
   return r;
 }
@@ -92,6 +94,7 @@ json to_json(const Result& r) {
           {"sp", r.sp},
           {"status", status_name(r.status)},
           {"message", r.message},
+          {"grads", r.grads.empty() ? json(nullptr) : json(r.grads)},
           {"tensors", rows_json(r.rows)}};
 }
 
@@ -108,6 +111,7 @@ void print_text(const Result& r, std::ostream& out, std::ostream& err) {
   out << fmt::format("{}  [kind {}, {} twin{}{}]\n", r.file, r.kind.value_or("?"), r.twin,
                      r.tp > 1 ? fmt::format(", tp {}{}", r.tp, r.sp ? "+sp" : "") : "", r.isolated ? ", isolated" : "");
   print_rows(out, r.rows, r.first_failure);
+  if (!r.grads.empty()) out << fmt::format("  gradients: {}\n", r.grads);
   out << fmt::format("  {}: {}\n", r.status == Status::Pass ? "PASS" : "FAIL", r.message);
 }
 

@@ -1,5 +1,7 @@
 #include "parity/fixture_kinds.h"
 
+#include <fmt/format.h>
+
 #include <map>
 #include <utility>
 
@@ -32,10 +34,23 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
   return it->second.handler;
 }
 
-std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin, const RunMode& mode) {
+std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin,
+                                        [[maybe_unused]] const RunMode& mode, std::string* grads) {
   const TwinRun run = handler(f, mode);
-  return parity::compare_record(run.record, run.expected ? *run.expected : parity::expected_of(f),
-                                twin_kind_name(twin));
+  parity::Expected expected = run.expected ? *run.expected : parity::expected_of(f);
+  const bool golden_has_grads = !f.names_with_prefix("grad.").empty();
+  if (run.backward) {
+    const parity::Expected g = parity::grads_of(f);
+    expected.insert(expected.end(), g.begin(), g.end());
+  }
+  if (grads)
+    *grads = !golden_has_grads ? "none in the golden"
+             : run.backward    ? "compared"
+             : !run.no_backward_reason.empty()
+                 ? "not compared: " + run.no_backward_reason
+                 : fmt::format("not compared: the {} twin has no backward for fixture kind '{}'", twin_kind_name(twin),
+                               f.kind);
+  return parity::compare_record(run.record, expected, twin_kind_name(twin));
 }
 
 std::vector<Comparison> compare_fixture(const Fixture& f, TwinKind twin, const RunMode& mode) {

@@ -28,6 +28,12 @@ const char* twin_kind_name(TwinKind t);  // "reference" | "optimized"
 
 struct TwinRun {
   Record record;
+  // True when the record holds the twin's gradients (Role::Grad: grad.input.*, grad.param.*) from a
+  // backward run on the golden's grad_in.output; the golden's grad.* tensors are then compared.
+  bool backward = false;
+  // Without a backward: why the golden's gradients are not compared (empty: the twin has no
+  // backward for the kind).
+  std::string no_backward_reason;
   // JSON table goldens: the expected columns the handler read from the table. Unset: the golden's
   // own tensors (parity::expected_of).
   std::optional<parity::Expected> expected;
@@ -50,8 +56,11 @@ using FixtureHandler = TwinRun (*)(const Fixture&, const RunMode&);
 FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, const RunMode& mode = {});
 
 // Runs the handler and compares its record with the golden: the one path from a golden to rows.
+// `grads`, when given, receives what happened to the golden's grad.* tensors: "compared", "none in
+// the golden", or "not compared: ..." with the reason (no backward for this kind in this twin).
+// Gradients are never dropped silently: a run that did not produce them says so there.
 std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin,
-                                        const RunMode& mode = {});
+                                        const RunMode& mode = {}, std::string* grads = nullptr);
 // The same with the handler of the golden's kind; FixtureError when that twin has none.
 std::vector<Comparison> compare_fixture(const Fixture& f, TwinKind twin, const RunMode& mode = {});
 

@@ -45,6 +45,12 @@ Expected expected_of(const Fixture& f) {
   return out;
 }
 
+Expected grads_of(const Fixture& f) {
+  Expected out;
+  for (const auto& name : f.names_with_prefix("grad.")) out.emplace_back(name, f.tensor(name));
+  return out;
+}
+
 Expected expected_of(const Record& r) {
   Expected out;
   for (const auto& e : r.entries) out.emplace_back(e.key(), e.value);

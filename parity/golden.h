@@ -26,9 +26,12 @@ namespace twin::parity {
 // golden's order.
 using Expected = std::vector<std::pair<std::string, Tensor>>;
 
-// Every compared tensor of a layer golden: output.*, tap.*, tap_in.*, aux.*, state.*. Not yet
-// compared: grad.* and grad_in.* (the twins are forward-only); input.* and param.* are inputs.
+// Every forward tensor of a layer golden: output.*, tap.*, tap_in.*, aux.*, state.*. input.*,
+// param.* and grad_in.* are inputs.
 Expected expected_of(const Fixture& f);
+// The golden's gradients, grad.input.* and grad.param.*, compared after the forward tensors when
+// the twin ran a backward (TwinRun::backward).
+Expected grads_of(const Fixture& f);
 
 // The bound of one entry against its expected tensor.
 using BoundFn = std::function<Tolerance(const RecordEntry& actual, const Tensor& expected)>;

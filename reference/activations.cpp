@@ -123,4 +123,98 @@ Mat glu(ActivationFunc f, const Mat& x, double glu_linear_offset, std::optional<
   return y;
 }
 
+// ---- backward ----------------------------------------------------------------------------------
+namespace {
+constexpr double kInvSqrt2Pi = 0.3989422804014327;  // 1 / sqrt(2 pi)
+
+// d/dx of the tanh-form gelu 0.5 x (1 + tanh(c x (1 + 0.044715 x^2))).
+double tanh_gelu_grad(double x, double c) {
+  const double t = std::tanh(c * x * (1.0 + 0.044715 * x * x));
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
+// act'(x) in exact arithmetic.
+double act1_grad(ActivationFunc f, double x) {
+  switch (f) {
+    case ActivationFunc::Gelu:
+      return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * kInvSqrt2Pi * std::exp(-0.5 * x * x);
+    case ActivationFunc::ErfGelu: {
+      const double z = x / 1.41421;
+      return 0.5 * (std::erf(z) + 1.0) + 0.5 * x * (2.0 / std::sqrt(M_PI)) * std::exp(-z * z) / 1.41421;
+    }
+    case ActivationFunc::OpenAIGelu:
+      return tanh_gelu_grad(x, 0.7978845608028654);
+    case ActivationFunc::FastGelu:
+      return tanh_gelu_grad(x, 0.7978845608);
+    case ActivationFunc::QuickGelu: {
+      const double s = sigmoid(1.702 * x);
+      return s + x * 1.702 * s * (1.0 - s);
+    }
+    case ActivationFunc::Silu: {
+      const double s = sigmoid(x);
+      return s * (1.0 + x * (1.0 - s));  // torch's silu_backward
+    }
+    case ActivationFunc::Relu:
+      return x > 0.0 ? 1.0 : 0.0;
+    case ActivationFunc::SquaredRelu:
+      return x > 0.0 ? 2.0 * x : 0.0;
+  }
+  return 0.0;
+}
+
+// Stores of the backward on the longest path (one per autograd node that stores in T).
+int act1_grad_stores(ActivationFunc f) {
+  switch (f) {
+    case ActivationFunc::Gelu:
+    case ActivationFunc::Silu:
+      return 1;  // gelu_backward / silu_backward: one kernel
+    case ActivationFunc::Relu:
+      return 0;  // threshold_backward: exact
+    case ActivationFunc::SquaredRelu:
+      return 2;  // pow backward, then threshold_backward
+    default:
+      return act1_stores(f);  // composed forms: one store per forward op, in reverse
+  }
+}
+}  // namespace
+
+Mat activation_backward(ActivationFunc f, const Mat& x, const Mat& dy, const Precision& p) {
+  if (dy.rows() != x.rows() || dy.cols() != x.cols())
+    throw ShapeError("activation backward: grad_output does not match the saved input");
+  Mat dx(x.rows(), x.cols());
+  for (Eigen::Index i = 0; i < x.size(); ++i)
+    dx.data()[i] = p.act(dy.data()[i] * act1_grad(f, x.data()[i]));  // rounds: dy act'(x), activation dtype
+  p.count_act(act1_grad_stores(f));
+  return dx;
+}
+
+Mat glu_backward(ActivationFunc f, const Mat& x, const Mat& dy, double glu_linear_offset,
+                 std::optional<double> clamp_value, const Precision& p) {
+  if (x.cols() % 2 != 0) throw ShapeError("glu backward: last dimension " + std::to_string(x.cols()) + " is not even");
+  const Eigen::Index half = x.cols() / 2;
+  if (dy.rows() != x.rows() || dy.cols() != half)
+    throw ShapeError("glu backward: grad_output does not match half the saved input");
+  Mat x_glu = x.leftCols(half), x_linear = x.rightCols(half);
+  if (clamp_value) {
+    x_glu = x_glu.cwiseMin(*clamp_value);
+    x_linear = x_linear.cwiseMin(*clamp_value).cwiseMax(-*clamp_value);
+  }
+  Mat d_act(x.rows(), half), dx(x.rows(), x.cols());
+  for (Eigen::Index r = 0; r < x.rows(); ++r)
+    for (Eigen::Index c = 0; c < half; ++c) {
+      const double lin = glu_linear_offset == 0.0 ? x_linear(r, c) : p.act(x_linear(r, c) + glu_linear_offset);
+      const double a = act1(f, x_glu(r, c), p);  // the forward's stored act(x_glu)
+      d_act(r, c) = p.act(dy(r, c) * lin);       // rounds: mul's grad of act(x_glu)
+      double d_lin = p.act(dy(r, c) * a);        // rounds: mul's grad of x_linear
+      if (clamp_value && (x(r, c + half) > *clamp_value || x(r, c + half) < -*clamp_value)) d_lin = 0.0;
+      dx(r, c + half) = d_lin;
+    }
+  p.count_act();
+  const Mat d_glu = activation_backward(f, x_glu, d_act, p);
+  for (Eigen::Index r = 0; r < x.rows(); ++r)
+    for (Eigen::Index c = 0; c < half; ++c)
+      dx(r, c) = clamp_value && x(r, c) > *clamp_value ? 0.0 : d_glu(r, c);  // clamp(max)'s backward
+  return dx;
+}
+
 }  // namespace twin::reference

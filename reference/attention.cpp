@@ -70,9 +70,9 @@ void SelfAttention::load_state_dict(const StateDict& sd, const std::string& pref
 }
 
 SelfAttention::QKV SelfAttention::get_query_key_value_tensors(const Mat& hidden_states, const AttentionArgs& a,
-                                                              const Taps& taps) const {
+                                                              const Taps& taps, SelfAttentionSaved* saved) const {
   // Attention heads [sq, b, h] --> [sq, b, ng * (np/ng + 2) * hn]
-  const OutputWithBias qkv = linear_qkv.forward(hidden_states);
+  const OutputWithBias qkv = linear_qkv.forward(hidden_states, saved ? &saved->linear_qkv : nullptr);
   const Mat mixed_qkv = taps.record("linear_qkv.0", qkv.output, {a.s, a.b, qkv.output.cols()}, p_);
 
   const int r = np_ / ng_;  // num_query_heads_per_group
@@ -100,6 +100,10 @@ SelfAttention::QKV SelfAttention::get_query_key_value_tensors(const Mat& hidden_
   }
   // q and k are parallel branches from linear_qkv: neither inherits the other's roundings.
   const RoundingCount at_split = rounding_now();
+  if (saved) {
+    saved->query_pre_norm = out.query;
+    saved->key_pre_norm = out.key;
+  }
   if (q_layernorm) {
     const double magnitude = taps.enabled() ? q_layernorm->error_magnitude(out.query) : -1.0;
     out.query = taps.record("q_layernorm", q_layernorm->forward(out.query), {a.s, a.b, np_, hn_}, p_);
@@ -117,16 +121,27 @@ SelfAttention::QKV SelfAttention::get_query_key_value_tensors(const Mat& hidden_
 }
 
 AttentionOutput SelfAttention::forward(const Mat& hidden_states, const AttentionArgs& a, const Taps& taps) {
+  return forward(hidden_states, a, taps, nullptr);
+}
+
+AttentionOutput SelfAttention::forward(const Mat& hidden_states, const AttentionArgs& a, const Taps& taps,
+                                       SelfAttentionSaved* saved) {
   if (hidden_states.rows() != static_cast<Eigen::Index>(a.s) * a.b || hidden_states.cols() != hidden_)
     throw ShapeError("SelfAttention: hidden_states expected shape " + dims({a.s, a.b, hidden_}) + ", got " +
                      std::to_string(hidden_states.rows()) + " x " + std::to_string(hidden_states.cols()) + " rows");
-  QKV qkv = get_query_key_value_tensors(hidden_states, a, taps);
+  QKV qkv = get_query_key_value_tensors(hidden_states, a, taps, saved);
 
   if (a.rotary_pos_emb) {
     const Mat freqs = rotary_freqs(*a.rotary_pos_emb, a.s, hn_);  // [s, rot_dim]
     qkv.query = apply_rotary_pos_emb(qkv.query, freqs, a.b * np_, rotary_interleaved_, p_);
     qkv.key = apply_rotary_pos_emb(qkv.key, freqs, a.b * ng_, rotary_interleaved_, p_);
     p_.count_act(3);  // t * cos_, _rotate_half(t) * sin_, sum: on q and on k alike
+    if (saved) saved->freqs = freqs;
+  }
+  if (saved) {
+    saved->query = qkv.query;
+    saved->key = qkv.key;
+    saved->value = qkv.value;
   }
 
   Mat core_attn_out = core_attention.forward(qkv.query, qkv.key, qkv.value, a.s, a.s, a.b, a.attention_mask, a.training,
@@ -145,9 +160,56 @@ AttentionOutput SelfAttention::forward(const Mat& hidden_states, const Attention
   }
 
   AttentionOutput out;
-  static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out);
+  static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out, saved ? &saved->linear_proj : nullptr);
   record_output(taps, out, a.s, a.b, p_);
   return out;
+}
+
+AttentionGrads SelfAttention::backward(const Mat& doutput, const SelfAttentionSaved& saved,
+                                       const AttentionArgs& a) const {
+  if (output_gate_)
+    throw ConfigError("SelfAttention backward: the attention output gate's backward is not implemented");
+  AttentionGrads g;
+  const LinearGrads proj = linear_proj.backward(doutput, saved.linear_proj);
+  const CoreAttentionGrads core = core_attention.backward(proj.input, saved.query, saved.key, saved.value, a.s, a.s,
+                                                          a.b, a.attention_mask, a.training, a.rng);
+  Mat dquery = core.query, dkey = core.key;
+  if (saved.freqs.size()) {
+    dquery = apply_rotary_pos_emb_backward(dquery, saved.freqs, a.b * np_, rotary_interleaved_, p_);
+    dkey = apply_rotary_pos_emb_backward(dkey, saved.freqs, a.b * ng_, rotary_interleaved_, p_);
+  }
+  ParamGrads norms;
+  if (q_layernorm) {
+    const NormGrads n = q_layernorm->backward(dquery, saved.query_pre_norm);
+    dquery = n.input;
+    add_param_grads(norms, "q_layernorm.", n);
+  }
+  if (k_layernorm) {
+    const NormGrads n = k_layernorm->backward(dkey, saved.key_pre_norm);
+    dkey = n.input;
+    add_param_grads(norms, "k_layernorm.", n);
+  }
+  // The split's transpose: each head's gradient back into its rows of mixed_qkv.
+  const int r = np_ / ng_;
+  const int per_group = (r + 2) * hn_;
+  const Eigen::Index tokens = static_cast<Eigen::Index>(a.s) * a.b;
+  Mat dmixed(tokens, static_cast<Eigen::Index>(ng_) * per_group);  // [sq, b, ng * (np/ng + 2) * hn]
+  for (Eigen::Index t = 0; t < tokens; ++t)
+    for (int grp = 0; grp < ng_; ++grp) {
+      const Eigen::Index base = static_cast<Eigen::Index>(grp) * per_group;
+      int col = 0;
+      for (int i = 0; i < r; ++i, col += hn_)
+        dmixed.row(t).segment(base + col, hn_) = dquery.row(t * np_ + grp * r + i);
+      dmixed.row(t).segment(base + col, hn_) = dkey.row(t * ng_ + grp);
+      col += hn_;
+      dmixed.row(t).segment(base + col, hn_) = core.value.row(t * ng_ + grp);
+    }
+  const LinearGrads qkv = linear_qkv.backward(dmixed, saved.linear_qkv);
+  g.hidden_states = qkv.input;
+  add_param_grads(g.params, "linear_qkv.", qkv);
+  g.params.insert(g.params.end(), norms.begin(), norms.end());
+  add_param_grads(g.params, "linear_proj.", proj);
+  return g;
 }
 
 // ---- CrossAttention ----------------------------------------------------------------------------

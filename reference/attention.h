@@ -19,6 +19,12 @@
 //
 // AttentionModule is the interface of the layer's self_attention and cross_attention slots; the
 // Retro helper plugs its own cross-attention in through it.
+//
+// SelfAttention's backward runs the forward's steps in reverse: linear_proj (dgrad, wgrad, bias
+// grad), core attention, RoPE, q/k layernorm, the split of mixed_qkv (its transpose: the grads
+// of q, k, v written back into their rows of the fused layout), linear_qkv. The forward saves the
+// activations it needs in SelfAttentionSaved. The output gate's backward is not implemented
+// (ConfigError).
 #pragma once
 
 #include <functional>
@@ -67,19 +73,40 @@ struct SelfAttentionSubmodules {
   QKNormBuilder k_layernorm;
 };
 
+// What SelfAttention's backward needs from its forward.
+struct SelfAttentionSaved {
+  LinearSaved linear_qkv;
+  Mat query_pre_norm, key_pre_norm;  // [s*b*np, hn], [s*b*ng, hn]: the q/k layernorm inputs
+  Mat query, key, value;             // the core attention's inputs (after q/k layernorm and RoPE)
+  Mat freqs;                         // RoPE angles [s, rot_dim]; empty without RoPE
+  LinearSaved linear_proj;
+};
+
+struct AttentionGrads {
+  Mat hidden_states;  // [s*b, h]
+  ParamGrads params;  // relative to the module ("linear_qkv.weight", ...)
+};
+
 class SelfAttention : public AttentionModule {
  public:
   SelfAttention(const TransformerConfig& config, const SelfAttentionSubmodules& submodules, int layer_number,
                 AttnMaskType attn_mask_type, Precision p);
 
   AttentionOutput forward(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) override;
+  // The same, filling `saved` (when given) for backward.
+  AttentionOutput forward(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps,
+                          SelfAttentionSaved* saved);
+  // doutput [s*b, h]: the gradient of linear_proj's output (plus its bias, when skip_bias_add
+  // hands it out: the same gradient). `args` as in the forward.
+  AttentionGrads backward(const Mat& doutput, const SelfAttentionSaved& saved, const AttentionArgs& args) const;
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;
 
   struct QKV {
     Mat query, key, value;
     std::optional<Mat> gate;
   };  // [s*b*np, hn], [s*b*ng, hn] x2
-  QKV get_query_key_value_tensors(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) const;
+  QKV get_query_key_value_tensors(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps,
+                                  SelfAttentionSaved* saved = nullptr) const;
 
   Linear linear_qkv;                               // [ng * (np/ng + 2) * hn, h]
   std::unique_ptr<Norm> q_layernorm, k_layernorm;  // null: IdentityOp

@@ -67,17 +67,12 @@ void check_attention_mask(const Tensor& mask, int b, int np, int sq, int sk, con
                      std::to_string(np) + "), got " + shape_str(sh));
 }
 
-Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
-                                 const Tensor* attention_mask, bool training, const DropoutRng& rng) const {
-  if (query.rows() != static_cast<Eigen::Index>(sq) * b * np_ || query.cols() != hn_)
-    throw ShapeError("DotProductAttention: query expected [" + std::to_string(sq) + ", " + std::to_string(b) + ", " +
-                     std::to_string(np_) + ", " + std::to_string(hn_) + "]");
-  if (key.rows() != static_cast<Eigen::Index>(sk) * b * ng_ || key.cols() != hn_ || value.rows() != key.rows() ||
-      value.cols() != hn_)
-    throw ShapeError("DotProductAttention: key/value expected [" + std::to_string(sk) + ", " + std::to_string(b) +
-                     ", " + std::to_string(ng_) + ", " + std::to_string(hn_) + "]");
-  if (attention_mask) check_attention_mask(*attention_mask, b, np_, sq, sk, "attention_mask");
-
+// One [sq, sk] slice (batch bi, head h) of the attention probabilities after dropout, as the
+// forward computes and rounds them; `softmax_out`, when given, receives the softmax's own output
+// (fp32 under attention_softmax_in_fp32, before the cast back and dropout), which its backward uses.
+Mat DotProductAttention::probabilities(const Mat& query, const Mat& key, int sq, int sk, int b, int bi, int h,
+                                       const Tensor* attention_mask, bool training, const DropoutRng& rng,
+                                       Mat* softmax_out, std::vector<bool>* masked_out) const {
   // The mask actually applied (FusedScaleMaskSoftmax.forward_torch_softmax).
   enum class MaskSource { None, Given, Causal, Window } source = MaskSource::None;
   if (window_size_) {
@@ -88,7 +83,7 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   } else if (attention_mask != nullptr) {
     source = MaskSource::Given;
   }
-  auto masked = [&](int bi, int h, int i, int j) -> bool {
+  auto masked = [&](int i, int j) -> bool {
     switch (source) {
       case MaskSource::None:
         return false;
@@ -111,46 +106,68 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   // upcast with .float()), else the scores' own dtype (the activation dtype).
   const bool upcast = input_in_float16_ && softmax_in_fp32_;
   auto sm = [&](double x) { return upcast ? p_.f32(x) : p_.act(x); };
+  const int g = h / (np_ / ng_);  // repeat_interleave(np / ng, dim=2)
+  Mat probs(sq, sk);              // one [sq, sk] slice of [b, np, sq, sk]
+  if (softmax_out) softmax_out->resize(sq, sk);
+  if (masked_out) masked_out->assign(static_cast<std::size_t>(sq) * sk, false);
+  std::vector<double> row(sk + 1);
+  for (int i = 0; i < sq; ++i) {
+    const auto q = query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h);
+    for (int j = 0; j < sk; ++j) {
+      const auto k = key.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g);
+      double score = p_.act(softmax_scale * q.dot(k));  // rounds: baddbmm output (alpha inside), activation dtype
+      if (coeff) score = p_.f32(score * *coeff);        // rounds: input * scale, fp32 (softmax_in_fp32 asserted)
+      if (masked(i, j)) {
+        score = sm(-10000.0);  // masked_fill_(mask, -10000.0)
+        if (masked_out) (*masked_out)[static_cast<std::size_t>(i) * sk + j] = true;
+      }
+      row[j] = score;
+    }
+    int n = sk;
+    if (softmax_offset) row[n++] = (*softmax_offset)[h];  // SoftmaxOne: the sink logit
+    double mx = row[0];
+    for (int j = 1; j < n; ++j) mx = std::max(mx, row[j]);
+    double sum = 0.0;
+    for (int j = 0; j < n; ++j) sum += std::exp(row[j] - mx);
+    for (int j = 0; j < sk; ++j) {
+      double pr = sm(std::exp(row[j] - mx) / sum);  // rounds: softmax output (fp32 or activation dtype)
+      if (softmax_out) (*softmax_out)(i, j) = pr;
+      if (upcast) pr = p_.act(pr);  // rounds: probs.bfloat16() / .half()
+      probs(i, j) = pr;
+    }
+  }
+  // attention dropout over the flat [b, np, sq, sk] probabilities
+  if (training && attention_dropout > 0.0) {
+    const std::uint32_t threshold = dropout_keep_threshold(attention_dropout);
+    const double scale = attention_dropout == 1.0 ? 0.0 : 1.0 / (1.0 - attention_dropout);
+    const std::uint64_t base = (static_cast<std::uint64_t>(bi) * np_ + h) * sq * sk;
+    for (int i = 0; i < sq; ++i)
+      for (int j = 0; j < sk; ++j) {
+        const bool keep =
+            (philox_word(rng.seed, rng.offset, base + static_cast<std::uint64_t>(i) * sk + j) >> 8) < threshold;
+        probs(i, j) = keep ? p_.act(probs(i, j) * scale) : 0.0;  // rounds: dropout product, activation dtype
+      }
+  }
+  return probs;
+}
+
+Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
+                                 const Tensor* attention_mask, bool training, const DropoutRng& rng) const {
+  if (query.rows() != static_cast<Eigen::Index>(sq) * b * np_ || query.cols() != hn_)
+    throw ShapeError("DotProductAttention: query expected [" + std::to_string(sq) + ", " + std::to_string(b) + ", " +
+                     std::to_string(np_) + ", " + std::to_string(hn_) + "]");
+  if (key.rows() != static_cast<Eigen::Index>(sk) * b * ng_ || key.cols() != hn_ || value.rows() != key.rows() ||
+      value.cols() != hn_)
+    throw ShapeError("DotProductAttention: key/value expected [" + std::to_string(sk) + ", " + std::to_string(b) +
+                     ", " + std::to_string(ng_) + ", " + std::to_string(hn_) + "]");
+  if (attention_mask) check_attention_mask(*attention_mask, b, np_, sq, sk, "attention_mask");
+
   const int group = np_ / ng_;
   Mat context(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);  // [sq, b, np * hn]
-  Mat probs(sq, sk);  // one [sq, sk] slice of [b, np, sq, sk]
-  std::vector<double> row(sk + 1);
   for (int bi = 0; bi < b; ++bi) {
     for (int h = 0; h < np_; ++h) {
       const int g = h / group;  // repeat_interleave(np / ng, dim=2)
-      for (int i = 0; i < sq; ++i) {
-        const auto q = query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h);
-        for (int j = 0; j < sk; ++j) {
-          const auto k = key.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g);
-          double score = p_.act(softmax_scale * q.dot(k));  // rounds: baddbmm output (alpha inside), activation dtype
-          if (coeff) score = p_.f32(score * *coeff);        // rounds: input * scale, fp32 (softmax_in_fp32 asserted)
-          if (masked(bi, h, i, j)) score = sm(-10000.0);    // masked_fill_(mask, -10000.0)
-          row[j] = score;
-        }
-        int n = sk;
-        if (softmax_offset) row[n++] = (*softmax_offset)[h];  // SoftmaxOne: the sink logit
-        double mx = row[0];
-        for (int j = 1; j < n; ++j) mx = std::max(mx, row[j]);
-        double sum = 0.0;
-        for (int j = 0; j < n; ++j) sum += std::exp(row[j] - mx);
-        for (int j = 0; j < sk; ++j) {
-          double pr = sm(std::exp(row[j] - mx) / sum);  // rounds: softmax output (fp32 or activation dtype)
-          if (upcast) pr = p_.act(pr);                  // rounds: probs.bfloat16() / .half()
-          probs(i, j) = pr;
-        }
-      }
-      // attention dropout over the flat [b, np, sq, sk] probabilities
-      if (training && attention_dropout > 0.0) {
-        const std::uint32_t threshold = dropout_keep_threshold(attention_dropout);
-        const double scale = attention_dropout == 1.0 ? 0.0 : 1.0 / (1.0 - attention_dropout);
-        const std::uint64_t base = (static_cast<std::uint64_t>(bi) * np_ + h) * sq * sk;
-        for (int i = 0; i < sq; ++i)
-          for (int j = 0; j < sk; ++j) {
-            const bool keep =
-                (philox_word(rng.seed, rng.offset, base + static_cast<std::uint64_t>(i) * sk + j) >> 8) < threshold;
-            probs(i, j) = keep ? p_.act(probs(i, j) * scale) : 0.0;  // rounds: dropout product, activation dtype
-          }
-      }
+      const Mat probs = probabilities(query, key, sq, sk, b, bi, h, attention_mask, training, rng);
       // context = bmm(probs, v): [sq, hn] for this (b, h)
       for (int i = 0; i < sq; ++i) {
         for (int c = 0; c < hn_; ++c) {
@@ -162,6 +179,7 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
       }
     }
   }
+  const bool upcast = input_in_float16_ && softmax_in_fp32_;
   p_.count_reduce(hn_);  // q . k
   p_.count_act();
   if (coeff) p_.count_f32();
@@ -176,6 +194,105 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   p_.count_reduce(sk);  // probs @ v
   p_.count_act();
   return context;
+}
+
+CoreAttentionGrads DotProductAttention::backward(const Mat& dcontext, const Mat& query, const Mat& key,
+                                                 const Mat& value, int sq, int sk, int b, const Tensor* attention_mask,
+                                                 bool training, const DropoutRng& rng) const {
+  if (dcontext.rows() != static_cast<Eigen::Index>(sq) * b || dcontext.cols() != static_cast<Eigen::Index>(np_) * hn_)
+    throw ShapeError("DotProductAttention backward: grad of context expected [" + std::to_string(sq) + ", " +
+                     std::to_string(b) + ", " + std::to_string(np_ * hn_) + "]");
+  if (query.rows() != static_cast<Eigen::Index>(sq) * b * np_ || query.cols() != hn_ ||
+      key.rows() != static_cast<Eigen::Index>(sk) * b * ng_ || key.cols() != hn_ || value.rows() != key.rows() ||
+      value.cols() != hn_)
+    throw ShapeError("DotProductAttention backward: query / key / value do not match [" + std::to_string(sq) + ", " +
+                     std::to_string(b) + ", " + std::to_string(np_) + " / " + std::to_string(ng_) + ", " +
+                     std::to_string(hn_) + "]");
+  if (attention_mask) check_attention_mask(*attention_mask, b, np_, sq, sk, "attention_mask");
+  if (softmax_type_ == "learnable")
+    throw ConfigError("DotProductAttention backward: the learnable softmax offset's gradient is not implemented");
+  const bool upcast = input_in_float16_ && softmax_in_fp32_;
+  const bool dropout = training && attention_dropout > 0.0;
+  const int group = np_ / ng_;
+  CoreAttentionGrads g;
+  g.query = Mat::Zero(query.rows(), hn_);
+  g.key = Mat::Zero(key.rows(), hn_);
+  g.value = Mat::Zero(value.rows(), hn_);
+  Mat softmax_out;
+  std::vector<bool> masked;
+  for (int bi = 0; bi < b; ++bi) {
+    for (int h = 0; h < np_; ++h) {
+      const int kv = h / group;
+      const Mat probs =
+          probabilities(query, key, sq, sk, b, bi, h, attention_mask, training, rng, &softmax_out, &masked);
+      Mat q(sq, hn_), k(sk, hn_), v(sk, hn_), dctx(sq, hn_);  // this (b, h) slice
+      for (int i = 0; i < sq; ++i) {
+        q.row(i) = query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h);
+        dctx.row(i) =
+            dcontext.row(static_cast<Eigen::Index>(i) * b + bi).segment(static_cast<Eigen::Index>(h) * hn_, hn_);
+      }
+      for (int j = 0; j < sk; ++j) {
+        k.row(j) = key.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + kv);
+        v.row(j) = value.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + kv);
+      }
+      // bmm(probs, v)'s backward
+      Mat dprobs = p_.act(dctx * v.transpose());        // rounds: [sq, sk] grad of probs, activation dtype
+      const Mat dv = p_.act(probs.transpose() * dctx);  // rounds: [sk, hn] grad of v (this head)
+      if (dropout) {                                    // the forward's mask, regenerated
+        const std::uint32_t threshold = dropout_keep_threshold(attention_dropout);
+        const double scale = attention_dropout == 1.0 ? 0.0 : 1.0 / (1.0 - attention_dropout);
+        const std::uint64_t base = (static_cast<std::uint64_t>(bi) * np_ + h) * sq * sk;
+        for (int i = 0; i < sq; ++i)
+          for (int j = 0; j < sk; ++j) {
+            const bool keep =
+                (philox_word(rng.seed, rng.offset, base + static_cast<std::uint64_t>(i) * sk + j) >> 8) < threshold;
+            dprobs(i, j) = keep ? p_.act(dprobs(i, j) * scale) : 0.0;  // rounds: dropout's grad, activation dtype
+          }
+      }
+      // softmax's backward on its own output y: dx = y (dy - sum(dy y)), in fp32 under upcast (the
+      // cast back's grad is exact), then masked_fill's (0 where masked), the layer-scaling
+      // coefficient's (fp32) and .float()'s (a store in the activation dtype).
+      Mat dscores(sq, sk);
+      for (int i = 0; i < sq; ++i) {
+        const double dot = dprobs.row(i).dot(softmax_out.row(i));
+        for (int j = 0; j < sk; ++j) {
+          double d = softmax_out(i, j) * (dprobs(i, j) - dot);
+          d = upcast ? p_.f32(d) : p_.act(d);  // rounds: softmax backward output
+          if (masked[static_cast<std::size_t>(i) * sk + j]) d = 0.0;
+          if (coeff) d = p_.f32(d * *coeff);  // rounds: grad of input * scale, fp32
+          if (upcast) d = p_.act(d);          // rounds: .float()'s backward to the activation dtype
+          dscores(i, j) = d;
+        }
+      }
+      // baddbmm(q, k^T, alpha)'s backward
+      const Mat dq = p_.act(softmax_scale * (dscores * k));              // rounds: [sq, hn], activation dtype
+      const Mat dk = p_.act(softmax_scale * (dscores.transpose() * q));  // rounds: [sk, hn]
+      for (int i = 0; i < sq; ++i) g.query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h) = dq.row(i);
+      for (int j = 0; j < sk; ++j) {  // repeat_interleave's backward: the group's heads summed
+        g.key.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + kv) += dk.row(j);
+        g.value.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + kv) += dv.row(j);
+      }
+    }
+  }
+  p_.count_reduce(hn_);  // dctx . v
+  p_.count_act();
+  if (dropout) p_.count_act();
+  p_.count_reduce(sk);  // the softmax backward's sum
+  if (upcast) {
+    p_.count_f32(coeff ? 2 : 1);
+    p_.count_act();
+  } else {
+    p_.count_act();
+    if (coeff) p_.count_f32();
+  }
+  p_.count_reduce(std::max(sq, sk));  // dscores k, dscores^T q, probs^T dctx
+  p_.count_act();
+  if (group > 1) {  // the GQA sum over the group's heads, stored
+    p_.act_inplace(g.key);
+    p_.act_inplace(g.value);
+    p_.count_act();
+  }
+  return g;
 }
 
 }  // namespace twin::reference

@@ -12,10 +12,18 @@
 //   scores.masked_fill_(mask, -10000.0); probs = softmax(scores) (fp32 when the input is
 //   fp16/bf16 and attention_softmax_in_fp32, then cast back); attention dropout on probs
 //   context = bmm(probs, v) -> [sq, b, np * hn]
+//
+// Backward (autograd through the same ops): d probs = d context v^T, d v = probs^T d context;
+// dropout's mask regenerated from the stream; softmax backward y (dy - sum(dy y)) on the softmax's
+// own output (fp32 under attention_softmax_in_fp32); masked scores get no gradient; d q = alpha
+// d scores k, d k = alpha d scores^T q; GQA sums the heads of a group into their key / value.
+// The probabilities are recomputed from q and k as the forward rounded them (no [b, np, sq, sk]
+// tensor is saved); the saved activations are q, k, v (CoreAttentionSaved in attention.h).
 #pragma once
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/config.h"
 #include "core/tensor.h"
@@ -24,6 +32,10 @@
 #include "reference/state_dict.h"
 
 namespace twin::reference {
+
+struct CoreAttentionGrads {
+  Mat query, key, value;  // shapes of the forward's query / key / value
+};
 
 enum class AttnMaskType { padding, causal, no_mask, padding_causal, arbitrary };
 AttnMaskType attn_mask_type_from_name(const std::string& name);  // ConfigError for unknown names
@@ -40,6 +52,11 @@ class DotProductAttention {
   Mat forward(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b, const Tensor* attention_mask,
               bool training, const DropoutRng& rng) const;
 
+  // Gradients of forward for dcontext [sq * b, np * hn], on the forward's own inputs. ConfigError
+  // for softmax_type "learnable" (the offset's gradient is not implemented).
+  CoreAttentionGrads backward(const Mat& dcontext, const Mat& query, const Mat& key, const Mat& value, int sq, int sk,
+                              int b, const Tensor* attention_mask, bool training, const DropoutRng& rng) const;
+
   // learnable softmax offset (softmax_type == "learnable"): core_attention.softmax_offset [np]
   void load_state_dict(const StateDict& sd, const std::string& prefix);
 
@@ -51,6 +68,9 @@ class DotProductAttention {
   std::optional<RowVec> softmax_offset;  // off-by-one (zeros) or learnable [np]
 
  private:
+  Mat probabilities(const Mat& query, const Mat& key, int sq, int sk, int b, int bi, int h,
+                    const Tensor* attention_mask, bool training, const DropoutRng& rng, Mat* softmax_out = nullptr,
+                    std::vector<bool>* masked_out = nullptr) const;
   int np_, ng_, hn_;
   bool softmax_in_fp32_, input_in_float16_;
   std::string softmax_type_;

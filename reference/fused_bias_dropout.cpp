@@ -41,4 +41,25 @@ Mat bias_dropout_add(const Mat& x, const std::optional<RowVec>& bias, const Mat&
   return out;
 }
 
+Mat dropout_backward(const Mat& dy, double p, bool training, const DropoutRng& rng, const Precision& prec) {
+  const std::uint32_t threshold = dropout_keep_threshold(p);  // validates p
+  if (!training || p == 0.0) return dy;
+  Mat dx(dy.rows(), dy.cols());
+  const double scale = p == 1.0 ? 0.0 : 1.0 / (1.0 - p);
+  for (Eigen::Index e = 0; e < dy.size(); ++e) {
+    const bool keep = (philox_word(rng.seed, rng.offset, static_cast<std::uint64_t>(e)) >> 8) < threshold;
+    dx.data()[e] = keep ? prec.act(dy.data()[e] * scale) : 0.0;  // rounds: dy * mask * scale, activation dtype
+  }
+  prec.count_act();
+  return dx;
+}
+
+BiasDropoutAddGrads bias_dropout_add_backward(const Mat& dout, double prob, bool training, const DropoutRng& rng,
+                                              const Precision& prec) {
+  BiasDropoutAddGrads g;
+  g.residual = dout;
+  g.x = dropout_backward(dout, prob, training, rng, prec);
+  return g;
+}
+
 }  // namespace twin::reference

@@ -16,10 +16,11 @@ void Linear::load_state_dict(const StateDict& sd, const std::string& prefix) {
   if (has_bias_) bias = sd.vector(prefix + "bias", output_size_);
 }
 
-OutputWithBias Linear::forward(const Mat& x) const {
+OutputWithBias Linear::forward(const Mat& x, LinearSaved* saved) const {
   if (x.cols() != input_size_)
     throw ShapeError("Linear: input last dimension " + std::to_string(x.cols()) + " does not match weight [" +
                      std::to_string(output_size_) + ", " + std::to_string(input_size_) + "]");
+  if (saved) saved->input = x;
   OutputWithBias out;
   out.output = x * weight.transpose();  // [n, out]
   p_.act_inplace(out.output);           // rounds: GEMM output (fp32 accumulation), activation dtype
@@ -35,6 +36,34 @@ OutputWithBias Linear::forward(const Mat& x) const {
     }
   }
   return out;
+}
+
+void add_param_grads(ParamGrads& out, const std::string& prefix, const LinearGrads& g) {
+  out.push_back({prefix + "weight", g.weight, {g.weight.rows(), g.weight.cols()}, g.weight_magnitude});
+  if (g.bias.size()) out.push_back({prefix + "bias", g.bias, {g.bias.size()}, g.bias_magnitude});
+}
+
+LinearGrads Linear::backward(const Mat& dy, const LinearSaved& saved) const {
+  if (dy.cols() != output_size_ || dy.rows() != saved.input.rows() || saved.input.cols() != input_size_)
+    throw ShapeError("Linear backward: grad_output [" + std::to_string(dy.rows()) + ", " + std::to_string(dy.cols()) +
+                     "] does not match the saved input [" + std::to_string(saved.input.rows()) + ", " +
+                     std::to_string(saved.input.cols()) + "] and weight [" + std::to_string(output_size_) + ", " +
+                     std::to_string(input_size_) + "]");
+  LinearGrads g;
+  g.input = p_.act(dy * weight);  // rounds: dgrad GEMM output (fp32 accumulation), activation dtype
+  p_.count_reduce(output_size_);
+  p_.count_act();
+  // wgrad and bias grad: reductions over the rows, stored in the parameter (= activation) dtype.
+  g.weight = p_.act(dy.transpose() * saved.input);  // rounds: wgrad GEMM output
+  g.weight_magnitude = (dy.cwiseAbs().transpose() * saved.input.cwiseAbs()).maxCoeff();
+  if (has_bias_) {
+    g.bias = dy.colwise().sum();
+    p_.act_inplace(g.bias);  // rounds: grad_output.sum(dim=0)
+    g.bias_magnitude = dy.cwiseAbs().colwise().sum().maxCoeff();
+  }
+  p_.count_reduce(dy.rows());
+  p_.count_act();
+  return g;
 }
 
 }  // namespace twin::reference

@@ -7,10 +7,19 @@
 //                                                   bias-activation or bias-dropout-add)
 // Megatron computes torch.matmul(input, weight.t()) and then `output + bias` as a second op, so
 // the GEMM output and the biased output are each stored in the activation dtype.
+//
+// Backward (LinearWithGradAccumulationAndAsyncCommunication.backward at TP 1, no gradient
+// accumulation fusion), from the gradient dy of the biased output (for skip_bias_add: of x W^T +
+// bias wherever the caller adds the bias, which has the same gradient):
+//   grad_input  = dy @ weight            fp32 accumulation over output_size, stored in the activation dtype
+//   grad_weight = dy^T @ input           fp32 accumulation over the n rows, stored in the parameter dtype
+//   grad_bias   = dy.sum(dim=0)          fp32 accumulation over the n rows, stored in the parameter dtype
+// The forward saves its input (LinearSaved) for grad_weight.
 #pragma once
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "reference/precision.h"
 #include "reference/state_dict.h"
@@ -22,11 +31,41 @@ struct OutputWithBias {
   std::optional<RowVec> bias;  // [out] when skip_bias_add and the layer has a bias
 };
 
+// What Linear's backward needs from its forward.
+struct LinearSaved {
+  Mat input;  // [n, input_size]
+};
+
+// One parameter's gradient under its state_dict key (relative to the module that collects it),
+// [rows, cols] values with the parameter's shape. A module's backward lists them in the order it
+// computes them.
+// magnitude: what the gradient's rounding error scales with. A parameter's gradient is a sum over
+// the n rows (tokens) of products, |fl(sum t_i) - sum t_i| <= gamma_n sum |t_i|, and an error
+// eps |dy_i| in each upstream gradient moves it by eps sum |dy_i| |x_i| too: so max over its
+// elements of sum_i |t_i|, not max |gradient| (which cancels, e.g. to ~0 for a key bias, which
+// softmax's shift invariance leaves without gradient).
+struct ParamGrad {
+  std::string name;
+  Mat value;
+  Shape shape;
+  double magnitude = -1.0;  // < 0: max |value|
+};
+using ParamGrads = std::vector<ParamGrad>;
+
+struct LinearGrads {
+  Mat input;                                            // [n, input_size]
+  Mat weight;                                           // [output_size, input_size]
+  RowVec bias;                                          // [output_size] (empty without bias)
+  double weight_magnitude = 0.0, bias_magnitude = 0.0;  // max sum_i |dy_i x_i| / max sum_i |dy_i| (ParamGrad)
+};
+
 class Linear {
  public:
   Linear(int input_size, int output_size, bool bias, bool skip_bias_add, Precision p);
 
-  OutputWithBias forward(const Mat& x) const;                            // x [n, input_size]
+  OutputWithBias forward(const Mat& x, LinearSaved* saved = nullptr) const;  // x [n, input_size]
+  // dy [n, output_size]: the gradient of the (biased) output. ShapeError on a shape mismatch.
+  LinearGrads backward(const Mat& dy, const LinearSaved& saved) const;
   void load_state_dict(const StateDict& sd, const std::string& prefix);  // weight (+ bias)
 
   int input_size() const { return input_size_; }
@@ -42,6 +81,9 @@ class Linear {
   bool has_bias_, skip_bias_add_;
   Precision p_;
 };
+
+// Appends <prefix>weight and <prefix>bias (when the linear has one).
+void add_param_grads(ParamGrads& out, const std::string& prefix, const LinearGrads& g);
 
 using ColumnParallelLinear = Linear;
 using RowParallelLinear = Linear;

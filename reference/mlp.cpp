@@ -78,9 +78,10 @@ void MLP::load_state_dict(const StateDict& sd, const std::string& prefix) {
   linear_fc2.load_state_dict(sd, prefix + "linear_fc2.");
 }
 
-OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) const {
+OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args, const Taps& taps,
+                                  MlpSaved* saved) const {
   // [s, b, 4 * h/p]
-  OutputWithBias fc1 = linear_fc1.forward(hidden_states);
+  OutputWithBias fc1 = linear_fc1.forward(hidden_states, saved ? &saved->linear_fc1 : nullptr);
   record_output_with_bias(taps, "linear_fc1.", fc1, args.lead, p_);
   Mat intermediate_parallel = fc1.output;
   bool weighted_fused = false;  // the fused weighted swiglu already applied per_token_scale
@@ -113,6 +114,7 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
     p_.act_inplace(intermediate_parallel);  // rounds: intermediate_parallel + bias_parallel
     p_.count_act();
   }
+  if (saved && !bias_activation_fusion) saved->activation_input = intermediate_parallel;
   if (bias_activation_fusion) {
     // done above
   } else if (gated_linear_unit)
@@ -132,7 +134,7 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
   }
 
   // [s, b, h]
-  OutputWithBias out = linear_fc2.forward(intermediate_parallel);
+  OutputWithBias out = linear_fc2.forward(intermediate_parallel, saved ? &saved->linear_fc2 : nullptr);
   record_output_with_bias(taps, "linear_fc2.", out, args.lead, p_);
   if (per_token_scale && out.bias) {
     // output += output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1); output_bias = None.
@@ -150,9 +152,29 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
 }
 
 OutputWithBias MLP::forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) {
-  OutputWithBias out = forward_inner(hidden_states, args, taps);
+  return forward(hidden_states, args, taps, nullptr);
+}
+
+OutputWithBias MLP::forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps, MlpSaved* saved) {
+  OutputWithBias out = forward_inner(hidden_states, args, taps, saved);
   record_output_with_bias(taps, "", out, args.lead, p_);  // the module's own output: "0", "1"
   return out;
+}
+
+MlpGrads MLP::backward(const Mat& doutput, const MlpSaved& saved, const MlpArgs& args) const {
+  if (bias_activation_fusion)
+    throw ConfigError("MLP backward: the fused bias-activation's backward is not implemented");
+  if (args.per_token_scale) throw ConfigError("MLP backward: the per_token_scale backward is not implemented");
+  MlpGrads g;
+  const LinearGrads fc2 = linear_fc2.backward(doutput, saved.linear_fc2);
+  const Mat dact = gated_linear_unit ? glu_backward(activation_func, saved.activation_input, fc2.input,
+                                                    glu_linear_offset, activation_func_clamp_value, p_)
+                                     : activation_backward(activation_func, saved.activation_input, fc2.input, p_);
+  const LinearGrads fc1 = linear_fc1.backward(dact, saved.linear_fc1);  // its bias: the column sums of dact
+  g.hidden_states = fc1.input;
+  add_param_grads(g.params, "linear_fc1.", fc1);
+  add_param_grads(g.params, "linear_fc2.", fc2);
+  return g;
 }
 
 }  // namespace twin::reference

@@ -18,6 +18,11 @@
 // module's own output 0 and 1 (".1" only when a bias exists, as the hooks drop None).
 //
 // MlpModule is the interface of the layer's `mlp` slot: the MoE layer implements it too.
+//
+// MLP's backward (the unfused path, no per_token_scale): linear_fc2's backward, the activation's
+// or GLU's backward on the saved fc1 output (+ bias), linear_fc1's backward; both biases' grads
+// are the column sums of the gradients where they are added. The fused bias-activation and
+// per_token_scale backwards are not implemented (ConfigError).
 #pragma once
 
 #include <memory>
@@ -59,6 +64,18 @@ class MlpModule {
 void record_output_with_bias(const Taps& taps, const std::string& prefix, OutputWithBias& o, const Shape& lead,
                              const Precision& p);
 
+// What MLP's backward needs from its forward.
+struct MlpSaved {
+  LinearSaved linear_fc1;
+  Mat activation_input;  // [n, ffn (x2 GLU)]: fc1's output plus its bias
+  LinearSaved linear_fc2;
+};
+
+struct MlpGrads {
+  Mat hidden_states;  // [n, input_size]
+  ParamGrads params;  // relative to the module ("linear_fc1.weight", ...)
+};
+
 class MLP : public MlpModule {
  public:
   // input_size defaults to hidden_size, ffn_hidden_size to config.ffn_hidden_size (MoE experts
@@ -69,7 +86,13 @@ class MLP : public MlpModule {
 
   OutputWithBias forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) override;
   // Without recording its own output (for callers that record it under another name).
-  OutputWithBias forward_inner(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) const;
+  OutputWithBias forward_inner(const Mat& hidden_states, const MlpArgs& args, const Taps& taps,
+                               MlpSaved* saved = nullptr) const;
+  // The module's forward, filling `saved` (when given) for backward.
+  OutputWithBias forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps, MlpSaved* saved);
+  // doutput [n, h]: the gradient of linear_fc2's output (plus its bias). ConfigError for the
+  // fused bias-activation and per_token_scale paths.
+  MlpGrads backward(const Mat& doutput, const MlpSaved& saved, const MlpArgs& args) const;
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;
 
   Linear linear_fc1;  // [ffn (x2 GLU), input_size]

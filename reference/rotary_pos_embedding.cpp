@@ -86,4 +86,38 @@ Mat apply_rotary_pos_emb(const Mat& t, const Mat& freqs, int rows_per_position, 
   return out;
 }
 
+Mat apply_rotary_pos_emb_backward(const Mat& dout, const Mat& freqs, int rows_per_position, bool rotary_interleaved,
+                                  const Precision& p) {
+  const Eigen::Index rot_dim = freqs.cols();
+  if (rot_dim > dout.cols() || dout.rows() != freqs.rows() * rows_per_position)
+    throw ShapeError("apply_rotary_pos_emb_backward: grad_output does not match freqs and rows_per_position");
+  Mat cos_(freqs.rows(), rot_dim), sin_(freqs.rows(), rot_dim);
+  for (Eigen::Index i = 0; i < freqs.size(); ++i) {
+    cos_.data()[i] = p.act(p.f32(std::cos(freqs.data()[i])));  // the forward's tables
+    sin_.data()[i] = p.act(p.f32(std::sin(freqs.data()[i])));
+  }
+  Mat dt = dout;  // t_pass columns
+  const Eigen::Index half = rot_dim / 2;
+  for (Eigen::Index r = 0; r < dout.rows(); ++r) {
+    const Eigen::Index pos = r / rows_per_position;
+    for (Eigen::Index c = 0; c < rot_dim; ++c) {
+      // _rotate_half(t)[c'] reads t[c] with sign: the transpose sends (dout sin)[c'] back to c.
+      Eigen::Index src;
+      double sign;
+      if (!rotary_interleaved) {
+        src = c < half ? c + half : c - half;  // rotated[src] = (src < half ? -t[src + half] : t[src - half])
+        sign = c < half ? 1.0 : -1.0;
+      } else {
+        src = c % 2 == 0 ? c + 1 : c - 1;
+        sign = c % 2 == 0 ? 1.0 : -1.0;
+      }
+      const double a = p.act(dout(r, c) * cos_(pos, c));             // rounds: mul's grad of t
+      const double b = p.act(dout(r, src) * sin_(pos, src)) * sign;  // rounds: mul's grad of _rotate_half(t)
+      dt(r, c) = p.act(a + b);                                       // rounds: the two grads' sum
+    }
+  }
+  p.count_act(2);
+  return dt;
+}
+
 }  // namespace twin::reference

@@ -7,6 +7,9 @@
 //   t = t * cos(freqs) + _rotate_half(t) * sin(freqs)
 //   _rotate_half: halves [x1 | x2] -> [-x2 | x1]; interleaved pairs (x0, x1) -> (-x1, x0)
 //   return cat(t, t_pass)
+// Backward: dt = dout cos + _rotate_half^T(dout sin), _rotate_half^T: [y1 | y2] -> [y2 | -y1]
+// (interleaved (y0, y1) -> (y1, -y0)); each mul's grad stored in the activation dtype, their sum
+// too; t_pass passes dout through.
 #pragma once
 
 #include "core/tensor.h"
@@ -40,5 +43,9 @@ Mat rotary_freqs(const Tensor& rotary_pos_emb, int s, int head_dim);
 // b * heads. Each torch op's output stored in the activation dtype; cos/sin in fp32 first.
 Mat apply_rotary_pos_emb(const Mat& t, const Mat& freqs, int rows_per_position, bool rotary_interleaved,
                          const Precision& p);
+
+// Gradient of apply_rotary_pos_emb for dout (same layout as t).
+Mat apply_rotary_pos_emb_backward(const Mat& dout, const Mat& freqs, int rows_per_position, bool rotary_interleaved,
+                                  const Precision& p);
 
 }  // namespace twin::reference

@@ -11,16 +11,32 @@
 // activation dtype T (Welford in T; mean, rstd and the shift -rstd * mean stored in T), so the
 // rounding points LayerNorm counts are those of that path: any correct implementation does no
 // worse (see LayerNorm::forward).
+//
+// Backward (autograd through these ops), from dy [n, hidden] and the saved input x:
+//   LayerNorm: x_hat = (x - mean) rstd; dgamma = sum_rows dy x_hat; dbeta = sum_rows dy;
+//              dx = rstd (dy gamma - mean(dy gamma) - x_hat mean(dy gamma x_hat))
+//   RMSNorm:   dx_hat = dy gamma (stored in T); dgamma = sum_rows dy x_hat;
+//              dx = rstd dx_hat - x rstd^3 mean(dx_hat x) (fp32, then .to(T)'s backward stores in T)
+//   L2Norm:    dx = rstd dy - x rstd^3 mean(dy x)
+// The statistics are recomputed from x exactly as the forward rounded them.
 #pragma once
 
 #include <memory>
 #include <string>
 
+#include "reference/linear.h"
 #include "reference/precision.h"
 #include "reference/state_dict.h"
 #include "reference/taps.h"
 
 namespace twin::reference {
+
+// Gradients of a norm: input [n, hidden], weight and bias [hidden] (empty when the norm has none).
+struct NormGrads {
+  Mat input;
+  RowVec weight, bias;
+  double weight_magnitude = 0.0, bias_magnitude = 0.0;  // max sum_rows |dy x_hat| / |dy| (ParamGrad)
+};
 
 // LayerNormInterface: forward(x) -> y of the same shape.
 class Norm {
@@ -34,6 +50,9 @@ class Norm {
   // The magnitude the error of forward(x) scales with (RecordEntry::magnitude), or -1 when it is
   // the output's own max |y|.
   virtual double error_magnitude(const Mat& /*x*/) const { return -1.0; }
+  // dy [n, hidden], x the forward's input. ShapeError on a shape mismatch; std::logic_error for a
+  // norm without a backward (the Retro encoder's).
+  virtual NormGrads backward(const Mat& dy, const Mat& x) const;
 };
 
 class LayerNorm : public Norm {
@@ -46,6 +65,7 @@ class LayerNorm : public Norm {
   // max over elements of |gamma| (|x| + |mean|) rstd + |beta|: statistics rounded in T err relative
   // to the terms x * rstd and -mean * rstd before they cancel, not to the output.
   double error_magnitude(const Mat& x) const override;
+  NormGrads backward(const Mat& dy, const Mat& x) const override;
   RowVec weight_, bias_;  // [hidden]; default gamma 1 (0 zero-centred), beta 0
 
  private:
@@ -63,6 +83,7 @@ class RMSNorm : public Norm {
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;  // weight
   int hidden_size() const override { return hidden_size_; }
   RowVec weight() const override { return weight_; }
+  NormGrads backward(const Mat& dy, const Mat& x) const override;
   RowVec weight_;  // [hidden]
 
  private:
@@ -78,12 +99,16 @@ class L2Norm : public Norm {
   Mat forward(const Mat& x) const override;
   void load_state_dict(const StateDict&, const std::string&) override {}
   int hidden_size() const override { return hidden_size_; }
+  NormGrads backward(const Mat& dy, const Mat& x) const override;
 
  private:
   int hidden_size_;
   double eps_;
   Precision p_;
 };
+
+// Appends <prefix>weight and <prefix>bias where the norm has them.
+void add_param_grads(ParamGrads& out, const std::string& prefix, const NormGrads& g);
 
 // WrappedTorchNorm(config, hidden_size, eps): LayerNorm or RMSNorm by config.normalization
 // (ConfigError for anything else, and for layernorm_zero_centered_gamma, as its assertion).

@@ -144,6 +144,38 @@ Mat TransformerLayer::apply_bda(const BdaBuilder& bda, const AttentionOutput& x_
       x_with_bias, residual, hidden_dropout);
 }
 
+std::optional<std::string> TransformerLayer::backward_unsupported() const {
+  if (self_attention && !dynamic_cast<const SelfAttention*>(self_attention.get()))
+    return std::string("self_attention is not a SelfAttention");
+  if (pre_cross_attn_layernorm || cross_attention || cross_attn_bda)
+    return std::string("the layer has a cross-attention (Retro)");
+  if (mlp && !dynamic_cast<const MLP*>(mlp.get())) return std::string("mlp is not an MLP (MoE)");
+  // Features whose backward is not implemented yet.
+  if (self_attention && config.attention_output_gate)
+    return std::string("attention_output_gate (the output gate's backward)");
+  if (self_attention && config.softmax_type == "learnable")
+    return std::string("softmax_type learnable (the softmax offset's gradient)");
+  if (mlp && config.bias_activation_fusion)
+    return std::string("bias_activation_fusion (the fused activation's backward)");
+  return std::nullopt;
+}
+
+std::pair<Tensor, std::optional<Tensor>> TransformerLayer::forward(const Tensor& hidden_states,
+                                                                   const LayerInputs& inputs, const Taps& taps,
+                                                                   TransformerLayerSaved* saved) {
+  if (saved) {
+    if (const auto why = backward_unsupported()) throw std::logic_error("TransformerLayer has no backward: " + *why);
+    *saved = TransformerLayerSaved{};
+    saved->inputs = inputs;
+  }
+  struct Reset {
+    TransformerLayerSaved*& p;
+    ~Reset() { p = nullptr; }
+  } reset{saving_};
+  saving_ = saved;
+  return forward(hidden_states, inputs, taps);
+}
+
 std::pair<Tensor, std::optional<Tensor>> TransformerLayer::forward(const Tensor& hidden_states,
                                                                    const LayerInputs& inputs, const Taps& taps) {
   if (hidden_states.dim() != 3 || hidden_states.size(2) != config.hidden_size)
@@ -153,6 +185,10 @@ std::pair<Tensor, std::optional<Tensor>> TransformerLayer::forward(const Tensor&
   if (s <= 0 || b <= 0)
     throw ShapeError("hidden_states: empty sequence or batch, got " + shape_str(hidden_states.shape()));
   const Mat x = to_mat(hidden_states, static_cast<std::int64_t>(s) * b, config.hidden_size, "hidden_states");
+  if (saving_) {
+    saving_->s = s;
+    saving_->b = b;
+  }
   auto [h, context] = _forward_attention(x, s, b, inputs, taps);
   const Mat output = _forward_mlp(h, s, b, inputs, taps);
   return {precision.to_tensor(output, {s, b, config.hidden_size}), context};
@@ -164,6 +200,7 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   // Residual connection.
   Mat residual = hidden_states_in;
   RoundingCount residual_rounding = rounding_now();
+  if (saving_) saving_->hidden_states = hidden_states_in;
   // Optional Input Layer norm
   const Mat input_layernorm_output = apply_norm(input_layernorm, hidden_states_in, "input_layernorm", s, b, taps);
 
@@ -182,7 +219,12 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   if (self_attention) {
     AttentionArgs args = attention_args(inputs.attention_mask, 0);
     args.rotary_pos_emb = inputs.rotary_pos_emb;
-    attention_output_with_bias = self_attention->forward(input_layernorm_output, args, taps.child("self_attention"));
+    if (saving_)
+      attention_output_with_bias =
+          static_cast<SelfAttention&>(*self_attention)
+              .forward(input_layernorm_output, args, taps.child("self_attention"), &saving_->self_attention);
+    else
+      attention_output_with_bias = self_attention->forward(input_layernorm_output, args, taps.child("self_attention"));
   } else {
     attention_output_with_bias.output = input_layernorm_output;  // IdentityOp
   }
@@ -221,6 +263,7 @@ Mat TransformerLayer::_forward_mlp(const Mat& hidden_states, int s, int b, const
   // Residual connection.
   const Mat residual = hidden_states;
   const RoundingCount residual_rounding = rounding_now();
+  if (saving_) saving_->pre_mlp_layernorm_input = hidden_states;
   // Optional Layer norm post the cross-attention.
   const Mat pre_mlp_layernorm_output = _forward_pre_mlp_layernorm(hidden_states, s, b, taps);
   OutputWithBias mlp_output_with_bias;
@@ -230,7 +273,11 @@ Mat TransformerLayer::_forward_mlp(const Mat& hidden_states, int s, int b, const
     args.padding_mask = inputs.padding_mask;
     args.recorded_routing_map = inputs.recorded_routing_map;
     args.training = training;
-    mlp_output_with_bias = mlp->forward(pre_mlp_layernorm_output, args, taps.child("mlp"));
+    if (saving_)
+      mlp_output_with_bias =
+          static_cast<MLP&>(*mlp).forward(pre_mlp_layernorm_output, args, taps.child("mlp"), &saving_->mlp);
+    else
+      mlp_output_with_bias = mlp->forward(pre_mlp_layernorm_output, args, taps.child("mlp"));
   } else {
     mlp_output_with_bias.output = pre_mlp_layernorm_output;  // IdentityOp
   }
@@ -242,6 +289,75 @@ Mat TransformerLayer::_forward_post_mlp(const OutputWithBias& mlp_output_with_bi
   AttentionOutput x_with_bias;
   static_cast<OutputWithBias&>(x_with_bias) = mlp_output_with_bias;
   return apply_bda(mlp_bda, x_with_bias, residual, residual_rounding, 4);
+}
+
+TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, const TransformerLayerSaved& saved) const {
+  if (const auto why = backward_unsupported()) throw std::logic_error("TransformerLayer has no backward: " + *why);
+  const int s = saved.s, b = saved.b, h = config.hidden_size;
+  if (s <= 0 || saved.hidden_states.rows() != static_cast<Eigen::Index>(s) * b)
+    throw std::logic_error("TransformerLayer::backward: `saved` was not filled by forward(..., &saved)");
+  if (grad_output.dim() != 3 || grad_output.size(0) != s || grad_output.size(1) != b || grad_output.size(2) != h)
+    throw ShapeError("grad_output: expected the output's shape " + shape_str(Shape{s, b, h}) + ", got " +
+                     shape_str(grad_output.shape()));
+  const Eigen::Index n = static_cast<Eigen::Index>(s) * b;
+  const Mat dout = to_mat(grad_output, n, h, "grad_output");  // [s*b, h]
+  TransformerLayerGrads g;
+  auto add = [&g](const std::string& prefix, const ParamGrads& params) {
+    for (const ParamGrad& p : params) g.params.push_back({prefix + p.name, p.value, p.shape, p.magnitude});
+  };
+  // bda's backward: (d x, d residual); IdentityFuncOp passes d out to x and nothing to the residual.
+  auto bda_backward = [&](const BdaBuilder& bda, const Mat& d, std::uint64_t offset) {
+    if (!bda) return BiasDropoutAddGrads{d, Mat::Zero(d.rows(), d.cols())};
+    return bias_dropout_add_backward(d, hidden_dropout, training, rng.with_offset(rng.offset + offset), precision);
+  };
+  // Where hidden_states fed both a norm and the residual, autograd sums the two gradients (stored).
+  auto sum_uses = [&](const Mat& a, const Mat& r) {
+    Mat d = precision.act(a + r);  // rounds: the accumulated gradient, activation dtype
+    precision.count_act();
+    return d;
+  };
+
+  // [Module 9 .. 7] mlp_bda, mlp, pre_mlp_layernorm
+  const BiasDropoutAddGrads mlp_bda_grads = bda_backward(mlp_bda, dout, 4);
+  Mat d = mlp_bda_grads.x;
+  if (mlp) {
+    MlpArgs args;
+    args.lead = {s, b};
+    args.training = training;
+    MlpGrads mg = static_cast<const MLP&>(*mlp).backward(d, saved.mlp, args);
+    add("mlp.", mg.params);
+    d = std::move(mg.hidden_states);
+  }
+  if (pre_mlp_layernorm) {
+    const NormGrads ng = pre_mlp_layernorm->backward(d, saved.pre_mlp_layernorm_input);
+    add_param_grads(g.params, "pre_mlp_layernorm.", ng);
+    d = ng.input;
+  }
+  d = sum_uses(d, mlp_bda_grads.residual);
+
+  // [Module 3 .. 1] self_attn_bda, self_attention, input_layernorm
+  const BiasDropoutAddGrads attn_bda_grads = bda_backward(self_attn_bda, d, 1);
+  d = attn_bda_grads.x;
+  if (self_attention) {
+    AttentionArgs args;
+    args.s = s;
+    args.b = b;
+    args.attention_mask = saved.inputs.attention_mask;
+    args.rotary_pos_emb = saved.inputs.rotary_pos_emb;
+    args.training = training;
+    args.rng = rng.with_offset(rng.offset + 0);
+    AttentionGrads ag = static_cast<const SelfAttention&>(*self_attention).backward(d, saved.self_attention, args);
+    add("self_attention.", ag.params);
+    d = std::move(ag.hidden_states);
+  }
+  if (input_layernorm) {
+    const NormGrads ng = input_layernorm->backward(d, saved.hidden_states);
+    add_param_grads(g.params, "input_layernorm.", ng);
+    d = ng.input;
+  }
+  d = sum_uses(d, attn_bda_grads.residual);
+  g.hidden_states = precision.to_tensor(d, {s, b, h});
+  return g;
 }
 
 std::optional<std::vector<RowVec>> TransformerLayer::get_layer_norm_weights() const { return std::nullopt; }

@@ -41,6 +41,18 @@
 // MoELayer returns (output, bias) and records its taps under "mlp."); `cross_attention` takes any
 // AttentionModule (a dict-style output puts "context" in AttentionOutput::context and its payload
 // in ::extra); the bda slots take any BdaBuilder (Retro's bda reads ::extra).
+//
+// Backward (the dense layer: SelfAttention, MLP, torch norms, get_bias_dropout_add's bda or
+// IdentityFuncOp, no cross-attention): forward(..., &saved) runs the forward and keeps every
+// activation the backward needs in one TransformerLayerSaved; backward(grad_output, saved) runs
+// the forward's steps in reverse:
+//   mlp_bda:  d residual = d out; d mlp output = dropout's backward (the forward's mask)
+//   mlp, pre_mlp_layernorm backward; d hidden = d norm input + d residual (autograd's sum of the
+//     two uses of hidden_states, stored in the activation dtype)
+//   self_attn_bda, self_attention, input_layernorm the same way -> d hidden_states (input).
+// Each parameter's gradient is listed under its state_dict key. A layer with another module in a
+// slot (MoE's MoELayer, Retro's cross-attention) has no backward yet: forward with `saved`
+// throws std::logic_error naming the module, before computing anything.
 #pragma once
 
 #include <functional>
@@ -141,6 +153,21 @@ struct LayerInputs {
   const Tensor* recorded_routing_map = nullptr;
 };
 
+// Every activation TransformerLayer's backward reads, saved by forward(..., &saved).
+struct TransformerLayerSaved {
+  int s = 0, b = 0;
+  LayerInputs inputs;                 // the forward's masks and RoPE angles (pointers: the caller's tensors)
+  Mat hidden_states;                  // [s*b, h] the layer's input (input_layernorm's input, first residual)
+  SelfAttentionSaved self_attention;  // linear_qkv / linear_proj inputs, q, k, v, q/k layernorm inputs, RoPE angles
+  Mat pre_mlp_layernorm_input;        // [s*b, h] hidden_states after self_attn_bda (the second residual)
+  MlpSaved mlp;                       // linear_fc1 / linear_fc2 inputs, the activation's input
+};
+
+struct TransformerLayerGrads {
+  Tensor hidden_states;  // [s, b, h] in the activation dtype (F64 in Exact mode)
+  ParamGrads params;     // by full state_dict key ("self_attention.linear_qkv.weight", ...)
+};
+
 class TransformerLayer : public BaseTransformerLayer {
  public:
   TransformerLayer(const TransformerConfig& config, const TransformerLayerSubmodules& submodules, int layer_number = 1,
@@ -156,6 +183,15 @@ class TransformerLayer : public BaseTransformerLayer {
   // ShapeError for hidden_states not [s, b, hidden_size], a bad mask or rotary_pos_emb.
   std::pair<Tensor, std::optional<Tensor>> forward(const Tensor& hidden_states, const LayerInputs& inputs = {},
                                                    const Taps& taps = {});
+  // The same, keeping what backward needs in `saved`. std::logic_error for a layer with no backward
+  // (see above).
+  std::pair<Tensor, std::optional<Tensor>> forward(const Tensor& hidden_states, const LayerInputs& inputs,
+                                                   const Taps& taps, TransformerLayerSaved* saved);
+  // grad_output [s, b, h] (the gradient of forward's output) -> gradients of the input and of every
+  // parameter. ShapeError for grad_output of another shape than the saved forward's output.
+  TransformerLayerGrads backward(const Tensor& grad_output, const TransformerLayerSaved& saved) const;
+  // Whether backward supports this layer's modules (else the reason, e.g. "mlp is not an MLP").
+  std::optional<std::string> backward_unsupported() const;
 
   // The steps of forward on (s * b) x h matrices.
   std::pair<Mat, std::optional<Tensor>> _forward_attention(const Mat& hidden_states, int s, int b,
@@ -197,6 +233,7 @@ class TransformerLayer : public BaseTransformerLayer {
                  const Taps& taps) const;
   Mat apply_bda(const BdaBuilder& bda, const AttentionOutput& x_with_bias, const Mat& residual,
                 const RoundingCount& residual_rounding, std::uint64_t offset) const;
+  TransformerLayerSaved* saving_ = nullptr;  // set while forward(..., saved) runs
 };
 
 }  // namespace twin::reference

@@ -38,8 +38,9 @@ TEST(DenseLayerFixture, EveryDenseFixturePassesWithEveryTapCompared) {
     const Fixture f = load_fixture(path.string());
     ASSERT_EQ(f.kind, "dense_layer");
     const auto comparisons = compare_fixture(f, TwinKind::Reference);
-    // one comparison per tap.* plus output.hidden_states
-    EXPECT_EQ(comparisons.size(), f.names_with_prefix("tap.").size() + 1);
+    // one comparison per tap.* plus output.hidden_states, then one per grad.* (the backward's)
+    EXPECT_EQ(comparisons.size(), f.names_with_prefix("tap.").size() + 1 + f.names_with_prefix("grad.").size());
+    EXPECT_FALSE(f.names_with_prefix("grad.").empty());
     for (const auto& c : comparisons) {
       EXPECT_TRUE(c.pass) << c.name << ": " << c.message << " max_abs " << c.max_abs << " share " << c.share_used;
       // Counted, not typed: the reason names the fp32 stores, and an fp32 golden's bound stays far
@@ -57,11 +58,16 @@ TEST(DenseLayerFixture, AnOutputRoundedToBf16FailsTheCountedBound) {
     SCOPED_TRACE(path.string());
     const Fixture f = load_fixture(path.string());
     TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f, RunMode{});
-    RecordEntry& out = run.record.entries.back();
-    ASSERT_EQ(out.key(), "output.hidden_states");
-    out.value = out.value.to(DType::BF16).to(DType::F32);
+    RecordEntry* out = nullptr;
+    for (RecordEntry& e : run.record.entries)
+      if (e.key() == "output.hidden_states") out = &e;
+    ASSERT_NE(out, nullptr);
+    out->value = out->value.to(DType::BF16).to(DType::F32);
+    parity::Expected expected = parity::expected_of(f);
+    if (run.backward)
+      for (auto& g : parity::grads_of(f)) expected.push_back(g);
     bool output_failed = false;
-    for (const auto& c : parity::compare_record(run.record, parity::expected_of(f), "reference"))
+    for (const auto& c : parity::compare_record(run.record, expected, "reference"))
       if (c.name == "output.hidden_states") output_failed = !c.pass;
     EXPECT_TRUE(output_failed);
   }
@@ -110,4 +116,42 @@ TEST(DenseLayerFixture, AWrongParameterFails) {
     if (c.name == "output.hidden_states") output_failed = !c.pass;
   EXPECT_TRUE(output_failed);
   fs::remove(tmp);
+}
+
+// Each gradient's counted bound is tight enough to catch a 1% error in it alone: one grad.* tensor
+// of the golden scaled by 1.01 fails that row and no other (fp32 goldens: a few 2^-24 per rounding
+// point, far below 1e-2).
+TEST(DenseLayerFixture, AWrongGradientFailsAlone) {
+  const Fixture f = load_fixture((fixture_dir() / "dense_ln_mha_gelu_bias.safetensors").string());
+  const TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f, RunMode{});
+  ASSERT_TRUE(run.backward);
+  for (const auto& [name, grad] : parity::grads_of(f)) {
+    SCOPED_TRACE(name);
+    parity::Expected expected = parity::expected_of(f);
+    for (auto [n, t] : parity::grads_of(f)) {
+      if (n == name) {
+        std::vector<double> v = t.to_f64();
+        for (double& x : v) x *= 1.01;
+        t = Tensor::from_doubles(t.dtype(), t.shape(), v);
+      }
+      expected.emplace_back(n, t);
+    }
+    for (const auto& c : parity::compare_record(run.record, expected, "reference"))
+      EXPECT_EQ(c.pass, c.name != name) << c.name << ": " << c.tol.reason;
+  }
+}
+
+// The report says what happened to the gradients: compared for dense goldens, and plainly not
+// compared for kinds without a backward and for isolated runs (never a silent pass).
+TEST(DenseLayerFixture, TheGradientStatusIsReported) {
+  std::string grads;
+  const Fixture dense = load_fixture((fixture_dir() / "dense_ln_mha_gelu_bias.safetensors").string());
+  compare_fixture(find_fixture_handler(dense.kind, TwinKind::Reference), dense, TwinKind::Reference, RunMode{}, &grads);
+  EXPECT_EQ(grads, "compared");
+  compare_fixture(find_fixture_handler(dense.kind, TwinKind::Reference, RunMode{true}), dense, TwinKind::Reference,
+                  RunMode{true}, &grads);
+  EXPECT_EQ(grads.rfind("not compared: an isolated run", 0), 0u) << grads;
+  const Fixture moe = load_fixture((fixture_dir() / "moe_top2_aux_allgather.safetensors").string());
+  compare_fixture(find_fixture_handler(moe.kind, TwinKind::Reference), moe, TwinKind::Reference, RunMode{}, &grads);
+  EXPECT_EQ(grads, "not compared: the reference twin has no backward for fixture kind 'moe_layer'");
 }

@@ -1,0 +1,310 @@
+// The reference's dense TransformerLayer backward against central finite differences of its own
+// forward, both in fp64 exact mode (ggml test-backend-ops' gradient mode is the model: central
+// differences, a precise mode, non-smooth points excluded).
+//
+// Each case is a config, parameters and inputs drawn from one seed, its case id: a failure names
+// it, and TWIN_FD_CASE=<id> reruns just that case (TWIN_FD_CASES=<n> runs ids 0 .. n-1; 100 by
+// default, which CI runs). Per case, the loss is L = sum(output * G) for a random G, whose gradient
+// is backward(G); probes compare it, coordinate by coordinate, with central differences
+//   D(d) = (L(theta + d e_i) - L(theta - d e_i)) / (2 d)
+// on the input hidden_states and on every parameter (random coordinates plus the one with the
+// largest analytic gradient).
+//
+// Tolerance (derived, not tuned): for a smooth L, D(d) = L'(theta) + c d^2 + O(d^4), so Richardson's
+// estimate of D(d/2)'s truncation error is |D(d) - D(d/2)| / 3; we allow |D(d) - D(d/2)|, three
+// times that estimate, for the O(d^4) terms it omits. Rounding: each L is computed in fp64 by a
+// forward about k = 10^3 operations deep, so it carries at most ~k u64 sum|output * G| of error,
+// which the difference quotient divides by d (the analytic gradient carries k u64 |grad|):
+//   |analytic - D(d/2)| <= |D(d) - D(d/2)| + k u64 (M / d + |analytic|),   M = sum |output * G|.
+// A wrong gradient (a dropped term, a transposed index, a wrong scale) misses by O(|grad|),
+// orders above this.
+//
+// Non-smooth points: relu / squared_relu at 0 and activation_func_clamp_value's clamps are kinks.
+// A probe whose +-d steps move any activation input across a kink (checked on the saved activation
+// inputs of the two perturbed forwards) is excluded and counted, never compared.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dense_test_util.h"
+#include "reference/rotary_pos_embedding.h"
+#include "reference/transformer_layer.h"
+
+using namespace twin;
+using namespace twin::reference;
+using namespace twin::reference::testing;
+
+namespace {
+
+struct Case {
+  std::uint64_t id = 0;
+  TransformerConfig config;
+  int s = 0, b = 0, layer_number = 1;
+  std::map<std::string, Tensor> params;
+  Tensor hidden_states, grad_output;
+  std::optional<Tensor> attention_mask, rotary_pos_emb;
+  bool training = false;
+  DropoutRng rng;
+  std::string describe;  // the config in words, printed with failures
+};
+
+Tensor f64_tensor(std::mt19937_64& g, Shape shape, double scale) {
+  std::normal_distribution<double> n(0.0, scale);
+  std::vector<double> v(static_cast<std::size_t>(shape_numel(shape)));
+  for (double& x : v) x = n(g);
+  return Tensor::from_doubles(DType::F64, std::move(shape), v);
+}
+
+Case make_case(std::uint64_t id) {
+  std::mt19937_64 g(id * 0x9E3779B97F4A7C15ull + 1);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(g); };
+  auto coin = [&](double p = 0.5) { return std::bernoulli_distribution(p)(g); };
+  Case k;
+  k.id = id;
+  TransformerConfig& c = k.config;
+  const int ng = pick(1, 2), np = ng * pick(1, 3), hn = 4 * pick(1, 2);
+  c = small_config(4 * pick(2, 4), np, ng, pick(4, 12));
+  c.kv_channels = hn;
+  c.normalization = coin() ? "LayerNorm" : "RMSNorm";
+  static const char* acts[] = {"gelu",      "silu",     "quick_gelu", "openai_gelu",
+                               "fast_gelu", "erf_gelu", "relu",       "squared_relu"};
+  c.activation_func = acts[pick(0, 7)];
+  c.gated_linear_unit = coin();
+  if (c.gated_linear_unit && coin(0.25)) c.glu_linear_offset = 0.5;
+  if (c.gated_linear_unit && coin(0.25)) c.activation_func_clamp_value = 1.0;
+  c.add_bias_linear = coin();
+  c.add_qkv_bias = !c.add_bias_linear && coin();
+  c.qk_layernorm = coin();
+  c.attention_softmax_in_fp32 = true;
+  c.apply_query_key_layer_scaling = coin(0.25);
+  if (c.apply_query_key_layer_scaling) k.layer_number = pick(1, 3);
+  if (coin(0.2)) c.softmax_type = "off-by-one";
+  k.training = coin();
+  if (k.training && coin()) {
+    c.hidden_dropout = 0.25;
+    c.attention_dropout = 0.25;
+    k.rng = DropoutRng{static_cast<std::uint64_t>(pick(0, 1 << 20)), static_cast<std::uint64_t>(pick(0, 8))};
+  }
+  k.s = pick(2, 5);
+  k.b = pick(1, 2);
+  const int h = c.hidden_size, fc1 = c.gated_linear_unit ? 2 * c.ffn() : c.ffn();
+  const int qkv = np * hn + 2 * ng * hn;
+  auto add = [&](const std::string& key, Shape shape, double scale) { k.params[key] = f64_tensor(g, shape, scale); };
+  add("input_layernorm.weight", {h}, 1.0);
+  if (c.normalization == "LayerNorm") add("input_layernorm.bias", {h}, 0.1);
+  add("self_attention.linear_qkv.weight", {qkv, h}, 0.5);
+  if (c.add_bias_linear || c.add_qkv_bias) add("self_attention.linear_qkv.bias", {qkv}, 0.1);
+  add("self_attention.linear_proj.weight", {h, np * hn}, 0.5);
+  if (c.add_bias_linear) add("self_attention.linear_proj.bias", {h}, 0.1);
+  if (c.qk_layernorm) {
+    add("self_attention.q_layernorm.weight", {hn}, 1.0);
+    add("self_attention.k_layernorm.weight", {hn}, 1.0);
+    if (c.normalization == "LayerNorm") {
+      add("self_attention.q_layernorm.bias", {hn}, 0.1);
+      add("self_attention.k_layernorm.bias", {hn}, 0.1);
+    }
+  }
+  add("pre_mlp_layernorm.weight", {h}, 1.0);
+  if (c.normalization == "LayerNorm") add("pre_mlp_layernorm.bias", {h}, 0.1);
+  add("mlp.linear_fc1.weight", {fc1, h}, 0.5);
+  if (c.add_bias_linear) add("mlp.linear_fc1.bias", {fc1}, 0.1);
+  add("mlp.linear_fc2.weight", {h, c.ffn()}, 0.5);
+  if (c.add_bias_linear) add("mlp.linear_fc2.bias", {h}, 0.1);
+  k.hidden_states = f64_tensor(g, {k.s, k.b, h}, 1.0);
+  k.grad_output = f64_tensor(g, {k.s, k.b, h}, 1.0);
+  // Mask: the causal default, an explicit random one, or none (padding type without a mask).
+  const int mask_kind = pick(0, 2);
+  if (mask_kind == 1) {
+    std::vector<bool> m(static_cast<std::size_t>(k.b) * k.s * k.s);
+    for (std::size_t i = 0; i < m.size(); ++i) m[i] = coin(0.3);
+    k.attention_mask = Tensor::from_vector<bool>({k.b, 1, k.s, k.s}, m);
+  }
+  if (mask_kind == 2) c.attn_mask_type = "padding";
+  if (coin()) {
+    c.position_embedding_type = "rope";
+    c.rotary_interleaved = coin();
+    c.rotary_percent = coin() ? 1.0 : 0.5;
+    k.rotary_pos_emb = RotaryEmbedding(hn, c.rotary_percent, c.rotary_interleaved).forward(k.s);
+  }
+  std::ostringstream d;
+  d << "h " << h << " np " << np << " ng " << ng << " hn " << hn << " ffn " << c.ffn() << " s " << k.s << " b " << k.b
+    << " " << c.normalization << " " << c.activation_func << (c.gated_linear_unit ? " glu" : "")
+    << (c.glu_linear_offset != 0.0 ? " offset" : "") << (c.activation_func_clamp_value ? " clamp" : "")
+    << (c.add_bias_linear ? " bias" : "") << (c.add_qkv_bias ? " qkv_bias" : "")
+    << (c.qk_layernorm ? " qk_layernorm" : "") << (c.apply_query_key_layer_scaling ? " qk_layer_scaling" : "")
+    << " softmax " << c.softmax_type << " mask "
+    << (mask_kind == 0   ? "causal"
+        : mask_kind == 1 ? "explicit"
+                         : "none")
+    << (k.rotary_pos_emb ? " rope" : "") << (c.rotary_interleaved ? " interleaved" : "")
+    << (k.training ? " training" : "") << (c.hidden_dropout > 0 ? " dropout" : "");
+  k.describe = d.str();
+  return k;
+}
+
+struct Run {
+  double loss = 0.0, magnitude = 0.0;  // sum(out * G), sum |out * G|
+  Mat activation_input;                // the MLP activation's input (kink detection)
+};
+
+class Harness {
+ public:
+  explicit Harness(const Case& k)
+      : k_(k),
+        spec_(get_gpt_layer_local_spec(std::nullopt, k.config.qk_layernorm, k.config.normalization, false,
+                                       attn_mask_type_from_name(k.config.attn_mask_type))) {
+    in_.attention_mask = k_.attention_mask ? &*k_.attention_mask : nullptr;
+    in_.rotary_pos_emb = k_.rotary_pos_emb ? &*k_.rotary_pos_emb : nullptr;
+  }
+
+  std::unique_ptr<TransformerLayer> layer(const std::map<std::string, Tensor>& params) const {
+    auto l = std::make_unique<TransformerLayer>(k_.config, spec_.submodules, k_.layer_number, std::nullopt, exact());
+    l->load_state_dict(params);
+    l->training = k_.training;
+    l->rng = k_.rng;
+    return l;
+  }
+
+  Run run(const std::map<std::string, Tensor>& params, const Tensor& x) const {
+    TransformerLayerSaved saved;
+    const Tensor out = layer(params)->forward(x, in_, {}, &saved).first;
+    Run r;
+    const std::vector<double> o = out.to_f64(), gy = k_.grad_output.to_f64();
+    for (std::size_t i = 0; i < o.size(); ++i) {
+      r.loss += o[i] * gy[i];
+      r.magnitude += std::fabs(o[i] * gy[i]);
+    }
+    r.activation_input = saved.mlp.activation_input;
+    return r;
+  }
+
+  TransformerLayerGrads grads() const {
+    TransformerLayerSaved saved;
+    auto l = layer(k_.params);
+    l->forward(k_.hidden_states, in_, {}, &saved);
+    return l->backward(k_.grad_output, saved);
+  }
+
+ private:
+  const Case& k_;
+  ModuleSpec spec_;
+  LayerInputs in_;
+};
+
+// Which side of each kink every activation input is on (relu at 0; clamp at +-v).
+std::vector<int> kink_sides(const TransformerConfig& c, const Mat& a) {
+  std::vector<int> sides;
+  const bool relu = c.activation_func == "relu" || c.activation_func == "squared_relu";
+  const Eigen::Index half = c.gated_linear_unit ? a.cols() / 2 : a.cols();
+  for (Eigen::Index r = 0; r < a.rows(); ++r)
+    for (Eigen::Index col = 0; col < a.cols(); ++col) {
+      const double x = a(r, col);
+      if (relu && col < half) sides.push_back(x > 0.0);
+      if (c.activation_func_clamp_value) {
+        const double v = *c.activation_func_clamp_value;
+        sides.push_back((x > v) + 2 * (x < -v));
+      }
+    }
+  return sides;
+}
+
+Tensor with_element(const Tensor& t, std::int64_t i, double v) {
+  std::vector<double> d = t.to_f64();
+  d[static_cast<std::size_t>(i)] = v;
+  return Tensor::from_doubles(DType::F64, t.shape(), d);
+}
+
+struct Tally {
+  int compared = 0, excluded = 0;
+};
+
+// Compares one coordinate; returns false (with a message) on a mismatch.
+::testing::AssertionResult probe(const Case& k, const Harness& hx, const std::string& name, std::int64_t i,
+                                 double analytic, Tally& tally) {
+  const bool is_input = name == "input.hidden_states";
+  const Tensor& base = is_input ? k.hidden_states : k.params.at(name.substr(6));
+  const double theta = base.at_f64(i);
+  const double d = 1e-4 * std::max(1.0, std::fabs(theta));
+  auto eval = [&](double v) {
+    if (is_input) return hx.run(k.params, with_element(base, i, v));
+    auto p = k.params;
+    p[name.substr(6)] = with_element(base, i, v);
+    return hx.run(p, k.hidden_states);
+  };
+  const Run plus = eval(theta + d), minus = eval(theta - d);
+  const Run plus2 = eval(theta + d / 2), minus2 = eval(theta - d / 2);
+  if (kink_sides(k.config, plus.activation_input) != kink_sides(k.config, minus.activation_input)) {
+    ++tally.excluded;  // a kink lies between theta - d and theta + d: not differentiable there
+    return ::testing::AssertionSuccess();
+  }
+  ++tally.compared;
+  const double fd = (plus.loss - minus.loss) / (2 * d), fd2 = (plus2.loss - minus2.loss) / d;
+  constexpr double kDepth = 1e3;  // operations deep of one forward (see the file comment)
+  const double u64 = std::numeric_limits<double>::epsilon() / 2;
+  const double tol = std::fabs(fd - fd2) + kDepth * u64 * (plus.magnitude / (d / 2) + std::fabs(analytic));
+  if (std::fabs(analytic - fd2) <= tol) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "case " << k.id << " (" << k.describe << "): d L / d " << name << "[" << i
+                                       << "]: analytic " << analytic << ", central difference " << fd2
+                                       << " (at d: " << fd << "), |diff| " << std::fabs(analytic - fd2)
+                                       << " > tolerance " << tol << "; rerun: TWIN_FD_CASE=" << k.id;
+}
+
+std::vector<std::uint64_t> case_ids() {
+  if (const char* one = std::getenv("TWIN_FD_CASE")) return {std::strtoull(one, nullptr, 10)};
+  std::uint64_t n = 100;
+  if (const char* count = std::getenv("TWIN_FD_CASES")) n = std::strtoull(count, nullptr, 10);
+  std::vector<std::uint64_t> ids(n);
+  for (std::uint64_t i = 0; i < n; ++i) ids[i] = i;
+  return ids;
+}
+
+}  // namespace
+
+TEST(TransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
+  Tally total;
+  int cases = 0;
+  for (const std::uint64_t id : case_ids()) {
+    const Case k = make_case(id);
+    const Harness hx(k);
+    const TransformerLayerGrads grads = hx.grads();
+    std::mt19937_64 g(id + 7);
+    Tally tally;
+    // Every parameter the layer owns has a gradient, and nothing else does.
+    std::map<std::string, const ParamGrad*> by_key;
+    for (const ParamGrad& p : grads.params) by_key[p.name] = &p;
+    ASSERT_EQ(by_key.size(), k.params.size()) << "case " << id << " (" << k.describe << ")";
+    std::vector<std::pair<std::string, std::vector<double>>> targets;
+    targets.emplace_back("input.hidden_states", grads.hidden_states.to_f64());
+    for (const auto& [key, t] : k.params) {
+      ASSERT_TRUE(by_key.count(key)) << "case " << id << ": no gradient for " << key;
+      const ParamGrad& p = *by_key[key];
+      ASSERT_EQ(p.shape, t.shape()) << "case " << id << ": " << key;
+      targets.emplace_back("param." + key, std::vector<double>(p.value.data(), p.value.data() + p.value.size()));
+    }
+    for (const auto& [name, analytic] : targets) {
+      std::vector<std::int64_t> coords;
+      std::int64_t largest = 0;
+      for (std::size_t i = 0; i < analytic.size(); ++i)
+        if (std::fabs(analytic[i]) > std::fabs(analytic[static_cast<std::size_t>(largest)]))
+          largest = static_cast<std::int64_t>(i);
+      coords.push_back(largest);
+      std::uniform_int_distribution<std::int64_t> u(0, static_cast<std::int64_t>(analytic.size()) - 1);
+      for (int j = 0; j < 3; ++j) coords.push_back(u(g));
+      for (const std::int64_t i : coords)
+        ASSERT_TRUE(probe(k, hx, name, i, analytic[static_cast<std::size_t>(i)], tally));
+    }
+    EXPECT_GT(tally.compared, 0) << "case " << id << " (" << k.describe << "): every probe was excluded";
+    total.compared += tally.compared;
+    total.excluded += tally.excluded;
+    ++cases;
+  }
+  std::cout << cases << " cases, " << total.compared << " probes compared, " << total.excluded
+            << " excluded at non-smooth points\n";
+}
