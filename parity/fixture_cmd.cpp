@@ -46,6 +46,11 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   }
   try {
     r.rows = compare_fixture(handler, fx, twin, mode);
+  } catch (const FixtureUnsupported& e) {
+    r.status = Status::Unsupported;
+    r.message = e.what();
+    r.rows.clear();
+    return r;
   } catch (...) {
     r.status = Status::Error;
     r.message = describe_exception(std::current_exception());

@@ -1,0 +1,6 @@
+// The MoE layer's kernel sequence compiled for the CUDA simulator (see moe_layer.cuh).
+#include "optimized/moe/moe_layer.cuh"
+
+namespace twin::opt::sim {
+void moe_rank_forward(MoEPlan& p, cudaStream_t stream) { moe_rank_forward_impl(p, stream); }
+}  // namespace twin::opt::sim
