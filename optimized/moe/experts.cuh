@@ -75,7 +75,7 @@ __global__ void grouped_scaled_bias_add_kernel(T* out, const T* bias, const R* s
     else if constexpr (std::is_same<R, float>::value)
       prod = b * scale[r];  // rounds: fp32 product
     else
-      prod = round_to<T>(b * Io<R>::load(scale[r]));  // rounds: product in T
+      prod = round_to<T>(b * Io<R>::load(scale[r]));    // rounds: product in T
     out[i] = Io<T>::store(Io<T>::load(out[i]) + prod);  // rounds: sum, T
   }
 }
@@ -120,8 +120,8 @@ inline void grouped_scaled_bias_add_forward(DType dt, DType rdt, void* out, cons
       using R = decltype(b);
       const unsigned threads = elementwise_threads(n * h);
       launch_kernel(grouped_scaled_bias_add_kernel<T, R>, dim3(elementwise_blocks(n * h, threads)), dim3(threads), 0,
-                    stream, static_cast<T*>(out), static_cast<const T*>(bias), static_cast<const R*>(scale), offsets,
-                    E, n, h);
+                    stream, static_cast<T*>(out), static_cast<const T*>(bias), static_cast<const R*>(scale), offsets, E,
+                    n, h);
     });
   });
 }

@@ -57,7 +57,7 @@ __global__ void shared_expert_gate_kernel(T* out, const T* gate_logits, std::int
   for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += std::int64_t(gridDim.x) * blockDim.x) {
     const float g = round_to<T>(1.0f / (1.0f + expf(-Io<T>::load(gate_logits[i / h]))));  // rounds: sigmoid, T
-    out[i] = Io<T>::store(Io<T>::load(out[i]) * g);                                      // rounds: product, T
+    out[i] = Io<T>::store(Io<T>::load(out[i]) * g);                                       // rounds: product, T
   }
 }
 
@@ -84,7 +84,7 @@ inline void moe_mlp_forward_impl(MoEPlan& p, cudaStream_t st) {
     linear_forward(dt, x, p.shared_fc1_w, nullptr, p.shared_fc1, T, h, w1, st);  // [T, w1]
     tap(MoETapPoint::SharedFc1);
     bias_activation_forward(dt, p.shared_fc1, nullptr, p.shared_act, T, p.shared_ffn, static_cast<Act>(a.act), p.glu,
-                            st);                                                          // [T, shared_ffn]
+                            st);                                                                      // [T, shared_ffn]
     linear_forward(dt, p.shared_act, p.shared_fc2_w, nullptr, p.shared_out, T, p.shared_ffn, h, st);  // [T, h]
     tap(MoETapPoint::SharedFc2);
     if (p.shared_gate) {
@@ -169,8 +169,7 @@ inline void moe_mlp_forward_impl(MoEPlan& p, cudaStream_t st) {
           .copy(p.routing_map, p.recorded_map, std::size_t(T * E), rt::CopyKind::HostToDevice, st);
       // probs = probs before the drop, masked by the recorded map: the pad path (pad_to_capacity
       // false, capacity >= T) of the capacity kernel with the recorded map as its input map.
-      router_capacity_forward(rdt, p.probs_pre, p.routing_map, p.probs, p.routing_map, T, E, T + 1, "probs", false,
-                              st);
+      router_capacity_forward(rdt, p.probs_pre, p.routing_map, p.probs, p.routing_map, T, E, T + 1, "probs", false, st);
     }
   }
   if (p.aux_kind >= 0) {
@@ -191,8 +190,8 @@ inline void moe_mlp_forward_impl(MoEPlan& p, cudaStream_t st) {
   // (sum, + 1e-20, division); the scaling factor.
   rounding_reduce(E);
   rounding_store(DType::F32);
-  rounding_store(rdt, 1 + (p.score == int(ScoreFunction::Sigmoid) && p.topk > 1 ? 3 : 0) +
-                          (p.scaling_factor != 0.0f ? 1 : 0));
+  rounding_store(
+      rdt, 1 + (p.score == int(ScoreFunction::Sigmoid) && p.topk > 1 ? 3 : 0) + (p.scaling_factor != 0.0f ? 1 : 0));
   if (p.local_tokens) {  // _apply_expert_bias: count the routed non-padding tokens per expert
     std::vector<std::uint8_t> map(std::size_t(T * E));
     moe_download(map.data(), p.routing_map, map.size(), st);

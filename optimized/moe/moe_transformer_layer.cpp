@@ -239,7 +239,7 @@ MoETransformerLayer::MoETransformerLayer(const TransformerConfig& c, const std::
   P.rdt = m.rdt;
   P.cast_input = m.rdt != m.dt;
   P.score = static_cast<int>(c.moe_router_score_function == "sigmoid" ? sim::ScoreFunction::Sigmoid
-                                                                       : sim::ScoreFunction::Softmax);
+                                                                      : sim::ScoreFunction::Softmax);
   P.pre_softmax = c.moe_router_pre_softmax;
   P.group_topk = c.moe_router_group_topk.value_or(0);
   P.num_groups = P.group_topk > 0 ? c.moe_router_num_groups.value_or(0) : 0;
@@ -285,7 +285,9 @@ MoETransformerLayer::MoETransformerLayer(const TransformerConfig& c, const std::
   P.global_tokens = m.global_tokens.as<double>();
 }
 
-const std::vector<std::int64_t>& MoETransformerLayer::tokens_per_expert() const { return impl_->plan.tokens_per_expert; }
+const std::vector<std::int64_t>& MoETransformerLayer::tokens_per_expert() const {
+  return impl_->plan.tokens_per_expert;
+}
 
 LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEForwardInputs& in,
                                          const ForwardOptions& fo) {
@@ -305,8 +307,9 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
     const Shape& ms = in.attention_mask->shape();
     const bool ok = in.attention_mask->dtype() == DType::BOOL && ms.size() == 4 && (ms[0] == 1 || ms[0] == b) &&
                     (ms[1] == 1 || ms[1] == m.np) && ms[2] == s && ms[3] == s;
-    if (!ok) throw ShapeError("optimized MoE layer: attention_mask expected BOOL [b, 1, s, s], got " +
-                              in.attention_mask->describe());
+    if (!ok)
+      throw ShapeError("optimized MoE layer: attention_mask expected BOOL [b, 1, s, s], got " +
+                       in.attention_mask->describe());
     mask_b = static_cast<int>(ms[0]);
     mask_h = static_cast<int>(ms[1]);
   }
@@ -326,7 +329,8 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
                        in.padding_mask->describe());
     padding.resize(std::size_t(T));
     for (std::int64_t si = 0; si < s; ++si)  // [b, s] -> token order t = s_idx * b + b_idx
-      for (std::int64_t bi = 0; bi < b; ++bi) padding[std::size_t(si * b + bi)] = in.padding_mask->at_f64(bi * s + si) != 0.0;
+      for (std::int64_t bi = 0; bi < b; ++bi)
+        padding[std::size_t(si * b + bi)] = in.padding_mask->at_f64(bi * s + si) != 0.0;
   }
   std::vector<std::uint8_t> recorded;
   if (in.recorded_routing_map) {
@@ -375,9 +379,9 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
   p.offset_attention = fo.offset;
   p.offset_self_attn_bda = fo.offset + 1;
   p.offset_mlp_bda = fo.offset + 4;
-  p.mask_mode = in.attention_mask ? static_cast<int>(sim::MaskMode::Explicit)
+  p.mask_mode = in.attention_mask                                ? static_cast<int>(sim::MaskMode::Explicit)
                 : (options_.attn_mask_type == "causal" && s > 1) ? static_cast<int>(sim::MaskMode::Causal)
-                                                                  : static_cast<int>(sim::MaskMode::None);
+                                                                 : static_cast<int>(sim::MaskMode::None);
   p.mask_b = mask_b;
   p.mask_h = mask_h;
   p.mask = static_cast<const std::uint8_t*>(mask);
@@ -422,9 +426,9 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
   P.recorded_map = recorded.empty() ? nullptr : recorded.data();
   // The losses: only while training, as Megatron's router.
   const std::string& lb = c.moe_router_load_balancing_type;
-  const bool aux_on = fo.training && c.moe_aux_loss_coeff > 0 &&
-                      (lb == "aux_loss" || lb == "seq_aux_loss" || lb == "global_aux_loss");
-  P.aux_kind = !aux_on ? -1
+  const bool aux_on =
+      fo.training && c.moe_aux_loss_coeff > 0 && (lb == "aux_loss" || lb == "seq_aux_loss" || lb == "global_aux_loss");
+  P.aux_kind = !aux_on                ? -1
                : lb == "aux_loss"     ? static_cast<int>(sim::AuxLossKind::AuxLoss)
                : lb == "seq_aux_loss" ? static_cast<int>(sim::AuxLossKind::SeqAuxLoss)
                                       : static_cast<int>(sim::AuxLossKind::GlobalAuxLoss);

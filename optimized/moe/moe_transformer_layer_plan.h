@@ -29,9 +29,9 @@ struct MoEPlan {
 
   // ---- router
   int E = 0, topk = 1;
-  DType rdt = DType::F32;      // router dtype
-  bool cast_input = false;     // the gating input is cast from the params dtype to rdt first
-  int score = 0;               // ScoreFunction
+  DType rdt = DType::F32;   // router dtype
+  bool cast_input = false;  // the gating input is cast from the params dtype to rdt first
+  int score = 0;            // ScoreFunction
   bool pre_softmax = false;
   int num_groups = 0, group_topk = 0;
   float scaling_factor = 0.0f;
@@ -42,13 +42,13 @@ struct MoEPlan {
   double aux_coeff = 0.0;
   bool z_loss = false;
   double z_coeff = 0.0;
-  const void* router_w = nullptr;      // [E, h] rdt
-  const void* router_b = nullptr;      // [E] rdt
-  const float* expert_bias = nullptr;  // [E] fp32
-  const std::uint8_t* padding = nullptr;           // [T] device, 1 = padding (token order t = s * b + b_idx)
-  const std::uint8_t* recorded_map = nullptr;      // host [T, E]: the post-drop map a golden fixes (ties)
-  double* global_tokens = nullptr;                 // [E] device, global_aux_loss accumulator
-  double ga_steps = 0.0;                           // forwards since the accumulator's reset (incl. this)
+  const void* router_w = nullptr;              // [E, h] rdt
+  const void* router_b = nullptr;              // [E] rdt
+  const float* expert_bias = nullptr;          // [E] fp32
+  const std::uint8_t* padding = nullptr;       // [T] device, 1 = padding (token order t = s * b + b_idx)
+  const std::uint8_t* recorded_map = nullptr;  // host [T, E]: the post-drop map a golden fixes (ties)
+  double* global_tokens = nullptr;             // [E] device, global_aux_loss accumulator
+  double ga_steps = 0.0;                       // forwards since the accumulator's reset (incl. this)
 
   // ---- experts
   int ffn = 0;  // moe_ffn_hidden_size
@@ -66,35 +66,35 @@ struct MoEPlan {
   const void* shared_gate_w = nullptr;  // [1, h]
 
   // ---- activations (device), T = s * b tokens, N_max = T * E rows
-  void* x_r = nullptr;             // [T, h] rdt (cast_input)
-  void* logits = nullptr;          // [T, E] rdt
-  void* probs_pre = nullptr;       // [T, E] rdt (before the capacity drop)
-  std::uint8_t* map_pre = nullptr; // [T, E]
-  void* probs = nullptr;           // [T, E] rdt
-  std::uint8_t* routing_map = nullptr;  // [T, E]
-  float* aux_scores = nullptr;     // [T, E]
-  std::uint8_t* aux_map = nullptr; // [T, E]
-  float* z = nullptr;              // [T]
-  double* loss_scratch = nullptr;  // [2 * b * E]
-  float* losses = nullptr;         // [2]: load-balancing loss / coeff, z_loss / coeff
+  void* x_r = nullptr;                            // [T, h] rdt (cast_input)
+  void* logits = nullptr;                         // [T, E] rdt
+  void* probs_pre = nullptr;                      // [T, E] rdt (before the capacity drop)
+  std::uint8_t* map_pre = nullptr;                // [T, E]
+  void* probs = nullptr;                          // [T, E] rdt
+  std::uint8_t* routing_map = nullptr;            // [T, E]
+  float* aux_scores = nullptr;                    // [T, E]
+  std::uint8_t* aux_map = nullptr;                // [T, E]
+  float* z = nullptr;                             // [T]
+  double* loss_scratch = nullptr;                 // [2 * b * E]
+  float* losses = nullptr;                        // [2]: load-balancing loss / coeff, z_loss / coeff
   std::int64_t* tokens_per_expert_dev = nullptr;  // [E]
   std::int64_t* offsets = nullptr;                // [E + 1]
   std::int64_t* row_id_map = nullptr;             // [E, T]
-  void* permuted = nullptr;        // [N_max, h]
-  void* permuted_probs = nullptr;  // [N_max] rdt
-  void* fc1 = nullptr;             // [N_max, (glu ? 2 : 1) * ffn]
-  void* act_out = nullptr;         // [N_max, ffn]
-  void* expert_out = nullptr;      // [N_max, h]
-  void* combined = nullptr;        // [T, h]
-  void* shared_fc1 = nullptr;      // [T, (glu ? 2 : 1) * shared_ffn]
-  void* shared_act = nullptr;      // [T, shared_ffn]
-  void* shared_out = nullptr;      // [T, h]
-  void* gate_logits = nullptr;     // [T]
-  void* mlp_out = nullptr;         // [T, h]
+  void* permuted = nullptr;                       // [N_max, h]
+  void* permuted_probs = nullptr;                 // [N_max] rdt
+  void* fc1 = nullptr;                            // [N_max, (glu ? 2 : 1) * ffn]
+  void* act_out = nullptr;                        // [N_max, ffn]
+  void* expert_out = nullptr;                     // [N_max, h]
+  void* combined = nullptr;                       // [T, h]
+  void* shared_fc1 = nullptr;                     // [T, (glu ? 2 : 1) * shared_ffn]
+  void* shared_act = nullptr;                     // [T, shared_ffn]
+  void* shared_out = nullptr;                     // [T, h]
+  void* gate_logits = nullptr;                    // [T]
+  void* mlp_out = nullptr;                        // [T, h]
 
   // ---- host results of the forward
-  std::vector<std::int64_t> tokens_per_expert;   // [E]
-  std::vector<double>* local_tokens = nullptr;   // expert-bias counter (non-padding routed tokens), or null
+  std::vector<std::int64_t> tokens_per_expert;        // [E]
+  std::vector<double>* local_tokens = nullptr;        // expert-bias counter (non-padding routed tokens), or null
   std::vector<std::uint8_t>* padding_host = nullptr;  // [T] or null
 
   std::function<void(MoETapPoint)> on_tap;

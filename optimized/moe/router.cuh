@@ -80,7 +80,7 @@ __host__ __device__ inline void topk_select(const C* v, int n, int k, int* out) 
         continue;
       }
       const bool vi_nan = v[i] != v[i], vb_nan = v[best] != v[best];
-      if (vb_nan) continue;              // the earlier NaN stays
+      if (vb_nan) continue;                    // the earlier NaN stays
       if (vi_nan || v[i] > v[best]) best = i;  // strictly greater: ties keep the lower index
     }
     taken[best] = true;
@@ -93,9 +93,9 @@ __host__ __device__ inline void topk_select(const C* v, int n, int k, int* out) 
 // aux_scores [T, E] fp32 holding the values stored in their dtype, aux_map [T, E]; with z_loss:
 // z [T] = logsumexp(logits)^2 in fp32.
 template <class R>
-__global__ void router_topk_kernel(const R* logits, const float* expert_bias, const std::uint8_t* padding,
-                                   R* probs, std::uint8_t* routing_map, float* aux_scores, std::uint8_t* aux_map,
-                                   float* z, RouterArgs a) {
+__global__ void router_topk_kernel(const R* logits, const float* expert_bias, const std::uint8_t* padding, R* probs,
+                                   std::uint8_t* routing_map, float* aux_scores, std::uint8_t* aux_map, float* z,
+                                   RouterArgs a) {
   using C = RouterCompute<R>;
   const int E = a.experts, k = a.topk;
   for (std::int64_t t = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < a.tokens;
@@ -298,7 +298,7 @@ __host__ __device__ inline double round_loss(double x, int dt) {
 // One block. aux_scores [T, E] fp32, aux_map [T, E], z [T]. Out: out[0] = loss / coeff as logged
 // (in fp32), out_tokens [E] (or [b * E] for seq_aux_loss): the map's column counts.
 static __global__ void router_loss_kernel(const float* aux_scores, const std::uint8_t* aux_map, const float* z,
-                                   const std::uint8_t* padding, LossArgs a, double* column_scratch, float* out) {
+                                          const std::uint8_t* padding, LossArgs a, double* column_scratch, float* out) {
   const std::int64_t T = a.tokens;
   const int E = a.experts;
   if (a.kind == AuxLossKind::ZLoss) {
@@ -338,7 +338,8 @@ static __global__ void router_loss_kernel(const float* aux_scores, const std::ui
   const double total_tokens = a.with_padding_mask ? routed / topk_cols : static_cast<double>(rows);
   float s = 0.0f;
   for (int c = 0; c < cols; ++c) {
-    const double tokens = a.kind == AuxLossKind::GlobalAuxLoss ? a.global_tokens[c] / a.ga_steps : column_scratch[cols + c];
+    const double tokens =
+        a.kind == AuxLossKind::GlobalAuxLoss ? a.global_tokens[c] / a.ga_steps : column_scratch[cols + c];
     s += static_cast<float>(column_scratch[c] * tokens);
   }
   double loss = s * (E * a.coeff / (a.topk * total_tokens * total_tokens));
@@ -357,9 +358,9 @@ void dispatch_router_dtype(DType dt, const char* op, F&& f) {
 inline void router_topk_forward(DType rdt, const void* logits, const float* expert_bias, const std::uint8_t* padding,
                                 void* probs, std::uint8_t* routing_map, float* aux_scores, std::uint8_t* aux_map,
                                 float* z, const RouterArgs& a, cudaStream_t stream) {
-  require(a.experts > 0 && a.experts <= kRouterMaxExperts,
-          "router_topk_forward: num_moe_experts " + std::to_string(a.experts) + " outside [1, " +
-              std::to_string(kRouterMaxExperts) + "]");
+  require(a.experts > 0 && a.experts <= kRouterMaxExperts, "router_topk_forward: num_moe_experts " +
+                                                               std::to_string(a.experts) + " outside [1, " +
+                                                               std::to_string(kRouterMaxExperts) + "]");
   require(a.topk >= 1 && a.topk <= a.experts, "router_topk_forward: moe_router_topk " + std::to_string(a.topk) +
                                                   " outside [1, num_moe_experts " + std::to_string(a.experts) + "]");
   if (a.group_topk > 0)
@@ -376,8 +377,8 @@ inline void router_topk_forward(DType rdt, const void* logits, const float* expe
     using R = decltype(tag);
     const unsigned threads = elementwise_threads(a.tokens);
     launch_kernel(router_topk_kernel<R>, dim3(elementwise_blocks(a.tokens, threads)), dim3(threads), 0, stream,
-                  static_cast<const R*>(logits), expert_bias, padding, static_cast<R*>(probs), routing_map,
-                  aux_scores, aux_map, z, a);
+                  static_cast<const R*>(logits), expert_bias, padding, static_cast<R*>(probs), routing_map, aux_scores,
+                  aux_map, z, a);
   });
 }
 
@@ -424,7 +425,7 @@ inline void router_loss_forward(const float* aux_scores, const std::uint8_t* aux
 
 // fp64 gating: logits[t, e] = sum_i x[t, i] w[e, i] (+ bias[e]) in double, in index order.
 static __global__ void gating_fp64_kernel(const double* x, const double* w, const double* bias, double* logits,
-                                   std::int64_t T, int E, int h) {
+                                          std::int64_t T, int E, int h) {
   const std::int64_t n = T * E;
   for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += std::int64_t(gridDim.x) * blockDim.x) {

@@ -39,8 +39,8 @@ struct PermuteIndex {
 // One block. routing_map [T, E] (0/1). Out: tokens_per_expert [E], expert_offsets [E + 1]
 // (exclusive prefix sum; offsets[E] = N rows), row_id_map [E, T].
 static __global__ void build_row_id_map_kernel(const std::uint8_t* routing_map, std::int64_t T, int E,
-                                        std::int64_t* tokens_per_expert, std::int64_t* expert_offsets,
-                                        std::int64_t* row_id_map) {
+                                               std::int64_t* tokens_per_expert, std::int64_t* expert_offsets,
+                                               std::int64_t* row_id_map) {
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     std::int64_t n = 0;
     for (std::int64_t t = 0; t < T; ++t) n += routing_map[PermuteIndex::element(t, E, e)];
@@ -90,7 +90,8 @@ __global__ void unpermute_kernel(const T* permuted, const std::int64_t* row_id_m
       float acc = 0.0f;
       for (int e = 0; e < E; ++e) {
         const std::int64_t row = row_id_map[PermuteIndex::map_slot(e, t, num_tokens)];
-        if (row >= 0) acc = round_to<T>(acc + Io<T>::load(permuted[PermuteIndex::element(row, hidden, c)]));  // rounds: T
+        if (row >= 0)
+          acc = round_to<T>(acc + Io<T>::load(permuted[PermuteIndex::element(row, hidden, c)]));  // rounds: T
       }
       out[PermuteIndex::element(t, hidden, c)] = Io<T>::store(acc);
     }
@@ -134,8 +135,8 @@ inline void permute_forward(DType dt, DType rdt, const void* tokens, const std::
   });
 }
 
-inline void unpermute_forward(DType dt, const void* permuted, const std::int64_t* row_id_map, void* out,
-                              std::int64_t T, int E, std::int64_t hidden, cudaStream_t stream) {
+inline void unpermute_forward(DType dt, const void* permuted, const std::int64_t* row_id_map, void* out, std::int64_t T,
+                              int E, std::int64_t hidden, cudaStream_t stream) {
   require(hidden > 0 && E > 0 && T >= 0, "unpermute_forward: bad shape");
   require(permuted != out, "unpermute_forward: in and out alias");
   if (T == 0) return;
