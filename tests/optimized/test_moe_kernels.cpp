@@ -115,12 +115,13 @@ TEST(MoEKernels, FusedRouterEqualsReferenceSteps) {
     const std::size_t n = std::size_t(c.T * c.E);
     rt::DeviceBuffer d_logits = twin::test::to_device(logits);
     rt::DeviceBuffer d_bias = twin::test::to_device(Tensor::from_doubles(DType::F32, {c.E}, eb));
-    rt::DeviceBuffer d_pad = twin::test::to_device(Tensor::from_vector<bool>({c.T}, std::vector<bool>(pad.begin(), pad.end())));
+    rt::DeviceBuffer d_pad =
+        twin::test::to_device(Tensor::from_vector<bool>({c.T}, std::vector<bool>(pad.begin(), pad.end())));
     rt::DeviceBuffer d_probs(sim(), n * dtype_size(c.dt)), d_map(sim(), n), d_aux(sim(), n * 4), d_aux_map(sim(), n),
         d_z(sim(), std::size_t(c.T) * 4);
-    k::router_topk_forward(c.dt, d_logits.get(), c.expert_bias ? d_bias.as<float>() : nullptr,
-                           d_pad.as<std::uint8_t>(), d_probs.get(), d_map.as<std::uint8_t>(), d_aux.as<float>(),
-                           d_aux_map.as<std::uint8_t>(), d_z.as<float>(), a, nullptr);
+    k::router_topk_forward(c.dt, d_logits.get(), c.expert_bias ? d_bias.as<float>() : nullptr, d_pad.as<std::uint8_t>(),
+                           d_probs.get(), d_map.as<std::uint8_t>(), d_aux.as<float>(), d_aux_map.as<std::uint8_t>(),
+                           d_z.as<float>(), a, nullptr);
     const Tensor probs = twin::test::from_device(d_probs, c.dt, {c.T, c.E});
     const Tensor map = twin::test::from_device(d_map, DType::BOOL, {c.T, c.E});
     const Tensor aux = twin::test::from_device(d_aux, DType::F32, {c.T, c.E});
@@ -151,14 +152,14 @@ TEST(MoEKernels, FusedRouterEqualsReferenceSteps) {
     const double scale = c.scaling != 0.0 ? c.scaling : 1.0;
     const Tolerance tol = parity::op_bound(c.dt, stores, c.E, scale);
     for (std::int64_t i = 0; i < c.T * c.E; ++i) {
-      ASSERT_EQ(map.at_f64(i) != 0.0, r.routing_map.data()[i]) << "routing_map at token " << i / c.E << " expert "
-                                                                << i % c.E;
+      ASSERT_EQ(map.at_f64(i) != 0.0, r.routing_map.data()[i])
+          << "routing_map at token " << i / c.E << " expert " << i % c.E;
       ASSERT_LE(std::abs(probs.at_f64(i) - r.probs.data()[i]), tol.atol + tol.rtol * std::abs(r.probs.data()[i]))
           << "probs at " << i << ": " << tol.reason;
       ASSERT_EQ(aux_map.at_f64(i) != 0.0, ax.routing_map.data()[i]) << "aux routing_map at " << i;
       // The aux scores: fp32 softmax (stored in fp32) or the normalised sigmoid (four stores in dt).
-      const Tolerance at = c.score == "softmax" ? parity::op_bound(DType::F32, 3, c.E, 1.0)
-                                                : parity::op_bound(c.dt, 4, c.E, 1.0);
+      const Tolerance at =
+          c.score == "softmax" ? parity::op_bound(DType::F32, 3, c.E, 1.0) : parity::op_bound(c.dt, 4, c.E, 1.0);
       ASSERT_LE(std::abs(aux.at_f64(i) - ax.scores.data()[i]), at.atol + at.rtol * std::abs(ax.scores.data()[i]))
           << "aux scores at " << i << ": " << at.reason;
     }
@@ -189,7 +190,8 @@ TEST(MoEKernels, CapacityDropEqualsReference) {
     std::vector<double> pv(r.probs.data(), r.probs.data() + r.probs.size());
     std::vector<std::uint8_t> mv(r.routing_map.data(), r.routing_map.data() + r.routing_map.size());
     rt::DeviceBuffer d_probs = twin::test::to_device(Tensor::from_doubles(c.dt, {c.T, c.E}, pv));
-    rt::DeviceBuffer d_map = twin::test::to_device(Tensor::from_vector<bool>({c.T, c.E}, std::vector<bool>(mv.begin(), mv.end())));
+    rt::DeviceBuffer d_map =
+        twin::test::to_device(Tensor::from_vector<bool>({c.T, c.E}, std::vector<bool>(mv.begin(), mv.end())));
     const std::size_t n = std::size_t(c.T * c.E);
     rt::DeviceBuffer o_probs(sim(), n * dtype_size(c.dt)), o_map(sim(), n);
     k::router_capacity_forward(c.dt, d_probs.get(), d_map.as<std::uint8_t>(), o_probs.get(), o_map.as<std::uint8_t>(),
@@ -197,7 +199,8 @@ TEST(MoEKernels, CapacityDropEqualsReference) {
     const Tensor probs = twin::test::from_device(o_probs, c.dt, {c.T, c.E});
     const Tensor map = twin::test::from_device(o_map, DType::BOOL, {c.T, c.E});
     for (std::int64_t i = 0; i < c.T * c.E; ++i) {
-      ASSERT_EQ(map.at_f64(i) != 0.0, want.routing_map.data()[i]) << "map at token " << i / c.E << " expert " << i % c.E;
+      ASSERT_EQ(map.at_f64(i) != 0.0, want.routing_map.data()[i])
+          << "map at token " << i / c.E << " expert " << i % c.E;
       ASSERT_EQ(probs.at_f64(i), want.probs.data()[i]) << "probs at " << i;
     }
   }
@@ -209,8 +212,8 @@ TEST(MoEKernels, PermuteUnpermuteEqualReference) {
   for (std::uint64_t seed = 1; seed <= 100; ++seed) {
     RouterCase c = random_case(seed);
     const std::int64_t H = 1 + std::int64_t(seed % 37);
-    const std::string id = fmt::format("permute(dtype={},E={},k={},T={},H={},seed={})", twin::test::dt_name(c.dt),
-                                       c.E, c.topk, c.T, H, seed);
+    const std::string id = fmt::format("permute(dtype={},E={},k={},T={},H={},seed={})", twin::test::dt_name(c.dt), c.E,
+                                       c.topk, c.T, H, seed);
     if (!twin::test::selected(id)) continue;
     SCOPED_TRACE(id);
     const Tensor logits = twin::test::random_tensor(DType::F32, {c.T, c.E}, -3.0, 3.0, seed);
@@ -223,7 +226,8 @@ TEST(MoEKernels, PermuteUnpermuteEqualReference) {
     const Tensor probs = twin::test::random_tensor(DType::F32, {c.T, c.E}, 0.0, 1.0, seed + 2);
 
     std::vector<std::uint8_t> mv(rmap.data(), rmap.data() + rmap.size());
-    rt::DeviceBuffer d_map = twin::test::to_device(Tensor::from_vector<bool>({c.T, c.E}, std::vector<bool>(mv.begin(), mv.end())));
+    rt::DeviceBuffer d_map =
+        twin::test::to_device(Tensor::from_vector<bool>({c.T, c.E}, std::vector<bool>(mv.begin(), mv.end())));
     rt::DeviceBuffer d_tpe(sim(), c.E * 8), d_off(sim(), (c.E + 1) * 8), d_rows(sim(), c.T * c.E * 8);
     k::build_row_id_map(d_map.as<std::uint8_t>(), c.T, c.E, d_tpe.as<std::int64_t>(), d_off.as<std::int64_t>(),
                         d_rows.as<std::int64_t>(), nullptr);
@@ -236,7 +240,8 @@ TEST(MoEKernels, PermuteUnpermuteEqualReference) {
     }
     rt::DeviceBuffer d_tok = twin::test::to_device(tokens), d_probs = twin::test::to_device(probs);
     rt::DeviceBuffer d_perm(sim(), std::size_t(std::max<std::int64_t>(N, 1) * H) * dtype_size(c.dt)),
-        d_pp(sim(), std::size_t(std::max<std::int64_t>(N, 1)) * 4), d_out(sim(), std::size_t(c.T * H) * dtype_size(c.dt));
+        d_pp(sim(), std::size_t(std::max<std::int64_t>(N, 1)) * 4),
+        d_out(sim(), std::size_t(c.T * H) * dtype_size(c.dt));
     k::permute_forward(c.dt, DType::F32, d_tok.get(), d_rows.as<std::int64_t>(), d_probs.get(), d_perm.get(),
                        d_pp.get(), c.T, c.E, H, nullptr);
     const Tensor perm = twin::test::from_device(d_perm, c.dt, {N, H});
@@ -253,7 +258,8 @@ TEST(MoEKernels, PermuteUnpermuteEqualReference) {
     rt::DeviceBuffer d_eo = twin::test::to_device(expert_out);
     k::unpermute_forward(c.dt, d_eo.get(), d_rows.as<std::int64_t>(), d_out.get(), c.T, c.E, H, nullptr);
     const Tensor out = twin::test::from_device(d_out, c.dt, {c.T, H});
-    const ref::Mat back = ref::unpermute(to_mat(expert_out, N, H), want.sorted_indices, c.T, c.dt, ref::Rounding{false});
+    const ref::Mat back =
+        ref::unpermute(to_mat(expert_out, N, H), want.sorted_indices, c.T, c.dt, ref::Rounding{false});
     for (std::int64_t i = 0; i < c.T * H; ++i) ASSERT_EQ(out.at_f64(i), back.data()[i]) << "unpermuted at " << i;
   }
 }
@@ -277,6 +283,7 @@ TEST(MoEKernels, PermuteIndexArithmeticPast2Pow31) {
   EXPECT_EQ(PI::row(offsets, 1, 12345), two31 + 5 + 12345);
   EXPECT_EQ((__int128)PI::element(PI::row(offsets, 1, 12345), H, 3), ((__int128)two31 + 5 + 12345) * H + 3);
   // A 32-bit computation of the same element would have wrapped: the test can tell them apart.
-  const std::int32_t wrapped = static_cast<std::int32_t>(static_cast<std::uint32_t>(N - 1) * static_cast<std::uint32_t>(H));
+  const std::int32_t wrapped =
+      static_cast<std::int32_t>(static_cast<std::uint32_t>(N - 1) * static_cast<std::uint32_t>(H));
   EXPECT_NE((__int128)wrapped, (__int128)(N - 1) * H);
 }
