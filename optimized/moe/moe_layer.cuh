@@ -68,7 +68,12 @@ inline void moe_download(void* host, const void* dev, std::size_t bytes, cudaStr
   d.synchronize(st);
 }
 
-inline void moe_mlp_forward_impl(MoEPlan& p, cudaStream_t st) {
+// MoETransformerLayer's router phase (_forward_mlp_router): attention, pre_mlp_layernorm, shared
+// experts, router, and the dispatch preprocess (the row-id map and the permute). No host
+// synchronisation unless a recorded map is checked or the expert-bias counter is updated eagerly
+// (p.capturing: the host updates the counter after the graph's replay), so it can be captured.
+inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
+  attention_forward_impl(p.attn, st);
   const RankPlan& a = p.attn;
   const DType dt = a.dt, rdt = p.rdt;
   const std::int64_t T = std::int64_t(a.s) * a.b, h = a.h;
@@ -147,6 +152,7 @@ inline void moe_mlp_forward_impl(MoEPlan& p, cudaStream_t st) {
     router_capacity_forward(rdt, p.probs_pre, p.map_pre, p.probs, p.routing_map, T, E, capacity,
                             p.drop_by_probs ? "probs" : "position", p.pad_to_capacity, st);
     if (p.recorded_map) {
+      if (p.capturing) throw std::invalid_argument("a recorded routing map is checked on the host: not in a graph");
       // A golden's post-drop map (torch.topk's order among ties): a valid outcome keeps each
       // expert's count and, unless padding, only pairs the top-k chose; then it is the map.
       std::vector<std::uint8_t> pre(std::size_t(T * E)), post(std::size_t(T * E));
@@ -192,7 +198,7 @@ inline void moe_mlp_forward_impl(MoEPlan& p, cudaStream_t st) {
   rounding_store(DType::F32);
   rounding_store(
       rdt, 1 + (p.score == int(ScoreFunction::Sigmoid) && p.topk > 1 ? 3 : 0) + (p.scaling_factor != 0.0f ? 1 : 0));
-  if (p.local_tokens) {  // _apply_expert_bias: count the routed non-padding tokens per expert
+  if (p.local_tokens && !p.capturing) {  // _apply_expert_bias: count the routed non-padding tokens per expert
     std::vector<std::uint8_t> map(std::size_t(T * E));
     moe_download(map.data(), p.routing_map, map.size(), st);
     for (std::int64_t t = 0; t < T; ++t) {
@@ -205,11 +211,23 @@ inline void moe_mlp_forward_impl(MoEPlan& p, cudaStream_t st) {
 
   // ---- dispatch: the row-id map, built once; permute tokens and probabilities   // [N, h]
   build_row_id_map(p.routing_map, T, E, p.tokens_per_expert_dev, p.offsets, p.row_id_map, st);
+  permute_forward(dt, rdt, x, p.row_id_map, p.probs, p.permuted, p.permuted_probs, T, E, h, st);
+}
+
+// The expert-compute phase (_forward_mlp_expert_compute): the group sizes to the host (the one
+// synchronisation: shapes depend on the routing, so this phase stays eager), the grouped experts.
+inline void moe_expert_compute_impl(MoEPlan& p, cudaStream_t st) {
+  const RankPlan& a = p.attn;
+  const DType dt = a.dt, rdt = p.rdt;
+  const std::int64_t h = a.h;
+  const int E = p.E;
+  auto tap = [&](MoETapPoint t) {
+    if (p.on_tap) p.on_tap(t);
+  };
   p.tokens_per_expert.assign(std::size_t(E), 0);
   moe_download(p.tokens_per_expert.data(), p.tokens_per_expert_dev, std::size_t(E) * sizeof(std::int64_t), st);
   std::int64_t N = 0;
   for (auto n : p.tokens_per_expert) N += n;
-  permute_forward(dt, rdt, x, p.row_id_map, p.probs, p.permuted, p.permuted_probs, T, E, h, st);
   tap(MoETapPoint::ExpertInputs);
 
   // ---- experts: grouped fc1, fused bias + activation + probability, grouped fc2
@@ -221,6 +239,18 @@ inline void moe_mlp_forward_impl(MoEPlan& p, cudaStream_t st) {
   if (p.fc2_b)
     grouped_scaled_bias_add_forward(dt, rdt, p.expert_out, p.fc2_b, p.permuted_probs, p.offsets, E, N, int(h), st);
   tap(MoETapPoint::ExpertsOutput);
+}
+
+// The postprocess phase (_forward_mlp_postprocess): combine, shared experts, mlp_bda. Fixed
+// shapes (the row-id map is [E, T]): captured as a graph like the router phase.
+inline void moe_postprocess_impl(MoEPlan& p, cudaStream_t st) {
+  const RankPlan& a = p.attn;
+  const DType dt = a.dt;
+  const std::int64_t T = std::int64_t(a.s) * a.b, h = a.h;
+  const int E = p.E;
+  auto tap = [&](MoETapPoint t) {
+    if (p.on_tap) p.on_tap(t);
+  };
 
   // ---- combine: unpermute, + shared experts                        // [T, h]
   unpermute_forward(dt, p.expert_out, p.row_id_map, p.shared_ffn > 0 ? p.combined : p.mlp_out, T, E, h, st);
@@ -235,8 +265,9 @@ inline void moe_mlp_forward_impl(MoEPlan& p, cudaStream_t st) {
 }
 
 inline void moe_rank_forward_impl(MoEPlan& p, cudaStream_t st) {
-  attention_forward_impl(p.attn, st);
-  moe_mlp_forward_impl(p, st);
+  moe_router_phase_impl(p, st);
+  moe_expert_compute_impl(p, st);
+  moe_postprocess_impl(p, st);
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

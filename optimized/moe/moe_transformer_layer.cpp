@@ -25,6 +25,11 @@ std::string expert_key(int e, const std::string& rest) {
   return "mlp.experts.local_experts." + std::to_string(e) + "." + rest;
 }
 
+std::string fmt_key(int s, int b, int rot, std::size_t mask_bytes, bool padding) {
+  return std::to_string(s) + "," + std::to_string(b) + "," + std::to_string(rot) + "," + std::to_string(mask_bytes) +
+         "," + (padding ? "p" : "-");
+}
+
 }  // namespace
 
 std::string moe_layer_unsupported(const TransformerConfig& c, const LayerOptions& o) {
@@ -90,6 +95,12 @@ struct MoETransformerLayer::Impl {
   double ga_steps = 0;
   std::vector<double> local_tokens;  // expert-bias counter
   bool has_expert_bias = false;
+  // Buffers of the current shape, the inputs' device copies and the phases' graphs.
+  std::string shape_key;
+  rt::DeviceBuffer x_in, freqs, mask, pad;
+  std::optional<rt::Graph> router_graph, postprocess_graph;
+  int graph_aux_kind = -2;
+  bool graph_z_loss = false;
 
   const void* upload(const Tensor& t) {
     weights.emplace_back(*dev, std::max<std::size_t>(t.nbytes(), 1));
@@ -298,7 +309,8 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
                      shape_str(hidden_states.shape()));
   if (hidden_states.dtype() != m.dt)
     throw ShapeError("optimized MoE layer: hidden_states dtype differs from the params dtype");
-  if (fo.use_graph) throw std::invalid_argument("optimized MoE layer: graph replay is not implemented");
+  if (fo.use_graph && (fo.record_taps || in.recorded_routing_map))
+    throw std::invalid_argument("optimized MoE layer: graph replay runs without taps and without a recorded map");
   const int s = static_cast<int>(hidden_states.size(0)), b = static_cast<int>(hidden_states.size(1));
   if (s <= 0 || b <= 0) throw ShapeError("optimized MoE layer: empty hidden_states");
   const std::int64_t T = std::int64_t(s) * b, H = m.h, E = m.E;
@@ -341,87 +353,91 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
     for (std::int64_t i = 0; i < T * E; ++i) recorded[std::size_t(i)] = in.recorded_routing_map->at_f64(i) != 0.0;
   }
 
-  // ---- buffers for this call
+  // ---- buffers: (re)allocated when the shape changes; graphs are recorded against them
   MoEPlan& P = m.plan;
   RankPlan& p = P.attn;
   const std::size_t es = dtype_size(m.dt), rs = dtype_size(m.rdt);
-  m.acts.clear();
-  m.acts.reserve(48);
-  auto buf = [&](std::size_t bytes) {
-    m.acts.emplace_back(*m.dev, std::max<std::size_t>(bytes, 1));
-    return m.acts.back().get();
-  };
-  p.s = s;
-  p.b = b;
   const std::size_t tok = std::size_t(T);
-  void* x_dev = buf(tok * H * es);
-  m.acts.back().upload(hidden_states.raw(), hidden_states.nbytes());
-  p.x = x_dev;
-  p.ln1 = p.ln1_full = buf(tok * H * es);
-  p.qkv = buf(tok * p.qkv_width() * es);
-  p.ctx = buf(tok * p.np_local() * m.hn * es);
-  p.proj = buf(tok * H * es);
-  p.h1 = buf(tok * H * es);
-  p.ln2 = p.ln2_full = buf(tok * H * es);
-  p.out = buf(tok * H * es);
-  void* freqs = nullptr;
-  if (rot) {
-    freqs = buf(in.rotary_pos_emb->nbytes());
-    m.acts.back().upload(in.rotary_pos_emb->raw(), in.rotary_pos_emb->nbytes());
+  const std::string key = fmt_key(s, b, rot, in.attention_mask ? in.attention_mask->nbytes() : 0, !padding.empty());
+  if (key != m.shape_key) {
+    m.shape_key = key;
+    m.router_graph.reset();
+    m.postprocess_graph.reset();
+    m.acts.clear();
+    m.acts.reserve(48);
+    auto buf = [&](std::size_t bytes) {
+      m.acts.emplace_back(*m.dev, std::max<std::size_t>(bytes, 1));
+      return m.acts.back().get();
+    };
+    p.s = s;
+    p.b = b;
+    m.x_in = rt::DeviceBuffer(*m.dev, tok * H * es);
+    p.x = m.x_in.get();
+    p.ln1 = p.ln1_full = buf(tok * H * es);
+    p.qkv = buf(tok * p.qkv_width() * es);
+    p.ctx = buf(tok * p.np_local() * m.hn * es);
+    p.proj = buf(tok * H * es);
+    p.h1 = buf(tok * H * es);
+    p.ln2 = p.ln2_full = buf(tok * H * es);
+    p.out = buf(tok * H * es);
+    m.freqs = rot ? rt::DeviceBuffer(*m.dev, in.rotary_pos_emb->nbytes()) : rt::DeviceBuffer();
+    m.mask = in.attention_mask ? rt::DeviceBuffer(*m.dev, in.attention_mask->nbytes()) : rt::DeviceBuffer();
+    m.pad = padding.empty() ? rt::DeviceBuffer() : rt::DeviceBuffer(*m.dev, tok);
+    const std::size_t nmax = tok * std::size_t(E), w1 = std::size_t((P.glu ? 2 : 1) * m.ffn);
+    P.x_r = P.cast_input || m.rdt == DType::F64 ? buf(tok * H * rs) : nullptr;
+    P.logits = buf(tok * E * rs);
+    P.probs_pre = buf(tok * E * rs);
+    P.map_pre = static_cast<std::uint8_t*>(buf(tok * E));
+    P.probs = buf(tok * E * rs);
+    P.routing_map = static_cast<std::uint8_t*>(buf(tok * E));
+    P.aux_scores = static_cast<float*>(buf(tok * E * sizeof(float)));
+    P.aux_map = static_cast<std::uint8_t*>(buf(tok * E));
+    P.z = static_cast<float*>(buf(tok * sizeof(float)));
+    P.loss_scratch = static_cast<double*>(buf(2 * std::size_t(b) * E * sizeof(double)));
+    P.losses = static_cast<float*>(buf(2 * sizeof(float)));
+    P.tokens_per_expert_dev = static_cast<std::int64_t*>(buf(E * sizeof(std::int64_t)));
+    P.offsets = static_cast<std::int64_t*>(buf((E + 1) * sizeof(std::int64_t)));
+    P.row_id_map = static_cast<std::int64_t*>(buf(nmax * sizeof(std::int64_t)));
+    P.permuted = buf(nmax * H * es);
+    P.permuted_probs = buf(nmax * rs);
+    P.fc1 = buf(nmax * w1 * es);
+    P.act_out = buf(nmax * m.ffn * es);
+    P.expert_out = buf(nmax * H * es);
+    P.combined = buf(tok * H * es);
+    P.mlp_out = buf(tok * H * es);
+    if (m.shared_ffn > 0) {
+      P.shared_fc1 = buf(tok * (P.glu ? 2 : 1) * m.shared_ffn * es);
+      P.shared_act = buf(tok * m.shared_ffn * es);
+      P.shared_out = buf(tok * H * es);
+      P.gate_logits = buf(tok * es);
+    }
   }
-  void* mask = nullptr;
-  if (in.attention_mask) {
-    mask = buf(in.attention_mask->nbytes());
-    m.acts.back().upload(in.attention_mask->raw(), in.attention_mask->nbytes());
+  m.x_in.upload(hidden_states.raw(), hidden_states.nbytes());
+  if (rot) m.freqs.upload(in.rotary_pos_emb->raw(), in.rotary_pos_emb->nbytes());
+  if (in.attention_mask) m.mask.upload(in.attention_mask->raw(), in.attention_mask->nbytes());
+  if (!padding.empty()) m.pad.upload(padding.data(), tok);
+  const int mask_mode = in.attention_mask                                ? static_cast<int>(sim::MaskMode::Explicit)
+                        : (options_.attn_mask_type == "causal" && s > 1) ? static_cast<int>(sim::MaskMode::Causal)
+                                                                         : static_cast<int>(sim::MaskMode::None);
+  // graphs bake these values in: a change re-records
+  if (p.training != fo.training || p.seed != fo.seed || p.offset_attention != fo.offset || p.mask_mode != mask_mode ||
+      p.mask_b != mask_b || p.mask_h != mask_h) {
+    m.router_graph.reset();
+    m.postprocess_graph.reset();
   }
   p.training = fo.training;
   p.seed = fo.seed;
   p.offset_attention = fo.offset;
   p.offset_self_attn_bda = fo.offset + 1;
   p.offset_mlp_bda = fo.offset + 4;
-  p.mask_mode = in.attention_mask                                ? static_cast<int>(sim::MaskMode::Explicit)
-                : (options_.attn_mask_type == "causal" && s > 1) ? static_cast<int>(sim::MaskMode::Causal)
-                                                                 : static_cast<int>(sim::MaskMode::None);
+  p.mask_mode = mask_mode;
   p.mask_b = mask_b;
   p.mask_h = mask_h;
-  p.mask = static_cast<const std::uint8_t*>(mask);
+  p.mask = in.attention_mask ? m.mask.as<const std::uint8_t>() : nullptr;
   p.rot_dim = rot;
   p.rope_interleaved = c.rotary_interleaved;
-  p.freqs = static_cast<const float*>(freqs);
-
-  const std::size_t nmax = tok * std::size_t(E), w1 = std::size_t((P.glu ? 2 : 1) * m.ffn);
-  P.x_r = P.cast_input || m.rdt == DType::F64 ? buf(tok * H * rs) : nullptr;
-  P.logits = buf(tok * E * rs);
-  P.probs_pre = buf(tok * E * rs);
-  P.map_pre = static_cast<std::uint8_t*>(buf(tok * E));
-  P.probs = buf(tok * E * rs);
-  P.routing_map = static_cast<std::uint8_t*>(buf(tok * E));
-  P.aux_scores = static_cast<float*>(buf(tok * E * sizeof(float)));
-  P.aux_map = static_cast<std::uint8_t*>(buf(tok * E));
-  P.z = static_cast<float*>(buf(tok * sizeof(float)));
-  P.loss_scratch = static_cast<double*>(buf(2 * std::size_t(b) * E * sizeof(double)));
-  P.losses = static_cast<float*>(buf(2 * sizeof(float)));
-  P.tokens_per_expert_dev = static_cast<std::int64_t*>(buf(E * sizeof(std::int64_t)));
-  P.offsets = static_cast<std::int64_t*>(buf((E + 1) * sizeof(std::int64_t)));
-  P.row_id_map = static_cast<std::int64_t*>(buf(nmax * sizeof(std::int64_t)));
-  P.permuted = buf(nmax * H * es);
-  P.permuted_probs = buf(nmax * rs);
-  P.fc1 = buf(nmax * w1 * es);
-  P.act_out = buf(nmax * m.ffn * es);
-  P.expert_out = buf(nmax * H * es);
-  P.combined = buf(tok * H * es);
-  P.mlp_out = buf(tok * H * es);
-  if (m.shared_ffn > 0) {
-    P.shared_fc1 = buf(tok * (P.glu ? 2 : 1) * m.shared_ffn * es);
-    P.shared_act = buf(tok * m.shared_ffn * es);
-    P.shared_out = buf(tok * H * es);
-    P.gate_logits = buf(tok * es);
-  }
-  P.padding = nullptr;
-  if (!padding.empty()) {
-    P.padding = static_cast<const std::uint8_t*>(buf(tok));
-    m.acts.back().upload(padding.data(), tok);
-  }
+  p.freqs = rot ? m.freqs.as<const float>() : nullptr;
+  P.padding = padding.empty() ? nullptr : m.pad.as<const std::uint8_t>();
   P.padding_host = padding.empty() ? nullptr : &padding;
   P.recorded_map = recorded.empty() ? nullptr : recorded.data();
   // The losses: only while training, as Megatron's router.
@@ -434,6 +450,11 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
                                       : static_cast<int>(sim::AuxLossKind::GlobalAuxLoss);
   P.aux_coeff = c.moe_aux_loss_coeff;
   if (P.aux_kind == static_cast<int>(sim::AuxLossKind::GlobalAuxLoss)) m.ga_steps += 1;
+  if (P.ga_steps != m.ga_steps || P.aux_kind != m.graph_aux_kind || P.z_loss != m.graph_z_loss) {
+    m.router_graph.reset();  // the loss kernel's arguments are baked into the graph
+    m.graph_aux_kind = P.aux_kind;
+    m.graph_z_loss = P.z_loss;
+  }
   P.ga_steps = m.ga_steps;
   P.z_loss = fo.training && c.moe_z_loss_coeff.has_value();
   P.z_coeff = c.moe_z_loss_coeff.value_or(0.0);
@@ -585,12 +606,40 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
     P.on_tap = nullptr;
   }
 
+  const bool gpu = options_.backend == rt::Backend::Cuda;
+  using Phase = void (*)(MoEPlan&, cudaStream_t);
+  auto phase = [&](Phase sim_fn, Phase cuda_fn, std::optional<rt::Graph>* graph) {
+    Phase fn = gpu ? cuda_fn : sim_fn;
+    if (!graph || !fo.use_graph) return fn(P, st);
+    if (!*graph) {
+      P.capturing = true;
+      m.stream->begin_capture();
+      fn(P, st);
+      graph->emplace(m.stream->end_capture());
+      P.capturing = false;
+    }
+    (*graph)->launch(*m.stream);
+  };
 #if TWIN_HAVE_CUDA
-  if (options_.backend == rt::Backend::Cuda)
-    cuda::moe_rank_forward(P, st);
-  else
+  phase(sim::moe_router_phase, cuda::moe_router_phase, &m.router_graph);
+#else
+  phase(sim::moe_router_phase, sim::moe_router_phase, &m.router_graph);
 #endif
-    sim::moe_rank_forward(P, st);
+  if (fo.use_graph && P.local_tokens) {  // the expert-bias counter, kept out of the graph
+    m.stream->synchronize();
+    const Tensor map = download(P.routing_map, DType::BOOL, {T, E});
+    for (std::int64_t t = 0; t < T; ++t) {
+      if (!padding.empty() && padding[std::size_t(t)]) continue;
+      for (std::int64_t e = 0; e < E; ++e) m.local_tokens[std::size_t(e)] += map.at_f64(t * E + e);
+    }
+  }
+#if TWIN_HAVE_CUDA
+  phase(sim::moe_expert_compute, cuda::moe_expert_compute, nullptr);
+  phase(sim::moe_postprocess, cuda::moe_postprocess, &m.postprocess_graph);
+#else
+  phase(sim::moe_expert_compute, sim::moe_expert_compute, nullptr);
+  phase(sim::moe_postprocess, sim::moe_postprocess, &m.postprocess_graph);
+#endif
   m.stream->synchronize();
   result.hidden_states = download(p.out, m.dt, {S, B, H});
   p.on_tap = nullptr;

@@ -98,15 +98,24 @@ struct MoEPlan {
   std::vector<std::uint8_t>* padding_host = nullptr;  // [T] or null
 
   std::function<void(MoETapPoint)> on_tap;
+  bool capturing = false;  // the phase is being captured into a graph: no host synchronisation
 };
 
+// The three phases of MoETransformerLayer's MLP (the router phase includes the attention half);
+// moe_rank_forward is exactly their composition.
 namespace sim {
 void moe_rank_forward(MoEPlan& p, cudaStream_t stream);
-}
+void moe_router_phase(MoEPlan& p, cudaStream_t stream);
+void moe_expert_compute(MoEPlan& p, cudaStream_t stream);
+void moe_postprocess(MoEPlan& p, cudaStream_t stream);
+}  // namespace sim
 #if TWIN_HAVE_CUDA
 namespace cuda {
 void moe_rank_forward(MoEPlan& p, cudaStream_t stream);
-}
+void moe_router_phase(MoEPlan& p, cudaStream_t stream);
+void moe_expert_compute(MoEPlan& p, cudaStream_t stream);
+void moe_postprocess(MoEPlan& p, cudaStream_t stream);
+}  // namespace cuda
 #endif
 
 }  // namespace twin::opt
