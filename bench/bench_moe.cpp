@@ -107,8 +107,7 @@ void BM_MoEGroupedGemm(benchmark::State& state) {
     k::grouped_linear_forward(rt::Backend::Sim, kDt, x.get(), w.get(), y.get(), r.tokens_per_expert, kH, kFfn, nullptr);
     dev().synchronize();
   }
-  state.counters["FLOP/s"] =
-      benchmark::Counter(2.0 * r.N * kH * kFfn, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["FLOP/s"] = benchmark::Counter(2.0 * r.N * kH * kFfn, benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel("N=512 rows, 8 groups, h=256 -> 512 bf16");
 }
 
