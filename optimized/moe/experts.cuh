@@ -7,8 +7,9 @@
  * the row (Megatron's per_token_scale: the probability multiplies the activation, stored in T);
  * then ONE grouped GEMM for linear_fc2 and, with biases, one pass adding bias * probability.
  * Group sizes are host values (tokens per expert downloaded after routing), as Megatron's grouped
- * MLP syncs them: the GEMM interface runs cuBLAS's grouped GEMM on the GPU (gemm_cublaslt.cpp,
- * which validates every group first) and the simulator's GEMM per group. Each row's expert is
+ * MLP syncs them: the GEMM interface's run_grouped validates every group first, then runs the
+ * simulator's GEMM per group, or on the GPU one cuBLASLt matmul per group (gemm_cublaslt.cpp; a
+ * single cublasGemmGroupedBatchedEx call is not wired in yet). Each row's expert is
  * found from the expert offsets (a few experts: a linear scan). The rounding points are those of
  * the reference's MLP (bias add, activation, GLU product, scale, each stored in T). */
 #pragma once
