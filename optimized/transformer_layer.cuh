@@ -76,7 +76,9 @@ inline void row_parallel_linear_forward(const RankPlan& p, const void* x, const 
     p.comm->all_reduce(partial, y, std::size_t(n_full) * p.h, p.dt, st);
 }
 
-inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
+// The attention half of the layer, through pre_mlp_layernorm (and its SP all-gather): the part
+// the dense layer and the MoE layer share.
+inline void attention_forward_impl(const RankPlan& p, cudaStream_t st) {
   const DType dt = p.dt;
   const std::int64_t n_local = std::int64_t(p.s_local()) * p.b, n_full = std::int64_t(p.s) * p.b;
   const std::size_t esz = dtype_size(dt);
@@ -156,7 +158,16 @@ inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
                st);
   tap(TapPoint::PreMlpLayernorm);
   if (p.sp) p.comm->all_gather(p.ln2, p.ln2_full, std::size_t(n_local) * p.h, dt, st);
+}
 
+// The dense MLP half: linear_fc1, activation, linear_fc2, mlp_bda.
+inline void dense_mlp_forward_impl(const RankPlan& p, cudaStream_t st) {
+  const DType dt = p.dt;
+  const std::int64_t n_local = std::int64_t(p.s_local()) * p.b, n_full = std::int64_t(p.s) * p.b;
+  auto tap = [&](TapPoint t) {
+    if (p.on_tap) p.on_tap(t);
+  };
+  const std::uint64_t element_base = p.sp ? std::uint64_t(p.rank) * std::uint64_t(n_local) * p.h : 0;
   // ---- mlp: linear_fc1 (column parallel), bias + activation (+ GLU) fused, linear_fc2 (row parallel)
   const int f_l = p.ffn_local();
   const std::int64_t fc1_w = (p.glu ? 2 : 1) * std::int64_t(f_l);
@@ -170,6 +181,11 @@ inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
   // ---- mlp_bda: out = h1 + dropout(fc2 + bias)           // [s_local, b, h]
   bias_dropout_add_forward(dt, p.fc2, p.fc2_b, p.post_ln_residual ? p.ln2 : p.h1, p.out, n_local, p.h,
                            DropoutArgs::make(p.hidden_dropout, p.training, p.seed, p.offset_mlp_bda), element_base, st);
+}
+
+inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
+  attention_forward_impl(p, st);
+  dense_mlp_forward_impl(p, st);
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

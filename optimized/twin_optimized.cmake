@@ -2,10 +2,14 @@
 # when nvcc exists, for the GPU (the same .cuh sources compiled by nvcc in transformer_layer_cuda.cu).
 add_library(twin_optimized STATIC
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer.cpp
-  ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_sim.cpp)
+  ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_sim.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/moe/moe_transformer_layer.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/moe/moe_transformer_layer_sim.cpp)
 target_link_libraries(twin_optimized PUBLIC twin_runtime twin_core)
 if(TWIN_HAVE_CUDA)
-  target_sources(twin_optimized PRIVATE ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_cuda.cu)
-  set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/transformer_layer_cuda.cu PROPERTIES COMPILE_OPTIONS
+  target_sources(twin_optimized PRIVATE ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_cuda.cu
+                                        ${CMAKE_CURRENT_LIST_DIR}/moe/moe_transformer_layer_cuda.cu)
+  set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/transformer_layer_cuda.cu
+                              ${CMAKE_CURRENT_LIST_DIR}/moe/moe_transformer_layer_cuda.cu PROPERTIES COMPILE_OPTIONS
     "$<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr;-Xcudafe=--diag_suppress=20012>")
 endif()

@@ -56,6 +56,12 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   }
   try {
     r.rows = compare_fixture(handler, fx, twin, mode, &r.grads);
+  } catch (const FixtureUnsupported& e) {
+    r.status = Status::Unsupported;
+    r.message = e.what();
+    r.rows.clear();
+    r.grads = {};
+    return r;
   } catch (...) {
     r.status = Status::Error;
     r.message = describe_exception(std::current_exception());

@@ -27,6 +27,7 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
       {{"dense_layer", TwinKind::Reference}, {run_reference_dense_layer, true}},
       {{"dense_layer", TwinKind::Optimized}, {run_optimized_dense_layer, false, true}},
       {{"moe_layer", TwinKind::Reference}, {run_reference_moe_layer, true}},
+      {{"moe_layer", TwinKind::Optimized}, {run_optimized_moe_layer, false}},
   };
   auto it = handlers.find({kind, twin});
   if (it == handlers.end() || (mode.isolate && !it->second.isolates) || (mode.tp > 1 && !it->second.shards))

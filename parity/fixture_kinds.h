@@ -13,6 +13,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -49,7 +50,13 @@ struct RunMode {
   bool sp = false;
 };
 
-// Throws FixtureError / ConfigError / ShapeError for bad input.
+// A twin's handler finds, before running anything, that the golden's config asks for something the
+// twin does not implement: the golden is reported `unsupported` (never a wrong answer).
+struct FixtureUnsupported : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Throws FixtureError / ConfigError / ShapeError for bad input, FixtureUnsupported (above).
 using FixtureHandler = TwinRun (*)(const Fixture&, const RunMode&);
 
 // nullptr when that twin does not support the kind (yet), or not in that mode.
@@ -88,6 +95,7 @@ TwinRun run_reference_retro_block(const Fixture& f, const RunMode& mode);
 TwinRun run_reference_layer_offset_table(const Fixture& f, const RunMode& mode);
 TwinRun run_reference_retro_layout_table(const Fixture& f, const RunMode& mode);
 TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode);
+TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode);
 
 }  // namespace parity
 }  // namespace twin

@@ -1,0 +1,165 @@
+/* The routed experts as grouped GEMMs (reference/moe/experts.h SequentialMLP; Megatron's
+ * GroupedMLP computes the same function with one grouped GEMM per linear).
+ *
+ * Design: all local experts' linear_fc1 run as ONE grouped GEMM over the expert-major permuted
+ * rows (group e = the tokens_per_expert[e] rows of expert e against its weight), then one fused
+ * element-wise pass: the expert's fc1 bias, the activation (GLU), and the routing probability of
+ * the row (Megatron's per_token_scale: the probability multiplies the activation, stored in T);
+ * then ONE grouped GEMM for linear_fc2 and, with biases, one pass adding bias * probability.
+ * Group sizes are host values (tokens per expert downloaded after routing), as Megatron's grouped
+ * MLP syncs them: the GEMM interface's run_grouped validates every group first, then runs the
+ * simulator's GEMM per group, or on the GPU one cuBLASLt matmul per group (gemm_cublaslt.cpp; a
+ * single cublasGemmGroupedBatchedEx call is not wired in yet). Each row's expert is
+ * found from the expert offsets (a few experts: a linear scan). The rounding points are those of
+ * the reference's MLP (bias add, activation, GLU product, scale, each stored in T). */
+#pragma once
+
+#include <vector>
+
+#include "optimized/activations.cuh"
+#include "optimized/runtime/gemm.h"
+
+namespace twin::opt::TWIN_BACKEND {
+
+// The group of row r: the e with offsets[e] <= r < offsets[e + 1].
+__host__ __device__ inline int expert_of_row(const std::int64_t* offsets, int E, std::int64_t r) {
+  int e = 0;
+  while (e + 1 < E && offsets[e + 1] <= r) ++e;
+  return e;
+}
+
+// in: [N, glu ? 2 f : f] (fc1 output, rows grouped by expert); bias: [E, glu ? 2 f : f] or null;
+// scale: [N] in the router dtype R or null. out: [N, f].
+template <class T, class R>
+__global__ void grouped_bias_activation_kernel(const T* in, const T* bias, const R* scale, T* out,
+                                               const std::int64_t* offsets, int E, std::int64_t n, int f, Act act,
+                                               bool glu) {
+  const int in_width = glu ? 2 * f : f;
+  const std::int64_t total = n * f;
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / f;
+    const int c = static_cast<int>(i % f);
+    const T* row = in + r * in_width;
+    const T* b = bias ? bias + std::int64_t(expert_of_row(offsets, E, r)) * in_width : nullptr;
+    float a = Io<T>::load(row[c]);
+    if (b) a = round_to<T>(a + Io<T>::load(b[c]));  // rounds: intermediate + bias, T
+    float y = activation<T>(act, a);
+    if (glu) {
+      float lin = Io<T>::load(row[f + c]);
+      if (b) lin = round_to<T>(lin + Io<T>::load(b[f + c]));  // rounds: intermediate + bias, T
+      y = round_to<T>(y * lin);                               // rounds: act(x_glu) * x_linear, T
+    }
+    if (scale) {  // rounds: (x * per_token_scale).to(T), the product in the promoted dtype
+      if constexpr (std::is_same<R, double>::value)
+        y = static_cast<float>(static_cast<double>(y) * scale[r]);
+      else
+        y = y * Io<R>::load(scale[r]);
+    }
+    out[i] = Io<T>::store(y);
+  }
+}
+
+// out[r, :] += bias[expert(r), :] * scale[r], the product in the promoted dtype, the sum in T.
+template <class T, class R>
+__global__ void grouped_scaled_bias_add_kernel(T* out, const T* bias, const R* scale, const std::int64_t* offsets,
+                                               int E, std::int64_t n, int h) {
+  const std::int64_t total = n * h;
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / h;
+    const int c = static_cast<int>(i % h);
+    const float b = Io<T>::load(bias[std::int64_t(expert_of_row(offsets, E, r)) * h + c]);
+    float prod;
+    if constexpr (std::is_same<R, double>::value)
+      prod = static_cast<float>(b * scale[r]);
+    else if constexpr (std::is_same<R, float>::value)
+      prod = b * scale[r];  // rounds: fp32 product
+    else
+      prod = round_to<T>(b * Io<R>::load(scale[r]));    // rounds: product in T
+    out[i] = Io<T>::store(Io<T>::load(out[i]) + prod);  // rounds: sum, T
+  }
+}
+
+template <class F>
+void dispatch_scale_dtype(DType rdt, const char* op, F&& f) {
+  if (rdt == DType::F64) return f(double{});
+  dispatch_dtype(rdt, op, std::forward<F>(f));
+}
+
+inline void grouped_bias_activation_forward(DType dt, DType rdt, const void* in, const void* bias, const void* scale,
+                                            void* out, const std::int64_t* offsets, int E, std::int64_t n, int f,
+                                            Act act, bool glu, cudaStream_t stream) {
+  require(n >= 0 && f > 0 && E > 0, "grouped_bias_activation_forward: bad shape n=" + std::to_string(n) +
+                                        " f=" + std::to_string(f) + " E=" + std::to_string(E));
+  require(n == 0 || (in && out && in != out), "grouped_bias_activation_forward: null or aliased in / out");
+  // counts: the bias add, the activation's stores on its longest path, the GLU product, the scale.
+  const int act_stores = act == Act::Silu || act == Act::QuickGelu ? 3 : act == Act::Relu ? 0 : 1;
+  rounding_store(dt, (bias ? 1 : 0) + act_stores + (glu ? 1 : 0) + (scale ? 1 : 0));
+  if (n == 0) return;
+  dispatch_dtype(dt, "grouped_bias_activation_forward", [&](auto a) {
+    using T = decltype(a);
+    dispatch_scale_dtype(rdt, "grouped_bias_activation_forward", [&](auto b) {
+      using R = decltype(b);
+      const unsigned threads = elementwise_threads(n * f);
+      launch_kernel(grouped_bias_activation_kernel<T, R>, dim3(elementwise_blocks(n * f, threads)), dim3(threads), 0,
+                    stream, static_cast<const T*>(in), static_cast<const T*>(bias), static_cast<const R*>(scale),
+                    static_cast<T*>(out), offsets, E, n, f, act, glu);
+    });
+  });
+}
+
+inline void grouped_scaled_bias_add_forward(DType dt, DType rdt, void* out, const void* bias, const void* scale,
+                                            const std::int64_t* offsets, int E, std::int64_t n, int h,
+                                            cudaStream_t stream) {
+  require(bias && scale && out, "grouped_scaled_bias_add_forward: null buffer");
+  rounding_store(dt);  // counts: the sum (the product is a branch from parameters and scales)
+  if (n == 0) return;
+  dispatch_dtype(dt, "grouped_scaled_bias_add_forward", [&](auto a) {
+    using T = decltype(a);
+    dispatch_scale_dtype(rdt, "grouped_scaled_bias_add_forward", [&](auto b) {
+      using R = decltype(b);
+      const unsigned threads = elementwise_threads(n * h);
+      launch_kernel(grouped_scaled_bias_add_kernel<T, R>, dim3(elementwise_blocks(n * h, threads)), dim3(threads), 0,
+                    stream, static_cast<T*>(out), static_cast<const T*>(bias), static_cast<const R*>(scale), offsets, E,
+                    n, h);
+    });
+  });
+}
+
+// y[rows_e, out] = x[rows_e, in] @ w_e[out, in]^T for every expert e, as one grouped GEMM: groups
+// follow the host-side tokens_per_expert (row-major torch Linear as column-major cuBLAS, see
+// runtime/gemm.h). w: [E, out, in] contiguous.
+inline void grouped_linear_forward(rt::Backend backend, DType dt, const void* x, const void* w, void* y,
+                                   const std::vector<std::int64_t>& tokens_per_expert, std::int64_t in,
+                                   std::int64_t out, cudaStream_t stream) {
+  const std::size_t es = dtype_size(dt);
+  std::vector<rt::GemmArgs> groups;
+  std::int64_t row = 0;
+  for (std::size_t e = 0; e < tokens_per_expert.size(); ++e) {
+    const std::int64_t n = tokens_per_expert[e];
+    rt::GemmArgs g;
+    g.transa = rt::Op::T;
+    g.transb = rt::Op::N;
+    g.m = out;
+    g.n = n;
+    g.k = in;
+    g.ab_dtype = g.cd_dtype = dt;
+    g.a = static_cast<const char*>(w) + e * std::size_t(out) * in * es;
+    g.lda = in;
+    g.b = static_cast<const char*>(x) + std::size_t(row) * in * es;
+    g.ldb = in;
+    g.d = static_cast<char*>(y) + std::size_t(row) * out * es;
+    g.ldd = out;
+    g.c = g.d;
+    g.ldc = out;
+    groups.push_back(g);
+    row += n;
+  }
+  rt::gemm(backend).run_grouped(groups, stream);
+  // counts: one fp32-accumulated reduction of length in, stored once in T
+  rounding_reduce(in);
+  rounding_store(dt);
+}
+
+}  // namespace twin::opt::TWIN_BACKEND

@@ -1,0 +1,273 @@
+/* One rank of the MoETransformerLayer forward (reference/moe/moe_transformer_layer.h, moe_layer.h):
+ * the dense layer's attention half, then the MoE MLP:
+ *   shared experts (linear_fc1, activation, linear_fc2, sigmoid gate)   [T, h]
+ *   router: gating GEMM, fused top-k, capacity drop, losses             [T, E]
+ *   dispatch: one row-id map, permute tokens and probabilities          [N, h]
+ *   experts: grouped fc1, fused bias + activation + probability, grouped fc2
+ *   combine: unpermute (per token, expert order), + shared experts, mlp_bda.
+ *
+ * Design: everything up to the router's outputs and from the combine on is enqueued on one stream
+ * with no host synchronisation. The expert compute needs the tokens per expert on the host (the
+ * grouped GEMM's group sizes, as Megatron's grouped MLP syncs them): one small download after the
+ * row-id map is built. Rounding points are counted as the reference counts them
+ * (the reference MoE sources), so a golden's bound follows from what this twin executed. */
+#pragma once
+
+#include <cstring>
+#include <string>
+
+#include "optimized/moe/experts.cuh"
+#include "optimized/moe/moe_transformer_layer_plan.h"
+#include "optimized/moe/router.cuh"
+#include "optimized/moe/token_dispatcher.cuh"
+#include "optimized/transformer_layer.cuh"
+
+namespace twin::opt::TWIN_BACKEND {
+
+// y[rows, out] = x[rows, in] @ w[out, in]^T in dtype dt, counting nothing (the caller counts).
+inline void linear_uncounted(DType dt, const void* x, const void* w, const void* bias, void* y, std::int64_t rows,
+                             std::int64_t in, std::int64_t out, cudaStream_t stream) {
+  rt::GemmArgs g;
+  g.transa = rt::Op::T;
+  g.transb = rt::Op::N;
+  g.m = out;
+  g.n = rows;
+  g.k = in;
+  g.ab_dtype = g.cd_dtype = dt;
+  g.a = w;
+  g.lda = in;
+  g.b = x;
+  g.ldb = in;
+  g.d = y;
+  g.ldd = out;
+  g.c = y;
+  g.ldc = out;
+  if (bias) {
+    g.epilogue = rt::Epilogue::Bias;
+    g.bias = bias;
+    g.bias_dtype = dt;
+  }
+  rt::gemm(this_backend()).run(g, stream);
+}
+
+// out[t, :] = out[t, :] * sigmoid(gate_logits[t]), the sigmoid and the product each stored in T.
+template <class T>
+__global__ void shared_expert_gate_kernel(T* out, const T* gate_logits, std::int64_t n, int h) {
+  const std::int64_t total = n * h;
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const float g = round_to<T>(1.0f / (1.0f + expf(-Io<T>::load(gate_logits[i / h]))));  // rounds: sigmoid, T
+    out[i] = Io<T>::store(Io<T>::load(out[i]) * g);                                       // rounds: product, T
+  }
+}
+
+inline void moe_download(void* host, const void* dev, std::size_t bytes, cudaStream_t st) {
+  if (bytes == 0) return;
+  rt::Device& d = rt::device(this_backend());
+  d.copy(host, dev, bytes, rt::CopyKind::DeviceToHost, st);
+  d.synchronize(st);
+}
+
+// MoETransformerLayer's router phase (_forward_mlp_router): attention, pre_mlp_layernorm, shared
+// experts, router, and the dispatch preprocess (the row-id map and the permute). No host
+// synchronisation unless a recorded map is checked or the expert-bias counter is updated eagerly
+// (p.capturing: the host updates the counter after the graph's replay), so it can be captured.
+inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
+  attention_forward_impl(p.attn, st);
+  const RankPlan& a = p.attn;
+  const DType dt = a.dt, rdt = p.rdt;
+  const std::int64_t T = std::int64_t(a.s) * a.b, h = a.h;
+  const int E = p.E;
+  auto tap = [&](MoETapPoint t) {
+    if (p.on_tap) p.on_tap(t);
+  };
+  const void* x = a.ln2;  // [T, h] pre_mlp_layernorm output
+
+  // ---- shared experts                                              // [T, h]
+  if (p.shared_ffn > 0) {
+    const std::int64_t w1 = (p.glu ? 2 : 1) * std::int64_t(p.shared_ffn);
+    linear_forward(dt, x, p.shared_fc1_w, nullptr, p.shared_fc1, T, h, w1, st);  // [T, w1]
+    tap(MoETapPoint::SharedFc1);
+    bias_activation_forward(dt, p.shared_fc1, nullptr, p.shared_act, T, p.shared_ffn, static_cast<Act>(a.act), p.glu,
+                            st);                                                                      // [T, shared_ffn]
+    linear_forward(dt, p.shared_act, p.shared_fc2_w, nullptr, p.shared_out, T, p.shared_ffn, h, st);  // [T, h]
+    tap(MoETapPoint::SharedFc2);
+    if (p.shared_gate) {
+      linear_uncounted(dt, x, p.shared_gate_w, nullptr, p.gate_logits, T, h, 1, st);  // [T, 1]
+      dispatch_dtype(dt, "shared_expert_gate", [&](auto tag) {
+        using TT = decltype(tag);
+        const unsigned threads = elementwise_threads(T * h);
+        if (T > 0)
+          launch_kernel(shared_expert_gate_kernel<TT>, dim3(elementwise_blocks(T * h, threads)), dim3(threads), 0, st,
+                        static_cast<TT*>(p.shared_out), static_cast<const TT*>(p.gate_logits), T, int(h));
+      });
+      rounding_store(dt);  // counts: the product (the gate is a shorter branch from the input)
+    }
+    tap(MoETapPoint::SharedExperts);
+  }
+  const RoundingCount hidden_states_rounding = rounding_now();
+
+  // ---- router: gating in the router dtype                          // [T, E]
+  if (rdt == DType::F64) {
+    const void* xin = p.x_r;
+    cast_forward(dt, DType::F64, x, p.x_r, T * h, st);
+    const unsigned threads = elementwise_threads(T * E);
+    if (T > 0)
+      launch_kernel(gating_fp64_kernel, dim3(elementwise_blocks(T * E, threads)), dim3(threads), 0, st,
+                    static_cast<const double*>(xin), static_cast<const double*>(p.router_w),
+                    static_cast<const double*>(p.router_b), static_cast<double*>(p.logits), T, E, int(h));
+  } else {
+    if (p.cast_input) cast_forward(dt, rdt, x, p.x_r, T * h, st);
+    linear_uncounted(rdt, p.cast_input ? p.x_r : x, p.router_w, p.router_b, p.logits, T, h, E, st);
+  }
+  rounding_reduce(h);  // counts: the gating GEMM, stored in the router dtype
+  rounding_store(rdt);
+  tap(MoETapPoint::RouterLogits);
+
+  // ---- fused score function + top-k (+ the losses' per-token parts)
+  RouterArgs ra;
+  ra.tokens = T;
+  ra.experts = E;
+  ra.topk = p.topk;
+  ra.score = static_cast<ScoreFunction>(p.score);
+  ra.pre_softmax = p.pre_softmax;
+  ra.num_groups = p.num_groups;
+  ra.group_topk = p.group_topk;
+  ra.scaling_factor = p.scaling_factor;
+  ra.aux_scores = p.aux_kind >= 0;
+  ra.z_loss = p.z_loss;
+  router_topk_forward(rdt, p.logits, p.expert_bias, p.padding, p.drop ? p.probs_pre : p.probs,
+                      p.drop ? p.map_pre : p.routing_map, p.aux_scores, p.aux_map, p.z, ra, st);
+  if (p.z_loss) {
+    LossArgs la;
+    la.kind = AuxLossKind::ZLoss;
+    la.tokens = T;
+    la.experts = E;
+    la.coeff = p.z_coeff;
+    la.loss_dtype = loss_dtype_code(rdt);
+    router_loss_forward(p.aux_scores, p.aux_map, p.z, p.padding, la, p.loss_scratch, p.losses + 1, st);
+  }
+  if (p.drop) {
+    const std::int64_t capacity = expert_capacity(T * p.topk, E, p.capacity_factor);
+    router_capacity_forward(rdt, p.probs_pre, p.map_pre, p.probs, p.routing_map, T, E, capacity,
+                            p.drop_by_probs ? "probs" : "position", p.pad_to_capacity, st);
+    if (p.recorded_map) {
+      if (p.capturing) throw std::invalid_argument("a recorded routing map is checked on the host: not in a graph");
+      // A golden's post-drop map (torch.topk's order among ties): a valid outcome keeps each
+      // expert's count and, unless padding, only pairs the top-k chose; then it is the map.
+      std::vector<std::uint8_t> pre(std::size_t(T * E)), post(std::size_t(T * E));
+      moe_download(pre.data(), p.map_pre, pre.size(), st);
+      moe_download(post.data(), p.routing_map, post.size(), st);
+      for (int e = 0; e < E; ++e) {
+        std::int64_t rec = 0, mine = 0;
+        for (std::int64_t t = 0; t < T; ++t) {
+          rec += p.recorded_map[t * E + e] != 0;
+          mine += post[std::size_t(t * E + e)];
+          if (!p.pad_to_capacity && p.recorded_map[t * E + e] && !pre[std::size_t(t * E + e)])
+            throw std::invalid_argument("recorded routing map routes token " + std::to_string(t) + " to expert " +
+                                        std::to_string(e) + ", which its top-k did not choose");
+        }
+        if (rec != mine)
+          throw std::invalid_argument("recorded routing map gives expert " + std::to_string(e) + " " +
+                                      std::to_string(rec) + " tokens, the capacity rule gives " + std::to_string(mine));
+      }
+      rt::device(this_backend())
+          .copy(p.routing_map, p.recorded_map, std::size_t(T * E), rt::CopyKind::HostToDevice, st);
+      // probs = probs before the drop, masked by the recorded map: the pad path (pad_to_capacity
+      // false, capacity >= T) of the capacity kernel with the recorded map as its input map.
+      router_capacity_forward(rdt, p.probs_pre, p.routing_map, p.probs, p.routing_map, T, E, T + 1, "probs", false, st);
+    }
+  }
+  if (p.aux_kind >= 0) {
+    LossArgs la;
+    la.kind = static_cast<AuxLossKind>(p.aux_kind);
+    la.tokens = T;
+    la.experts = E;
+    la.bsz = a.b;
+    la.topk = p.topk;
+    la.with_padding_mask = p.padding != nullptr;
+    la.coeff = p.aux_coeff;
+    la.global_tokens = p.global_tokens;
+    la.ga_steps = p.ga_steps;
+    la.loss_dtype = 0;  // the losses are fp32 tensors
+    router_loss_forward(p.aux_scores, p.aux_map, p.z, p.padding, la, p.loss_scratch, p.losses, st);
+  }
+  // counts: the score function in fp32 stored in the router dtype; the sigmoid renormalisation
+  // (sum, + 1e-20, division); the scaling factor.
+  rounding_reduce(E);
+  rounding_store(DType::F32);
+  rounding_store(
+      rdt, 1 + (p.score == int(ScoreFunction::Sigmoid) && p.topk > 1 ? 3 : 0) + (p.scaling_factor != 0.0f ? 1 : 0));
+  if (p.local_tokens && !p.capturing) {  // _apply_expert_bias: count the routed non-padding tokens per expert
+    std::vector<std::uint8_t> map(std::size_t(T * E));
+    moe_download(map.data(), p.routing_map, map.size(), st);
+    for (std::int64_t t = 0; t < T; ++t) {
+      if (p.padding_host && (*p.padding_host)[std::size_t(t)]) continue;
+      for (int e = 0; e < E; ++e) (*p.local_tokens)[std::size_t(e)] += map[std::size_t(t * E + e)];
+    }
+  }
+  tap(MoETapPoint::RouterProbs);
+  rounding_join(hidden_states_rounding);
+
+  // ---- dispatch: the row-id map, built once; permute tokens and probabilities   // [N, h]
+  build_row_id_map(p.routing_map, T, E, p.tokens_per_expert_dev, p.offsets, p.row_id_map, st);
+  permute_forward(dt, rdt, x, p.row_id_map, p.probs, p.permuted, p.permuted_probs, T, E, h, st);
+}
+
+// The expert-compute phase (_forward_mlp_expert_compute): the group sizes to the host (the one
+// synchronisation: shapes depend on the routing, so this phase stays eager), the grouped experts.
+inline void moe_expert_compute_impl(MoEPlan& p, cudaStream_t st) {
+  const RankPlan& a = p.attn;
+  const DType dt = a.dt, rdt = p.rdt;
+  const std::int64_t h = a.h;
+  const int E = p.E;
+  auto tap = [&](MoETapPoint t) {
+    if (p.on_tap) p.on_tap(t);
+  };
+  p.tokens_per_expert.assign(std::size_t(E), 0);
+  moe_download(p.tokens_per_expert.data(), p.tokens_per_expert_dev, std::size_t(E) * sizeof(std::int64_t), st);
+  std::int64_t N = 0;
+  for (auto n : p.tokens_per_expert) N += n;
+  tap(MoETapPoint::ExpertInputs);
+
+  // ---- experts: grouped fc1, fused bias + activation + probability, grouped fc2
+  const int w1 = (p.glu ? 2 : 1) * p.ffn;
+  grouped_linear_forward(this_backend(), dt, p.permuted, p.fc1_w, p.fc1, p.tokens_per_expert, h, w1, st);
+  grouped_bias_activation_forward(dt, rdt, p.fc1, p.fc1_b, p.permuted_probs, p.act_out, p.offsets, E, N, p.ffn,
+                                  static_cast<Act>(a.act), p.glu, st);
+  grouped_linear_forward(this_backend(), dt, p.act_out, p.fc2_w, p.expert_out, p.tokens_per_expert, p.ffn, h, st);
+  if (p.fc2_b)
+    grouped_scaled_bias_add_forward(dt, rdt, p.expert_out, p.fc2_b, p.permuted_probs, p.offsets, E, N, int(h), st);
+  tap(MoETapPoint::ExpertsOutput);
+}
+
+// The postprocess phase (_forward_mlp_postprocess): combine, shared experts, mlp_bda. Fixed
+// shapes (the row-id map is [E, T]): captured as a graph like the router phase.
+inline void moe_postprocess_impl(MoEPlan& p, cudaStream_t st) {
+  const RankPlan& a = p.attn;
+  const DType dt = a.dt;
+  const std::int64_t T = std::int64_t(a.s) * a.b, h = a.h;
+  const int E = p.E;
+  auto tap = [&](MoETapPoint t) {
+    if (p.on_tap) p.on_tap(t);
+  };
+
+  // ---- combine: unpermute, + shared experts                        // [T, h]
+  unpermute_forward(dt, p.expert_out, p.row_id_map, p.shared_ffn > 0 ? p.combined : p.mlp_out, T, E, h, st);
+  rounding_store(dt, p.topk);  // counts: each token's top-k expert rows summed, one store each
+  if (p.shared_ffn > 0)
+    bias_dropout_add_forward(dt, p.combined, nullptr, p.shared_out, p.mlp_out, T, int(h), DropoutArgs{}, 0, st);
+  tap(MoETapPoint::MlpOutput);
+
+  // ---- mlp_bda: out = h1 + dropout(mlp_out)                        // [T, h]
+  bias_dropout_add_forward(dt, p.mlp_out, nullptr, a.h1, a.out, T, int(h),
+                           DropoutArgs::make(a.hidden_dropout, a.training, a.seed, a.offset_mlp_bda), 0, st);
+}
+
+inline void moe_rank_forward_impl(MoEPlan& p, cudaStream_t st) {
+  moe_router_phase_impl(p, st);
+  moe_expert_compute_impl(p, st);
+  moe_postprocess_impl(p, st);
+}
+
+}  // namespace twin::opt::TWIN_BACKEND

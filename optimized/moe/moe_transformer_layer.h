@@ -1,0 +1,62 @@
+// The optimized twin of Megatron-Core's MoETransformerLayer (the local GPT spec with num_experts):
+// the dense layer's attention half, then an MoELayer (TopKRouter, token dispatcher, the experts as
+// grouped GEMMs, shared experts), on the GPU (Backend::Cuda) or the CUDA simulator (Backend::Sim),
+// at tensor- and expert-parallel size 1 (moe_layer.cuh says how each step runs).
+//
+// What it does not implement is named by moe_layer_unsupported() before anything runs, so a
+// caller reports `unsupported` instead of computing a wrong answer.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/record.h"
+#include "core/tensor.h"
+#include "optimized/transformer_layer.h"
+
+namespace twin::opt {
+
+// Empty when this twin supports `config` (an MoE layer config); else why not, in one line.
+std::string moe_layer_unsupported(const TransformerConfig& config, const LayerOptions& options = {});
+
+// Megatron's state-dict keys the MoE layer needs for `config`.
+std::vector<std::string> moe_layer_param_keys(const TransformerConfig& config);
+
+struct MoEForwardInputs {
+  const Tensor* attention_mask = nullptr;  // BOOL [b or 1, 1 or np, s, s]
+  const Tensor* rotary_pos_emb = nullptr;  // F32 [s, 1, 1, rot_dim]
+  const Tensor* padding_mask = nullptr;    // BOOL [b, s], True = padding
+  // The post-drop routing map [T, E] a golden fixes where the capacity cut depends on
+  // torch.topk's order among ties; checked to be a valid outcome, then used.
+  const Tensor* recorded_routing_map = nullptr;
+};
+
+class MoETransformerLayer {
+ public:
+  // params: the full state dict under Megatron's keys. Throws ConfigError naming an unsupported
+  // feature (moe_layer_unsupported), ShapeError for a missing or misshapen parameter.
+  MoETransformerLayer(const TransformerConfig& config, const std::map<std::string, Tensor>& params,
+                      LayerOptions options = {});
+  ~MoETransformerLayer();
+  MoETransformerLayer(const MoETransformerLayer&) = delete;
+  MoETransformerLayer& operator=(const MoETransformerLayer&) = delete;
+
+  // hidden_states [s, b, h]. With record_taps the record holds the taps (the reference's names),
+  // the tap_in.mlp.experts.* inputs, the aux losses (loss / coeff) and the expert-bias counter.
+  LayerOutput forward(const Tensor& hidden_states, const MoEForwardInputs& inputs, const ForwardOptions& options = {});
+
+  // Tokens per expert of the last forward.
+  const std::vector<std::int64_t>& tokens_per_expert() const;
+
+ private:
+  struct Impl;
+  TransformerConfig config_;
+  LayerOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace twin::opt

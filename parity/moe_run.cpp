@@ -1,0 +1,48 @@
+// The optimized twin's `moe_layer` fixture handler: an optimized MoETransformerLayer built from the
+// golden's config and params, run on its inputs while counting rounding points. A config the twin
+// does not implement (opt::moe_layer_unsupported) is reported unsupported before anything runs.
+#include <cstdlib>
+
+#include "optimized/moe/moe_transformer_layer.h"
+#include "parity/fixture_kinds.h"
+
+namespace twin::parity {
+
+TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode) {
+  if (mode.isolate) throw FixtureError(f.path + ": the optimized twin does not run modules isolated yet");
+  const TransformerConfig& cfg = f.config;
+  if (!cfg.num_moe_experts) throw FixtureError(f.path + ": kind moe_layer but config.num_moe_experts is None");
+  check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb", "padding_mask"});
+  const char* be = std::getenv("TWIN_BACKEND");
+  opt::LayerOptions lo;
+  lo.backend = be && std::string(be) == "cuda" ? rt::Backend::Cuda : rt::Backend::Sim;
+  lo.layer_number = f.layer_number;
+  lo.attn_mask_type = cfg.attn_mask_type;
+  if (const std::string why = opt::moe_layer_unsupported(cfg, lo); !why.empty())
+    throw FixtureUnsupported("the optimized twin does not implement " + why);
+  const Tensor* rope = optional_input(f, "rotary_pos_emb");
+  if (cfg.position_embedding_type == "rope" && !rope)
+    throw FixtureError(f.path + ": position_embedding_type is rope but input.rotary_pos_emb is missing");
+  opt::MoETransformerLayer layer(cfg, params_of(f), lo);
+  opt::MoEForwardInputs in;
+  in.attention_mask = optional_input(f, "attention_mask");
+  in.rotary_pos_emb = rope;
+  in.padding_mask = optional_input(f, "padding_mask");
+  // tie_break_dependent: the golden's post-drop map (tap.mlp.router.1) is the input, as for the reference.
+  const std::string tie = f.meta("tie_break_dependent", "false");
+  if (tie != "true" && tie != "false")
+    throw FixtureError(f.path + ": __metadata__.tie_break_dependent must be \"true\" or \"false\", got \"" + tie +
+                       "\"");
+  if (tie == "true") in.recorded_routing_map = &f.tensor("tap.mlp.router.1");
+  opt::ForwardOptions fo;
+  fo.training = f.training;  // the fixtures' dropout probabilities are 0
+  fo.record_taps = true;
+  TwinRun run;
+  CountRoundings counting;
+  auto out = layer.forward(input(f, "hidden_states", 3), in, fo);
+  run.record = std::move(out.record);
+  run.record.add(Role::Output, "hidden_states", out.hidden_states);
+  return run;
+}
+
+}  // namespace twin::parity

@@ -1,0 +1,249 @@
+// Property tests of the optimized MoE layer on the simulator: RapidCheck draws >= 100 random MoE
+// layer configs (router score function, pre-softmax, group-limited top-k, scaling, expert bias,
+// capacity and drop policies, losses, shared experts and gate, biases, GLU, fp32 and bf16) and
+// checks the optimized twin against the reference MoETransformerLayer.
+//
+// The bound is the dense twin's (parity/bounds.h reference_error_bound): the reference runs twice,
+// mirroring Megatron's rounding (FP32 mode) and exactly (fp64, no rounding); the optimized output
+// may differ from the reference by the dtype default plus twice the reference's own error.
+// Routing maps and tokens per expert must be equal; a case whose maps differ only because two
+// scores of one token lie within the logits' rounding of each other (a near-tie that either
+// implementation may resolve either way) is discarded, never passed.
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "optimized/moe/moe_transformer_layer.h"
+#include "parity/bounds.h"
+#include "parity/dense_case.h"
+#include "reference/moe/moe_transformer_layer.h"
+
+using namespace twin;
+using namespace twin::parity;
+
+namespace {
+
+struct MoECase {
+  DenseCase dense;
+  TransformerConfig config;
+  std::map<std::string, Tensor> params;
+  Tensor hidden_states, attention_mask, rotary_pos_emb;
+};
+
+Tensor random(DType dt, Shape shape, double scale, std::mt19937_64& rng) {
+  std::normal_distribution<double> n(0.0, scale);
+  std::vector<double> v(static_cast<std::size_t>(shape_numel(shape)));
+  for (auto& x : v) x = n(rng);
+  return Tensor::from_doubles(dt, std::move(shape), v);
+}
+
+MoECase gen_case() {
+  MoECase m;
+  DenseCase& d = m.dense;
+  d.dtype = *rc::gen::element(DType::F32, DType::BF16);
+  d.s = *rc::gen::inRange(1, 7);
+  d.b = *rc::gen::inRange(1, 3);
+  d.rms = *rc::gen::arbitrary<bool>();
+  d.glu = *rc::gen::arbitrary<bool>();
+  d.act = *rc::gen::element<std::string>("gelu", "silu");
+  d.bias = *rc::gen::arbitrary<bool>();
+  d.rope = *rc::gen::element(RopeKind::None, RopeKind::Half);
+  d.seed = *rc::gen::inRange<std::uint64_t>(1, 1000000);
+  const DenseInputs in = make_inputs(d);
+  TransformerConfig& c = m.config = in.config;
+  m.hidden_states = in.hidden_states;
+  m.attention_mask = in.attention_mask;
+  m.rotary_pos_emb = in.rotary_pos_emb;
+
+  const int E = *rc::gen::inRange(2, 9), k = *rc::gen::inRange(1, std::min(E, 4) + 1);
+  c.num_moe_experts = E;
+  c.moe_router_topk = k;
+  c.moe_ffn_hidden_size = *rc::gen::element(8, 24);
+  c.moe_router_score_function = *rc::gen::element<std::string>("softmax", "sigmoid");
+  c.moe_router_pre_softmax = c.moe_router_score_function == "softmax" && (k == 1 || *rc::gen::arbitrary<bool>());
+  if (*rc::gen::inRange(0, 3) == 0) {
+    std::vector<int> divisors;
+    for (int g = 2; g <= E; ++g)
+      if (E % g == 0) divisors.push_back(g);
+    if (!divisors.empty()) {
+      const int G = *rc::gen::elementOf(divisors), gk = *rc::gen::inRange(1, G + 1);
+      if (k <= gk * (E / G)) {
+        c.moe_router_num_groups = G;
+        c.moe_router_group_topk = gk;
+      }
+    }
+  }
+  if (*rc::gen::inRange(0, 3) == 0) c.moe_router_topk_scaling_factor = 2.5;
+  c.moe_token_dispatcher_type = *rc::gen::element<std::string>("allgather", "alltoall");
+  c.moe_router_load_balancing_type =
+      *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss", "none");
+  c.moe_aux_loss_coeff = c.moe_router_load_balancing_type == "none" ? 0.0 : 0.01;
+  if (*rc::gen::arbitrary<bool>()) c.moe_z_loss_coeff = 1e-3;
+  if (c.moe_router_score_function == "sigmoid" && *rc::gen::arbitrary<bool>()) c.moe_router_enable_expert_bias = true;
+  if (!c.add_bias_linear && *rc::gen::arbitrary<bool>()) {
+    c.moe_shared_expert_intermediate_size = 12;
+    c.moe_shared_expert_gate = *rc::gen::arbitrary<bool>();
+  }
+  if (*rc::gen::inRange(0, 3) == 0) {
+    const std::int64_t T = std::int64_t(d.s) * d.b;
+    c.moe_expert_capacity_factor = *rc::gen::inRange(2, 16) / 8.0;
+    c.moe_token_drop_policy = *rc::gen::element<std::string>("probs", "position");
+    c.moe_pad_expert_input_to_capacity =
+        *rc::gen::arbitrary<bool>() &&
+        reference::moe::get_capacity(T * k, E, *c.moe_expert_capacity_factor) <= T;  // alltoall needs it
+  }
+
+  // Params: the attention half from the dense case, the MoE's drawn here.
+  std::mt19937_64 rng(d.seed * 7919);
+  for (const auto& [key, t] : in.params)
+    if (key.rfind("mlp.", 0) != 0) m.params[key] = t;
+  const DType dt = d.dtype;
+  const std::int64_t h = c.hidden_size, ffn = *c.moe_ffn_hidden_size, glu = c.gated_linear_unit ? 2 : 1;
+  m.params["mlp.router.weight"] = random(dt, {E, h}, 0.5, rng);
+  if (c.add_bias_linear) m.params["mlp.router.bias"] = random(dt, {E}, 0.1, rng);
+  if (c.moe_router_enable_expert_bias) m.params["mlp.router.expert_bias"] = random(DType::F32, {E}, 0.2, rng);
+  for (int e = 0; e < E; ++e) {
+    const std::string p = "mlp.experts.local_experts." + std::to_string(e) + ".";
+    m.params[p + "linear_fc1.weight"] = random(dt, {glu * ffn, h}, 0.3, rng);
+    m.params[p + "linear_fc2.weight"] = random(dt, {h, ffn}, 0.3, rng);
+    if (c.add_bias_linear) {
+      m.params[p + "linear_fc1.bias"] = random(dt, {glu * ffn}, 0.1, rng);
+      m.params[p + "linear_fc2.bias"] = random(dt, {h}, 0.1, rng);
+    }
+  }
+  if (c.moe_shared_expert_intermediate_size) {
+    const std::int64_t sh = *c.moe_shared_expert_intermediate_size;
+    m.params["mlp.shared_experts.linear_fc1.weight"] = random(dt, {glu * sh, h}, 0.3, rng);
+    m.params["mlp.shared_experts.linear_fc2.weight"] = random(dt, {h, sh}, 0.3, rng);
+    if (c.moe_shared_expert_gate) m.params["mlp.shared_experts.gate_weight"] = random(dt, {1, h}, 0.3, rng);
+  }
+  return m;
+}
+
+std::string describe(const MoECase& m) {
+  const TransformerConfig& c = m.config;
+  return fmt::format(
+      "moe({}, E={}, k={}, score={}, pre={}, groups={}/{}, scale={}, expert_bias={}, dispatcher={}, lb={}, z={}, "
+      "shared={}{}, capacity={} {} pad={}, bias={})",
+      to_id(m.dense), *c.num_moe_experts, c.moe_router_topk, c.moe_router_score_function, c.moe_router_pre_softmax,
+      c.moe_router_num_groups.value_or(0), c.moe_router_group_topk.value_or(0),
+      c.moe_router_topk_scaling_factor.value_or(0), c.moe_router_enable_expert_bias, c.moe_token_dispatcher_type,
+      c.moe_router_load_balancing_type, c.moe_z_loss_coeff.has_value(),
+      c.moe_shared_expert_intermediate_size.value_or(0), c.moe_shared_expert_gate ? "+gate" : "",
+      c.moe_expert_capacity_factor.value_or(0), c.moe_token_drop_policy, c.moe_pad_expert_input_to_capacity,
+      c.add_bias_linear);
+}
+
+Tensor reference_forward(const MoECase& m, bool exact, Record* rec) {
+  using namespace twin::reference;
+  const TransformerConfig& c = m.config;
+  const ModuleSpec spec =
+      moe::get_gpt_layer_local_moe_spec(*c.num_moe_experts, false, c.qk_layernorm, c.normalization, c.qk_l2_norm);
+  moe::MoETransformerLayer layer(c, spec.submodules, 1, std::nullopt,
+                                 Precision::from_config(c, exact ? ComputeMode::Exact : ComputeMode::FP32));
+  layer.load_state_dict(StateDict(m.params));
+  layer.training = true;  // the losses run; the dropout probabilities are 0
+  LayerInputs li;
+  li.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
+  li.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
+  CountRoundings counting;
+  return layer.forward(m.hidden_states, li, rec ? Taps(rec) : Taps()).first;
+}
+
+Tensor optimized_forward(const MoECase& m, Record* rec) {
+  opt::MoETransformerLayer layer(m.config, m.params, opt::LayerOptions{});
+  opt::MoEForwardInputs in;
+  in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
+  in.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
+  opt::ForwardOptions fo;
+  fo.training = true;
+  fo.record_taps = rec != nullptr;
+  CountRoundings counting;
+  auto out = layer.forward(m.hidden_states, in, fo);
+  if (rec) *rec = std::move(out.record);
+  return out.hidden_states;
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+}
+
+// Whether some token has two logits within `gap` of each other (a near-tie in what routes it).
+bool has_near_tie(const Tensor& logits, std::int64_t E, double gap) {
+  const std::int64_t T = logits.numel() / E;
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t i = 0; i < E; ++i)
+      for (std::int64_t j = i + 1; j < E; ++j)
+        if (std::abs(logits.at_f64(t * E + i) - logits.at_f64(t * E + j)) <= gap) return true;
+  return false;
+}
+
+}  // namespace
+
+// fp32 and bf16: optimized == reference within the bound, routing maps and tokens per expert equal.
+RC_GTEST_PROP(OptimizedMoEProperty, OptimizedEqualsReferenceWithinBound, ()) {
+  const MoECase m = gen_case();
+  RC_LOG() << describe(m) << "\n";
+  Record ref_rec, opt_rec;
+  const Tensor ref = reference_forward(m, false, &ref_rec), exact = reference_forward(m, true, nullptr);
+  const Tensor got = optimized_forward(m, &opt_rec);
+  const Tensor& ref_map = *ref_rec.find("mlp.router.1");
+  const Tensor& opt_map = *opt_rec.find("mlp.router.1");
+  if (!bitwise_equal(ref_map, opt_map)) {
+    // A near-tie: two logits of a token within both twins' logits difference plus two roundings.
+    const Tensor& rl = *ref_rec.find("mlp.router.logits");
+    const Tensor& ol = *opt_rec.find("mlp.router.logits");
+    const double gap = 2 * max_abs_diff(rl, ol) + 4 * unit_roundoff(rl.dtype()) * max_abs(rl);
+    RC_LOG() << "routing maps differ; near-tie gap " << gap << "\n";
+    RC_ASSERT(has_near_tie(rl, *m.config.num_moe_experts, gap));
+    RC_DISCARD("routing decided by a near-tie");
+  }
+  const Tensor& ref_tpe = *ref_rec.find("mlp.experts.tokens_per_expert", Role::TapIn);
+  const Tensor& opt_tpe = *opt_rec.find("mlp.experts.tokens_per_expert", Role::TapIn);
+  RC_ASSERT(bitwise_equal(ref_tpe, opt_tpe));
+  const Tolerance tol = reference_error_bound(m.dense.dtype, max_abs_diff(ref, exact), max_abs(ref));
+  const Comparison cmp = compare("output.hidden_states", got, ref, tol);
+  RC_LOG() << "max abs " << cmp.max_abs << " bound atol " << tol.atol << " rtol " << tol.rtol << " at "
+           << cmp.worst_index_str() << "\n";
+  RC_ASSERT(cmp.pass);
+}
+
+// Two runs of the optimized MoE layer are bitwise equal (outputs and every recorded entry).
+RC_GTEST_PROP(OptimizedMoEProperty, TwoRunsAreBitwiseEqual, ()) {
+  const MoECase m = gen_case();
+  RC_LOG() << describe(m) << "\n";
+  Record a, b;
+  RC_ASSERT(bitwise_equal(optimized_forward(m, &a), optimized_forward(m, &b)));
+  RC_ASSERT(a.entries.size() == b.entries.size());
+  for (std::size_t i = 0; i < a.entries.size(); ++i) {
+    RC_LOG() << a.entries[i].key() << "\n";
+    RC_ASSERT(a.entries[i].key() == b.entries[i].key());
+    RC_ASSERT(bitwise_equal(a.entries[i].value, b.entries[i].value));
+  }
+}
+
+// A CUDA-graph replay of the router and postprocess phases (the expert compute eager between them)
+// is bitwise equal to eager execution, on the first replay and on a second one with new inputs of
+// the same shape (the graphs then run on the re-uploaded inputs).
+RC_GTEST_PROP(OptimizedMoEProperty, GraphReplayIsBitwiseEqualToEager, ()) {
+  const MoECase m = gen_case();
+  RC_LOG() << describe(m) << "\n";
+  opt::MoEForwardInputs in;
+  in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
+  in.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
+  opt::ForwardOptions eager, graph;
+  eager.training = graph.training = true;
+  graph.use_graph = true;
+  opt::MoETransformerLayer a(m.config, m.params, opt::LayerOptions{}), b(m.config, m.params, opt::LayerOptions{});
+  RC_ASSERT(bitwise_equal(a.forward(m.hidden_states, in, graph).hidden_states,
+                          b.forward(m.hidden_states, in, eager).hidden_states));
+  RC_ASSERT(a.tokens_per_expert() == b.tokens_per_expert());
+  // Second call: other hidden states, the captured graphs replayed.
+  std::vector<double> v = m.hidden_states.to_f64();
+  for (std::size_t i = 0; i < v.size(); i += 3) v[i] = -v[i];  // negation is exact in any dtype
+  const Tensor x2 = Tensor::from_doubles(m.hidden_states.dtype(), m.hidden_states.shape(), v);
+  RC_ASSERT(bitwise_equal(a.forward(x2, in, graph).hidden_states, b.forward(x2, in, eager).hidden_states));
+  RC_ASSERT(a.tokens_per_expert() == b.tokens_per_expert());
+}
