@@ -57,8 +57,8 @@ TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode
   o.training = f.training;
   o.record_taps = true;
   CountRoundings counting;
-  return finish(layer.forward(input(f, "hidden_states", 3), &input(f, "context", 3),
-                              optional_input(f, "context_mask", 4), o));
+  return finish(
+      layer.forward(input(f, "hidden_states", 3), &input(f, "context", 3), optional_input(f, "context_mask", 4), o));
 }
 
 }  // namespace

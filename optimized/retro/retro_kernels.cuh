@@ -112,7 +112,8 @@ inline void retro_build_map(const RetroMapArgs& a, std::int64_t* map, cudaStream
   require(map != nullptr, "retro_build_map: null map");
   if (rows == 0) return;
   const unsigned threads = elementwise_threads(rows);
-  launch_kernel(retro_build_map_kernel<std::int64_t>, dim3(elementwise_blocks(rows, threads)), dim3(threads), 0, stream, a, map);
+  launch_kernel(retro_build_map_kernel<std::int64_t>, dim3(elementwise_blocks(rows, threads)), dim3(threads), 0, stream,
+                a, map);
 }
 
 // out [a.out_rows(), d] = rows of x [in_rows, d] by the map; no rounding (a copy).

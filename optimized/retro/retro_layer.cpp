@@ -26,15 +26,17 @@ struct RetroSizes {
   double encoder_hidden_dropout = 0.0, encoder_attention_dropout = 0.0;
 };
 
+// Unset fields take RetroConfig's defaults (2 neighbours, 2 retrieved chunks, 2 encoder layers,
+// encoder dropouts 0.1), as the reference's validate_retro_config.
 RetroSizes retro_sizes(const TransformerConfig& c) {
   reject(!c.retro_chunk_length || *c.retro_chunk_length < 1, "retro_chunk_length must be set and >= 1");
-  reject(!c.retro_num_neighbors || *c.retro_num_neighbors < 1, "retro_num_neighbors must be set and >= 1");
-  reject(!c.retro_num_retrieved_chunks || *c.retro_num_retrieved_chunks < 1,
-         "retro_num_retrieved_chunks must be set and >= 1");
   RetroSizes s;
   s.m = *c.retro_chunk_length;
-  s.k = *c.retro_num_neighbors;
-  s.r = std::int64_t(*c.retro_num_retrieved_chunks) * s.m;
+  s.k = c.retro_num_neighbors.value_or(2);
+  const int chunks = c.retro_num_retrieved_chunks.value_or(2);
+  reject(s.k < 1, "retro_num_neighbors must be >= 1, got " + std::to_string(s.k));
+  reject(chunks < 1, "retro_num_retrieved_chunks must be >= 1, got " + std::to_string(chunks));
+  s.r = std::int64_t(chunks) * s.m;
   reject(c.retro_retrieved_length && *c.retro_retrieved_length != s.r,
          "retro_retrieved_length " + std::to_string(*c.retro_retrieved_length) +
              " != retro_num_retrieved_chunks * retro_chunk_length = " + std::to_string(s.r));
@@ -122,8 +124,8 @@ struct Block {
   std::vector<std::unique_ptr<Layer>> layers;
   // Runs the layers in order, layer i with offset + 8 i; taps "<prefix>layers.i.0" / ".1".
   std::pair<DTensor, std::optional<DTensor>> forward(const Exec& ex, DTensor x, std::optional<DTensor> context,
-                                                      const DTensor* mask, const Shape& mask_shape,
-                                                      std::uint64_t offset, const std::string& prefix) const;
+                                                     const DTensor* mask, const Shape& mask_shape, std::uint64_t offset,
+                                                     const std::string& prefix) const;
 };
 
 struct Layer {
@@ -150,8 +152,8 @@ struct Layer {
   }
 
   std::pair<DTensor, std::optional<DTensor>> forward(const Exec& ex, const DTensor& x, std::optional<DTensor> context,
-                                                      const DTensor* mask, const Shape& mask_shape,
-                                                      std::uint64_t offset, const std::string& pre) const;
+                                                     const DTensor* mask, const Shape& mask_shape, std::uint64_t offset,
+                                                     const std::string& pre) const;
 
  private:
   DTensor norm(const Exec& ex, const DTensor& x, const std::string& key) const {
@@ -206,9 +208,9 @@ struct Layer {
 };
 
 std::pair<DTensor, std::optional<DTensor>> Layer::forward(const Exec& ex, const DTensor& x,
-                                                           std::optional<DTensor> context, const DTensor* mask,
-                                                           const Shape& mask_shape, std::uint64_t offset,
-                                                           const std::string& pre) const {
+                                                          std::optional<DTensor> context, const DTensor* mask,
+                                                          const Shape& mask_shape, std::uint64_t offset,
+                                                          const std::string& pre) const {
   const int s = static_cast<int>(x.shape[0]), b = static_cast<int>(x.shape[1]);
   const std::int64_t n = std::int64_t(s) * b;
   // ---- input_layernorm, self_attention (linear_qkv with its bias in the epilogue)  // [s, b, h]
@@ -229,8 +231,8 @@ std::pair<DTensor, std::optional<DTensor>> Layer::forward(const Exec& ex, const 
     ap.mask = !encoder_layer && s > 1 ? sim::MaskMode::Causal : sim::MaskMode::None;
   }
   const DTensor core = ex.alloc({s, b, std::int64_t(np) * hn});
-  sim::dot_product_attention_forward(ex.dt, qkv.get(), sim::QkvLayout{qkv_w, (hpg + 2) * hn, int(hpg)}, core.get(),
-                                     ap, ex.st());
+  sim::dot_product_attention_forward(ex.dt, qkv.get(), sim::QkvLayout{qkv_w, (hpg + 2) * hn, int(hpg)}, core.get(), ap,
+                                     ex.st());
   ex.tap(pre + "self_attention.core_attention", core);
   const DTensor proj = linear(ex, core, "self_attention.linear_proj", false, h);
   proj_taps(ex, proj, pre, "self_attention", "linear_proj");
@@ -281,9 +283,10 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
                                        std::uint64_t offset, const std::string& pre) const {
   const std::int64_t m = rs.m, k = rs.k, r = rs.r, ns = ln.shape[0], bs = ln.shape[1], d = h;
   const std::int64_t l = (ns + m - 1) / m, N = bs * l, pad = (ns - 1) % m;
-  const std::string sizes = " (r = retro_retrieved_length = " + std::to_string(r) + ", k = retro_num_neighbors = " +
-                            std::to_string(k) + ", bs = " + std::to_string(bs) + ", l = ceil(ns / m) = ceil(" +
-                            std::to_string(ns) + " / " + std::to_string(m) + ") = " + std::to_string(l) + ")";
+  const std::string sizes = " (r = retro_retrieved_length = " + std::to_string(r) +
+                            ", k = retro_num_neighbors = " + std::to_string(k) + ", bs = " + std::to_string(bs) +
+                            ", l = ceil(ns / m) = ceil(" + std::to_string(ns) + " / " + std::to_string(m) +
+                            ") = " + std::to_string(l) + ")";
   if (!context)
     throw std::invalid_argument(std::string("RetroDecoderCrossAttention: key_value_states (") +
                                 (encoder ? "the neighbour embeddings" : "the encoder output") + ") cannot be None");
@@ -292,8 +295,9 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   if (encoder) {
     const Shape want{r, k * N, d};
     if (context->shape != want)
-      throw ShapeError("RetroDecoderCrossAttention: neighbour embeddings (context) expected shape [r, k * bs * l, d] = " +
-                       shape_str(want) + sizes + ", got " + shape_str(context->shape));
+      throw ShapeError(
+          "RetroDecoderCrossAttention: neighbour embeddings (context) expected shape [r, k * bs * l, d] = " +
+          shape_str(want) + sizes + ", got " + shape_str(context->shape));
     // Chunk the decoder states for the encoder: first ns % m tokens right-padded into chunk 0.
     sim::RetroMapArgs chunk;
     chunk.map = sim::RetroMap::ChunkEncoderContext;
@@ -329,8 +333,8 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
 
   // attn: linear_kv on the neighbours, linear_q on the chunks, core attention (no mask), linear_proj.
   const std::int64_t D = std::int64_t(np) * hn;
-  const DTensor kv = linear(ex, kv_in, "cross_attention.attn.linear_kv", true, 2 * D);     // [r*k, N, np * 2hn]
-  const DTensor q = linear(ex, padded, "cross_attention.attn.linear_q", true, D);           // [m, N, np * hn]
+  const DTensor kv = linear(ex, kv_in, "cross_attention.attn.linear_kv", true, 2 * D);  // [r*k, N, np * 2hn]
+  const DTensor q = linear(ex, padded, "cross_attention.attn.linear_q", true, D);       // [m, N, np * hn]
   sim::AttnOperands ops;
   ops.q = q.get();
   ops.q_tok = N * D;
@@ -365,9 +369,9 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   unchunk.l = l;
   unchunk.pad = pad;
   DTensor out = ex.alloc(residual.shape);
-  sim::retro_decoder_bias_dropout_add(ex.dt, proj.get(), w("cross_attention.attn.linear_proj.bias"), residual.get(),
-                                      out.get(), unchunk, int(d),
-                                      sim::DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3), ex.st());
+  sim::retro_decoder_bias_dropout_add(
+      ex.dt, proj.get(), w("cross_attention.attn.linear_proj.bias"), residual.get(), out.get(), unchunk, int(d),
+      sim::DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3), ex.st());
   return out;
 }
 
@@ -411,8 +415,7 @@ DTensor Layer::encoder_cross_attention(const Exec& ex, const DTensor& ln, const 
     const std::uint64_t neighbour_offset = attn_offset + (std::uint64_t(n) + 1) * (std::uint64_t{1} << 32);
     sim::dot_product_attention_forward(
         ex.dt, ops, static_cast<char*>(core.get()) + std::size_t(n * r * N * D) * dtype_size(ex.dt),
-        attn_params(int(r), int(sk), int(N), cross_attention_dropout, neighbour_offset, ex.training, ex.seed),
-        ex.st());
+        attn_params(int(r), int(sk), int(N), cross_attention_dropout, neighbour_offset, ex.training, ex.seed), ex.st());
   }
   const DTensor proj = linear(ex, core, "cross_attention.attn.linear_proj", false, d);  // [k*r, N, d]
   const RoundingCount neighbours_end = rounding_now();
@@ -439,15 +442,15 @@ DTensor Layer::encoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   }
   rounding_set(neighbours_end);
   DTensor out = ex.alloc({r, k * N, d});
-  sim::retro_encoder_bias_dropout_add(ex.dt, proj.get(), w("cross_attention.attn.linear_proj.bias"), ln.get(),
-                                      out.get(), r, N, k, int(d),
-                                      sim::DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3), ex.st());
+  sim::retro_encoder_bias_dropout_add(
+      ex.dt, proj.get(), w("cross_attention.attn.linear_proj.bias"), ln.get(), out.get(), r, N, k, int(d),
+      sim::DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3), ex.st());
   return out;
 }
 
 std::pair<DTensor, std::optional<DTensor>> Block::forward(const Exec& ex, DTensor x, std::optional<DTensor> context,
-                                                           const DTensor* mask, const Shape& mask_shape,
-                                                           std::uint64_t offset, const std::string& prefix) const {
+                                                          const DTensor* mask, const Shape& mask_shape,
+                                                          std::uint64_t offset, const std::string& prefix) const {
   const RoundingCount inputs_rounding = rounding_now();
   for (std::size_t i = 0; i < layers.size(); ++i) {
     rounding_join(inputs_rounding);
@@ -587,6 +590,18 @@ std::vector<std::string> retro_layer_param_keys(const TransformerConfig& c, Retr
   return keys;
 }
 
+std::vector<std::pair<std::string, Shape>> retro_layer_param_shapes(const TransformerConfig& c, RetroLayerKind kind) {
+  const auto shapes = param_shapes(c);
+  std::vector<std::pair<std::string, Shape>> out;
+  const std::string enc = "cross_attention.encoder.layers.";
+  for (const auto& key : retro_layer_param_keys(c, kind)) {
+    std::string rel = key;
+    if (key.rfind(enc, 0) == 0) rel = key.substr(key.find('.', enc.size()) + 1);  // past "layers.N."
+    out.emplace_back(key, shapes.at(rel));
+  }
+  return out;
+}
+
 // ---- the public layer and block ------------------------------------------------------------------
 
 namespace {
@@ -687,8 +702,8 @@ RetroOutput RetroDecoderLayer::forward(const Tensor& hidden_states, const Tensor
   Record rec;
   const Exec ex = impl_->sh.exec(o.record_taps ? &rec : nullptr, o);
   const auto in = impl_->sh.upload(ex, hidden_states, context, context_mask);
-  auto [x, ctx] = impl_->layer->forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset,
-                                        "");
+  auto [x, ctx] =
+      impl_->layer->forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
   return impl_->sh.finish(ex, x, ctx, std::move(rec));
 }
 

@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/config.h"
@@ -48,6 +49,9 @@ struct RetroOutput {
 // Megatron's state-dict keys of one decoder layer of `kind` (encoder keys under
 // "cross_attention.encoder.layers.N.") for `config`.
 std::vector<std::string> retro_layer_param_keys(const TransformerConfig& config, RetroLayerKind kind);
+// The same keys with their shapes (in the params dtype).
+std::vector<std::pair<std::string, Shape>> retro_layer_param_shapes(const TransformerConfig& config,
+                                                                    RetroLayerKind kind);
 
 class RetroDecoderLayer {
  public:
