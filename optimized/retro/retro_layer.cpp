@@ -4,9 +4,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <set>
 
 #include "optimized/retro/retro_kernels.cuh"
+#include "optimized/runtime/collectives.h"
 #include "optimized/transformer_layer.cuh"  // linear_forward, norm / attention / bda / activation kernels
 
 namespace twin::opt::retro {
@@ -59,9 +61,14 @@ void validate(const TransformerConfig& c) {
   reject(c.glu_linear_offset != 0.0, "glu_linear_offset != 0 is not supported");
   reject(c.num_moe_experts.has_value(), "num_moe_experts: the Retro specs are dense");
   reject(c.context_parallel_size != 1, "context_parallel_size must be 1");
-  reject(c.tensor_model_parallel_size != 1, "tensor_model_parallel_size " +
-                                                std::to_string(c.tensor_model_parallel_size) +
-                                                ": the optimized Retro decoder runs at TP = 1 only");
+  const int tp = c.tensor_model_parallel_size;
+  reject(tp < 1, "tensor_model_parallel_size must be >= 1");
+  reject(c.sequence_parallel, "sequence_parallel is not supported by the optimized Retro decoder");
+  reject(c.num_attention_heads % tp != 0 || c.query_groups() % tp != 0,
+         "tensor_model_parallel_size " + std::to_string(tp) + " must divide num_attention_heads " +
+             std::to_string(c.num_attention_heads) + " and num_query_groups " + std::to_string(c.query_groups()));
+  reject(c.ffn() % tp != 0, "tensor_model_parallel_size " + std::to_string(tp) + " must divide ffn_hidden_size " +
+                                std::to_string(c.ffn()));
   reject(c.hidden_size <= 0 || c.num_attention_heads <= 0 || c.head_dim() <= 0 || c.ffn() <= 0,
          "hidden_size, heads, kv_channels and ffn must be > 0");
   reject(c.num_attention_heads % c.query_groups() != 0, "num_attention_heads not divisible by num_query_groups");
@@ -86,6 +93,8 @@ struct Exec {
   Record* rec = nullptr;  // null: no taps
   bool training = false;
   std::uint64_t seed = 0;
+  int rank = 0, tp = 1;
+  rt::Communicator* comm = nullptr;  // tp > 1
   cudaStream_t st() const { return stream->handle(); }
 
   DTensor alloc(Shape shape) const {
@@ -138,14 +147,16 @@ struct Layer {
   float alpha = 1.0f, coeff = 0.0f;
   bool softmax_fp32 = true;
   double hidden_dropout = 0.0, self_attention_dropout = 0.0, cross_attention_dropout = 0.0;
-  std::map<std::string, Tensor> host;  // this layer's params by key (relative)
-  std::map<std::string, DTensor> dev;
-  std::unique_ptr<Block> encoder;  // Cross::Decoder of the first Retro layer
+  std::map<std::string, Tensor> host;               // this layer's params by key (relative)
+  std::vector<std::map<std::string, DTensor>> dev;  // per tensor-parallel rank: its shards
+  std::unique_ptr<Block> encoder;                   // Cross::Decoder of the first Retro layer
 
-  const void* w(const std::string& key) const {
-    auto it = dev.find(key);
-    return it == dev.end() ? nullptr : it->second.get();
+  const void* w(const Exec& ex, const std::string& key) const {
+    const auto& m = dev.at(static_cast<std::size_t>(ex.rank));
+    auto it = m.find(key);
+    return it == m.end() ? nullptr : it->second.get();
   }
+  int np_l(const Exec& ex) const { return np / ex.tp; }
   const Tensor* host_param(const std::string& key) const {
     auto it = host.find(key);
     return it == host.end() ? nullptr : &it->second;
@@ -158,7 +169,7 @@ struct Layer {
  private:
   DTensor norm(const Exec& ex, const DTensor& x, const std::string& key) const {
     DTensor y = ex.alloc(x.shape);
-    sim::norm_forward(false, ex.dt, x.get(), y.get(), w(key + ".weight"), w(key + ".bias"),
+    sim::norm_forward(false, ex.dt, x.get(), y.get(), w(ex, key + ".weight"), w(ex, key + ".bias"),
                       sim::NormRows::dense(x.numel() / h, h), c.layernorm_epsilon, c.layernorm_zero_centered_gamma,
                       ex.st());
     return y;
@@ -169,18 +180,30 @@ struct Layer {
     Shape shape = x.shape;
     shape.back() = out_features;
     DTensor y = ex.alloc(shape);
-    sim::linear_forward(ex.dt, x.get(), w(key + ".weight"), bias_in_epilogue ? w(key + ".bias") : nullptr, y.get(),
-                        rows, in, out_features, ex.st());
+    sim::linear_forward(ex.dt, x.get(), w(ex, key + ".weight"), bias_in_epilogue ? w(ex, key + ".bias") : nullptr,
+                        y.get(), rows, in, out_features, ex.st());
     return y;
   }
-  sim::AttnParams attn_params(int sq, int sk, int b, double dropout, std::uint64_t drop_offset, bool training,
-                              std::uint64_t seed) const {
+  // A row-parallel linear (linear_proj, fc2): each rank's product summed over the ranks
+  // (all-reduce); the bias is left to the bias-dropout-add, as in Megatron.
+  DTensor row_parallel_linear(const Exec& ex, const DTensor& x, const std::string& key) const {
+    DTensor y = linear(ex, x, key, false, h);
+    if (ex.tp == 1) return y;
+    rounding_store(ex.dt);  // counts: the sum over ranks, stored in T
+    DTensor sum = ex.alloc(y.shape);
+    ex.comm->all_reduce(y.get(), sum.get(), std::size_t(y.numel()), ex.dt, ex.st());
+    return sum;
+  }
+  sim::AttnParams attn_params(const Exec& ex, int sq, int sk, int b, double dropout, std::uint64_t drop_offset) const {
+    const bool training = ex.training;
+    const std::uint64_t seed = ex.seed;
     sim::AttnParams ap;
     ap.sq = sq;
     ap.sk = sk;
     ap.b = b;
-    ap.np_local = ap.np_total = np;
-    ap.head_offset = 0;
+    ap.np_local = np_l(ex);
+    ap.np_total = np;
+    ap.head_offset = ex.rank * np_l(ex);
     ap.hn = hn;
     ap.alpha = alpha;
     ap.coeff = coeff;
@@ -216,12 +239,12 @@ std::pair<DTensor, std::optional<DTensor>> Layer::forward(const Exec& ex, const 
   // ---- input_layernorm, self_attention (linear_qkv with its bias in the epilogue)  // [s, b, h]
   const DTensor ln1 = norm(ex, x, "input_layernorm");
   ex.tap(pre + "input_layernorm", ln1);
-  const std::int64_t hpg = np / ng, qkv_w = std::int64_t(ng) * (hpg + 2) * hn;
+  const std::int64_t hpg = np / ng, qkv_w = std::int64_t(ng / ex.tp) * (hpg + 2) * hn;
   const DTensor qkv = linear(ex, ln1, "self_attention.linear_qkv", true, qkv_w);  // [s, b, ng (hpg + 2) hn]
   ex.tap(pre + "self_attention.linear_qkv.0", qkv);
   // The decoder's self attention is causal (the GPT spec); the encoder's is padding: the
   // context_mask when given, else none.
-  sim::AttnParams ap = attn_params(s, s, b, self_attention_dropout, offset + 0, ex.training, ex.seed);
+  sim::AttnParams ap = attn_params(ex, s, s, b, self_attention_dropout, offset + 0);
   if (encoder_layer && mask) {
     ap.mask = sim::MaskMode::Explicit;
     ap.mask_ptr = static_cast<const std::uint8_t*>(mask->get());
@@ -230,15 +253,15 @@ std::pair<DTensor, std::optional<DTensor>> Layer::forward(const Exec& ex, const 
   } else {
     ap.mask = !encoder_layer && s > 1 ? sim::MaskMode::Causal : sim::MaskMode::None;
   }
-  const DTensor core = ex.alloc({s, b, std::int64_t(np) * hn});
+  const DTensor core = ex.alloc({s, b, std::int64_t(np_l(ex)) * hn});
   sim::dot_product_attention_forward(ex.dt, qkv.get(), sim::QkvLayout{qkv_w, (hpg + 2) * hn, int(hpg)}, core.get(), ap,
                                      ex.st());
   ex.tap(pre + "self_attention.core_attention", core);
-  const DTensor proj = linear(ex, core, "self_attention.linear_proj", false, h);
+  const DTensor proj = row_parallel_linear(ex, core, "self_attention.linear_proj");
   proj_taps(ex, proj, pre, "self_attention", "linear_proj");
   // ---- self_attn_bda                                   // [s, b, h]
   DTensor h1 = ex.alloc(x.shape);
-  sim::bias_dropout_add_forward(ex.dt, proj.get(), w("self_attention.linear_proj.bias"), x.get(), h1.get(), n, h,
+  sim::bias_dropout_add_forward(ex.dt, proj.get(), w(ex, "self_attention.linear_proj.bias"), x.get(), h1.get(), n, h,
                                 sim::DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 1), 0, ex.st());
 
   // ---- pre_cross_attn_layernorm, cross_attention, cross_attn_bda (IdentityOps in a GPT layer)
@@ -259,18 +282,19 @@ std::pair<DTensor, std::optional<DTensor>> Layer::forward(const Exec& ex, const 
   const DTensor ln2 = norm(ex, h2, ln2_key);
   ex.tap(pre + "pre_mlp_layernorm", ln2);
   const bool glu = c.gated_linear_unit;
-  const DTensor fc1 = linear(ex, ln2, "mlp.linear_fc1", false, (glu ? 2 : 1) * std::int64_t(ffn));
+  const int f_l = ffn / ex.tp;
+  const DTensor fc1 = linear(ex, ln2, "mlp.linear_fc1", false, (glu ? 2 : 1) * std::int64_t(f_l));
   ex.tap(pre + "mlp.linear_fc1.0", fc1);
   ex.tap_param(pre + "mlp.linear_fc1.1", host_param("mlp.linear_fc1.bias"));
   Shape act_shape = x.shape;
-  act_shape.back() = ffn;
+  act_shape.back() = f_l;
   const DTensor act = ex.alloc(act_shape);
-  sim::bias_activation_forward(ex.dt, fc1.get(), w("mlp.linear_fc1.bias"), act.get(), n, ffn,
+  sim::bias_activation_forward(ex.dt, fc1.get(), w(ex, "mlp.linear_fc1.bias"), act.get(), n, f_l,
                                sim::act_from_name(c.activation_func), glu, ex.st());
-  const DTensor fc2 = linear(ex, act, "mlp.linear_fc2", false, h);
+  const DTensor fc2 = row_parallel_linear(ex, act, "mlp.linear_fc2");
   proj_taps(ex, fc2, pre, "mlp", "linear_fc2");
   DTensor out = ex.alloc(x.shape);
-  sim::bias_dropout_add_forward(ex.dt, fc2.get(), w("mlp.linear_fc2.bias"), h2.get(), out.get(), n, h,
+  sim::bias_dropout_add_forward(ex.dt, fc2.get(), w(ex, "mlp.linear_fc2.bias"), h2.get(), out.get(), n, h,
                                 sim::DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 4), 0, ex.st());
   return {out, context};
 }
@@ -332,9 +356,11 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   sim::retro_gather_rows(ex.dt, ln.get(), padded.get(), attending, ns * bs, int(d), ex.st());
 
   // attn: linear_kv on the neighbours, linear_q on the chunks, core attention (no mask), linear_proj.
-  const std::int64_t D = std::int64_t(np) * hn;
-  const DTensor kv = linear(ex, kv_in, "cross_attention.attn.linear_kv", true, 2 * D);  // [r*k, N, np * 2hn]
-  const DTensor q = linear(ex, padded, "cross_attention.attn.linear_q", true, D);       // [m, N, np * hn]
+  const std::int64_t D = std::int64_t(np_l(ex)) * hn;                                   // this rank's heads
+  const DTensor kv = linear(ex, kv_in, "cross_attention.attn.linear_kv", true, 2 * D);  // [r*k, N, np_l * 2hn]
+  ex.tap(pre + "attn.linear_kv.0", kv);
+  const DTensor q = linear(ex, padded, "cross_attention.attn.linear_q", true, D);  // [m, N, np_l * hn]
+  ex.tap(pre + "attn.linear_q.0", q);
   sim::AttnOperands ops;
   ops.q = q.get();
   ops.q_tok = N * D;
@@ -348,11 +374,11 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   ops.kv_batch = 2 * D;
   ops.kv_group = 2 * hn;
   const DTensor core = ex.alloc({m, N, D});
-  sim::dot_product_attention_forward(
-      ex.dt, ops, core.get(),
-      attn_params(int(m), int(r * k), int(N), cross_attention_dropout, attn_offset, ex.training, ex.seed), ex.st());
+  sim::dot_product_attention_forward(ex.dt, ops, core.get(),
+                                     attn_params(ex, int(m), int(r * k), int(N), cross_attention_dropout, attn_offset),
+                                     ex.st());
   ex.tap(pre + "attn.core_attention", core);
-  const DTensor proj = linear(ex, core, "cross_attention.attn.linear_proj", false, d);  // [m, N, d]
+  const DTensor proj = row_parallel_linear(ex, core, "cross_attention.attn.linear_proj");  // [m, N, d]
   proj_taps(ex, proj, pre.substr(0, pre.size() - std::string("cross_attention.").size()), "cross_attention.attn",
             "linear_proj");
   ex.tap(pre + "attention_output", proj);
@@ -370,7 +396,7 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   unchunk.pad = pad;
   DTensor out = ex.alloc(residual.shape);
   sim::retro_decoder_bias_dropout_add(
-      ex.dt, proj.get(), w("cross_attention.attn.linear_proj.bias"), residual.get(), out.get(), unchunk, int(d),
+      ex.dt, proj.get(), w(ex, "cross_attention.attn.linear_proj.bias"), residual.get(), out.get(), unchunk, int(d),
       sim::DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3), ex.st());
   return out;
 }
@@ -390,7 +416,7 @@ DTensor Layer::encoder_cross_attention(const Exec& ex, const DTensor& ln, const 
                      " do not fit [r, k * bs*l, d] = [" + std::to_string(r) + ", " + std::to_string(k * N) + ", " +
                      std::to_string(d) + "]");
   const std::uint64_t attn_offset = offset + 2;
-  const std::int64_t D = std::int64_t(np) * hn;
+  const std::int64_t D = std::int64_t(np_l(ex)) * hn;  // this rank's heads
   // Each neighbour is a branch from the input: all have the same count, joined after the loop.
   const RoundingCount at_input = rounding_now();
   const DTensor kv = linear(ex, chunked, "cross_attention.attn.linear_kv", true, 2 * D);  // [m, N, np * 2hn]
@@ -415,9 +441,9 @@ DTensor Layer::encoder_cross_attention(const Exec& ex, const DTensor& ln, const 
     const std::uint64_t neighbour_offset = attn_offset + (std::uint64_t(n) + 1) * (std::uint64_t{1} << 32);
     sim::dot_product_attention_forward(
         ex.dt, ops, static_cast<char*>(core.get()) + std::size_t(n * r * N * D) * dtype_size(ex.dt),
-        attn_params(int(r), int(sk), int(N), cross_attention_dropout, neighbour_offset, ex.training, ex.seed), ex.st());
+        attn_params(ex, int(r), int(sk), int(N), cross_attention_dropout, neighbour_offset), ex.st());
   }
-  const DTensor proj = linear(ex, core, "cross_attention.attn.linear_proj", false, d);  // [k*r, N, d]
+  const DTensor proj = row_parallel_linear(ex, core, "cross_attention.attn.linear_proj");  // [k*r, N, d]
   const RoundingCount neighbours_end = rounding_now();
   if (ex.rec) {
     const Tensor all = ex.download(proj);
@@ -443,7 +469,7 @@ DTensor Layer::encoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   rounding_set(neighbours_end);
   DTensor out = ex.alloc({r, k * N, d});
   sim::retro_encoder_bias_dropout_add(
-      ex.dt, proj.get(), w("cross_attention.attn.linear_proj.bias"), ln.get(), out.get(), r, N, k, int(d),
+      ex.dt, proj.get(), w(ex, "cross_attention.attn.linear_proj.bias"), ln.get(), out.get(), r, N, k, int(d),
       sim::DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3), ex.st());
   return out;
 }
@@ -514,6 +540,61 @@ std::map<std::string, Shape> param_shapes(const TransformerConfig& c) {
           {"mlp.linear_fc2.bias", {h}}};
 }
 
+// Rows [r0, r1) of a [rows, ...] tensor / columns [c0, c1) of a [rows, cols] tensor.
+Tensor take_rows(const Tensor& t, std::int64_t r0, std::int64_t r1) {
+  const std::size_t row = std::size_t(t.numel() / t.size(0)) * dtype_size(t.dtype());
+  Shape shape = t.shape();
+  shape[0] = r1 - r0;
+  Tensor out = Tensor::empty(t.dtype(), shape);
+  std::memcpy(out.raw_mut(), t.raw() + std::size_t(r0) * row, std::size_t(r1 - r0) * row);
+  return out;
+}
+Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1) {
+  const std::int64_t rows = t.size(0), cols = t.size(1);
+  const std::size_t es = dtype_size(t.dtype());
+  Tensor out = Tensor::empty(t.dtype(), {rows, c1 - c0});
+  for (std::int64_t r = 0; r < rows; ++r)
+    std::memcpy(out.raw_mut() + std::size_t(r * (c1 - c0)) * es, t.raw() + std::size_t(r * cols + c0) * es,
+                std::size_t(c1 - c0) * es);
+  return out;
+}
+
+// Rank r's shard of a layer parameter (layer-relative key): linear_qkv rows by query groups,
+// linear_q / linear_kv rows by heads (linear_kv's [np, 2 hn] rows), fc1 rows by columns of both
+// GLU halves (column parallel); linear_proj / fc2 weight columns (row parallel); their biases and
+// the norms whole.
+Tensor shard(const TransformerConfig& c, const std::string& key, const Tensor& t, int r, int tp) {
+  if (tp == 1) return t;
+  const std::int64_t np = c.num_attention_heads, ng = c.query_groups(), hn = c.head_dim(), ffn = c.ffn();
+  const std::int64_t np_l = np / tp, ng_l = ng / tp, f_l = ffn / tp;
+  auto ends_with = [&](const std::string& suffix) {
+    return key.size() >= suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  const bool weight = ends_with(".weight");
+  if (key.rfind("self_attention.linear_qkv.", 0) == 0) {
+    const std::int64_t gs = (np / ng + 2) * hn;
+    return take_rows(t, r * ng_l * gs, (r + 1) * ng_l * gs);
+  }
+  if (key.rfind("cross_attention.attn.linear_q.", 0) == 0) return take_rows(t, r * np_l * hn, (r + 1) * np_l * hn);
+  if (key.rfind("cross_attention.attn.linear_kv.", 0) == 0)
+    return take_rows(t, r * np_l * 2 * hn, (r + 1) * np_l * 2 * hn);
+  if (weight && (key == "self_attention.linear_proj.weight" || key == "cross_attention.attn.linear_proj.weight"))
+    return take_cols(t, r * np_l * hn, (r + 1) * np_l * hn);
+  if (weight && key == "mlp.linear_fc2.weight") return take_cols(t, r * f_l, (r + 1) * f_l);
+  if (key.rfind("mlp.linear_fc1.", 0) == 0) {
+    Tensor first = take_rows(t, r * f_l, (r + 1) * f_l);
+    if (!c.gated_linear_unit) return first;
+    const Tensor second = take_rows(t, ffn + r * f_l, ffn + (r + 1) * f_l);
+    Shape shape = first.shape();
+    shape[0] = 2 * f_l;
+    Tensor both = Tensor::empty(t.dtype(), shape);
+    std::memcpy(both.raw_mut(), first.raw(), first.nbytes());
+    std::memcpy(both.raw_mut() + first.nbytes(), second.raw(), second.nbytes());
+    return both;
+  }
+  return t;  // norms, the row-parallel biases
+}
+
 // Builds one layer from params under `prefix`; `used` collects the keys it took.
 std::unique_ptr<Layer> build_layer(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
                                    const std::string& prefix, Cross cross, bool encoder_layer, bool owns_encoder,
@@ -564,8 +645,12 @@ std::unique_ptr<Layer> build_layer(const TransformerConfig& c, const std::map<st
     it->second.expect(shapes.at(key), dt, "optimized Retro decoder: parameter '" + prefix + key + "'");
     used.insert(prefix + key);
     L->host[key] = it->second;
-    L->dev[key] = ex.upload(it->second);
   }
+  // Each rank's shards, as Megatron's tensor-parallel layers hold them.
+  const int tp = c.tensor_model_parallel_size;
+  L->dev.resize(static_cast<std::size_t>(tp));
+  for (int r = 0; r < tp; ++r)
+    for (const auto& [key, t] : L->host) L->dev[r][key] = ex.upload(shard(c, key, t, r, tp));
   if (owns_encoder) L->encoder = build_encoder(c, params, prefix + "cross_attention.encoder.", ex, used);
   return L;
 }
@@ -609,7 +694,9 @@ struct Shared {
   TransformerConfig config;
   DType dt = DType::F32;
   rt::Device* dev = nullptr;
-  std::unique_ptr<rt::Stream> stream;
+  int tp = 1;
+  std::vector<std::unique_ptr<rt::Stream>> streams;      // per rank
+  std::vector<std::unique_ptr<rt::Communicator>> comms;  // tp > 1
 
   void init(const TransformerConfig& c, rt::Backend backend) {
     validate(c);
@@ -618,17 +705,44 @@ struct Shared {
     config = c;
     dt = params_dtype(c);
     dev = &rt::device(backend);
-    stream = std::make_unique<rt::Stream>(*dev);
+    tp = c.tensor_model_parallel_size;
+    for (int r = 0; r < tp; ++r) streams.push_back(std::make_unique<rt::Stream>(*dev));
+    if (tp > 1) comms = rt::make_threaded_group(tp);
   }
-  Exec exec(Record* rec, const RetroForwardOptions& o) const {
+  Exec exec(Record* rec, const RetroForwardOptions& o, int rank = 0) const {
     Exec ex;
     ex.dev = dev;
-    ex.stream = stream.get();
+    ex.stream = streams.at(static_cast<std::size_t>(rank)).get();
     ex.dt = dt;
     ex.rec = rec;
     ex.training = o.training;
     ex.seed = o.seed;
+    ex.rank = rank;
+    ex.tp = tp;
+    ex.comm = tp > 1 ? comms[static_cast<std::size_t>(rank)].get() : nullptr;
     return ex;
+  }
+  // Runs `f(exec of the rank)` on every rank (one thread per rank when tp > 1, each counting
+  // rounding points from the caller's count) and returns rank 0's output; the caller's count
+  // continues from rank 0's (every rank executes the same rounding points).
+  RetroOutput run(const RetroForwardOptions& o, const std::function<RetroOutput(const Exec&)>& f) const {
+    if (o.record_taps && tp != 1)
+      throw std::invalid_argument("optimized Retro decoder: taps are recorded at tensor_model_parallel_size 1 only");
+    if (tp == 1) return f(exec(nullptr, o, 0));
+    const RoundingCount start = rounding_now();
+    RoundingCount end;
+    RetroOutput out;
+    rt::run_ranks(tp, [&](int r) {
+      CountRoundings counting;
+      rounding_set(start);
+      RetroOutput mine = f(exec(nullptr, o, r));
+      if (r == 0) {
+        out = std::move(mine);
+        end = rounding_now();
+      }
+    });
+    rounding_set(end);
+    return out;
   }
   // Inputs on the device, checked: hidden_states [ns, bs, d] in dt, context rank 3 in dt, mask BOOL rank 4.
   struct Inputs {
@@ -699,12 +813,15 @@ RetroDecoderLayer::~RetroDecoderLayer() = default;
 
 RetroOutput RetroDecoderLayer::forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                                        const RetroForwardOptions& o) {
-  Record rec;
-  const Exec ex = impl_->sh.exec(o.record_taps ? &rec : nullptr, o);
-  const auto in = impl_->sh.upload(ex, hidden_states, context, context_mask);
-  auto [x, ctx] =
-      impl_->layer->forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
-  return impl_->sh.finish(ex, x, ctx, std::move(rec));
+  return impl_->sh.run(o, [&](const Exec& rank_exec) {
+    Record rec;
+    Exec ex = rank_exec;
+    if (o.record_taps) ex.rec = &rec;
+    const auto in = impl_->sh.upload(ex, hidden_states, context, context_mask);
+    auto [x, ctx] =
+        impl_->layer->forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
+    return impl_->sh.finish(ex, x, ctx, std::move(rec));
+  });
 }
 
 struct RetroDecoderBlock::Impl {
@@ -729,12 +846,15 @@ RetroDecoderBlock::~RetroDecoderBlock() = default;
 
 RetroOutput RetroDecoderBlock::forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                                        const RetroForwardOptions& o) {
-  Record rec;
-  const Exec ex = impl_->sh.exec(o.record_taps ? &rec : nullptr, o);
-  const auto in = impl_->sh.upload(ex, hidden_states, context, context_mask);
-  auto [x, ctx] =
-      impl_->block.forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
-  return impl_->sh.finish(ex, x, ctx, std::move(rec));
+  return impl_->sh.run(o, [&](const Exec& rank_exec) {
+    Record rec;
+    Exec ex = rank_exec;
+    if (o.record_taps) ex.rec = &rec;
+    const auto in = impl_->sh.upload(ex, hidden_states, context, context_mask);
+    auto [x, ctx] =
+        impl_->block.forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
+    return impl_->sh.finish(ex, x, ctx, std::move(rec));
+  });
 }
 
 }  // namespace twin::opt::retro

@@ -1,7 +1,9 @@
 // The optimized twin of Megatron-Core's Retro decoder (megatron/core/models/retro/): the layers of
 // get_retro_decoder_block_spec (plain GPT layers, Retro decoder layers with chunked cross
 // attention, the first Retro layer owning the retriever encoder) and the whole decoder block, on
-// the CUDA simulator (Backend::Sim) at tensor-parallel size 1.
+// the CUDA simulator (Backend::Sim), at the config's tensor_model_parallel_size (1, 2, 4, ...:
+// ranks simulated in one process, one thread each, the threaded collectives; no sequence
+// parallelism). It loads the FULL state dict and shards it as Megatron does.
 //
 // Mirrors reference/retro/: the decoder sequence is chunked on the device (retro_kernels.cuh),
 // linear_q / linear_kv / linear_proj run through the GEMM interface, and the dense twin's
@@ -37,7 +39,7 @@ struct RetroForwardOptions {
   bool training = false;
   std::uint64_t seed = 0;    // Philox key of every dropout call
   std::uint64_t offset = 0;  // base Philox offset of the layer / block
-  bool record_taps = false;  // submodule outputs under the reference's tap names
+  bool record_taps = false;  // submodule outputs under the reference's tap names (TP = 1 only)
 };
 
 struct RetroOutput {

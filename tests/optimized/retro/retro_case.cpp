@@ -76,10 +76,10 @@ std::string to_id(const RetroCase& c) {
   const char* kind = c.kind == RetroKind::Later ? "later" : c.kind == RetroKind::First ? "first" : "block";
   return fmt::format(
       "retro(kind={}{},m={},k={},chunks={},enc={},ns={},bs={},np={},hn={},ffn={},dtype={},cmask={},bias={},drop={},"
-      "seed={})",
+      "tp={},seed={})",
       kind, c.kind == RetroKind::Block ? fmt::format(",layers={}", c.block_layers) : "", c.m, c.k, c.chunks,
       c.encoder_layers, c.ns, c.bs, c.heads, c.head_dim, c.ffn, c.bf16 ? "bf16" : "fp32", int(c.context_mask),
-      int(c.bias), c.dropout, c.seed);
+      int(c.bias), c.dropout, c.tp, c.seed);
 }
 
 TransformerConfig to_config(const RetroCase& c) {
@@ -101,12 +101,14 @@ TransformerConfig to_config(const RetroCase& c) {
   cfg.retro_split_preprocessing = "98,2,0";
   cfg.seq_length = c.ns;
   cfg.micro_batch_size = c.bs;
+  cfg.tensor_model_parallel_size = c.tp;
   return cfg;
 }
 
 RetroRun run_reference(const RetroCase& c) {
   using namespace twin::reference;
-  const Inputs in = make_inputs(c);
+  Inputs in = make_inputs(c);
+  in.config.tensor_model_parallel_size = 1;  // the reference is the unsharded layer
   const Precision p = Precision::from_config(in.config);
   LayerInputs li;
   li.context = &in.context;
@@ -145,7 +147,7 @@ RetroRun run_optimized(const RetroCase& c) {
   opt::retro::RetroForwardOptions o;
   o.training = in.training;
   o.seed = c.seed;
-  o.record_taps = true;
+  o.record_taps = c.tp == 1;
   const Tensor* mask = in.context_mask.defined() ? &in.context_mask : nullptr;
   RetroRun run;
   CountRoundings counting;
@@ -159,8 +161,7 @@ RetroRun run_optimized(const RetroCase& c) {
     out.context.reset();  // a block hands back its hidden states
   } else {
     opt::retro::RetroDecoderLayer layer(
-        in.config, in.params, c.kind == RetroKind::First ? RetroLayerKind::RetroWithEncoder : RetroLayerKind::Retro,
-        6);
+        in.config, in.params, c.kind == RetroKind::First ? RetroLayerKind::RetroWithEncoder : RetroLayerKind::Retro, 6);
     out = layer.forward(in.hidden_states, &in.context, mask, o);
   }
   run.hidden_states = out.hidden_states;

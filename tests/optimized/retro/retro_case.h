@@ -24,10 +24,11 @@ struct RetroCase {
   int block_layers = 6;  // RetroKind::Block
   bool bf16 = false, context_mask = false, bias = true;
   double dropout = 0.0;  // hidden, attention and the encoder's; training when > 0
+  int tp = 1;            // the optimized twin's tensor_model_parallel_size (the reference is unsharded)
   std::uint64_t seed = 1;
 };
 
-// "retro(kind=first,m=3,k=2,chunks=1,enc=2,ns=7,bs=2,np=2,hn=4,ffn=16,dtype=bf16,cmask=1,bias=1,drop=0.1,seed=9)"
+// "retro(kind=first,m=3,k=2,chunks=1,enc=2,ns=7,bs=2,np=2,hn=4,ffn=16,dtype=bf16,cmask=1,bias=1,drop=0.1,tp=1,seed=9)"
 std::string to_id(const RetroCase& c);
 TransformerConfig to_config(const RetroCase& c);
 

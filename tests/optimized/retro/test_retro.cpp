@@ -141,9 +141,14 @@ TEST(RetroErrors, UnsupportedConfigsAreRejectedByName) {
   expect_throw_with<ConfigError>([&] { opt::retro::RetroDecoderLayer(rms, params, RetroLayerKind::Retro, 6); },
                                  "FusedLayerNorm supports LayerNorm only");
   TransformerConfig tp = cfg;
-  tp.tensor_model_parallel_size = 2;
+  tp.tensor_model_parallel_size = 4;  // 2 heads
   expect_throw_with<ConfigError>([&] { opt::retro::RetroDecoderLayer(tp, params, RetroLayerKind::Retro, 6); },
-                                 "TP = 1 only");
+                                 "must divide num_attention_heads 2");
+  TransformerConfig sp = cfg;
+  sp.tensor_model_parallel_size = 2;
+  sp.sequence_parallel = true;
+  expect_throw_with<ConfigError>([&] { opt::retro::RetroDecoderLayer(sp, params, RetroLayerKind::Retro, 6); },
+                                 "sequence_parallel is not supported");
   TransformerConfig gqa = cfg;
   gqa.num_query_groups = 1;
   expect_throw_with<ConfigError>(
@@ -154,8 +159,19 @@ TEST(RetroErrors, UnsupportedConfigsAreRejectedByName) {
   expect_throw_with<ConfigError>([&] { opt::retro::RetroDecoderLayer(no_chunk, params, RetroLayerKind::Retro, 6); },
                                  "retro_chunk_length");
   expect_throw_with<ConfigError>(
-      [&] { opt::retro::RetroDecoderLayer(cfg, params, RetroLayerKind::Retro, 6, rt::Backend::Cuda); },
-      "simulator");
+      [&] { opt::retro::RetroDecoderLayer(cfg, params, RetroLayerKind::Retro, 6, rt::Backend::Cuda); }, "simulator");
+}
+
+TEST(RetroErrors, TapsAtTp1Only) {
+  using opt::retro::RetroLayerKind;
+  RetroCase c = small_case(RetroKind::Later);
+  c.tp = 2;
+  const TransformerConfig cfg = to_config(c);
+  opt::retro::RetroDecoderLayer layer(cfg, zero_params(cfg, RetroLayerKind::Retro), RetroLayerKind::Retro, 6);
+  const Tensor h = Tensor::zeros(DType::F32, {5, 1, 8}), ctx = Tensor::zeros(DType::F32, {4, 3, 8});
+  opt::retro::RetroForwardOptions o;
+  o.record_taps = true;
+  expect_throw_with<std::invalid_argument>([&] { layer.forward(h, &ctx, nullptr, o); }, "tensor_model_parallel_size 1");
 }
 
 TEST(RetroErrors, ParametersAreCheckedByKey) {
