@@ -158,8 +158,6 @@ TEST(RetroErrors, UnsupportedConfigsAreRejectedByName) {
   no_chunk.retro_chunk_length.reset();
   expect_throw_with<ConfigError>([&] { opt::retro::RetroDecoderLayer(no_chunk, params, RetroLayerKind::Retro, 6); },
                                  "retro_chunk_length");
-  expect_throw_with<ConfigError>(
-      [&] { opt::retro::RetroDecoderLayer(cfg, params, RetroLayerKind::Retro, 6, rt::Backend::Cuda); }, "simulator");
 }
 
 TEST(RetroErrors, TapsAtTp1Only) {
