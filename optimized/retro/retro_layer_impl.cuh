@@ -23,7 +23,6 @@ using retro::RetroOutput;
 
 namespace {
 
-
 void reject(bool bad, const std::string& what) {
   if (bad) throw ConfigError("optimized Retro decoder: " + what);
 }
@@ -120,10 +119,9 @@ struct Exec {
     return t;
   }
   Tensor download(const DTensor& d) const { return download(d, dt); }
-  void tap(const std::string& name, const DTensor& d, Shape shape = {}) const {
-    if (!rec) return;
-    Tensor t = download(d);
-    rec->add(Role::Tap, name, shape.empty() ? t : t.reshape(std::move(shape)));
+  // The tensor under `name`, with the rounding points counted so far (TP = 1: the full tensor).
+  void tap(const std::string& name, const DTensor& d) const {
+    if (rec) rec->add(Role::Tap, name, download(d));
   }
   void tap_param(const std::string& name, const Tensor* t) const {
     if (rec && t) rec->add_exact(Role::Tap, name, t->clone());
@@ -177,8 +175,7 @@ struct Layer {
   DTensor norm(const Exec& ex, const DTensor& x, const std::string& key) const {
     DTensor y = ex.alloc(x.shape);
     norm_forward(false, ex.dt, x.get(), y.get(), w(ex, key + ".weight"), w(ex, key + ".bias"),
-                      NormRows::dense(x.numel() / h, h), c.layernorm_epsilon, c.layernorm_zero_centered_gamma,
-                      ex.st());
+                 NormRows::dense(x.numel() / h, h), c.layernorm_epsilon, c.layernorm_zero_centered_gamma, ex.st());
     return y;
   }
   DTensor linear(const Exec& ex, const DTensor& x, const std::string& key, bool bias_in_epilogue,
@@ -187,8 +184,8 @@ struct Layer {
     Shape shape = x.shape;
     shape.back() = out_features;
     DTensor y = ex.alloc(shape);
-    linear_forward(ex.dt, x.get(), w(ex, key + ".weight"), bias_in_epilogue ? w(ex, key + ".bias") : nullptr,
-                        y.get(), rows, in, out_features, ex.st());
+    linear_forward(ex.dt, x.get(), w(ex, key + ".weight"), bias_in_epilogue ? w(ex, key + ".bias") : nullptr, y.get(),
+                   rows, in, out_features, ex.st());
     return y;
   }
   // A row-parallel linear (linear_proj, fc2): each rank's product summed over the ranks
@@ -261,15 +258,14 @@ std::pair<DTensor, std::optional<DTensor>> Layer::forward(const Exec& ex, const 
     ap.mask = !encoder_layer && s > 1 ? MaskMode::Causal : MaskMode::None;
   }
   const DTensor core = ex.alloc({s, b, std::int64_t(np_l(ex)) * hn});
-  dot_product_attention_forward(ex.dt, qkv.get(), QkvLayout{qkv_w, (hpg + 2) * hn, int(hpg)}, core.get(), ap,
-                                     ex.st());
+  dot_product_attention_forward(ex.dt, qkv.get(), QkvLayout{qkv_w, (hpg + 2) * hn, int(hpg)}, core.get(), ap, ex.st());
   ex.tap(pre + "self_attention.core_attention", core);
   const DTensor proj = row_parallel_linear(ex, core, "self_attention.linear_proj");
   proj_taps(ex, proj, pre, "self_attention", "linear_proj");
   // ---- self_attn_bda                                   // [s, b, h]
   DTensor h1 = ex.alloc(x.shape);
   bias_dropout_add_forward(ex.dt, proj.get(), w(ex, "self_attention.linear_proj.bias"), x.get(), h1.get(), n, h,
-                                DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 1), 0, ex.st());
+                           DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 1), 0, ex.st());
 
   // ---- pre_cross_attn_layernorm, cross_attention, cross_attn_bda (IdentityOps in a GPT layer)
   DTensor h2 = h1;
@@ -297,12 +293,12 @@ std::pair<DTensor, std::optional<DTensor>> Layer::forward(const Exec& ex, const 
   act_shape.back() = f_l;
   const DTensor act = ex.alloc(act_shape);
   bias_activation_forward(ex.dt, fc1.get(), w(ex, "mlp.linear_fc1.bias"), act.get(), n, f_l,
-                               act_from_name(c.activation_func), glu, ex.st());
+                          act_from_name(c.activation_func), glu, ex.st());
   const DTensor fc2 = row_parallel_linear(ex, act, "mlp.linear_fc2");
   proj_taps(ex, fc2, pre, "mlp", "linear_fc2");
   DTensor out = ex.alloc(x.shape);
   bias_dropout_add_forward(ex.dt, fc2.get(), w(ex, "mlp.linear_fc2.bias"), h2.get(), out.get(), n, h,
-                                DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 4), 0, ex.st());
+                           DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 4), 0, ex.st());
   return {out, context};
 }
 
@@ -382,8 +378,8 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   ops.kv_group = 2 * hn;
   const DTensor core = ex.alloc({m, N, D});
   dot_product_attention_forward(ex.dt, ops, core.get(),
-                                     attn_params(ex, int(m), int(r * k), int(N), cross_attention_dropout, attn_offset),
-                                     ex.st());
+                                attn_params(ex, int(m), int(r * k), int(N), cross_attention_dropout, attn_offset),
+                                ex.st());
   ex.tap(pre + "attn.core_attention", core);
   const DTensor proj = row_parallel_linear(ex, core, "cross_attention.attn.linear_proj");  // [m, N, d]
   proj_taps(ex, proj, pre.substr(0, pre.size() - std::string("cross_attention.").size()), "cross_attention.attn",
@@ -402,9 +398,9 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   unchunk.l = l;
   unchunk.pad = pad;
   DTensor out = ex.alloc(residual.shape);
-  retro_decoder_bias_dropout_add(
-      ex.dt, proj.get(), w(ex, "cross_attention.attn.linear_proj.bias"), residual.get(), out.get(), unchunk, int(d),
-      DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3), ex.st());
+  retro_decoder_bias_dropout_add(ex.dt, proj.get(), w(ex, "cross_attention.attn.linear_proj.bias"), residual.get(),
+                                 out.get(), unchunk, int(d),
+                                 DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3), ex.st());
   return out;
 }
 
@@ -475,9 +471,9 @@ DTensor Layer::encoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   }
   rounding_set(neighbours_end);
   DTensor out = ex.alloc({r, k * N, d});
-  retro_encoder_bias_dropout_add(
-      ex.dt, proj.get(), w(ex, "cross_attention.attn.linear_proj.bias"), ln.get(), out.get(), r, N, k, int(d),
-      DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3), ex.st());
+  retro_encoder_bias_dropout_add(ex.dt, proj.get(), w(ex, "cross_attention.attn.linear_proj.bias"), ln.get(), out.get(),
+                                 r, N, k, int(d), DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3),
+                                 ex.st());
   return out;
 }
 
@@ -669,7 +665,6 @@ void check_all_used(const std::map<std::string, Tensor>& params, const std::set<
     if (!used.count(key)) throw ShapeError("optimized Retro decoder: parameter '" + key + "' is not one it owns");
 }
 
-
 struct Shared {
   TransformerConfig config;
   DType dt = DType::F32;
@@ -828,7 +823,6 @@ inline std::vector<std::pair<std::string, Shape>> param_shapes_of(const Transfor
   return out;
 }
 
-
 inline std::unique_ptr<retro::detail::Runner> make_layer_impl(const TransformerConfig& c,
                                                               const std::map<std::string, Tensor>& params,
                                                               RetroLayerKind kind, int layer_number) {
@@ -836,8 +830,8 @@ inline std::unique_ptr<retro::detail::Runner> make_layer_impl(const TransformerC
   run->sh.init(c);
   std::set<std::string> used;
   const Exec ex = run->sh.exec(nullptr, {});
-  run->layer = build_layer(c, params, "", cross_of(kind), false, kind == RetroLayerKind::RetroWithEncoder,
-                           layer_number, ex, used);
+  run->layer = build_layer(c, params, "", cross_of(kind), false, kind == RetroLayerKind::RetroWithEncoder, layer_number,
+                           ex, used);
   check_all_used(params, used);
   return run;
 }
@@ -851,9 +845,8 @@ inline std::unique_ptr<retro::detail::Runner> make_block_impl(const TransformerC
   std::set<std::string> used;
   const Exec ex = run->sh.exec(nullptr, {});
   for (std::size_t i = 0; i < layout.size(); ++i)
-    run->block.layers.push_back(build_layer(c, params, "layers." + std::to_string(i) + ".", cross_of(layout[i]),
-                                            false, layout[i] == RetroLayerKind::RetroWithEncoder, int(i) + 1, ex,
-                                            used));
+    run->block.layers.push_back(build_layer(c, params, "layers." + std::to_string(i) + ".", cross_of(layout[i]), false,
+                                            layout[i] == RetroLayerKind::RetroWithEncoder, int(i) + 1, ex, used));
   check_all_used(params, used);
   return run;
 }

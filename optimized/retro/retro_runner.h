@@ -22,16 +22,16 @@ struct Runner {
 }  // namespace twin::opt::retro::detail
 
 // Each backend's builders (ConfigError / ShapeError before anything runs).
-#define TWIN_RETRO_BACKEND_API(ns)                                                                                  \
-  namespace twin::opt::ns {                                                                                         \
-  std::unique_ptr<retro::detail::Runner> make_retro_layer(const TransformerConfig& config,                          \
-                                                          const std::map<std::string, Tensor>& params,              \
-                                                          retro::RetroLayerKind kind, int layer_number);            \
-  std::unique_ptr<retro::detail::Runner> make_retro_block(const TransformerConfig& config,                          \
-                                                          const std::map<std::string, Tensor>& params,              \
-                                                          const std::vector<retro::RetroLayerKind>& layout);        \
-  std::vector<std::pair<std::string, Shape>> retro_param_shapes(const TransformerConfig& config,                    \
-                                                                retro::RetroLayerKind kind);                        \
+#define TWIN_RETRO_BACKEND_API(ns)                                                                           \
+  namespace twin::opt::ns {                                                                                  \
+  std::unique_ptr<retro::detail::Runner> make_retro_layer(const TransformerConfig& config,                   \
+                                                          const std::map<std::string, Tensor>& params,       \
+                                                          retro::RetroLayerKind kind, int layer_number);     \
+  std::unique_ptr<retro::detail::Runner> make_retro_block(const TransformerConfig& config,                   \
+                                                          const std::map<std::string, Tensor>& params,       \
+                                                          const std::vector<retro::RetroLayerKind>& layout); \
+  std::vector<std::pair<std::string, Shape>> retro_param_shapes(const TransformerConfig& config,             \
+                                                                retro::RetroLayerKind kind);                 \
   }
 TWIN_RETRO_BACKEND_API(sim)
 #if TWIN_HAVE_CUDA
