@@ -2,8 +2,9 @@
 // retro_decoder_layer (optimized/retro/retro_layer.h RetroDecoderLayer, with or without the
 // retriever encoder), retro_block (RetroDecoderBlock in the layout of the shared spec code,
 // reference/retro/decoder_spec.h) and retro_layout_table (that layout itself: the optimized block
-// is built from it, so the table's run is the reference's). Simulator, TP = 1; a config the twin
-// does not support is rejected by the layer's constructor before anything runs.
+// is built from it, so the table's run is the reference's). On the simulator (TWIN_BACKEND=cuda:
+// the GPU); a config the twin does not support is rejected by the layer's constructor before
+// anything runs.
 #include <cstdlib>
 #include <string>
 
