@@ -43,6 +43,35 @@ struct QkvLayout {
   int hpg = 1;                    // query heads per group
 };
 
+// Separate query and key/value layouts (cross attention, Retro's chunks and neighbours): query
+// head h of batch column bi at query position i is at
+//   q + i * q_tok + bi * q_batch + (h / hpg) * q_group + (h % hpg) * q_head,
+// key / value of group g at key position j at k / v + j * kv_tok + bi * kv_batch + g * kv_group.
+// Each tensor is read in place by index: a strided batch column (a neighbour's rows inside the
+// [r, bs*l*k] layout) costs no copy.
+struct AttnOperands {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  std::int64_t q_tok = 0, q_batch = 0, q_group = 0, q_head = 0;
+  int hpg = 1;
+  std::int64_t kv_tok = 0, kv_batch = 0, kv_group = 0;
+  // The fused linear_qkv output of a self attention (QkvLayout) as operands.
+  static AttnOperands from_qkv(const void* qkv, const QkvLayout& lay, int b, int hn, std::size_t elem_bytes) {
+    AttnOperands o;
+    const char* base = static_cast<const char*>(qkv);
+    o.q = base;
+    o.k = base + std::size_t(lay.hpg) * hn * elem_bytes;
+    o.v = base + std::size_t(lay.hpg + 1) * hn * elem_bytes;
+    o.q_tok = o.kv_tok = std::int64_t(b) * lay.ld;
+    o.q_batch = o.kv_batch = lay.ld;
+    o.q_group = o.kv_group = lay.group_stride;
+    o.q_head = hn;
+    o.hpg = lay.hpg;
+    return o;
+  }
+};
+
 struct AttnParams {
   int sq = 0, sk = 0, b = 0;
   int np_local = 0;     // heads on this rank
@@ -76,7 +105,7 @@ __device__ inline float attn_score(const float* q, const float* k, int hn, const
 }
 
 template <class T>
-__global__ void dot_product_attention_forward_kernel(const T* qkv, QkvLayout lay, T* context, AttnParams p) {
+__global__ void dot_product_attention_forward_kernel(AttnOperands op, T* context, AttnParams p) {
   DYNAMIC_SHARED(float, smem);
   const int hn = p.hn, kstride = hn + 1;  // +1: lanes reading consecutive keys hit different banks
   float* q_s = smem;                      // [BQ, hn]
@@ -85,18 +114,20 @@ __global__ void dot_product_attention_forward_kernel(const T* qkv, QkvLayout lay
   float* p_s = v_s + kAttnBK * kstride;   // [warps, BK]
 
   const int q0 = blockIdx.x * kAttnBQ, h = blockIdx.y, bi = blockIdx.z;
-  const int h_global = p.head_offset + h, g = h / lay.hpg;
+  const int h_global = p.head_offset + h, g = h / op.hpg;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const std::int64_t tok_stride = std::int64_t(p.b) * lay.ld;  // one sequence position
-  const T* q_base = qkv + std::int64_t(bi) * lay.ld + g * lay.group_stride + (h % lay.hpg) * hn;
-  const T* k_base = qkv + std::int64_t(bi) * lay.ld + g * lay.group_stride + lay.hpg * hn;
-  const T* v_base = k_base + hn;
+  const T* q_base =
+      static_cast<const T*>(op.q) + std::int64_t(bi) * op.q_batch + g * op.q_group + (h % op.hpg) * op.q_head;
+  const std::int64_t kv_at = std::int64_t(bi) * op.kv_batch + g * op.kv_group;
+  const T* k_base = static_cast<const T*>(op.k) + kv_at;
+  const T* v_base = static_cast<const T*>(op.v) + kv_at;
+  const std::int64_t q_tok = op.q_tok, tok_stride = op.kv_tok;  // one query / key position
   // -10000.0 as the softmax input stores it (fp32, or T when the softmax runs in T)
   const float fill = p.softmax_fp32 ? -10000.0f : round_to<T>(-10000.0f);
 
   for (int e = threadIdx.x; e < kAttnBQ * hn; e += blockDim.x) {
     const int r = e / hn, c = e % hn;
-    q_s[e] = q0 + r < p.sq ? Io<T>::load(q_base[(q0 + r) * tok_stride + c]) : 0.0f;
+    q_s[e] = q0 + r < p.sq ? Io<T>::load(q_base[(q0 + r) * q_tok + c]) : 0.0f;
   }
   // Keys this block needs: all, or up to its last query row when causal.
   const int q_last = min(q0 + kAttnBQ, p.sq) - 1;
@@ -188,12 +219,11 @@ inline std::size_t attention_smem_bytes(int hn) {
   return sizeof(float) * (std::size_t(kAttnBQ) * hn + 2 * std::size_t(kAttnBK) * (hn + 1) + kAttnWarps * kAttnBK);
 }
 
-// qkv: the fused linear_qkv output of this rank (after qk-layernorm and RoPE), context:
-// [sq, b, np_local * hn]. Self attention (sq == sk).
-inline void dot_product_attention_forward(DType dt, const void* qkv, const QkvLayout& lay, void* context,
-                                          const AttnParams& p, cudaStream_t stream) {
+// q, k, v as laid out by `ops`, context: [sq, b, np_local * hn].
+inline void dot_product_attention_forward(DType dt, const AttnOperands& ops, void* context, const AttnParams& p,
+                                          cudaStream_t stream) {
   const std::string op = "dot_product_attention_forward";
-  require(qkv && context, op + ": null qkv / context");
+  require(ops.q && ops.k && ops.v && context, op + ": null q / k / v / context");
   // counts: q k^T (stored in T), * coeff in fp32, the softmax's sum and its output (fp32, then T
   // when the softmax runs in fp32 for a 16-bit T), the dropout product, probs @ v (stored in T).
   rounding_reduce(p.hn);
@@ -208,9 +238,9 @@ inline void dot_product_attention_forward(DType dt, const void* qkv, const QkvLa
   require(p.hn > 0 && p.hn <= kAttnMaxHeadDim,
           op + ": head dim " + std::to_string(p.hn) + " must be in [1, " + std::to_string(kAttnMaxHeadDim) + "]");
   require(p.sq > 0 && p.sk > 0 && p.b > 0 && p.np_local > 0, op + ": empty shape");
-  require(lay.hpg > 0 && p.np_local % lay.hpg == 0, op + ": local heads " + std::to_string(p.np_local) +
+  require(ops.hpg > 0 && p.np_local % ops.hpg == 0, op + ": local heads " + std::to_string(p.np_local) +
                                                         " not a multiple of heads per group " +
-                                                        std::to_string(lay.hpg));
+                                                        std::to_string(ops.hpg));
   require(p.mask != MaskMode::Causal || p.sq == p.sk,
           op + ": causal mask needs sq == sk, got sq=" + std::to_string(p.sq) + " sk=" + std::to_string(p.sk));
   require(p.mask != MaskMode::Explicit || p.mask_ptr, op + ": explicit mask without data");
@@ -222,8 +252,16 @@ inline void dot_product_attention_forward(DType dt, const void* qkv, const QkvLa
     using T = decltype(tag);
     const dim3 grid(ceil_div(p.sq, kAttnBQ), static_cast<unsigned>(p.np_local), static_cast<unsigned>(p.b));
     launch_kernel(dot_product_attention_forward_kernel<T>, grid, dim3(32 * kAttnWarps), attention_smem_bytes(p.hn),
-                  stream, static_cast<const T*>(qkv), lay, static_cast<T*>(context), p);
+                  stream, ops, static_cast<T*>(context), p);
   });
+}
+
+// qkv: the fused linear_qkv output of this rank (after qk-layernorm and RoPE), context:
+// [sq, b, np_local * hn]. Self attention (sq == sk).
+inline void dot_product_attention_forward(DType dt, const void* qkv, const QkvLayout& lay, void* context,
+                                          const AttnParams& p, cudaStream_t stream) {
+  require(qkv != nullptr, "dot_product_attention_forward: null qkv");
+  dot_product_attention_forward(dt, AttnOperands::from_qkv(qkv, lay, p.b, p.hn, dtype_size(dt)), context, p, stream);
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

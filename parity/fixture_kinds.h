@@ -96,6 +96,10 @@ TwinRun run_reference_layer_offset_table(const Fixture& f, const RunMode& mode);
 TwinRun run_reference_retro_layout_table(const Fixture& f, const RunMode& mode);
 TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode);
 TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode);
+// parity/retro_run.cpp
+TwinRun run_optimized_retro_decoder_layer_first(const Fixture& f, const RunMode& mode);
+TwinRun run_optimized_retro_decoder_layer(const Fixture& f, const RunMode& mode);
+TwinRun run_optimized_retro_block(const Fixture& f, const RunMode& mode);
 
 }  // namespace parity
 }  // namespace twin

@@ -1,0 +1,77 @@
+// The optimized Retro decoder's public classes (retro_layer.h): each holds the runner of its
+// backend (retro_layer_impl.cuh, built for the simulator and, with nvcc, for the GPU).
+#include "optimized/retro/retro_layer.h"
+
+#include "optimized/retro/retro_runner.h"
+
+namespace twin::opt::retro {
+
+namespace {
+
+std::unique_ptr<detail::Runner> layer_runner(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
+                                             RetroLayerKind kind, int layer_number, rt::Backend backend) {
+#if TWIN_HAVE_CUDA
+  if (backend == rt::Backend::Cuda) return cuda::make_retro_layer(c, params, kind, layer_number);
+#else
+  if (backend == rt::Backend::Cuda)
+    throw ConfigError("optimized Retro decoder: this build has no CUDA backend (run on the simulator, Backend::Sim)");
+#endif
+  return sim::make_retro_layer(c, params, kind, layer_number);
+}
+
+std::unique_ptr<detail::Runner> block_runner(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
+                                             const std::vector<RetroLayerKind>& layout, rt::Backend backend) {
+#if TWIN_HAVE_CUDA
+  if (backend == rt::Backend::Cuda) return cuda::make_retro_block(c, params, layout);
+#else
+  if (backend == rt::Backend::Cuda)
+    throw ConfigError("optimized Retro decoder: this build has no CUDA backend (run on the simulator, Backend::Sim)");
+#endif
+  return sim::make_retro_block(c, params, layout);
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, Shape>> retro_layer_param_shapes(const TransformerConfig& c, RetroLayerKind kind) {
+  return sim::retro_param_shapes(c, kind);  // the same keys and shapes for every backend
+}
+
+std::vector<std::string> retro_layer_param_keys(const TransformerConfig& c, RetroLayerKind kind) {
+  std::vector<std::string> keys;
+  for (const auto& [key, shape] : retro_layer_param_shapes(c, kind)) keys.push_back(key);
+  return keys;
+}
+
+struct RetroDecoderLayer::Impl {
+  std::unique_ptr<detail::Runner> runner;
+};
+
+RetroDecoderLayer::RetroDecoderLayer(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
+                                     RetroLayerKind kind, int layer_number, rt::Backend backend)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->runner = layer_runner(c, params, kind, layer_number, backend);
+}
+RetroDecoderLayer::~RetroDecoderLayer() = default;
+
+RetroOutput RetroDecoderLayer::forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
+                                       const RetroForwardOptions& o) {
+  return impl_->runner->forward(hidden_states, context, context_mask, o);
+}
+
+struct RetroDecoderBlock::Impl {
+  std::unique_ptr<detail::Runner> runner;
+};
+
+RetroDecoderBlock::RetroDecoderBlock(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
+                                     const std::vector<RetroLayerKind>& layout, rt::Backend backend)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->runner = block_runner(c, params, layout, backend);
+}
+RetroDecoderBlock::~RetroDecoderBlock() = default;
+
+RetroOutput RetroDecoderBlock::forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
+                                       const RetroForwardOptions& o) {
+  return impl_->runner->forward(hidden_states, context, context_mask, o);
+}
+
+}  // namespace twin::opt::retro

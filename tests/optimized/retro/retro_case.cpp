@@ -1,0 +1,184 @@
+#include "tests/optimized/retro/retro_case.h"
+
+#include <fmt/format.h>
+
+#include <map>
+#include <random>
+#include <set>
+
+#include "optimized/retro/retro_layer.h"
+#include "reference/retro/decoder_layer_spec.h"
+#include "reference/retro/decoder_spec.h"
+#include "reference/transformer_block.h"
+#include "reference/transformer_config.h"
+
+namespace twin::test {
+
+namespace {
+
+using opt::retro::RetroLayerKind;
+
+std::int64_t num_chunks(const RetroCase& c) { return (c.ns + c.m - 1) / c.m; }
+
+Tensor random(DType dt, Shape shape, double scale, double shift, std::mt19937_64& rng) {
+  std::normal_distribution<double> n(0.0, 1.0);
+  std::vector<double> v(static_cast<std::size_t>(shape_numel(shape)));
+  for (auto& x : v) x = shift + scale * n(rng);
+  return Tensor::from_doubles(dt, std::move(shape), v);
+}
+
+struct Inputs {
+  TransformerConfig config;
+  std::map<std::string, Tensor> params;
+  Tensor hidden_states, context, context_mask;
+  bool training = false;
+};
+
+Inputs make_inputs(const RetroCase& c) {
+  Inputs in;
+  in.config = to_config(c);
+  in.training = c.dropout > 0.0;
+  const DType dt = c.bf16 ? DType::BF16 : DType::F32;
+  std::mt19937_64 rng(c.seed);
+  const std::int64_t d = in.config.hidden_size, l = num_chunks(c), N = std::int64_t(c.bs) * l, r = c.chunks * c.m;
+  // Parameters: layernorm weights near 1, biases and weights ~ 1 / sqrt(fan-in).
+  auto add_params = [&](const std::string& prefix, RetroLayerKind kind) {
+    for (const auto& [key, shape] : opt::retro::retro_layer_param_shapes(in.config, kind)) {
+      const bool norm = key.find("layernorm") != std::string::npos;
+      const bool weight = key.size() > 7 && key.compare(key.size() - 7, 7, ".weight") == 0;
+      const double scale = norm ? 0.1 : 1.0 / std::sqrt(static_cast<double>(shape.back()));
+      in.params[prefix + key] = random(dt, shape, scale, norm && weight ? 1.0 : 0.0, rng);
+    }
+  };
+  if (c.kind == RetroKind::Block) {
+    const auto layout = reference::retro::get_retro_decoder_block_layout(c.block_layers);
+    for (std::size_t i = 0; i < layout.size(); ++i)
+      add_params("layers." + std::to_string(i) + ".", static_cast<RetroLayerKind>(static_cast<int>(layout[i])));
+  } else {
+    add_params("", c.kind == RetroKind::First ? RetroLayerKind::RetroWithEncoder : RetroLayerKind::Retro);
+  }
+  in.hidden_states = random(dt, {c.ns, c.bs, d}, 1.0, 0.0, rng);
+  // The neighbour embeddings [r, k*bs*l, d] (first layer, block) or the encoder output [r*k, bs*l, d].
+  in.context = c.kind == RetroKind::Later ? random(dt, {r * c.k, N, d}, 1.0, 0.0, rng)
+                                          : random(dt, {r, c.k * N, d}, 1.0, 0.0, rng);
+  if (c.context_mask) {
+    std::bernoulli_distribution masked(0.3);
+    std::vector<bool> v(static_cast<std::size_t>(c.k * N * r * r));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = masked(rng);
+    in.context_mask = Tensor::from_vector<bool>({c.k * N, 1, r, r}, v);
+  }
+  return in;
+}
+
+}  // namespace
+
+std::string to_id(const RetroCase& c) {
+  const char* kind = c.kind == RetroKind::Later ? "later" : c.kind == RetroKind::First ? "first" : "block";
+  return fmt::format(
+      "retro(kind={}{},m={},k={},chunks={},enc={},ns={},bs={},np={},hn={},ffn={},dtype={},cmask={},bias={},drop={},"
+      "tp={},seed={})",
+      kind, c.kind == RetroKind::Block ? fmt::format(",layers={}", c.block_layers) : "", c.m, c.k, c.chunks,
+      c.encoder_layers, c.ns, c.bs, c.heads, c.head_dim, c.ffn, c.bf16 ? "bf16" : "fp32", int(c.context_mask),
+      int(c.bias), c.dropout, c.tp, c.seed);
+}
+
+TransformerConfig to_config(const RetroCase& c) {
+  TransformerConfig cfg;
+  cfg.num_layers = c.kind == RetroKind::Block ? c.block_layers : 12;
+  cfg.hidden_size = c.heads * c.head_dim;
+  cfg.num_attention_heads = c.heads;
+  cfg.kv_channels = c.head_dim;
+  cfg.ffn_hidden_size = c.ffn;
+  cfg.params_dtype = c.bf16 ? "bfloat16" : "float32";
+  cfg.bf16 = c.bf16;
+  cfg.add_bias_linear = c.bias;
+  cfg.hidden_dropout = cfg.attention_dropout = c.dropout;
+  cfg.retro_encoder_hidden_dropout = cfg.retro_encoder_attention_dropout = c.dropout;
+  cfg.retro_chunk_length = c.m;
+  cfg.retro_num_neighbors = c.k;
+  cfg.retro_num_retrieved_chunks = c.chunks;
+  cfg.retro_encoder_num_layers = c.encoder_layers;
+  cfg.retro_split_preprocessing = "98,2,0";
+  cfg.seq_length = c.ns;
+  cfg.micro_batch_size = c.bs;
+  cfg.tensor_model_parallel_size = c.tp;
+  return cfg;
+}
+
+RetroRun run_reference(const RetroCase& c) {
+  using namespace twin::reference;
+  Inputs in = make_inputs(c);
+  in.config.tensor_model_parallel_size = 1;  // the reference is the unsharded layer
+  const Precision p = Precision::from_config(in.config);
+  LayerInputs li;
+  li.context = &in.context;
+  li.context_mask = in.context_mask.defined() ? &in.context_mask : nullptr;
+  RetroRun run;
+  CountRoundings counting;
+  const DropoutRng rng{c.seed, 0};
+  if (c.kind == RetroKind::Block) {
+    TransformerBlock block(in.config, retro::get_retro_decoder_block_spec(in.config, false), p);
+    block.load_state_dict(StateDict(in.params));
+    run.hidden_states = block.forward(in.hidden_states, li, in.training, rng, Taps(&run.record));
+  } else {
+    validate_retro_config(in.config);
+    const ModuleSpec spec =
+        retro::get_retro_decoder_layer_local_spec(
+            c.kind == RetroKind::First
+                ? std::optional<TransformerBlockSubmodules>(retro::get_retro_encoder_block_spec(in.config, false))
+                : std::nullopt)
+            .spec;
+    auto built = spec.build(in.config, /*layer_number=*/6, p);
+    auto& layer = dynamic_cast<TransformerLayer&>(*built);
+    layer.load_state_dict(StateDict(in.params));
+    layer.training = in.training;
+    layer.rng = rng;
+    auto [h, ctx] = layer.forward(in.hidden_states, li, Taps(&run.record));
+    run.hidden_states = h;
+    run.context = ctx;
+  }
+  run.record.add(Role::Output, "hidden_states", run.hidden_states);
+  if (run.context) run.record.add(Role::Output, "context", *run.context);
+  return run;
+}
+
+RetroRun run_optimized(const RetroCase& c) {
+  const Inputs in = make_inputs(c);
+  opt::retro::RetroForwardOptions o;
+  o.training = in.training;
+  o.seed = c.seed;
+  o.record_taps = c.tp == 1;
+  const Tensor* mask = in.context_mask.defined() ? &in.context_mask : nullptr;
+  RetroRun run;
+  CountRoundings counting;
+  opt::retro::RetroOutput out;
+  if (c.kind == RetroKind::Block) {
+    std::vector<RetroLayerKind> layout;
+    for (auto k : reference::retro::get_retro_decoder_block_layout(c.block_layers))
+      layout.push_back(static_cast<RetroLayerKind>(static_cast<int>(k)));
+    opt::retro::RetroDecoderBlock block(in.config, in.params, layout);
+    out = block.forward(in.hidden_states, &in.context, mask, o);
+    out.context.reset();  // a block hands back its hidden states
+  } else {
+    opt::retro::RetroDecoderLayer layer(
+        in.config, in.params, c.kind == RetroKind::First ? RetroLayerKind::RetroWithEncoder : RetroLayerKind::Retro, 6);
+    out = layer.forward(in.hidden_states, &in.context, mask, o);
+  }
+  run.hidden_states = out.hidden_states;
+  run.context = out.context;
+  run.record = std::move(out.record);
+  run.record.add(Role::Output, "hidden_states", run.hidden_states);
+  if (run.context) run.record.add(Role::Output, "context", *run.context);
+  return run;
+}
+
+std::vector<Comparison> compare_runs(const RetroRun& optimized, const RetroRun& reference) {
+  std::set<std::string> have;
+  for (const auto& [key, t] : parity::expected_of(optimized.record)) have.insert(key);
+  parity::Expected expected;
+  for (auto& [key, t] : parity::expected_of(reference.record))
+    if (have.count(key) || key.rfind("output.", 0) == 0) expected.emplace_back(key, t);
+  return parity::compare_record(optimized.record, expected, "optimized");
+}
+
+}  // namespace twin::test

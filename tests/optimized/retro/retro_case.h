@@ -1,0 +1,48 @@
+// A random Retro case for the optimized-twin tests: a decoder layer (later / first, with or
+// without context_mask) or a decoder block (6 or 9 layers) with its Retro sizes, dtype, dropout
+// and seed, a printable id, and both twins' runs with their records (rounding counts included).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "core/config.h"
+#include "core/record.h"
+#include "core/tensor.h"
+#include "parity/golden.h"
+
+namespace twin::test {
+
+enum class RetroKind { Later, First, Block };
+
+struct RetroCase {
+  RetroKind kind = RetroKind::Later;
+  int m = 2, k = 2, chunks = 1, encoder_layers = 1;  // chunk length, neighbours, retrieved chunks
+  int ns = 4, bs = 1;
+  int heads = 1, head_dim = 4, ffn = 8;
+  int block_layers = 6;  // RetroKind::Block
+  bool bf16 = false, context_mask = false, bias = true;
+  double dropout = 0.0;  // hidden, attention and the encoder's; training when > 0
+  int tp = 1;            // the optimized twin's tensor_model_parallel_size (the reference is unsharded)
+  std::uint64_t seed = 1;
+};
+
+// "retro(kind=first,m=3,k=2,chunks=1,enc=2,ns=7,bs=2,np=2,hn=4,ffn=16,dtype=bf16,cmask=1,bias=1,drop=0.1,tp=1,seed=9)"
+std::string to_id(const RetroCase& c);
+TransformerConfig to_config(const RetroCase& c);
+
+struct RetroRun {
+  Tensor hidden_states;
+  std::optional<Tensor> context;
+  Record record;  // outputs and taps
+};
+RetroRun run_reference(const RetroCase& c);
+RetroRun run_optimized(const RetroCase& c);
+
+// The reference's entries the optimized record also holds (the reference taps more modules, e.g.
+// every neighbour's linear_q), compared with compare_record's golden bound from the counted
+// rounding points; the outputs are always compared.
+std::vector<Comparison> compare_runs(const RetroRun& optimized, const RetroRun& reference);
+
+}  // namespace twin::test

@@ -1,0 +1,243 @@
+// The optimized Retro decoder's pieces on the simulator: the device index maps against the
+// reference's RowMaps (reference/retro/chunking.h) entry for entry, the gather kernel against the
+// reference's gather (bitwise: a copy), and the errors a caller gets before anything runs.
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+
+#include <cstring>
+
+#include "optimized/retro/retro_kernels.cuh"
+#include "optimized/retro/retro_layer.h"
+#include "reference/retro/chunking.h"
+#include "tests/optimized/retro/retro_case.h"
+#include "tests/optimized/sim_util.h"
+
+using namespace twin;
+using namespace twin::test;
+namespace k = twin::opt::sim;
+namespace ref = twin::reference::retro;
+
+namespace {
+
+std::vector<std::int64_t> device_map(const k::RetroMapArgs& a) {
+  const std::int64_t rows = a.out_rows();
+  rt::DeviceBuffer buf(sim(), std::max<std::size_t>(std::size_t(rows) * sizeof(std::int64_t), 1));
+  k::retro_build_map(a, buf.as<std::int64_t>(), nullptr);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(rows));
+  if (rows) buf.download(out.data(), out.size() * sizeof(std::int64_t));
+  return out;
+}
+
+}  // namespace
+
+// The chunking maps for every (ns, bs, m), divisible and not.
+RC_GTEST_PROP(RetroMaps, ChunkingMapsEqualTheReference, ()) {
+  const std::int64_t m = *rc::gen::inRange(1, 9), ns = *rc::gen::inRange(1, 40), bs = *rc::gen::inRange(1, 4);
+  const std::int64_t l = ref::num_chunks(ns, m), pad = ref::attending_pad(ns, m);
+  RC_LOG() << "ns=" << ns << " bs=" << bs << " m=" << m << "\n";
+  k::RetroMapArgs a;
+  a.ns = ns;
+  a.bs = bs;
+  a.m = m;
+  a.l = l;
+  a.pad = pad;
+  a.map = k::RetroMap::ChunkEncoderContext;
+  RC_ASSERT(device_map(a) == ref::chunk_encoder_context_map(ns, bs, m));
+  a.map = k::RetroMap::PadAttendingChunks;
+  RC_ASSERT(device_map(a) == ref::pad_attending_chunks_map(ns, bs, m));
+  a.map = k::RetroMap::UnchunkDecoderOutput;
+  RC_ASSERT(device_map(a) == ref::unchunk_decoder_output_map(m, ns, bs, l, pad));
+}
+
+// The neighbour maps for every (r, N, k) and neighbour n.
+RC_GTEST_PROP(RetroMaps, NeighbourMapsEqualTheReference, ()) {
+  const std::int64_t r = *rc::gen::inRange(1, 12), N = *rc::gen::inRange(1, 10), kk = *rc::gen::inRange(1, 5);
+  RC_LOG() << "r=" << r << " N=" << N << " k=" << kk << "\n";
+  k::RetroMapArgs a;
+  a.r = r;
+  a.N = N;
+  a.k = kk;
+  a.map = k::RetroMap::SplitNeighbors;
+  for (std::int64_t n = 0; n < kk; ++n) {
+    a.n = n;
+    RC_ASSERT(device_map(a) == ref::split_neighbors_map(r, N, kk, n));
+  }
+  a.map = k::RetroMap::StackNeighbors;
+  RC_ASSERT(device_map(a) == ref::stack_neighbors_map(r, N, kk));
+}
+
+// 64-bit indices: a map past 2^31 rows computes its entries without overflow (checked on the
+// host side of the same function the kernels call, at rows far beyond int32).
+TEST(RetroMaps, IndicesAre64Bit) {
+  k::RetroMapArgs a;
+  a.map = k::RetroMap::SplitNeighbors;
+  a.r = 3;
+  a.N = std::int64_t{1} << 30;
+  a.k = 4;
+  a.n = 3;
+  const std::int64_t o = 2 * a.N + (a.N - 1);  // t = 2, j = N - 1
+  EXPECT_EQ(k::retro_src_row(a, o), 2 * a.N * a.k + (a.N - 1) * a.k + 3);
+  EXPECT_GT(k::retro_src_row(a, o), std::int64_t{1} << 33);
+}
+
+// The gather kernel copies rows exactly, zeros where the map says -1.
+TEST(RetroMaps, GatherEqualsTheReferenceBitwise) {
+  for (DType dt : {DType::F32, DType::BF16})
+    for (std::int64_t ns : {5, 8, 11}) {
+      const std::int64_t bs = 2, d = 6, m = 4, l = ref::num_chunks(ns, m);
+      const Tensor x = random_tensor(dt, {ns, bs, d}, -2, 2, std::uint64_t(ns));
+      const rt::DeviceBuffer xd = to_device(x);
+      rt::DeviceBuffer out(sim(), std::size_t(m * bs * l * d) * dtype_size(dt));
+      k::RetroMapArgs a;
+      a.map = k::RetroMap::ChunkEncoderContext;
+      a.ns = ns;
+      a.bs = bs;
+      a.m = m;
+      a.l = l;
+      k::retro_gather_rows(dt, xd.get(), out.get(), a, ns * bs, int(d), nullptr);
+      const Tensor got = from_device(out, dt, {m, bs * l, d}), want = ref::chunk_encoder_context(x, m);
+      EXPECT_EQ(std::memcmp(got.raw(), want.raw(), want.nbytes()), 0) << dt_name(dt) << " ns=" << ns;
+    }
+}
+
+// ---- errors before anything runs ------------------------------------------------------------------
+
+namespace {
+RetroCase small_case(RetroKind kind) {
+  RetroCase c;
+  c.kind = kind;
+  c.m = 2;
+  c.k = 2;
+  c.chunks = 1;
+  c.ns = 5;
+  c.bs = 1;
+  c.heads = 2;
+  c.head_dim = 4;
+  return c;
+}
+std::map<std::string, Tensor> zero_params(const TransformerConfig& cfg, opt::retro::RetroLayerKind kind) {
+  std::map<std::string, Tensor> p;
+  for (const auto& [key, shape] : opt::retro::retro_layer_param_shapes(cfg, kind))
+    p[key] = Tensor::zeros(DType::F32, shape);
+  return p;
+}
+template <class E>
+void expect_throw_with(const std::function<void()>& f, const std::string& text) {
+  try {
+    f();
+    ADD_FAILURE() << "no exception; expected one mentioning '" << text << "'";
+  } catch (const E& e) {
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
+}  // namespace
+
+TEST(RetroErrors, UnsupportedConfigsAreRejectedByName) {
+  using opt::retro::RetroLayerKind;
+  TransformerConfig cfg = to_config(small_case(RetroKind::Later));
+  const auto params = zero_params(cfg, RetroLayerKind::Retro);
+  TransformerConfig rms = cfg;
+  rms.normalization = "RMSNorm";
+  expect_throw_with<ConfigError>([&] { opt::retro::RetroDecoderLayer(rms, params, RetroLayerKind::Retro, 6); },
+                                 "FusedLayerNorm supports LayerNorm only");
+  TransformerConfig tp = cfg;
+  tp.tensor_model_parallel_size = 4;  // 2 heads
+  expect_throw_with<ConfigError>([&] { opt::retro::RetroDecoderLayer(tp, params, RetroLayerKind::Retro, 6); },
+                                 "must divide num_attention_heads 2");
+  TransformerConfig sp = cfg;
+  sp.tensor_model_parallel_size = 2;
+  sp.sequence_parallel = true;
+  expect_throw_with<ConfigError>([&] { opt::retro::RetroDecoderLayer(sp, params, RetroLayerKind::Retro, 6); },
+                                 "sequence_parallel is not supported");
+  TransformerConfig gqa = cfg;
+  gqa.num_query_groups = 1;
+  expect_throw_with<ConfigError>(
+      [&] { opt::retro::RetroDecoderLayer(gqa, zero_params(gqa, RetroLayerKind::Retro), RetroLayerKind::Retro, 6); },
+      "Group query attention is not currently supported in cross attention");
+  TransformerConfig no_chunk = cfg;
+  no_chunk.retro_chunk_length.reset();
+  expect_throw_with<ConfigError>([&] { opt::retro::RetroDecoderLayer(no_chunk, params, RetroLayerKind::Retro, 6); },
+                                 "retro_chunk_length");
+}
+
+TEST(RetroErrors, TapsAtTp1Only) {
+  using opt::retro::RetroLayerKind;
+  RetroCase c = small_case(RetroKind::Later);
+  c.tp = 2;
+  const TransformerConfig cfg = to_config(c);
+  opt::retro::RetroDecoderLayer layer(cfg, zero_params(cfg, RetroLayerKind::Retro), RetroLayerKind::Retro, 6);
+  const Tensor h = Tensor::zeros(DType::F32, {5, 1, 8}), ctx = Tensor::zeros(DType::F32, {4, 3, 8});
+  opt::retro::RetroForwardOptions o;
+  o.record_taps = true;
+  expect_throw_with<std::invalid_argument>([&] { layer.forward(h, &ctx, nullptr, o); }, "tensor_model_parallel_size 1");
+}
+
+TEST(RetroErrors, ParametersAreCheckedByKey) {
+  using opt::retro::RetroLayerKind;
+  const TransformerConfig cfg = to_config(small_case(RetroKind::First));
+  auto params = zero_params(cfg, RetroLayerKind::RetroWithEncoder);
+  auto missing = params;
+  missing.erase("cross_attention.encoder.layers.0.cross_attention.attn.linear_q.weight");
+  expect_throw_with<ShapeError>(
+      [&] { opt::retro::RetroDecoderLayer(cfg, missing, RetroLayerKind::RetroWithEncoder, 6); },
+      "missing parameter 'cross_attention.encoder.layers.0.cross_attention.attn.linear_q.weight'");
+  // The later layer owns no encoder: the encoder's keys are not its own.
+  expect_throw_with<ShapeError>([&] { opt::retro::RetroDecoderLayer(cfg, params, RetroLayerKind::Retro, 6); },
+                                "is not one it owns");
+  auto wrong = params;
+  wrong["mlp.linear_fc1.weight"] = Tensor::zeros(DType::F32, {3, 3});
+  expect_throw_with<ShapeError>([&] { opt::retro::RetroDecoderLayer(cfg, wrong, RetroLayerKind::RetroWithEncoder, 6); },
+                                "mlp.linear_fc1.weight");
+}
+
+TEST(RetroErrors, ContextShapesAreNamed) {
+  using opt::retro::RetroLayerKind;
+  const RetroCase c = small_case(RetroKind::Later);
+  const TransformerConfig cfg = to_config(c);
+  opt::retro::RetroDecoderLayer later(cfg, zero_params(cfg, RetroLayerKind::Retro), RetroLayerKind::Retro, 6);
+  const Tensor h = Tensor::zeros(DType::F32, {5, 1, 8});
+  // l = ceil(5 / 2) = 3, r = 2, k = 2: the encoder output is [r*k, bs*l, d] = [4, 3, 8]
+  const Tensor bad = Tensor::zeros(DType::F32, {4, 2, 8});
+  expect_throw_with<ShapeError>([&] { later.forward(h, &bad, nullptr); }, "[r * k, bs * l, d] = [4, 3, 8]");
+  expect_throw_with<std::invalid_argument>([&] { later.forward(h, nullptr, nullptr); }, "cannot be None");
+  opt::retro::RetroDecoderLayer first(cfg, zero_params(cfg, RetroLayerKind::RetroWithEncoder),
+                                      RetroLayerKind::RetroWithEncoder, 6);
+  const Tensor neighbours = Tensor::zeros(DType::F32, {2, 6, 8});  // [r, k*bs*l, d]
+  const Tensor bad_mask = Tensor::zeros(DType::BOOL, {6, 1, 3, 3});
+  expect_throw_with<ShapeError>([&] { first.forward(h, &neighbours, &bad_mask); }, "context_mask expected BOOL");
+  expect_throw_with<ShapeError>([&] { first.forward(h, &bad, nullptr); }, "[r, k * bs * l, d] = [2, 6, 8]");
+  const Tensor wrong_h = Tensor::zeros(DType::F32, {5, 1, 7});
+  expect_throw_with<ShapeError>([&] { first.forward(wrong_h, &neighbours, nullptr); }, "hidden_states expected");
+}
+
+// ---- one fixed case of each kind, end to end ------------------------------------------------------
+
+// A first layer with a non-divisible sequence, context_mask and dropout in every call, in bf16:
+// every tensor both twins record is compared, the encoder's taps among them, and all within the
+// bound (a dropout stream off by one would fail the outputs by far).
+TEST(RetroLayer, FixedCasesMatchTheReferenceTapByTap) {
+  for (RetroKind kind : {RetroKind::Later, RetroKind::First, RetroKind::Block}) {
+    RetroCase c = small_case(kind);
+    c.ns = 7;
+    c.m = 3;
+    c.k = 3;
+    c.chunks = 2;
+    c.encoder_layers = 2;
+    c.bs = 2;
+    c.bf16 = true;
+    c.dropout = 0.2;
+    c.context_mask = kind != RetroKind::Later;
+    c.seed = 7;
+    SCOPED_TRACE(to_id(c));
+    const RetroRun ref = run_reference(c), opt = run_optimized(c);
+    const auto rows = compare_runs(opt, ref);
+    std::size_t encoder_taps = 0;
+    for (const auto& row : rows) {
+      EXPECT_TRUE(row.pass) << row.name << ": max abs " << row.max_abs << " share " << row.share_used << " "
+                            << row.message;
+      encoder_taps += row.name.find("encoder.layers.") != std::string::npos;
+    }
+    EXPECT_GE(rows.size(), kind == RetroKind::Later ? 20u : 40u);
+    if (kind != RetroKind::Later) EXPECT_GT(encoder_taps, 10u);
+  }
+}

@@ -1,0 +1,106 @@
+// Property tests of the optimized Retro decoder on the simulator: RapidCheck draws >= 100 random
+// Retro cases per property (chunk length, neighbours, retrieved chunks, encoder layers, sequence
+// lengths divisible by the chunk length and not, with and without context_mask, fp32 and bf16,
+// dropout on and off; later layer, first layer with the retriever encoder, 6- and 9-layer
+// blocks). A failure logs the case id (tests/optimized/retro/retro_case.h to_id).
+#include <gtest/gtest.h>
+#include <rapidcheck/gtest.h>
+
+#include <cstring>
+
+#include "tests/optimized/retro/retro_case.h"
+
+using namespace twin;
+using namespace twin::test;
+
+namespace {
+
+// Small sizes: the simulator runs every thread of every kernel. Blocks are rarer (6-9 layers).
+rc::Gen<RetroCase> gen_retro_case() {
+  return rc::gen::exec([] {
+    RetroCase c;
+    c.kind =
+        *rc::gen::weightedElement<RetroKind>({{4, RetroKind::Later}, {4, RetroKind::First}, {1, RetroKind::Block}});
+    c.m = *rc::gen::inRange(1, 5);
+    c.k = *rc::gen::inRange(1, 4);
+    c.chunks = *rc::gen::inRange(1, 3);
+    c.encoder_layers = *rc::gen::inRange(1, 3);
+    // ns a multiple of m or not (the padding of the first chunk, the attending pad)
+    const int l = *rc::gen::inRange(1, 4);
+    c.ns = *rc::gen::element(l * c.m, std::max(1, l * c.m - *rc::gen::inRange(0, c.m)));
+    c.bs = *rc::gen::inRange(1, 3);
+    c.heads = *rc::gen::inRange(1, 3);
+    c.head_dim = *rc::gen::element(4, 8);
+    c.ffn = *rc::gen::element(8, 16);
+    c.block_layers = *rc::gen::element(6, 9);
+    c.bf16 = *rc::gen::arbitrary<bool>();
+    c.context_mask = c.kind != RetroKind::Later && *rc::gen::arbitrary<bool>();
+    c.bias = *rc::gen::weightedElement<bool>({{3, true}, {1, false}});
+    c.dropout = *rc::gen::element(0.0, 0.0, 0.2);
+    c.seed = *rc::gen::inRange<std::uint64_t>(1, 1000000);
+    return c;
+  });
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && a.dtype() == b.dtype() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+}
+
+}  // namespace
+
+// Every tensor both twins record (outputs, the context, the taps) within compare_record's bound
+// from the counted rounding points. With dropout on, one differing mask element would move an
+// output by about |x| / (1 - p), far outside the bound: the dropout streams match too.
+RC_GTEST_PROP(OptimizedRetroProperty, OptimizedEqualsReferenceWithinBound, ()) {
+  const RetroCase c = *gen_retro_case();
+  RC_LOG() << to_id(c) << "\n";
+  const RetroRun ref = run_reference(c), opt = run_optimized(c);
+  bool outputs = false;
+  for (const auto& cmp : compare_runs(opt, ref)) {
+    outputs |= cmp.name == "output.hidden_states";
+    if (!cmp.pass)
+      RC_LOG() << cmp.name << ": max abs " << cmp.max_abs << " share used " << cmp.share_used << " at "
+               << cmp.worst_index_str() << " " << cmp.message << "\n";
+    RC_ASSERT(cmp.pass);
+  }
+  RC_ASSERT(outputs);
+}
+
+// Two runs of the optimized twin give the same bits (outputs and every tap).
+RC_GTEST_PROP(OptimizedRetroProperty, TwoRunsAreBitwiseEqual, ()) {
+  const RetroCase c = *gen_retro_case();
+  RC_LOG() << to_id(c) << "\n";
+  const RetroRun a = run_optimized(c), b = run_optimized(c);
+  RC_ASSERT(a.record.entries.size() == b.record.entries.size());
+  for (std::size_t i = 0; i < a.record.entries.size(); ++i) {
+    RC_LOG() << a.record.entries[i].name << "\n";
+    RC_ASSERT(a.record.entries[i].name == b.record.entries[i].name);
+    RC_ASSERT(bitwise_equal(a.record.entries[i].value, b.record.entries[i].value));
+  }
+}
+
+// At tensor_model_parallel_size 2 and 4 (heads, query groups and ffn sharded as Megatron, the
+// row-parallel sums all-reduced across simulated ranks) the outputs equal the reference's within
+// the bound (rank 0's count: the reference's points plus the sums over ranks) and the TP = 1
+// twin's within the same bound.
+RC_GTEST_PROP(OptimizedRetroProperty, TensorParallelMatchesReferenceAndTp1, ()) {
+  RetroCase c = *gen_retro_case();
+  c.tp = *rc::gen::element(2, 4);
+  c.heads = c.tp * *rc::gen::inRange(1, 3);
+  c.ffn = 4 * c.tp;
+  RC_LOG() << to_id(c) << "\n";
+  const RetroRun ref = run_reference(c), opt = run_optimized(c);
+  RetroCase c1 = c;
+  c1.tp = 1;
+  const RetroRun opt1 = run_optimized(c1);
+  std::size_t compared = 0;
+  for (const RetroRun* expected : {&ref, &opt1})
+    for (const auto& cmp : compare_runs(opt, *expected)) {
+      compared += cmp.name.rfind("output.", 0) == 0;
+      if (!cmp.pass)
+        RC_LOG() << cmp.name << ": max abs " << cmp.max_abs << " share used " << cmp.share_used << " " << cmp.message
+                 << "\n";
+      RC_ASSERT(cmp.pass);
+    }
+  RC_ASSERT(compared >= 2u);
+}
