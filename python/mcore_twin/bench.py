@@ -16,6 +16,8 @@ libtorch/... of the same op and id into the reference / LibTorch time ratio.
         Mann-Whitney U test over the repetitions (as Google Benchmark's tools/compare.py does);
         exit 1 when a benchmark is slower by more than the threshold with p < alpha, else 0;
         2 on bad input. BASE / NEW: a run folder or one Google Benchmark JSON file.
+    python3 -m mcore_twin.bench ratios RUN [--json]
+        the reference / LibTorch eager time ratio per op and shape of one run.
     python3 -m mcore_twin.bench dashboard RESULTS [-o FILE] [--chartjs FILE]
         one self-contained HTML page (Chart.js inlined; opens offline): time series per benchmark
         over the runs, the latest reference / LibTorch ratios, the cost model's roofline table,
@@ -231,6 +233,19 @@ def fmt_ns(ns):
 # ---- dashboard ---------------------------------------------------------------------------------------
 
 
+def reference_ratios(run):
+    """Per (op, case id) measured by both: the median reference time / the median LibTorch time."""
+    s = samples(run)
+    ratios = []
+    for name, times in sorted(s.items()):
+        impl, op, case = split_name(name)
+        other = f"libtorch/{op}/{case}"
+        if impl == "reference" and other in s:
+            ref, lt = statistics.median(times), statistics.median(s[other])
+            ratios.append({"op": op, "case": case, "reference_ns": ref, "libtorch_ns": lt, "ratio": ref / lt})
+    return ratios
+
+
 def run_folders(results):
     if not os.path.isdir(results):
         raise BenchError(f"{results}: no such results folder")
@@ -275,14 +290,7 @@ def dashboard_data(results):
     # Rows that never had a share (a kind a twin does not support) have nothing to plot.
     accuracy = {k: v for k, v in accuracy.items() if any(x is not None for x in v)}
     latest_name, latest_path, latest_meta = runs[-1]
-    latest = samples(latest_path) if _has_gbench(latest_path) else {}
-    ratios = []
-    for bench, times in sorted(latest.items()):
-        impl, op, case = split_name(bench)
-        other = f"libtorch/{op}/{case}"
-        if impl == "reference" and other in latest:
-            ref, lt = statistics.median(times), statistics.median(latest[other])
-            ratios.append({"op": op, "case": case, "reference_ns": ref, "libtorch_ns": lt, "ratio": ref / lt})
+    ratios = reference_ratios(latest_path) if _has_gbench(latest_path) else []
     roofline = []
     cost_file = os.path.join(latest_path, "bench_cost_model.json")
     if os.path.isfile(cost_file):
@@ -462,6 +470,9 @@ def main(argv=None):
     c.add_argument("--threshold", type=float, default=0.10, help="relative slow-down that counts (default 0.10)")
     c.add_argument("--alpha", type=float, default=0.05, help="significance level of the U test (default 0.05)")
     c.add_argument("--json", action="store_true")
+    r = sub.add_parser("ratios", help="reference / LibTorch time ratio per op and shape of one run")
+    r.add_argument("run")
+    r.add_argument("--json", action="store_true")
     d = sub.add_parser("dashboard", help="build the static HTML dashboard from a results folder")
     d.add_argument("results")
     d.add_argument("-o", "--output", default="dashboard.html")
@@ -474,6 +485,16 @@ def main(argv=None):
             result = compare(args.base, args.new, args.threshold, args.alpha)
             print(json.dumps(result) if args.json else format_compare(result))
             return 1 if any(r["regression"] for r in result["rows"]) else 0
+        if args.cmd == "ratios":
+            ratios = reference_ratios(args.run)
+            if args.json:
+                print(json.dumps(ratios))
+            else:
+                print(f"{'reference':>11} {'LibTorch':>11} {'ratio':>8}  op / case")
+                for x in ratios:
+                    print(f"{fmt_ns(x['reference_ns']):>11} {fmt_ns(x['libtorch_ns']):>11} {x['ratio']:>7.2f}x  "
+                          f"{x['op']} / {x['case']}")
+            return 0
         data = build_dashboard(args.results, args.output, args.chartjs)
         print(f"{args.output}: {len(data['labels'])} runs, {len(data['series'])} benchmarks, "
               f"{len(data['accuracy'])} accuracy rows")
