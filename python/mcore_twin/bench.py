@@ -11,7 +11,7 @@ A results folder holds one folder per `ci/bench` run, named <UTC time>-<commit>:
 Benchmark names are <impl>/<op>/<case id> (bench/bench_util.h): reference/... pairs with
 libtorch/... of the same op and id into the reference / LibTorch time ratio.
 
-    python3 -m mcore_twin.bench compare BASE NEW [--threshold 0.10] [--alpha 0.05] [--json]
+    python3 -m mcore_twin.bench compare BASE NEW [--threshold 0.10] [--alpha 0.05] [--metric real_time|cpu_time] [--json]
         per benchmark the change of the median time against the base, with a two-sided
         Mann-Whitney U test over the repetitions (as Google Benchmark's tools/compare.py does);
         exit 1 when a benchmark is slower by more than the threshold with p < alpha, else 0;
@@ -64,9 +64,10 @@ def gbench_files(path):
     return [os.path.join(path, n) for n in names]
 
 
-def samples(path):
+def samples(path, metric="real_time"):
     """{benchmark name: [time in ns of each repetition]} of a run (iterations only, no aggregates);
-    benchmarks that errored are left out."""
+    benchmarks that errored are left out. metric: real_time (wall clock, what a user waits) or
+    cpu_time (steadier on a shared machine)."""
     out = {}
     for file in gbench_files(path):
         data = load_json(file)
@@ -77,9 +78,9 @@ def samples(path):
                 continue
             name = b.get("run_name", b.get("name"))
             unit = b.get("time_unit", "ns")
-            if name is None or unit not in UNIT_NS or "real_time" not in b:
-                raise BenchError(f"{file}: benchmark entry without name, real_time or a known time_unit: {b}")
-            out.setdefault(name, []).append(float(b["real_time"]) * UNIT_NS[unit])
+            if name is None or unit not in UNIT_NS or metric not in b:
+                raise BenchError(f"{file}: benchmark entry without name, {metric} or a known time_unit: {b}")
+            out.setdefault(name, []).append(float(b[metric]) * UNIT_NS[unit])
     return out
 
 
@@ -169,11 +170,11 @@ def mann_whitney_u_builtin(x, y):
 # ---- compare ---------------------------------------------------------------------------------------
 
 
-def compare(base, new, threshold=0.10, alpha=0.05, ignore_prefixes=("model/",)):
+def compare(base, new, threshold=0.10, alpha=0.05, ignore_prefixes=("model/",), metric="real_time"):
     """Rows per benchmark in both runs: name, base / new median (ns), change (new / base - 1), p,
     regression (change > threshold and p < alpha). Benchmarks of a model (not measured) are left
     out of the gate. Also the names only in one of the runs."""
-    a, b = samples(base), samples(new)
+    a, b = samples(base, metric), samples(new, metric)
     rows = []
     for name in sorted(set(a) & set(b)):
         if name.startswith(ignore_prefixes):
@@ -469,6 +470,7 @@ def main(argv=None):
     c.add_argument("new")
     c.add_argument("--threshold", type=float, default=0.10, help="relative slow-down that counts (default 0.10)")
     c.add_argument("--alpha", type=float, default=0.05, help="significance level of the U test (default 0.05)")
+    c.add_argument("--metric", choices=["real_time", "cpu_time"], default="real_time")
     c.add_argument("--json", action="store_true")
     r = sub.add_parser("ratios", help="reference / LibTorch time ratio per op and shape of one run")
     r.add_argument("run")
@@ -482,7 +484,7 @@ def main(argv=None):
         if args.cmd == "compare":
             if not (0 < args.alpha < 1) or args.threshold < 0:
                 raise BenchError("--alpha must be in (0, 1) and --threshold >= 0")
-            result = compare(args.base, args.new, args.threshold, args.alpha)
+            result = compare(args.base, args.new, args.threshold, args.alpha, metric=args.metric)
             print(json.dumps(result) if args.json else format_compare(result))
             return 1 if any(r["regression"] for r in result["rows"]) else 0
         if args.cmd == "ratios":
