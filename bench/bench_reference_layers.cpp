@@ -19,7 +19,11 @@
 // (RMSNorm, SwiGLU, GQA, RoPE) scaled to h = 256 so the whole suite runs in about a minute.
 #include <benchmark/benchmark.h>
 
+#include <dlfcn.h>
+
+#include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -498,6 +502,25 @@ int register_all() {
 }
 const int registered = register_all();
 
+// The library that provides the BLAS sgemm_ LibTorch's fp32 GEMM calls (resolved as the dynamic
+// linker does for the process), recorded in the JSON context as "blas": OpenBLAS and Debian's
+// netlib BLAS differ by 10x, so a ratio means nothing without it.
+std::string blas_library() {
+  void* sym = dlsym(RTLD_DEFAULT, "sgemm_");
+  Dl_info info{};
+  if (!sym || !dladdr(sym, &info) || !info.dli_fname) return "none (sgemm_ not loaded)";
+  char resolved[4096];
+  return realpath(info.dli_fname, resolved) ? std::string(resolved) : std::string(info.dli_fname);
+}
+
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::AddCustomContext("blas", blas_library());
+  benchmark::AddCustomContext("threads", "1 (torch::set_num_threads(1); the reference is single-threaded)");
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
