@@ -379,7 +379,8 @@ window.addEventListener('error', e => window.__dashboardStatus.errors.push(Strin
 
 PAGE_CSS = """
 body { font-family: sans-serif; margin: 1em; } table { border-collapse: collapse; font-size: 12px; }
-td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: right; } td.l, th.l { text-align: left; }
+td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: right; white-space: nowrap; }
+td.l, th.l { text-align: left; white-space: normal; word-break: break-all; max-width: 760px; }
 .chart { display: inline-block; margin: 4px; vertical-align: top; } .chart h4 { font-size: 11px; width: 420px;
 word-break: break-all; margin: 0; } canvas { width: 420px; height: 200px; } .regression { background: #fbb; }
 .model { color: #a60; font-weight: bold; } #render-status { display: none; }
@@ -411,12 +412,14 @@ def build_page(data, chartjs_source):
     parts.append("<h2>Latest run against the one before</h2>")
     cmp_ = data["comparison"]
     if cmp_:
+        # Regressions first, then improvements, then the unchanged.
+        ordered = sorted(cmp_["rows"], key=lambda r: (not r["regression"], not r["improvement"], r["name"]))
         rows = [
             [r["name"], fmt_ns(r["base_ns"]), fmt_ns(r["new_ns"]), f"{100 * r['change']:+.1f}%", f"{r['p']:.4f}",
              "REGRESSION" if r["regression"] else "improved" if r["improvement"] else ""]
-            for r in cmp_["rows"]
+            for r in ordered
         ]
-        classes = ["regression" if r["regression"] else "" for r in cmp_["rows"]]
+        classes = ["regression" if r["regression"] else "" for r in ordered]
         parts.append(
             f"<p>{html.escape(cmp_['base'])} &rarr; {html.escape(cmp_['new'])}: Mann-Whitney U over the repetitions, "
             f"regression = slower by more than {100 * cmp_['threshold']:.0f}% with p &lt; {cmp_['alpha']}</p>"
