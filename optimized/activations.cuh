@@ -82,6 +82,11 @@ inline void bias_activation_forward(DType dt, const void* in, const void* bias, 
   // counts: the bias add, the activation's stores on its longest path, the GLU product.
   const int act_stores = act == Act::Silu || act == Act::QuickGelu ? 3 : act == Act::Relu ? 0 : 1;
   rounding_store(dt, (bias ? 1 : 0) + act_stores + (glu ? 1 : 0));
+  // cost: the fc1 output [n, (glu ? 2 : 1) f] read, [n, f] written, the bias once; ~8 FLOPs per
+  // output element (bias add, the activation, the GLU product).
+  const double in_width = (glu ? 2.0 : 1.0) * f;
+  rt::declare_cost("bias_activation_forward",
+                   double(dtype_size(dt)) * (double(n) * (in_width + f) + (bias ? in_width : 0.0)), 8.0 * n * f);
   if (n == 0) return;
   dispatch_dtype(dt, "bias_activation_forward", [&](auto tag) {
     using T = decltype(tag);

@@ -235,6 +235,17 @@ inline void dot_product_attention_forward(DType dt, const AttnOperands& ops, voi
   if (p.drop.active) rounding_store(dt);
   rounding_reduce(p.sk);
   rounding_store(dt);
+  {
+    // cost: q, k, v read once, the context written once (the scores stay on chip), an explicit
+    // mask read once; 2 sq sk hn FLOPs for q k^T and for p v per head, ~5 per score for the
+    // softmax, halved under a causal mask (the kernel skips the masked half).
+    const double e = dtype_size(dt), heads = p.np_local, kv_heads = heads / std::max(lay.hpg, 1);
+    const double causal = p.mask == MaskMode::Causal ? 0.5 : 1.0;
+    const double mask_bytes = p.mask == MaskMode::Explicit ? double(p.mask_b) * p.mask_h * p.sq * p.sk : 0.0;
+    rt::declare_cost("dot_product_attention_forward",
+                     e * p.b * (2.0 * p.sq * heads * p.hn + 2.0 * p.sk * kv_heads * p.hn) + mask_bytes,
+                     causal * p.b * heads * double(p.sq) * p.sk * (4.0 * p.hn + 5.0));
+  }
   require(p.hn > 0 && p.hn <= kAttnMaxHeadDim,
           op + ": head dim " + std::to_string(p.hn) + " must be in [1, " + std::to_string(kAttnMaxHeadDim) + "]");
   require(p.sq > 0 && p.sk > 0 && p.b > 0 && p.np_local > 0, op + ": empty shape");

@@ -40,6 +40,9 @@ inline void bias_dropout_add_forward(DType dt, const void* x, const void* bias, 
   require(x && residual && out, "bias_dropout_add_forward: null x / residual / out");
   // counts: x + bias, the dropout product, residual + out (the residual was computed before x).
   rounding_store(dt, (bias ? 1 : 0) + (drop.active ? 1 : 0) + 1);
+  // cost: x and residual read, out written, the bias once; bias add, dropout product, residual add.
+  rt::declare_cost("bias_dropout_add_forward", double(dtype_size(dt)) * (3.0 * n_rows * h + (bias ? h : 0)),
+                   double(n_rows) * h * ((bias ? 1 : 0) + (drop.active ? 1 : 0) + 1));
   if (n_rows == 0) return;
   dispatch_dtype(dt, "bias_dropout_add_forward", [&](auto tag) {
     using T = decltype(tag);

@@ -49,6 +49,12 @@ inline void rotary_pos_emb_forward(DType dt, void* t, const float* freqs, const 
   // counts: t * cos_, rotate_half(t) * sin_, the sum. q and k are rotated by two calls on parallel
   // branches: the layer forks and joins around them.
   rounding_store(dt, 3);
+  // cost: the rotated channels read and written in place, the fp32 angles of each position once
+  // (cos and sin computed on chip); 3 FLOPs per rotated element.
+  rt::declare_cost("rotary_pos_emb_forward",
+                   double(dtype_size(dt)) * 2.0 * rows.n_rows * rot_dim +
+                       4.0 * (double(rows.n_rows) / rows_per_position) * (rot_dim / 2),
+                   3.0 * rows.n_rows * rot_dim);
   require(t && freqs, "rotary_pos_emb_forward: null tensor");
   if (rows.n_rows == 0) return;
   dispatch_dtype(dt, "rotary_pos_emb_forward", [&](auto tag) {

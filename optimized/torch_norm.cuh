@@ -105,6 +105,10 @@ inline void norm_forward(bool rms, DType dt, const void* x, void* y, const void*
   rounding_reduce((rms ? 1 : 2) * std::int64_t(rows.width));
   if (rms) rounding_store(DType::F32);
   rounding_store(dt, rms ? 2 : 5);
+  // cost: x read and y written once, the weight (and bias) once; LayerNorm ~8 FLOPs per element
+  // (mean, centre, square, sum, rstd, gamma, beta), RMSNorm ~4 (square, sum, rstd, gamma).
+  rt::declare_cost(op, double(dtype_size(dt)) * (2.0 * rows.n_rows * rows.width + (bias ? 2 : 1) * rows.width),
+                   (rms ? 4.0 : 8.0) * rows.n_rows * rows.width);
   require(x != nullptr && y != nullptr, std::string(op) + ": x / y is null");
   require(eps >= 0.0, std::string(op) + ": eps must be >= 0");
   if (rows.n_rows == 0) return;

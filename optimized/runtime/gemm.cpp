@@ -1,6 +1,8 @@
 // gemm.cpp: argument validation and epilogue math shared by both GEMM backends.
 #include "optimized/runtime/gemm.h"
 
+#include "optimized/runtime/cost_model.h"
+
 #include <cmath>
 #include <string>
 
@@ -43,6 +45,18 @@ namespace {
 const char* op_name(Op o) { return o == Op::N ? "N" : "T"; }
 std::string s(std::int64_t v) { return std::to_string(v); }
 }  // namespace
+
+void declare_gemm_cost(const GemmArgs& g, const char* kernel) {
+  const double ab = dtype_size(g.ab_dtype), cd = dtype_size(g.cd_dtype), batch = double(g.batch);
+  const double a_copies = g.stride_a == 0 ? 1.0 : batch, b_copies = g.stride_b == 0 ? 1.0 : batch;
+  const double bytes = ab * (a_copies * g.m * g.k + b_copies * g.k * g.n) +
+                       cd * batch * g.m * g.n * (g.beta != 0.0f ? 2.0 : 1.0) +
+                       (g.bias ? dtype_size(g.bias_dtype) * double(g.m) : 0.0);
+  // One row per GEMM shape: "gemm m=..,n=..,k=..[,batch=..]".
+  std::string name = std::string(kernel) + " m=" + std::to_string(g.m) + ",n=" + std::to_string(g.n) +
+                     ",k=" + std::to_string(g.k) + (g.batch > 1 ? ",batch=" + std::to_string(g.batch) : "");
+  declare_cost(name.c_str(), bytes, 2.0 * batch * g.m * g.n * g.k);
+}
 
 void validate_gemm(const GemmArgs& g, const char* who) {
   auto fail = [&](const std::string& what) {

@@ -53,6 +53,10 @@ struct GemmArgs {
 
 // Throws GemmError naming the offending argument(s); `who` prefixes the message.
 void validate_gemm(const GemmArgs& g, const char* who = "gemm");
+// The cost model's declaration of one GEMM (runtime/cost_model.h), made by both backends per GEMM:
+// 2 m n k FLOPs per batch; A and B read once (once in all when a stride is 0: shared by the
+// batches), C read when beta != 0, D written, the bias once.
+void declare_gemm_cost(const GemmArgs& g, const char* kernel = "gemm");
 
 class Gemm {
  public:

@@ -154,6 +154,7 @@ class CublasLtGemm final : public Gemm {
 
   void run(const GemmArgs& g, cudaStream_t stream) override {
     validate_gemm(g, "gemm [cuBLASLt]");
+    declare_gemm_cost(g);
     matmul(g, stream);
   }
   void run_grouped(const std::vector<GemmArgs>& groups, cudaStream_t stream) override {
@@ -161,7 +162,10 @@ class CublasLtGemm final : public Gemm {
       std::string who = "grouped gemm [cuBLASLt] group " + std::to_string(i);
       validate_gemm(groups[i], who.c_str());
     }
-    for (const auto& g : groups) matmul(g, stream);
+    for (const auto& g : groups) {
+      declare_gemm_cost(g, "grouped_gemm");
+      matmul(g, stream);
+    }
   }
 
  private:

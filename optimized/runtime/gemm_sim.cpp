@@ -84,6 +84,7 @@ class SimGemm final : public Gemm {
   Backend backend() const override { return Backend::Sim; }
   void run(const GemmArgs& g, cudaStream_t stream) override {
     validate_gemm(g, "gemm [sim]");
+    declare_gemm_cost(g);
     cudasim::detail::enqueue(stream, [g] { compute(g); });
   }
   void run_grouped(const std::vector<GemmArgs>& groups, cudaStream_t stream) override {
@@ -91,6 +92,7 @@ class SimGemm final : public Gemm {
       std::string who = "grouped gemm [sim] group " + std::to_string(i);
       validate_gemm(groups[i], who.c_str());
     }
+    for (const auto& g : groups) declare_gemm_cost(g, "grouped_gemm");
     cudasim::detail::enqueue(stream, [groups] {
       for (const auto& g : groups) compute(g);
     });

@@ -1,0 +1,85 @@
+// The optimized dense layer's cost model (optimized/runtime/cost_model.h), no GPU needed: one
+// forward on the CUDA simulator under a CostScope collects every launch's declared minimal bytes
+// and FLOPs; each kernel's roofline time on an H200 (4.8 TB/s, 989 TFLOP/s bf16 dense) follows.
+// A MODEL: nothing here is measured.
+//
+//   bench_cost_model --table        the table per configuration on stdout
+//   bench_cost_model [gbench args]  one benchmark per kernel, model/<kernel>/<case id>, whose
+//                                   manual time is the roofline time (counters flops, bytes,
+//                                   FLOP/B, roofline_us), so ci/bench stores it beside the
+//                                   measured suites and the dashboard shows it as a table.
+// The configurations are bench_reference_layers' dense shapes (small enough for the simulator).
+#include <benchmark/benchmark.h>
+
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "optimized/runtime/cost_model.h"
+#include "optimized/transformer_layer.h"
+#include "parity/dense_case.h"
+
+using namespace twin;
+
+namespace {
+
+const char* kCases[] = {
+    "dense(h=256,a=8,g=8,d=32,ffn=1024,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=1,rope=none,rot=1,qkln=0,mask=causal,s="
+    "64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=1)",
+    "dense(h=256,a=8,g=2,d=32,ffn=704,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s="
+    "64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=2)",
+};
+
+// One forward of the optimized layer on the simulator under a CostScope.
+std::vector<rt::KernelCost> layer_costs(const std::string& id) {
+  const parity::DenseCase c = parity::parse_case_id(id);
+  const parity::DenseInputs in = parity::make_inputs(c);
+  opt::LayerOptions lo;
+  lo.backend = rt::Backend::Sim;
+  lo.attn_mask_type = in.config.attn_mask_type;
+  opt::DenseTransformerLayer layer(in.config, in.params, lo);
+  rt::CostScope scope;
+  layer.forward(in.hidden_states, in.attention_mask.defined() ? &in.attention_mask : nullptr,
+                in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, opt::ForwardOptions{});
+  std::vector<rt::KernelCost> out = scope.kernels();
+  out.push_back(scope.total());
+  return out;
+}
+
+void BM_CostModel(benchmark::State& state, rt::KernelCost k) {
+  const rt::Roofline roof;
+  for (auto _ : state) state.SetIterationTime(roof.seconds(k));
+  state.counters["flops"] = k.flops;
+  state.counters["bytes"] = k.bytes;
+  state.counters["FLOP/B"] = k.intensity();
+  state.counters["launches"] = k.launches;
+  state.counters["roofline_us"] = roof.seconds(k) * 1e6;
+  state.SetLabel(std::string("MODEL ") + roof.device + (roof.memory_bound(k) ? " memory-bound" : " compute-bound"));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--table") == 0) {
+      for (const char* id : kCases) {
+        std::vector<rt::KernelCost> ks = layer_costs(id);
+        ks.pop_back();  // cost_table adds its own total
+        std::cout << id << "\n" << rt::cost_table(ks) << "\n";
+      }
+      return 0;
+    }
+  }
+  for (const char* id : kCases)
+    for (const rt::KernelCost& k : layer_costs(id))
+      benchmark::RegisterBenchmark(("model/" + k.kernel + "/" + id).c_str(), BM_CostModel, k)
+          ->UseManualTime()
+          ->Iterations(1)
+          ->Unit(benchmark::kMicrosecond);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,85 @@
+// The cost model (optimized/runtime/cost_model.h): declarations are collected only inside a
+// CostScope; a GEMM declares the FLOPs and bytes of its definition; a whole dense layer's GEMMs
+// add up to 2 FLOPs per token per linear weight element (counted here from the parameters, not
+// from the launchers), and the roofline time is the larger of the memory and the compute time.
+#include <gtest/gtest.h>
+
+#include "optimized/runtime/cost_model.h"
+#include "optimized/runtime/gemm.h"
+#include "optimized/transformer_layer.h"
+#include "parity/dense_case.h"
+
+using namespace twin;
+
+TEST(CostModel, CollectsOnlyInsideAScope) {
+  rt::declare_cost("outside", 1, 1);  // no scope: dropped
+  rt::CostScope outer;
+  rt::declare_cost("k", 10, 20);
+  {
+    rt::CostScope inner;  // the innermost scope collects
+    rt::declare_cost("k", 1, 2);
+    ASSERT_EQ(inner.kernels().size(), 1u);
+    EXPECT_EQ(inner.kernels()[0].bytes, 1);
+  }
+  rt::declare_cost("k", 10, 20);
+  ASSERT_EQ(outer.kernels().size(), 1u);
+  EXPECT_EQ(outer.kernels()[0].launches, 2);
+  EXPECT_EQ(outer.kernels()[0].bytes, 20);
+  EXPECT_EQ(outer.kernels()[0].flops, 40);
+}
+
+TEST(CostModel, GemmDeclaresItsDefinition) {
+  // D[m, n] = A[m, k] B[k, n] in bf16, no C, no bias: 2 m n k FLOPs, (m k + k n + m n) * 2 bytes.
+  const std::int64_t m = 24, n = 8, k = 16;
+  rt::Device& d = rt::device(rt::Backend::Sim);
+  rt::DeviceBuffer a(d, m * k * 2), b(d, k * n * 2), out(d, m * n * 2);
+  rt::GemmArgs g;
+  g.m = m, g.n = n, g.k = k;
+  g.ab_dtype = g.cd_dtype = DType::BF16;
+  g.a = a.as<const void>(), g.lda = m;
+  g.b = b.as<const void>(), g.ldb = k;
+  g.d = out.as<void>(), g.ldd = m;
+  rt::CostScope scope;
+  rt::gemm(rt::Backend::Sim).run(g, nullptr);
+  ASSERT_EQ(scope.kernels().size(), 1u);
+  EXPECT_EQ(scope.kernels()[0].flops, 2.0 * m * n * k);
+  EXPECT_EQ(scope.kernels()[0].bytes, 2.0 * (m * k + k * n + m * n));
+}
+
+TEST(CostModel, DenseLayerGemmsCountEveryWeightOnce) {
+  const parity::DenseCase c = parity::parse_case_id(
+      "dense(h=32,a=4,g=2,d=8,ffn=48,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s=8,"
+      "b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=3)");
+  const parity::DenseInputs in = parity::make_inputs(c);
+  double weight_elements = 0;
+  for (const auto& [key, t] : in.params)
+    if (key.find("linear_") != std::string::npos && key.size() > 7 && key.substr(key.size() - 7) == ".weight")
+      weight_elements += double(t.numel());
+  opt::LayerOptions lo;
+  opt::DenseTransformerLayer layer(in.config, in.params, lo);
+  rt::CostScope scope;
+  layer.forward(in.hidden_states, nullptr, &in.rotary_pos_emb, opt::ForwardOptions{});
+  double gemm_flops = 0;
+  bool attention = false, norm = false;
+  for (const auto& k : scope.kernels()) {
+    if (k.kernel.rfind("gemm", 0) == 0) gemm_flops += k.flops;
+    attention |= k.kernel == "dot_product_attention_forward";
+    norm |= k.kernel == "rmsnorm_forward";
+    EXPECT_GT(k.bytes, 0) << k.kernel;
+  }
+  EXPECT_EQ(gemm_flops, 2.0 * c.s * c.b * weight_elements);
+  EXPECT_TRUE(attention);
+  EXPECT_TRUE(norm);
+}
+
+TEST(CostModel, RooflineIsTheSlowerOfMemoryAndCompute) {
+  const rt::Roofline roof;
+  const rt::KernelCost memory{"m", 4.8e12, 1.0, 1}, compute{"c", 1.0, 989e12, 1};
+  EXPECT_DOUBLE_EQ(roof.seconds(memory), 1.0);
+  EXPECT_TRUE(roof.memory_bound(memory));
+  EXPECT_DOUBLE_EQ(roof.seconds(compute), 1.0);
+  EXPECT_FALSE(roof.memory_bound(compute));
+  const std::string table = rt::cost_table({memory, compute});
+  EXPECT_NE(table.find("MODEL"), std::string::npos);
+  EXPECT_NE(table.find("total"), std::string::npos);
+}

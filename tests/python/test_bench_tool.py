@@ -1,0 +1,253 @@
+"""Tests of python/mcore_twin/bench.py: the Mann-Whitney U test, the regression gate on synthetic
+Google Benchmark results (a planted 20% regression is flagged, noise and an unchanged rerun are
+not), bad input, the dashboard page built from sample runs, and (--browser) that page loaded in
+headless Chromium: no errors, every chart rendered with one point per run, the planted regression
+in the comparison table.
+
+    PYTHONPATH=python python3 tests/python/test_bench_tool.py [--browser]
+Exit 77 (CTest's skip) for the browser test without Chromium, unless CI=true.
+"""
+
+import itertools
+import json
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from mcore_twin import bench
+
+DENSE_ID = "dense(h=8,a=2,g=2,d=4,ffn=16,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,s=4,b=1,dtype=bf16,tp=1,sp=0,drop=0,seed=1)"
+STEADY = f"reference/layer/{DENSE_ID}"
+PLANTED = f"reference/mlp/{DENSE_ID}"  # 20% slower in the second run
+TORCH = f"libtorch/layer/{DENSE_ID}"
+
+
+def gbench_json(times_by_name, unit="us"):
+    """Google Benchmark JSON (as --benchmark_out writes it with repetitions) of given times."""
+    benchmarks = []
+    for name, times in times_by_name.items():
+        for i, t in enumerate(times):
+            benchmarks.append({"name": name, "run_name": name, "run_type": "iteration", "repetitions": len(times),
+                               "repetition_index": i, "threads": 1, "iterations": 10, "real_time": t,
+                               "cpu_time": t, "time_unit": unit})
+        benchmarks.append({"name": name + "_mean", "run_name": name, "run_type": "aggregate",
+                           "aggregate_name": "mean", "real_time": sum(times) / len(times), "time_unit": unit})
+    return {"context": {"date": "2026-12-02", "num_cpus": 2}, "benchmarks": benchmarks}
+
+
+def noisy(rng, centre, n=9, rel=0.02):
+    return [centre * (1.0 + rng.gauss(0.0, rel)) for _ in range(n)]
+
+
+def write_run(root, name, date, times_by_name, check_share=None):
+    path = os.path.join(root, name)
+    os.makedirs(path)
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump({"commit": name[-8:], "date": date, "machine": "test", "build_type": "RelWithDebInfo"}, f)
+    with open(os.path.join(path, "bench_suite.json"), "w") as f:
+        json.dump(gbench_json(times_by_name), f)
+    with open(os.path.join(path, "bench_cost_model.json"), "w") as f:
+        json.dump({"benchmarks": [{"name": f"model/gemm m=8,n=4,k=8/{DENSE_ID}", "run_type": "iteration",
+                                   "real_time": 0.001, "time_unit": "us", "flops": 512.0, "bytes": 256.0,
+                                   "FLOP/B": 2.0, "roofline_us": 0.001, "label": "MODEL H200 memory-bound"}]}, f)
+    if check_share is not None:
+        with open(os.path.join(path, "check.json"), "w") as f:
+            json.dump({"command": "check", "status": "pass", "rows": [
+                {"layer": "dense gpt", "dtype": "bf16", "backend": "sim", "tp": "1", "max_error": 0.1 * check_share,
+                 "bound": 0.1, "share": check_share, "seconds": 0.1, "status": "pass", "detail": ""},
+                {"layer": "fixture moe", "dtype": "bf16", "backend": "optimized", "tp": "-", "max_error": None,
+                 "bound": None, "share": None, "seconds": 0.0, "status": "unsupported", "detail": ""}]}, f)
+    return path
+
+
+def sample_results(root):
+    """Two runs: the second with PLANTED 20% slower, STEADY unchanged but re-measured."""
+    rng = random.Random(20261202)
+    first = {STEADY: noisy(rng, 1000.0), PLANTED: noisy(rng, 400.0), TORCH: noisy(rng, 100.0)}
+    second = {STEADY: noisy(rng, 1000.0), PLANTED: noisy(rng, 480.0), TORCH: noisy(rng, 100.0)}
+    a = write_run(root, "20261201T000000Z-aaaaaaaa", "2026-12-01T00:00:00Z", first, check_share=0.25)
+    b = write_run(root, "20261202T000000Z-bbbbbbbb", "2026-12-02T00:00:00Z", second, check_share=0.5)
+    return a, b
+
+
+class MannWhitneyU(unittest.TestCase):
+    def test_exact_p_of_separated_samples(self):
+        # Every x below every y: U = 0, the most extreme of C(10, 5) = 252 equally likely rank
+        # arrangements on each side, so the two-sided p is 2 / 252.
+        u, p = bench.mann_whitney_u_builtin([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])
+        self.assertEqual(u, 0)
+        self.assertAlmostEqual(p, 2 / 252, places=12)
+
+    def test_exact_distribution_by_enumeration(self):
+        # The exact p against a brute-force count over all C(7, 3) splits of the ranks.
+        x, y = [0.3, 2.5, 4.0], [0.1, 1.0, 3.0, 5.0]
+        u, p = bench.mann_whitney_u_builtin(x, y)
+        pooled = sorted(x + y)
+        rank = {v: i + 1 for i, v in enumerate(pooled)}
+        u_obs = sum(rank[v] for v in x) - 3 * 4 / 2
+        us = [sum(c) - 6 for c in itertools.combinations(range(1, 8), 3)]
+        lo = min(u_obs, 12 - u_obs)
+        expected = min(1.0, 2 * sum(1 for v in us if v <= lo) / len(us))
+        self.assertEqual(u, u_obs)
+        self.assertAlmostEqual(p, expected, places=12)
+
+    def test_identical_samples_are_not_significant(self):
+        _, p = bench.mann_whitney_u_builtin([5.0] * 6, [5.0] * 6)
+        self.assertEqual(p, 1.0)
+
+    def test_builtin_matches_scipy_when_present(self):
+        try:
+            from scipy.stats import mannwhitneyu
+        except ImportError:
+            self.skipTest("scipy not installed")
+        rng = random.Random(7)
+        for n1, n2, ties in [(5, 5, False), (9, 9, False), (12, 15, False), (9, 9, True)]:
+            x = [round(rng.gauss(0, 1), 1 if ties else 9) for _ in range(n1)]
+            y = [round(rng.gauss(0.5, 1), 1 if ties else 9) for _ in range(n2)]
+            u, p = bench.mann_whitney_u_builtin(x, y)
+            ref = mannwhitneyu(x, y, alternative="two-sided")
+            self.assertEqual(u, ref.statistic)
+            self.assertAlmostEqual(p, ref.pvalue, places=9, msg=(n1, n2, ties))
+
+
+class Compare(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+        self.base, self.new = sample_results(self.dir)
+
+    def tearDown(self):
+        shutil.rmtree(self.dir)
+
+    def test_planted_regression_is_flagged_and_noise_is_not(self):
+        result = bench.compare(self.base, self.new, threshold=0.10, alpha=0.05)
+        rows = {r["name"]: r for r in result["rows"]}
+        self.assertTrue(rows[PLANTED]["regression"])
+        self.assertAlmostEqual(rows[PLANTED]["change"], 0.2, delta=0.03)
+        self.assertFalse(rows[STEADY]["regression"])
+        self.assertFalse(rows[TORCH]["regression"])
+        self.assertNotIn(f"model/gemm m=8,n=4,k=8/{DENSE_ID}", rows)  # a model is not gated
+        self.assertEqual(bench.main(["compare", self.base, self.new]), 1)
+
+    def test_unchanged_rerun_passes(self):
+        self.assertEqual(bench.main(["compare", self.base, self.base]), 0)
+        # and a rerun with fresh noise of the same distribution
+        rng = random.Random(99)
+        rerun = write_run(self.dir, "20261203T000000Z-cccccccc", "2026-12-03T00:00:00Z",
+                          {STEADY: noisy(rng, 1000.0), PLANTED: noisy(rng, 400.0), TORCH: noisy(rng, 100.0)})
+        self.assertEqual(bench.main(["compare", self.base, rerun]), 0)
+
+    def test_a_significant_change_under_the_threshold_passes(self):
+        rng = random.Random(5)
+        slower = write_run(self.dir, "20261204T000000Z-dddddddd", "2026-12-04T00:00:00Z",
+                           {PLANTED: [t * 1.05 for t in noisy(rng, 400.0, rel=0.001)]})
+        base = write_run(self.dir, "20261205T000000Z-eeeeeeee", "2026-12-05T00:00:00Z",
+                         {PLANTED: noisy(rng, 400.0, rel=0.001)})
+        row = bench.compare(base, slower, threshold=0.10)["rows"][0]
+        self.assertLess(row["p"], 0.05)
+        self.assertFalse(row["regression"])
+        self.assertTrue(bench.compare(base, slower, threshold=0.02)["rows"][0]["regression"])
+
+    def test_units_are_normalised(self):
+        ms = os.path.join(self.dir, "ms.json")
+        with open(ms, "w") as f:
+            json.dump(gbench_json({PLANTED: [0.4] * 3}, unit="ms"), f)
+        us = os.path.join(self.dir, "us.json")
+        with open(us, "w") as f:
+            json.dump(gbench_json({PLANTED: [400.0] * 3}, unit="us"), f)
+        self.assertAlmostEqual(bench.compare(ms, us)["rows"][0]["change"], 0.0, places=12)
+
+    def test_bad_input_exits_2(self):
+        self.assertEqual(bench.main(["compare", os.path.join(self.dir, "missing"), self.new]), 2)
+        bad = os.path.join(self.dir, "bad.json")
+        with open(bad, "w") as f:
+            f.write("{\"not\": \"gbench\"}")
+        self.assertEqual(bench.main(["compare", bad, self.new]), 2)
+
+
+class Dashboard(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+        sample_results(self.dir)
+        self.page = os.path.join(self.dir, "dashboard.html")
+
+    def tearDown(self):
+        shutil.rmtree(self.dir)
+
+    def test_page_builds_from_sample_runs(self):
+        if not os.path.isfile(bench.CHARTJS_DEFAULT):
+            self.skipTest("libjs-chart.js not installed")
+        data = bench.build_dashboard(self.dir, self.page)
+        self.assertEqual(len(data["labels"]), 2)
+        self.assertEqual(set(data["series"]), {STEADY, PLANTED, TORCH})
+        self.assertEqual(list(data["accuracy"].values()), [[0.25, 0.5]])  # the unsupported row has no share
+        ratio = [r for r in data["ratios"] if r["op"] == "layer"]
+        self.assertEqual(len(ratio), 1)
+        self.assertAlmostEqual(ratio[0]["ratio"], 10.0, delta=1.0)
+        with open(self.page) as f:
+            text = f.read()
+        self.assertIn("Chart.js v3", text)  # inlined, no external script
+        self.assertNotRegex(text, r"<script[^>]+src=")
+        self.assertIn("REGRESSION", text)
+
+    def test_missing_chartjs_is_a_clear_error(self):
+        self.assertEqual(bench.main(["dashboard", self.dir, "-o", self.page, "--chartjs", "/nonexistent.js"]), 2)
+
+
+class Browser(unittest.TestCase):
+    """The dashboard in headless Chromium (Debian `chromium`)."""
+
+    def test_renders_without_errors(self):
+        chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+        if not chromium or not os.path.isfile(bench.CHARTJS_DEFAULT):
+            raise unittest.SkipTest("chromium or libjs-chart.js not installed")
+        root = tempfile.mkdtemp()
+        try:
+            sample_results(root)
+            page = os.path.join(root, "dashboard.html")
+            data = bench.build_dashboard(root, page)
+            profile = os.path.join(root, "profile")
+            out = subprocess.run(
+                [chromium, "--headless", "--disable-gpu", "--no-sandbox", f"--user-data-dir={profile}",
+                 "--virtual-time-budget=10000", "--dump-dom", "file://" + page],
+                capture_output=True, text=True, timeout=120).stdout
+            m = re.search(r'<pre id="render-status">([^<]*)</pre>', out)
+            self.assertIsNotNone(m, "no render status in the DOM: the page script did not run")
+            status = json.loads(m.group(1).replace("&quot;", '"').replace("&amp;", "&"))
+            self.assertEqual(status["errors"], [])
+            n_charts = len(data["series"]) + len(data["accuracy"])
+            self.assertEqual(status["charts"], n_charts)
+            self.assertEqual(status["rendered"], n_charts)
+            for name in list(data["series"]) + list(data["accuracy"]):
+                self.assertEqual(status["points"][name], 2, name)  # one point per run
+            regressions = re.search(r"<div id=\"regressions\">(.*?)</div>", out, re.S).group(1)
+            planted_row = [r for r in regressions.split("<tr") if PLANTED.replace("&", "&amp;") in r]
+            self.assertEqual(len(planted_row), 1)
+            self.assertIn("REGRESSION", planted_row[0])
+            self.assertEqual(regressions.count("REGRESSION"), 1)
+        finally:
+            shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    browser = "--browser" in sys.argv
+    if browser:
+        sys.argv.remove("--browser")
+    suite = unittest.TestSuite()
+    loader = unittest.TestLoader()
+    for case in ([Browser] if browser else [MannWhitneyU, Compare, Dashboard]):
+        suite.addTests(loader.loadTestsFromTestCase(case))
+    result = unittest.TextTestRunner(verbosity=2).run(suite)
+    if not result.wasSuccessful():
+        sys.exit(1)
+    if result.skipped and result.testsRun == len(result.skipped):
+        if os.environ.get("CI") == "true":
+            print("CI=true: a missing optional dependency is an error", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(77)
+    sys.exit(0)
