@@ -39,7 +39,11 @@ const char* kCpuConfigs[] = {
     "dense(h=256,a=8,g=2,d=32,ffn=512,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s="
     "64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=2)",
 };
+// The first is the Llama-70B layer (ci/gpu-check --quick times gpu0 alone).
 const char* kGpuConfigs[] = {
+    // Llama-70B-like layer: GQA 64/8, SwiGLU, s 4096
+    "dense(h=8192,a=64,g=8,d=128,ffn=28672,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask="
+    "causal,s=4096,b=1,dtype=bf16,tp=1,sp=0,drop=0,seed=5)",
     // Llama-3-8B-like layer, GQA 32/8, SwiGLU
     "dense(h=4096,a=32,g=8,d=128,ffn=14336,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask="
     "causal,s=2048,b=1,dtype=bf16,tp=1,sp=0,drop=0,seed=3)",
