@@ -110,6 +110,9 @@ __global__ void retro_gather_rows_kernel(const T* x, T* out, RetroMapArgs a, std
 inline void retro_build_map(const RetroMapArgs& a, std::int64_t* map, cudaStream_t stream) {
   const std::int64_t rows = a.out_rows();
   require(map != nullptr, "retro_build_map: null map");
+  // cost: the map written once (computed from the sizes, nothing read); ~10 integer ops per row
+  // are not FLOPs.
+  rt::declare_cost("retro_build_map", 8.0 * rows, 0.0);
   if (rows == 0) return;
   const unsigned threads = elementwise_threads(rows);
   launch_kernel(retro_build_map_kernel<std::int64_t>, dim3(elementwise_blocks(rows, threads)), dim3(threads), 0, stream,
@@ -122,6 +125,9 @@ inline void retro_gather_rows(DType dt, const void* x, void* out, const RetroMap
   require(x && out && x != out, "retro_gather_rows: null or aliased x / out");
   require(d > 0 && in_rows >= 0, "retro_gather_rows: bad shape");
   const std::int64_t n = a.out_rows() * d;
+  // cost: every output element written once and, at most, one input element read for it (padding
+  // rows read nothing; the model counts the output size twice, an upper bound of one copy).
+  rt::declare_cost("retro_gather_rows", 2.0 * dtype_size(dt) * n, 0.0);
   if (n == 0) return;
   dispatch_dtype(dt, "retro_gather_rows", [&](auto tag) {
     using T = decltype(tag);
@@ -167,6 +173,10 @@ inline void retro_decoder_bias_dropout_add(DType dt, const void* x, const void* 
   // counts: x + bias, the dropout product, + the zero residual, then + residual (as the reference).
   rounding_store(dt, (bias ? 1 : 0) + (drop.active ? 1 : 0) + 2);
   const std::int64_t n = unchunk.ns * unchunk.bs * d;
+  // cost: the chunked x read once (at most n of its elements reach the output), residual read and
+  // out written once, the bias once; bias add, dropout product, residual add per element.
+  rt::declare_cost("retro_decoder_bias_dropout_add", double(dtype_size(dt)) * (3.0 * n + (bias ? d : 0)),
+                   double(n) * ((bias ? 1 : 0) + (drop.active ? 1 : 0) + 1));
   if (n == 0) return;
   dispatch_dtype(dt, "retro_decoder_bias_dropout_add", [&](auto tag) {
     using T = decltype(tag);
@@ -212,6 +222,9 @@ inline void retro_encoder_bias_dropout_add(DType dt, const void* x, const void* 
   // counts: the reference calls bias_dropout_add once per neighbour on one running count.
   rounding_store(dt, static_cast<int>(k) * ((bias ? 1 : 0) + (drop.active ? 1 : 0) + 1));
   const std::int64_t n = r * k * N * d;
+  // cost: the k attention outputs and the residual read once, out written once, the bias once.
+  rt::declare_cost("retro_encoder_bias_dropout_add", double(dtype_size(dt)) * (3.0 * n + (bias ? d : 0)),
+                   double(n) * ((bias ? 1 : 0) + (drop.active ? 1 : 0) + 1));
   dispatch_dtype(dt, "retro_encoder_bias_dropout_add", [&](auto tag) {
     using T = decltype(tag);
     const unsigned threads = elementwise_threads(n);

@@ -23,6 +23,10 @@ void declare_cost(const char* kernel, double bytes, double flops) {
   if (tl_scope) tl_scope->add(kernel, bytes, flops);
 }
 
+void note_kernel_launch(const std::string& kernel) {
+  if (tl_scope) tl_scope->note_launch(kernel);
+}
+
 double Roofline::seconds(const KernelCost& k) const { return std::max(k.bytes / bytes_per_s, k.flops / flops_per_s); }
 
 CostScope::CostScope() : outer_(tl_scope) { tl_scope = this; }
@@ -34,6 +38,12 @@ void CostScope::add(const char* kernel, double bytes, double flops) {
   it->bytes += bytes;
   it->flops += flops;
   ++it->launches;
+}
+
+void CostScope::note_launch(const std::string& kernel) {
+  auto it = std::find_if(launched_.begin(), launched_.end(), [&](const auto& k) { return k.first == kernel; });
+  if (it == launched_.end()) it = launched_.insert(launched_.end(), {kernel, 0});
+  ++it->second;
 }
 
 KernelCost CostScope::total() const {

@@ -13,11 +13,16 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace twin::rt {
 
 void declare_cost(const char* kernel, double bytes, double flops);
+
+// Called by the simulator for every kernel launch (not GEMMs, copies or collectives): the scope
+// counts them by kernel name, so a test can tell a launcher that declares nothing.
+void note_kernel_launch(const std::string& kernel);
 
 struct KernelCost {
   std::string kernel;
@@ -49,9 +54,14 @@ class CostScope {
   const std::vector<KernelCost>& kernels() const { return kernels_; }
   KernelCost total() const;  // kernel "total"
   void add(const char* kernel, double bytes, double flops);
+  // Simulated kernel launches seen by this scope, by kernel name ("router_topk_kernel<R>"), in
+  // first-launch order. Each should be matched by one declaration of its launcher.
+  const std::vector<std::pair<std::string, int>>& kernel_launches() const { return launched_; }
+  void note_launch(const std::string& kernel);
 
  private:
   std::vector<KernelCost> kernels_;
+  std::vector<std::pair<std::string, int>> launched_;
   CostScope* outer_;
 };
 

@@ -23,6 +23,7 @@
 //   reused; objects they hold are leaked), which is why kernels should not own heap memory.
 #include "cuda_compat.h"
 #include "optimized/runtime/sim_stream.h"
+#include "optimized/runtime/cost_model.h"
 
 #include <boost/context/detail/fcontext.hpp>
 #include <link.h>
@@ -710,6 +711,7 @@ void run_grid(const LaunchSpec& spec, Thunk thunk, std::shared_ptr<const void> c
 }
 
 void launch(cudaStream_t stream, const LaunchSpec& spec, Thunk thunk, std::shared_ptr<const void> ctx) {
+  twin::rt::note_kernel_launch(kernel_name_from_args(spec.args_text));
   enqueue(stream, [spec, thunk, ctx = std::move(ctx)] { run_grid(spec, thunk, ctx); });
 }
 

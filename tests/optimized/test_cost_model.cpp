@@ -8,6 +8,7 @@
 #include "optimized/runtime/gemm.h"
 #include "optimized/transformer_layer.h"
 #include "parity/dense_case.h"
+#include "tests/optimized/retro/retro_case.h"
 
 using namespace twin;
 
@@ -82,4 +83,43 @@ TEST(CostModel, RooflineIsTheSlowerOfMemoryAndCompute) {
   const std::string table = rt::cost_table({memory, compute});
   EXPECT_NE(table.find("MODEL"), std::string::npos);
   EXPECT_NE(table.find("total"), std::string::npos);
+}
+
+// Every simulated kernel launch of a layer's forward is matched by one declaration of its launcher
+// (GEMMs declare through the GEMM interface and are no kernel launch of the simulator): a launcher
+// without a declaration would leave its kernel out of the roofline table.
+void expect_every_launch_declared(const rt::CostScope& scope) {
+  int launched = 0, declared = 0;
+  std::string names;
+  for (const auto& [name, n] : scope.kernel_launches()) {
+    launched += n;
+    names += " " + name;
+  }
+  for (const auto& k : scope.kernels())
+    if (k.kernel.rfind("gemm", 0) != 0 && k.kernel.rfind("grouped_gemm", 0) != 0) declared += k.launches;
+  EXPECT_GT(launched, 0);
+  EXPECT_EQ(declared, launched) << "kernels launched:" << names << "\n" << rt::cost_table(scope.kernels());
+}
+
+TEST(CostModel, EveryDenseLayerKernelIsDeclared) {
+  const parity::DenseCase c = parity::parse_case_id(
+      "dense(h=32,a=4,g=2,d=8,ffn=48,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=1,rope=half,rot=1,qkln=1,mask=causal,s=8,"
+      "b=2,dtype=bf16,tp=1,sp=0,drop=0.1,seed=3)");
+  const parity::DenseInputs in = parity::make_inputs(c);
+  opt::DenseTransformerLayer layer(in.config, in.params, opt::LayerOptions{});
+  rt::CostScope scope;
+  layer.forward(in.hidden_states, nullptr, &in.rotary_pos_emb, opt::ForwardOptions{});
+  expect_every_launch_declared(scope);
+}
+
+TEST(CostModel, EveryRetroKernelIsDeclared) {
+  for (const auto kind : {test::RetroKind::First, test::RetroKind::Block}) {
+    test::RetroCase c;
+    c.kind = kind;
+    c.ns = 5, c.m = 2, c.k = 2, c.chunks = 2, c.encoder_layers = 1, c.dropout = 0.1, c.bf16 = true;
+    rt::CostScope scope;
+    test::run_optimized(c);
+    SCOPED_TRACE(test::to_id(c));
+    expect_every_launch_declared(scope);
+  }
 }
