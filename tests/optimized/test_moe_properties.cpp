@@ -18,6 +18,7 @@
 #include "optimized/moe/moe_transformer_layer.h"
 #include "parity/bounds.h"
 #include "parity/dense_case.h"
+#include "tests/case_id.h"
 #include "reference/moe/moe_transformer_layer.h"
 
 using namespace twin;
@@ -39,60 +40,151 @@ Tensor random(DType dt, Shape shape, double scale, std::mt19937_64& rng) {
   return Tensor::from_doubles(dt, std::move(shape), v);
 }
 
-MoECase gen_case() {
+// One drawn MoE layer case, everything the properties compute from: the dense half's fields
+// (dtype, sizes, norm, activation, biases, RoPE, the data seed) and the MoE config's choices. Its id
+// prints on a failure (tests/case_id.h) and TWIN_CASE='<id>' reruns exactly that case.
+struct OptMoECase : proptest::PropertyCase {
+  static constexpr const char* kKind = "opt_moe";
+  DType dtype = DType::F32;
+  int s = 1, b = 1;
+  bool rms = false, glu = false;
+  std::string act = "gelu";
+  bool bias = false;
+  std::string rope = "none";  // none | half
+  std::uint64_t seed = 1;
+  int E = 2, k = 1, ffn = 8;
+  std::string score = "softmax";  // softmax | sigmoid
+  bool pre = false;
+  int groups = 0, group_topk = 0;  // 0: no group-limited routing
+  bool scale = false;              // moe_router_topk_scaling_factor 2.5
+  std::string dispatcher = "allgather";
+  std::string lb = "none";
+  bool z_loss = false, expert_bias = false, shared = false, gate = false;
+  double capacity = 0.0;  // 0: no capacity factor
+  std::string drop = "probs";
+  bool pad = false;
+  template <class V>
+  void fields(V& v) {
+    v("dtype", dtype);
+    v("s", s);
+    v("b", b);
+    v("rms", rms);
+    v("glu", glu);
+    v("act", act);
+    v("bias", bias);
+    v("rope", rope);
+    v("seed", seed);
+    v("E", E);
+    v("k", k);
+    v("ffn", ffn);
+    v("score", score);
+    v("pre", pre);
+    v("groups", groups);
+    v("group_topk", group_topk);
+    v("scale", scale);
+    v("dispatcher", dispatcher);
+    v("lb", lb);
+    v("z_loss", z_loss);
+    v("expert_bias", expert_bias);
+    v("shared", shared);
+    v("gate", gate);
+    v("capacity", capacity);
+    v("drop", drop);
+    v("pad", pad);
+  }
+};
+
+rc::Gen<OptMoECase> gen_opt_moe_case() {
+  return proptest::rerunnable<OptMoECase>(rc::gen::exec([] {
+    OptMoECase o;
+    o.dtype = *rc::gen::element(DType::F32, DType::BF16);
+    o.s = *rc::gen::inRange(1, 7);
+    o.b = *rc::gen::inRange(1, 3);
+    o.rms = *rc::gen::arbitrary<bool>();
+    o.glu = *rc::gen::arbitrary<bool>();
+    o.act = *rc::gen::element<std::string>("gelu", "silu");
+    o.bias = *rc::gen::arbitrary<bool>();
+    o.rope = *rc::gen::element<std::string>("none", "half");
+    o.seed = *rc::gen::inRange<std::uint64_t>(1, 1000000);
+    const int E = o.E = *rc::gen::inRange(2, 9), k = o.k = *rc::gen::inRange(1, std::min(E, 4) + 1);
+    o.ffn = *rc::gen::element(8, 24);
+    o.score = *rc::gen::element<std::string>("softmax", "sigmoid");
+    o.pre = o.score == "softmax" && (k == 1 || *rc::gen::arbitrary<bool>());
+    if (*rc::gen::inRange(0, 3) == 0) {
+      std::vector<int> divisors;
+      for (int g = 2; g <= E; ++g)
+        if (E % g == 0) divisors.push_back(g);
+      if (!divisors.empty()) {
+        const int G = *rc::gen::elementOf(divisors), gk = *rc::gen::inRange(1, G + 1);
+        if (k <= gk * (E / G)) {
+          o.groups = G;
+          o.group_topk = gk;
+        }
+      }
+    }
+    o.scale = *rc::gen::inRange(0, 3) == 0;
+    o.dispatcher = *rc::gen::element<std::string>("allgather", "alltoall");
+    o.lb = *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss", "none");
+    o.z_loss = *rc::gen::arbitrary<bool>();
+    o.expert_bias = o.score == "sigmoid" && *rc::gen::arbitrary<bool>();
+    if (!o.bias && *rc::gen::arbitrary<bool>()) {
+      o.shared = true;
+      o.gate = *rc::gen::arbitrary<bool>();
+    }
+    if (*rc::gen::inRange(0, 3) == 0) {
+      const std::int64_t T = std::int64_t(o.s) * o.b;
+      o.capacity = *rc::gen::inRange(2, 16) / 8.0;
+      o.drop = *rc::gen::element<std::string>("probs", "position");
+      o.pad =
+          *rc::gen::arbitrary<bool>() && reference::moe::get_capacity(T * k, E, o.capacity) <= T;  // alltoall needs it
+    }
+    return o;
+  }));
+}
+
+// The layer, its parameters and inputs of a drawn case.
+MoECase make_case(const OptMoECase& o) {
   MoECase m;
   DenseCase& d = m.dense;
-  d.dtype = *rc::gen::element(DType::F32, DType::BF16);
-  d.s = *rc::gen::inRange(1, 7);
-  d.b = *rc::gen::inRange(1, 3);
-  d.rms = *rc::gen::arbitrary<bool>();
-  d.glu = *rc::gen::arbitrary<bool>();
-  d.act = *rc::gen::element<std::string>("gelu", "silu");
-  d.bias = *rc::gen::arbitrary<bool>();
-  d.rope = *rc::gen::element(RopeKind::None, RopeKind::Half);
-  d.seed = *rc::gen::inRange<std::uint64_t>(1, 1000000);
+  d.dtype = o.dtype;
+  d.s = o.s;
+  d.b = o.b;
+  d.rms = o.rms;
+  d.glu = o.glu;
+  d.act = o.act;
+  d.bias = o.bias;
+  d.rope = o.rope == "half" ? RopeKind::Half : RopeKind::None;
+  d.seed = o.seed;
   const DenseInputs in = make_inputs(d);
   TransformerConfig& c = m.config = in.config;
   m.hidden_states = in.hidden_states;
   m.attention_mask = in.attention_mask;
   m.rotary_pos_emb = in.rotary_pos_emb;
 
-  const int E = *rc::gen::inRange(2, 9), k = *rc::gen::inRange(1, std::min(E, 4) + 1);
+  const int E = o.E;
   c.num_moe_experts = E;
-  c.moe_router_topk = k;
-  c.moe_ffn_hidden_size = *rc::gen::element(8, 24);
-  c.moe_router_score_function = *rc::gen::element<std::string>("softmax", "sigmoid");
-  c.moe_router_pre_softmax = c.moe_router_score_function == "softmax" && (k == 1 || *rc::gen::arbitrary<bool>());
-  if (*rc::gen::inRange(0, 3) == 0) {
-    std::vector<int> divisors;
-    for (int g = 2; g <= E; ++g)
-      if (E % g == 0) divisors.push_back(g);
-    if (!divisors.empty()) {
-      const int G = *rc::gen::elementOf(divisors), gk = *rc::gen::inRange(1, G + 1);
-      if (k <= gk * (E / G)) {
-        c.moe_router_num_groups = G;
-        c.moe_router_group_topk = gk;
-      }
-    }
+  c.moe_router_topk = o.k;
+  c.moe_ffn_hidden_size = o.ffn;
+  c.moe_router_score_function = o.score;
+  c.moe_router_pre_softmax = o.pre;
+  if (o.groups > 0) {
+    c.moe_router_num_groups = o.groups;
+    c.moe_router_group_topk = o.group_topk;
   }
-  if (*rc::gen::inRange(0, 3) == 0) c.moe_router_topk_scaling_factor = 2.5;
-  c.moe_token_dispatcher_type = *rc::gen::element<std::string>("allgather", "alltoall");
-  c.moe_router_load_balancing_type =
-      *rc::gen::element<std::string>("aux_loss", "seq_aux_loss", "global_aux_loss", "none");
+  if (o.scale) c.moe_router_topk_scaling_factor = 2.5;
+  c.moe_token_dispatcher_type = o.dispatcher;
+  c.moe_router_load_balancing_type = o.lb;
   c.moe_aux_loss_coeff = c.moe_router_load_balancing_type == "none" ? 0.0 : 0.01;
-  if (*rc::gen::arbitrary<bool>()) c.moe_z_loss_coeff = 1e-3;
-  if (c.moe_router_score_function == "sigmoid" && *rc::gen::arbitrary<bool>()) c.moe_router_enable_expert_bias = true;
-  if (!c.add_bias_linear && *rc::gen::arbitrary<bool>()) {
+  if (o.z_loss) c.moe_z_loss_coeff = 1e-3;
+  c.moe_router_enable_expert_bias = o.expert_bias;
+  if (o.shared) {
     c.moe_shared_expert_intermediate_size = 12;
-    c.moe_shared_expert_gate = *rc::gen::arbitrary<bool>();
+    c.moe_shared_expert_gate = o.gate;
   }
-  if (*rc::gen::inRange(0, 3) == 0) {
-    const std::int64_t T = std::int64_t(d.s) * d.b;
-    c.moe_expert_capacity_factor = *rc::gen::inRange(2, 16) / 8.0;
-    c.moe_token_drop_policy = *rc::gen::element<std::string>("probs", "position");
-    c.moe_pad_expert_input_to_capacity =
-        *rc::gen::arbitrary<bool>() &&
-        reference::moe::get_capacity(T * k, E, *c.moe_expert_capacity_factor) <= T;  // alltoall needs it
+  if (o.capacity > 0.0) {
+    c.moe_expert_capacity_factor = o.capacity;
+    c.moe_token_drop_policy = o.drop;
+    c.moe_pad_expert_input_to_capacity = o.pad;
   }
 
   // Params: the attention half from the dense case, the MoE's drawn here.
@@ -184,7 +276,7 @@ bool has_near_tie(const Tensor& logits, std::int64_t E, double gap) {
 
 // fp32 and bf16: optimized == reference within the bound, routing maps and tokens per expert equal.
 RC_GTEST_PROP(OptimizedMoEProperty, OptimizedEqualsReferenceWithinBound, ()) {
-  const MoECase m = gen_case();
+  const MoECase m = make_case(*gen_opt_moe_case());
   RC_LOG() << describe(m) << "\n";
   Record ref_rec, opt_rec;
   const Tensor ref = reference_forward(m, false, &ref_rec), exact = reference_forward(m, true, nullptr);
@@ -212,7 +304,7 @@ RC_GTEST_PROP(OptimizedMoEProperty, OptimizedEqualsReferenceWithinBound, ()) {
 
 // Two runs of the optimized MoE layer are bitwise equal (outputs and every recorded entry).
 RC_GTEST_PROP(OptimizedMoEProperty, TwoRunsAreBitwiseEqual, ()) {
-  const MoECase m = gen_case();
+  const MoECase m = make_case(*gen_opt_moe_case());
   RC_LOG() << describe(m) << "\n";
   Record a, b;
   RC_ASSERT(bitwise_equal(optimized_forward(m, &a), optimized_forward(m, &b)));
@@ -228,7 +320,7 @@ RC_GTEST_PROP(OptimizedMoEProperty, TwoRunsAreBitwiseEqual, ()) {
 // is bitwise equal to eager execution, on the first replay and on a second one with new inputs of
 // the same shape (the graphs then run on the re-uploaded inputs).
 RC_GTEST_PROP(OptimizedMoEProperty, GraphReplayIsBitwiseEqualToEager, ()) {
-  const MoECase m = gen_case();
+  const MoECase m = make_case(*gen_opt_moe_case());
   RC_LOG() << describe(m) << "\n";
   opt::MoEForwardInputs in;
   in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;

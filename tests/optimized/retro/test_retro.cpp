@@ -9,6 +9,7 @@
 #include "optimized/retro/retro_kernels.cuh"
 #include "optimized/retro/retro_layer.h"
 #include "reference/retro/chunking.h"
+#include "tests/case_id.h"
 #include "tests/optimized/retro/retro_case.h"
 #include "tests/optimized/sim_util.h"
 
@@ -28,13 +29,43 @@ std::vector<std::int64_t> device_map(const k::RetroMapArgs& a) {
   return out;
 }
 
+// One chunking-map case: sequence length ns, batch bs, chunk length m (index bookkeeping: no dtype).
+struct ChunkMapCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "retro_chunk_map";
+  std::int64_t ns = 1, bs = 1, m = 1;
+  template <class V>
+  void fields(V& v) {
+    v("ns", ns);
+    v("bs", bs);
+    v("m", m);
+  }
+};
+
+// One neighbour-map case: r retrieved tokens per neighbour, N chunk rows, k neighbours.
+struct NeighbourMapCase : proptest::PropertyCase {
+  static constexpr const char* kKind = "retro_neighbour_map";
+  std::int64_t r = 1, N = 1, k = 1;
+  template <class V>
+  void fields(V& v) {
+    v("r", r);
+    v("N", N);
+    v("k", k);
+  }
+};
+
 }  // namespace
 
 // The chunking maps for every (ns, bs, m), divisible and not.
 RC_GTEST_PROP(RetroMaps, ChunkingMapsEqualTheReference, ()) {
-  const std::int64_t m = *rc::gen::inRange(1, 9), ns = *rc::gen::inRange(1, 40), bs = *rc::gen::inRange(1, 4);
+  const ChunkMapCase mc = *proptest::rerunnable<ChunkMapCase>(rc::gen::exec([] {
+    ChunkMapCase c;
+    c.m = *rc::gen::inRange(1, 9);
+    c.ns = *rc::gen::inRange(1, 40);
+    c.bs = *rc::gen::inRange(1, 4);
+    return c;
+  }));
+  const std::int64_t m = mc.m, ns = mc.ns, bs = mc.bs;
   const std::int64_t l = ref::num_chunks(ns, m), pad = ref::attending_pad(ns, m);
-  RC_LOG() << "ns=" << ns << " bs=" << bs << " m=" << m << "\n";
   k::RetroMapArgs a;
   a.ns = ns;
   a.bs = bs;
@@ -51,8 +82,14 @@ RC_GTEST_PROP(RetroMaps, ChunkingMapsEqualTheReference, ()) {
 
 // The neighbour maps for every (r, N, k) and neighbour n.
 RC_GTEST_PROP(RetroMaps, NeighbourMapsEqualTheReference, ()) {
-  const std::int64_t r = *rc::gen::inRange(1, 12), N = *rc::gen::inRange(1, 10), kk = *rc::gen::inRange(1, 5);
-  RC_LOG() << "r=" << r << " N=" << N << " k=" << kk << "\n";
+  const NeighbourMapCase nc = *proptest::rerunnable<NeighbourMapCase>(rc::gen::exec([] {
+    NeighbourMapCase c;
+    c.r = *rc::gen::inRange(1, 12);
+    c.N = *rc::gen::inRange(1, 10);
+    c.k = *rc::gen::inRange(1, 5);
+    return c;
+  }));
+  const std::int64_t r = nc.r, N = nc.N, kk = nc.k;
   k::RetroMapArgs a;
   a.r = r;
   a.N = N;
