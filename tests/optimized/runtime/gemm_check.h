@@ -70,9 +70,10 @@ inline double activation(Epilogue e, double x) {
     case Epilogue::Relu:
     case Epilogue::ReluBias:
       return x > 0 ? x : 0;
+    // tanh-GELU (Hendrycks & Gimpel): sqrt(2/pi) computed, 0.044715 from the paper.
     case Epilogue::Gelu:
     case Epilogue::GeluBias:
-      return 0.5 * x * (1 + std::tanh(0.7978845608028654 /* sqrt(2 / pi) */ * (x + 0.044715 * x * x * x)));
+      return 0.5 * x * (1 + std::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x)));
     default:
       return x;
   }
