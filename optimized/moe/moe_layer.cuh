@@ -9,7 +9,9 @@
  * Design: everything up to the router's outputs and from the combine on is enqueued on one stream
  * with no host synchronisation. The expert compute needs the tokens per expert on the host (the
  * grouped GEMM's group sizes, as Megatron's grouped MLP syncs them): one small download after the
- * row-id map is built. Rounding points are counted as the reference counts them
+ * row-id map is built. At expert-parallel size ep > 1 every rank runs this sequence on its own
+ * tokens and computes its local experts' rows from all ranks, exchanged by Megatron's alltoall
+ * dispatcher (moe_alltoall_experts). Rounding points are counted as the reference counts them
  * (the reference MoE sources), so a golden's bound follows from what this twin executed. */
 #pragma once
 
@@ -214,12 +216,115 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
   permute_forward(dt, rdt, x, p.row_id_map, p.probs, p.permuted, p.permuted_probs, T, E, h, st);
 }
 
-// The expert-compute phase (_forward_mlp_expert_compute): the group sizes to the host (the one
-// synchronisation: shapes depend on the routing, so this phase stays eager), the grouped experts.
-inline void moe_expert_compute_impl(MoEPlan& p, cudaStream_t st) {
+// experts: grouped fc1, fused bias + activation + probability, grouped fc2, over the rows `in`
+// grouped by the experts whose weights the plan holds (tokens_per_expert: host group sizes,
+// offsets: their exclusive prefix on the device, n rows) into `out`.
+inline void moe_grouped_experts(MoEPlan& p, const void* in, const void* probs, void* out,
+                                const std::vector<std::int64_t>& tokens_per_expert, const std::int64_t* offsets,
+                                int experts, std::int64_t n, cudaStream_t st) {
   const RankPlan& a = p.attn;
   const DType dt = a.dt, rdt = p.rdt;
   const std::int64_t h = a.h;
+  const int w1 = (p.glu ? 2 : 1) * p.ffn;
+  grouped_linear_forward(this_backend(), dt, in, p.fc1_w, p.fc1, tokens_per_expert, h, w1, st);  // [n, w1]
+  grouped_bias_activation_forward(dt, rdt, p.fc1, p.fc1_b, probs, p.act_out, offsets, experts, n, p.ffn,
+                                  static_cast<Act>(a.act), p.glu, st);                                   // [n, ffn]
+  grouped_linear_forward(this_backend(), dt, p.act_out, p.fc2_w, out, tokens_per_expert, p.ffn, h, st);  // [n, h]
+  if (p.fc2_b) grouped_scaled_bias_add_forward(dt, rdt, out, p.fc2_b, probs, offsets, experts, n, int(h), st);
+}
+
+// Megatron's MoEAlltoAllTokenDispatcher at expert-parallel size ep (tp = 1), around the local
+// experts. p.permuted holds this rank's tokens permuted over ALL E experts (expert-major, the
+// ep = 1 layout), so the rows for rank q's experts are one contiguous part:
+//   preprocess: the ranks all-gather their tokens per expert [ep, E]; input_splits[q] = this
+//     rank's rows for q's experts, output_splits[q] = rank q's rows for this rank's experts;
+//   dispatch: all-to-all of the rows and their probabilities, then sort_chunks_by_idxs: the
+//     received chunks (source rank-major, then local expert) reordered local expert-major, so each
+//     local expert's rows are contiguous (source rank 0 first, then 1, ...);
+//   the local experts as grouped GEMMs;
+//   combine: the chunks sorted back (source rank-major), the reverse all-to-all into p.expert_out,
+//     this rank's rows in its own permuted order, where the ep = 1 combine (unpermute) reads them.
+// Communication and the chunk sorts move values without rounding, and each row meets exactly the
+// ep = 1 arithmetic (its expert's weights, its probability), so the rounding points are the
+// ep = 1 ones. The counts cross to the host once (the grouped GEMM's group sizes, as at ep = 1).
+inline void moe_alltoall_experts(MoEPlan& p, cudaStream_t st) {
+  const RankPlan& a = p.attn;
+  const DType dt = a.dt, rdt = p.rdt;
+  const std::int64_t h = a.h;
+  const int E = p.E, ep = p.ep, El = p.local_E, me = p.ep_rank;
+  require(p.ep_comm && p.ep_comm->size() == ep && p.ep_comm->rank() == me && El * ep == E,
+          "moe alltoall dispatcher: the plan's expert-parallel group does not match ep = " + std::to_string(ep));
+  // ---- preprocess: every rank's tokens per expert                  // [ep, E]
+  p.ep_comm->all_gather(p.tokens_per_expert_dev, p.ep_counts, std::size_t(E), DType::I64, st);
+  std::vector<std::int64_t> counts(std::size_t(ep) * E);
+  moe_download(counts.data(), p.ep_counts, counts.size() * sizeof(std::int64_t), st);
+  // n(q, l): rows rank q sends for this rank's local expert l
+  auto n = [&](int q, int l) { return counts[std::size_t(q) * E + std::size_t(me) * El + l]; };
+  std::vector<std::size_t> in_rows(std::size_t(ep), 0), out_rows(std::size_t(ep), 0);
+  for (int q = 0; q < ep; ++q)
+    for (int l = 0; l < El; ++l) {
+      in_rows[std::size_t(q)] += std::size_t(p.tokens_per_expert[std::size_t(q) * El + l]);
+      out_rows[std::size_t(q)] += std::size_t(n(q, l));
+    }
+  auto times = [](std::vector<std::size_t> v, std::size_t k) {
+    for (auto& x : v) x *= k;
+    return v;
+  };
+  // ---- dispatch: rows and probabilities to the ranks that hold their experts
+  p.ep_comm->all_to_all(p.permuted, times(in_rows, std::size_t(h)), p.ep_recv, times(out_rows, std::size_t(h)), dt, st);
+  p.ep_comm->all_to_all(p.permuted_probs, in_rows, p.ep_recv_probs, out_rows, rdt, st);
+  // sort_chunks_by_idxs: chunk (q, l) at its source rank-major offset <-> its local expert-major one
+  std::vector<std::int64_t> by_source(std::size_t(ep) * El), by_expert(std::size_t(ep) * El);
+  p.local_tokens_per_expert.assign(std::size_t(El), 0);
+  std::int64_t off = 0;
+  for (int q = 0; q < ep; ++q)
+    for (int l = 0; l < El; ++l) {
+      by_source[std::size_t(q) * El + l] = off;
+      off += n(q, l);
+      p.local_tokens_per_expert[std::size_t(l)] += n(q, l);
+    }
+  const std::int64_t Nl = off;
+  p.ep_offsets_host.assign(std::size_t(El) + 1, 0);
+  off = 0;
+  for (int l = 0; l < El; ++l) {
+    p.ep_offsets_host[std::size_t(l)] = off;
+    for (int q = 0; q < ep; ++q) {
+      by_expert[std::size_t(q) * El + l] = off;
+      off += n(q, l);
+    }
+  }
+  p.ep_offsets_host[std::size_t(El)] = off;
+  rt::Device& dev = rt::device(this_backend());
+  const std::size_t row = std::size_t(h) * dtype_size(dt), prob = dtype_size(rdt);
+  // to_expert_major: true moves chunks source rank-major -> local expert-major, false back
+  auto sort_chunks = [&](const void* src, void* dst, std::size_t bytes_per_row, bool to_expert_major) {
+    for (std::size_t c = 0; c < by_source.size(); ++c) {
+      const std::size_t rows = std::size_t(n(int(c) / El, int(c) % El));
+      if (!rows) continue;
+      const std::size_t from = std::size_t(to_expert_major ? by_source[c] : by_expert[c]);
+      const std::size_t to = std::size_t(to_expert_major ? by_expert[c] : by_source[c]);
+      dev.copy(static_cast<char*>(dst) + to * bytes_per_row, static_cast<const char*>(src) + from * bytes_per_row,
+               rows * bytes_per_row, rt::CopyKind::DeviceToDevice, st);
+    }
+  };
+  sort_chunks(p.ep_recv, p.ep_in, row, true);               // [Nl, h]
+  sort_chunks(p.ep_recv_probs, p.ep_in_probs, prob, true);  // [Nl]
+  dev.copy(p.ep_offsets, p.ep_offsets_host.data(), p.ep_offsets_host.size() * sizeof(std::int64_t),
+           rt::CopyKind::HostToDevice, st);
+
+  // ---- the local experts                                           // [Nl, h]
+  moe_grouped_experts(p, p.ep_in, p.ep_in_probs, p.ep_out, p.local_tokens_per_expert, p.ep_offsets, El, Nl, st);
+
+  // ---- combine: back to source rank-major, the reverse all-to-all  // [N, h]
+  sort_chunks(p.ep_out, p.ep_recv, row, false);
+  p.ep_comm->all_to_all(p.ep_recv, times(out_rows, std::size_t(h)), p.expert_out, times(in_rows, std::size_t(h)), dt,
+                        st);
+}
+
+// The expert-compute phase (_forward_mlp_expert_compute): the group sizes to the host (the one
+// synchronisation: shapes depend on the routing, so this phase stays eager), the grouped experts,
+// at ep > 1 between the alltoall dispatcher's dispatch and combine.
+inline void moe_expert_compute_impl(MoEPlan& p, cudaStream_t st) {
   const int E = p.E;
   auto tap = [&](MoETapPoint t) {
     if (p.on_tap) p.on_tap(t);
@@ -230,14 +335,10 @@ inline void moe_expert_compute_impl(MoEPlan& p, cudaStream_t st) {
   for (auto n : p.tokens_per_expert) N += n;
   tap(MoETapPoint::ExpertInputs);
 
-  // ---- experts: grouped fc1, fused bias + activation + probability, grouped fc2
-  const int w1 = (p.glu ? 2 : 1) * p.ffn;
-  grouped_linear_forward(this_backend(), dt, p.permuted, p.fc1_w, p.fc1, p.tokens_per_expert, h, w1, st);
-  grouped_bias_activation_forward(dt, rdt, p.fc1, p.fc1_b, p.permuted_probs, p.act_out, p.offsets, E, N, p.ffn,
-                                  static_cast<Act>(a.act), p.glu, st);
-  grouped_linear_forward(this_backend(), dt, p.act_out, p.fc2_w, p.expert_out, p.tokens_per_expert, p.ffn, h, st);
-  if (p.fc2_b)
-    grouped_scaled_bias_add_forward(dt, rdt, p.expert_out, p.fc2_b, p.permuted_probs, p.offsets, E, N, int(h), st);
+  if (p.ep == 1)
+    moe_grouped_experts(p, p.permuted, p.permuted_probs, p.expert_out, p.tokens_per_expert, p.offsets, E, N, st);
+  else
+    moe_alltoall_experts(p, st);
   tap(MoETapPoint::ExpertsOutput);
 }
 

@@ -92,8 +92,24 @@ struct MoEPlan {
   void* gate_logits = nullptr;                    // [T]
   void* mlp_out = nullptr;                        // [T, h]
 
+  // ---- expert parallelism (the alltoall dispatcher), ep > 1: this rank holds the local experts
+  // [ep_rank * local_E, (ep_rank + 1) * local_E) (fc1_w .. fc2_b above are those experts only).
+  // A rank receives at most ep * T rows for each of its local_E experts: ep * T * local_E = T * E
+  // = N_max rows, so every buffer below has the N_max rows of the ep = 1 ones.
+  int ep = 1, ep_rank = 0, local_E = 0;
+  rt::Communicator* ep_comm = nullptr;
+  std::int64_t* ep_counts = nullptr;          // [ep, E] device: every rank's tokens per expert
+  void* ep_recv = nullptr;                    // [N_max, h] rows by source rank, then local expert
+  void* ep_recv_probs = nullptr;              // [N_max] rdt
+  void* ep_in = nullptr;                      // [N_max, h] rows by local expert, then source rank
+  void* ep_in_probs = nullptr;                // [N_max] rdt
+  void* ep_out = nullptr;                     // [N_max, h] the local experts' outputs
+  std::int64_t* ep_offsets = nullptr;         // [local_E + 1] device: exclusive prefix of local tokens per expert
+  std::vector<std::int64_t> ep_offsets_host;  // [local_E + 1] (the upload's source stays alive)
+  std::vector<std::int64_t> local_tokens_per_expert;  // [local_E] rows this rank's experts computed
+
   // ---- host results of the forward
-  std::vector<std::int64_t> tokens_per_expert;        // [E]
+  std::vector<std::int64_t> tokens_per_expert;        // [E] this rank's tokens, routed
   std::vector<double>* local_tokens = nullptr;        // expert-bias counter (non-padding routed tokens), or null
   std::vector<std::uint8_t>* padding_host = nullptr;  // [T] or null
 

@@ -39,7 +39,8 @@ Tensor random(DType dt, Shape shape, double scale, std::mt19937_64& rng) {
   return Tensor::from_doubles(dt, std::move(shape), v);
 }
 
-MoECase gen_case() {
+// experts_multiple_of: num_moe_experts is drawn among the multiples of it in [2, 8].
+MoECase gen_case(int experts_multiple_of = 1) {
   MoECase m;
   DenseCase& d = m.dense;
   d.dtype = *rc::gen::element(DType::F32, DType::BF16);
@@ -57,7 +58,8 @@ MoECase gen_case() {
   m.attention_mask = in.attention_mask;
   m.rotary_pos_emb = in.rotary_pos_emb;
 
-  const int E = *rc::gen::inRange(2, 9), k = *rc::gen::inRange(1, std::min(E, 4) + 1);
+  const int em = experts_multiple_of;
+  const int E = em * *rc::gen::inRange(std::max(1, 2 / em), 8 / em + 1), k = *rc::gen::inRange(1, std::min(E, 4) + 1);
   c.num_moe_experts = E;
   c.moe_router_topk = k;
   c.moe_ffn_hidden_size = *rc::gen::element(8, 24);
@@ -152,8 +154,13 @@ Tensor reference_forward(const MoECase& m, bool exact, Record* rec) {
   return layer.forward(m.hidden_states, li, rec ? Taps(rec) : Taps()).first;
 }
 
-Tensor optimized_forward(const MoECase& m, Record* rec) {
-  opt::MoETransformerLayer layer(m.config, m.params, opt::LayerOptions{});
+// ep > 1: the config's expert_model_parallel_size, with the alltoall dispatcher (the one the
+// optimized twin runs at ep > 1; at ep = 1 both dispatchers compute the same).
+Tensor optimized_forward(const MoECase& m, Record* rec, int ep = 1) {
+  TransformerConfig c = m.config;
+  c.expert_model_parallel_size = ep;
+  if (ep > 1) c.moe_token_dispatcher_type = "alltoall";
+  opt::MoETransformerLayer layer(c, m.params, opt::LayerOptions{});
   opt::MoEForwardInputs in;
   in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
   in.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
@@ -246,4 +253,66 @@ RC_GTEST_PROP(OptimizedMoEProperty, GraphReplayIsBitwiseEqualToEager, ()) {
   const Tensor x2 = Tensor::from_doubles(m.hidden_states.dtype(), m.hidden_states.shape(), v);
   RC_ASSERT(bitwise_equal(a.forward(x2, in, graph).hidden_states, b.forward(x2, in, eager).hidden_states));
   RC_ASSERT(a.tokens_per_expert() == b.tokens_per_expert());
+}
+
+// Expert parallelism: ep = 2, 4 and 8 (those dividing num_moe_experts; even E drawn) run ep
+// simulated ranks with the alltoall dispatcher, each rank computing its E / ep local experts on
+// the rows all ranks send it. Routing is exact: the routing map, the router's probabilities and
+// the tokens per expert are bitwise the ep = 1 ones, and so is every rounding count (the exchange
+// and the chunk sorts move values without rounding). The output is within the reference's bound
+// at every ep; on the simulator it is moreover bitwise the ep = 1 output, with every recorded
+// entry: each row meets its expert's weights and probability in the ep = 1 arithmetic (the
+// simulator's GEMM computes each row from that row alone), and the combine adds each token's
+// expert rows in the ep = 1 order on the token's own rank.
+RC_GTEST_PROP(OptimizedMoEProperty, ExpertParallelSizesAgree, ()) {
+  const MoECase m = gen_case(2);
+  const int E = *m.config.num_moe_experts;
+  RC_LOG() << describe(m) << "\n";
+  Record ref_rec, one;
+  const Tensor ref = reference_forward(m, false, &ref_rec), exact = reference_forward(m, true, nullptr);
+  const Tensor base = optimized_forward(m, &one, 1);
+  const Tolerance tol = reference_error_bound(m.dense.dtype, max_abs_diff(ref, exact), max_abs(ref));
+  int runs = 0;
+  for (int ep : {2, 4, 8}) {
+    if (E % ep != 0) continue;
+    ++runs;
+    RC_LOG() << "ep " << ep << "\n";
+    Record rec;
+    const Tensor got = optimized_forward(m, &rec, ep);
+    RC_ASSERT(bitwise_equal(*rec.find("mlp.router.1"), *one.find("mlp.router.1")));
+    RC_ASSERT(bitwise_equal(*rec.find("mlp.experts.tokens_per_expert", Role::TapIn),
+                            *one.find("mlp.experts.tokens_per_expert", Role::TapIn)));
+    if (bitwise_equal(*one.find("mlp.router.1"), *ref_rec.find("mlp.router.1"))) {  // else a near-tie (above)
+      const Comparison cmp = compare("output.hidden_states", got, ref, tol);
+      RC_LOG() << "max abs " << cmp.max_abs << " bound atol " << tol.atol << " rtol " << tol.rtol << "\n";
+      RC_ASSERT(cmp.pass);
+    }
+    RC_ASSERT(bitwise_equal(got, base));
+    RC_ASSERT(rec.entries.size() == one.entries.size());
+    for (std::size_t i = 0; i < rec.entries.size(); ++i) {
+      RC_LOG() << rec.entries[i].key() << "\n";
+      RC_ASSERT(rec.entries[i].key() == one.entries[i].key());
+      RC_ASSERT(rec.entries[i].rounding == one.entries[i].rounding);
+      RC_ASSERT(bitwise_equal(rec.entries[i].value, one.entries[i].value));
+    }
+  }
+  RC_ASSERT(runs >= 1);  // every even E in [2, 8] has ep = 2
+}
+
+// The configurations expert parallelism does not run are named, before anything runs.
+TEST(OptimizedMoEExpertParallel, UnsupportedConfigsAreNamed) {
+  TransformerConfig c;
+  c.num_moe_experts = 6;
+  c.moe_token_dispatcher_type = "alltoall";
+  c.expert_model_parallel_size = 4;
+  EXPECT_NE(opt::moe_layer_unsupported(c).find("not divisible"), std::string::npos);
+  c.expert_model_parallel_size = 2;
+  EXPECT_EQ(opt::moe_layer_unsupported(c), "");
+  opt::LayerOptions gpu;
+  gpu.backend = rt::Backend::Cuda;
+  EXPECT_NE(opt::moe_layer_unsupported(c, gpu).find("GPU"), std::string::npos);
+  c.moe_token_dispatcher_type = "allgather";
+  EXPECT_NE(opt::moe_layer_unsupported(c).find("allgather"), std::string::npos);
+  c.expert_model_parallel_size = 0;
+  EXPECT_NE(opt::moe_layer_unsupported(c).find(">= 1"), std::string::npos);
 }
