@@ -48,6 +48,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 4096))
       ->capture_default_str();
   fixture_cmd->add_flag("--sp", fixture.sp, "With --tp: sequence parallelism");
+  fixture_cmd
+      ->add_option("--ep", fixture.ep,
+                   "Run the optimized twin's MoE layer over N simulated expert-parallel ranks with the alltoall "
+                   "dispatcher (N divides num_moe_experts); at ep = 1 both dispatchers compute the same function, so "
+                   "the golden stays the comparison")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
 
   DiffOptions diff;
   auto* diff_cmd = app.add_subcommand(
