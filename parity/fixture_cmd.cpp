@@ -121,7 +121,7 @@ void print_text(const Result& r, std::ostream& out, std::ostream& err) {
   }
   out << fmt::format("{}  [kind {}, {} twin{}{}{}]\n", r.file, r.kind.value_or("?"), r.twin,
                      r.tp > 1 ? fmt::format(", tp {}{}", r.tp, r.sp ? "+sp" : "") : "",
-                     r.ep > 1 ? fmt::format(", ep {} alltoall", r.ep) : "", r.isolated ? ", isolated" : "");
+                     r.ep > 1 ? fmt::format(", ep {}", r.ep) : "", r.isolated ? ", isolated" : "");
   print_rows(out, r.rows, r.first_failure);
   if (!r.grads.empty()) out << fmt::format("  gradients: {}\n", r.grads);
   out << fmt::format("  {}: {}\n", r.status == Status::Pass ? "PASS" : "FAIL", r.message);

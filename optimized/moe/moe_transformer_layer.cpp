@@ -44,9 +44,6 @@ std::string moe_layer_unsupported(const TransformerConfig& c, const LayerOptions
     return "num_moe_experts " + std::to_string(E) + " not divisible by expert_model_parallel_size " +
            std::to_string(ep);
   if (ep > 1 && o.backend == rt::Backend::Cuda) return "expert_model_parallel_size > 1 on the GPU (one device here)";
-  if (ep > 1 && c.moe_token_dispatcher_type != "alltoall")
-    return "expert_model_parallel_size > 1 with the " + c.moe_token_dispatcher_type +
-           " dispatcher (the optimized MoE twin runs the alltoall dispatcher at ep > 1)";
   if (E > sim::kRouterMaxExperts) return "num_moe_experts > " + std::to_string(sim::kRouterMaxExperts);
   if (c.moe_router_load_balancing_type == "sinkhorn") return "sinkhorn load balancing";
   if (c.moe_input_jitter_eps) return "moe_input_jitter_eps (input jitter)";
@@ -274,6 +271,7 @@ void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const s
   P.ep_rank = rank;
   P.local_E = m.local_E;
   P.ep_comm = m.ep_comm.get();
+  P.allgather = c.moe_token_dispatcher_type == "allgather";
   P.topk = m.topk;
   P.rdt = m.rdt;
   P.cast_input = m.rdt != m.dt;
@@ -339,6 +337,7 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
   const RoundingCount at_start = rounding_now();
   std::vector<RoundingCount> at_end(static_cast<std::size_t>(ep));
   std::vector<LayerOutput> outs(static_cast<std::size_t>(ep));
+  for (auto& r : ranks_) r->plan.gather_expert_taps = fo.record_taps;  // a collective: every rank alike
   rt::run_ranks(ep, [&](int r) {
     CountRoundings counting;
     rounding_set(at_start);
@@ -417,7 +416,7 @@ LayerOutput MoETransformerLayer::forward_rank(int rank, const Tensor& hidden_sta
     m.router_graph.reset();
     m.postprocess_graph.reset();
     m.acts.clear();
-    m.acts.reserve(48);
+    m.acts.reserve(64);
     auto buf = [&](std::size_t bytes) {
       m.acts.emplace_back(*m.dev, std::max<std::size_t>(bytes, 1));
       return m.acts.back().get();
@@ -472,6 +471,19 @@ LayerOutput MoETransformerLayer::forward_rank(int rank, const Tensor& hidden_sta
       P.ep_in_probs = buf(nmax * rs);
       P.ep_out = buf(nmax * H * es);
       P.ep_offsets = static_cast<std::int64_t*>(buf((std::size_t(m.local_E) + 1) * sizeof(std::int64_t)));
+    }
+    if (P.ep > 1 && P.allgather) {
+      const std::size_t tg = tok * std::size_t(P.ep), el = std::size_t(m.local_E);
+      P.ag_x = buf(tg * H * es);
+      P.ag_map = static_cast<std::uint8_t*>(buf(tg * E));
+      P.ag_probs = buf(tg * E * rs);
+      P.ag_local_map = static_cast<std::uint8_t*>(buf(tg * el));
+      P.ag_local_probs = buf(tg * el * rs);
+      P.ag_tokens_per_expert = static_cast<std::int64_t*>(buf(el * sizeof(std::int64_t)));
+      P.ag_row_id_map = static_cast<std::int64_t*>(buf(el * tg * sizeof(std::int64_t)));
+      P.ag_partial = buf(tg * H * es);
+      P.ag_partial_r = m.rdt != m.dt ? buf(tg * H * rs) : nullptr;
+      P.ag_combined_r = m.rdt != m.dt ? buf(tok * H * rs) : nullptr;
     }
   }
   m.x_in.upload(hidden_states.raw(), hidden_states.nbytes());

@@ -5,11 +5,13 @@
 //
 // Expert parallelism: config.expert_model_parallel_size = ep (dividing num_moe_experts) runs ep
 // simulated ranks (threads, the threaded collectives), rank r holding the local experts
-// [r * E / ep, (r + 1) * E / ep), with Megatron's alltoall dispatcher between them. Every rank
-// holds the same tokens (the layer's input, as data-parallel replicas of one batch), so each
-// rank's router, routing_map and losses are the ep = 1 ones, and each token's expert rows come
-// back to it computed by the experts' owners; the output and record are rank 0's. On the GPU ep
-// must be 1 (one device here).
+// [r * E / ep, (r + 1) * E / ep), with the config's dispatcher between them (Megatron's alltoall
+// or allgather). Every rank holds the same tokens (the layer's input, as data-parallel replicas of
+// one batch), so each rank's router, routing_map and losses are the ep = 1 ones, and each token's
+// expert rows come back to it computed by the experts' owners; the output and record are rank
+// 0's. The alltoall dispatcher adds no rounding (the output is bitwise the ep = 1 one on the
+// simulator); the allgather dispatcher's reduce-scatter adds the ranks' partial sums (its
+// rounding points are counted). On the GPU ep must be 1 (one device here).
 //
 // What it does not implement is named by moe_layer_unsupported() before anything runs, so a
 // caller reports `unsupported` instead of computing a wrong answer.
