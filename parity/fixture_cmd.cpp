@@ -25,6 +25,7 @@ struct Result {
   bool isolated = false;
   int tp = 1;  // the twin's tensor-parallel size (the reference: always 1)
   bool sp = false;
+  int ep = 1;  // the twin's expert-parallel size (the reference: always 1)
   Status status = Status::Error;
   std::string message;
   std::vector<Comparison> rows;
@@ -42,7 +43,8 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   const bool sharded = twin == TwinKind::Optimized;
   r.tp = sharded ? opt.tp : 1;
   r.sp = sharded && opt.sp;
-  const RunMode mode{opt.isolate, r.tp, r.sp};
+  r.ep = sharded ? opt.ep : 1;
+  const RunMode mode{opt.isolate, r.tp, r.sp, r.ep};
   const FixtureHandler handler = opt.lookup(fx.kind, twin, mode);
   if (!handler) {
     r.status = Status::Unsupported;
@@ -50,6 +52,8 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
       r.message = fmt::format("the {} twin does not run fixture kind '{}' isolated yet", r.twin, fx.kind);
     else if (r.tp > 1 && opt.lookup(fx.kind, twin, RunMode{opt.isolate}))
       r.message = fmt::format("the {} twin does not run fixture kind '{}' at tp > 1 yet", r.twin, fx.kind);
+    else if (r.ep > 1 && opt.lookup(fx.kind, twin, RunMode{opt.isolate, r.tp, r.sp}))
+      r.message = fmt::format("the {} twin does not run fixture kind '{}' at ep > 1", r.twin, fx.kind);
     else
       r.message = fmt::format("the {} twin does not support fixture kind '{}' yet", r.twin, fx.kind);
     return r;
@@ -98,6 +102,7 @@ json to_json(const Result& r) {
           {"isolated", r.isolated},
           {"tp", r.tp},
           {"sp", r.sp},
+          {"ep", r.ep},
           {"status", status_name(r.status)},
           {"message", r.message},
           {"grads", r.grads.empty() ? json(nullptr) : json(r.grads)},
@@ -114,8 +119,9 @@ void print_text(const Result& r, std::ostream& out, std::ostream& err) {
     out << fmt::format("{}: unsupported: {}\n", r.file, r.message);
     return;
   }
-  out << fmt::format("{}  [kind {}, {} twin{}{}]\n", r.file, r.kind.value_or("?"), r.twin,
-                     r.tp > 1 ? fmt::format(", tp {}{}", r.tp, r.sp ? "+sp" : "") : "", r.isolated ? ", isolated" : "");
+  out << fmt::format("{}  [kind {}, {} twin{}{}{}]\n", r.file, r.kind.value_or("?"), r.twin,
+                     r.tp > 1 ? fmt::format(", tp {}{}", r.tp, r.sp ? "+sp" : "") : "",
+                     r.ep > 1 ? fmt::format(", ep {}", r.ep) : "", r.isolated ? ", isolated" : "");
   print_rows(out, r.rows, r.first_failure);
   if (!r.grads.empty()) out << fmt::format("  gradients: {}\n", r.grads);
   out << fmt::format("  {}: {}\n", r.status == Status::Pass ? "PASS" : "FAIL", r.message);
@@ -139,6 +145,11 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
   if ((opt.tp > 1 || opt.sp) && opt.twin == "reference") {
     err << "error: --tp / --sp shard the optimized twin; the reference is the unsharded layer (use --twin optimized "
            "or both)\n";
+    return 2;
+  }
+  if (opt.ep < 1 || (opt.ep > 1 && opt.twin == "reference")) {
+    err << "error: --ep must be >= 1 and runs the optimized twin's experts over N ranks; the reference is the "
+           "ep = 1 layer (use --twin optimized or both)\n";
     return 2;
   }
   // A folder stands for the fixtures under it (subfolders too, sorted): `twin fixture DIR`.

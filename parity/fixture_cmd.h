@@ -2,7 +2,8 @@
 // fixture file through the named twin(s) and reports every compared tensor, in the order the layer
 // computes them. End to end by default; --isolate runs each module on the golden's own input to
 // it (parity/fixture_kinds.h), and the report says `isolated`. --tp N [--sp] runs the optimized twin
-// sharded over N simulated ranks (its taps gathered across them), against the same unsharded golden. A file that is not
+// sharded over N simulated ranks (its taps gathered across them), against the same unsharded golden;
+// --ep N runs its MoE layer over N expert-parallel ranks. A file that is not
 // .safetensors or .json (a README beside the fixtures) is reported `unsupported`: no twin runs it.
 //
 // Exit codes: 0 every compared tensor within tolerance; 1 a mismatch; 2 bad input (unreadable or
@@ -25,6 +26,7 @@ struct FixtureOptions {
   bool isolate = false;            // each module on the golden's own input to it
   int tp = 1;                      // the optimized twin sharded over tp simulated ranks (RunMode::tp)
   bool sp = false;                 // with sequence parallelism
+  int ep = 1;                      // the optimized twin over ep expert-parallel ranks (RunMode::ep)
   // Where handlers come from: the registry, or a test's own.
   FixtureHandler (*lookup)(const std::string& kind, TwinKind twin, const RunMode& mode) = find_fixture_handler;
 };

@@ -13,8 +13,9 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
   using namespace parity;
   struct Entry {
     FixtureHandler handler;
-    bool isolates;        // runs each module on the golden's own input to it (RunMode::isolate)
-    bool shards = false;  // runs at RunMode::tp > 1
+    bool isolates;                 // runs each module on the golden's own input to it (RunMode::isolate)
+    bool shards = false;           // runs at RunMode::tp > 1
+    bool expert_parallel = false;  // runs at RunMode::ep > 1
   };
   // One line per supported (kind, twin); the twins add theirs as they learn a kind. A table has
   // no modules to isolate: its run is the same in both modes.
@@ -32,10 +33,11 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
       {{"retro_decoder_layer", TwinKind::Optimized}, {run_optimized_retro_decoder_layer, false}},
       {{"retro_block", TwinKind::Optimized}, {run_optimized_retro_block, false}},
       {{"moe_layer", TwinKind::Reference}, {run_reference_moe_layer, true}},
-      {{"moe_layer", TwinKind::Optimized}, {run_optimized_moe_layer, false}},
+      {{"moe_layer", TwinKind::Optimized}, {run_optimized_moe_layer, false, false, true}},
   };
   auto it = handlers.find({kind, twin});
-  if (it == handlers.end() || (mode.isolate && !it->second.isolates) || (mode.tp > 1 && !it->second.shards))
+  if (it == handlers.end() || (mode.isolate && !it->second.isolates) || (mode.tp > 1 && !it->second.shards) ||
+      (mode.ep > 1 && !it->second.expert_parallel))
     return nullptr;
   return it->second.handler;
 }

@@ -48,6 +48,9 @@ struct RunMode {
   // that cannot shard is not found for tp > 1.
   int tp = 1;
   bool sp = false;
+  // The optimized twin's expert-parallel size over simulated ranks (the MoE layer's experts split
+  // among them, the alltoall dispatcher between them); a handler that cannot is not found for ep > 1.
+  int ep = 1;
 };
 
 // A twin's handler finds, before running anything, that the golden's config asks for something the

@@ -10,7 +10,14 @@ namespace twin::parity {
 
 TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode) {
   if (mode.isolate) throw FixtureError(f.path + ": the optimized twin does not run modules isolated yet");
-  const TransformerConfig& cfg = f.config;
+  // --ep N: the golden's layer over N expert-parallel ranks, with its own dispatcher.
+  TransformerConfig cfg = f.config;
+  if (mode.ep > 1) {
+    if (cfg.expert_model_parallel_size != 1)
+      throw FixtureUnsupported("--ep on a golden made at expert_model_parallel_size " +
+                               std::to_string(cfg.expert_model_parallel_size));
+    cfg.expert_model_parallel_size = mode.ep;
+  }
   if (!cfg.num_moe_experts) throw FixtureError(f.path + ": kind moe_layer but config.num_moe_experts is None");
   check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb", "padding_mask"});
   const char* be = std::getenv("TWIN_BACKEND");

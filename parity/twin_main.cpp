@@ -48,6 +48,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 4096))
       ->capture_default_str();
   fixture_cmd->add_flag("--sp", fixture.sp, "With --tp: sequence parallelism");
+  fixture_cmd
+      ->add_option("--ep", fixture.ep,
+                   "Run the optimized twin's MoE layer over N simulated expert-parallel ranks (N divides "
+                   "num_moe_experts) with the golden's token dispatcher; the golden and the reference stay the ep = 1 "
+                   "layer")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
 
   DiffOptions diff;
   auto* diff_cmd = app.add_subcommand(

@@ -9,10 +9,13 @@
  * Design: everything up to the router's outputs and from the combine on is enqueued on one stream
  * with no host synchronisation. The expert compute needs the tokens per expert on the host (the
  * grouped GEMM's group sizes, as Megatron's grouped MLP syncs them): one small download after the
- * row-id map is built. Rounding points are counted as the reference counts them
- * (the reference MoE sources), so a golden's bound follows from what this twin executed. */
+ * row-id map is built. At expert-parallel size ep > 1 every rank runs this sequence on its own
+ * tokens and computes its local experts' rows from all ranks, exchanged by Megatron's alltoall
+ * dispatcher (moe_alltoall_experts) or allgather dispatcher (moe_allgather_experts). Rounding points are counted as the
+ * reference counts them (the reference MoE sources), so a golden's bound follows from what this twin executed. */
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -214,12 +217,198 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
   permute_forward(dt, rdt, x, p.row_id_map, p.probs, p.permuted, p.permuted_probs, T, E, h, st);
 }
 
-// The expert-compute phase (_forward_mlp_expert_compute): the group sizes to the host (the one
-// synchronisation: shapes depend on the routing, so this phase stays eager), the grouped experts.
-inline void moe_expert_compute_impl(MoEPlan& p, cudaStream_t st) {
+// experts: grouped fc1, fused bias + activation + probability, grouped fc2, over the rows `in`
+// grouped by the experts whose weights the plan holds (tokens_per_expert: host group sizes,
+// offsets: their exclusive prefix on the device, n rows) into `out`.
+inline void moe_grouped_experts(MoEPlan& p, const void* in, const void* probs, void* out,
+                                const std::vector<std::int64_t>& tokens_per_expert, const std::int64_t* offsets,
+                                int experts, std::int64_t n, cudaStream_t st) {
   const RankPlan& a = p.attn;
   const DType dt = a.dt, rdt = p.rdt;
   const std::int64_t h = a.h;
+  const int w1 = (p.glu ? 2 : 1) * p.ffn;
+  grouped_linear_forward(this_backend(), dt, in, p.fc1_w, p.fc1, tokens_per_expert, h, w1, st);  // [n, w1]
+  grouped_bias_activation_forward(dt, rdt, p.fc1, p.fc1_b, probs, p.act_out, offsets, experts, n, p.ffn,
+                                  static_cast<Act>(a.act), p.glu, st);                                   // [n, ffn]
+  grouped_linear_forward(this_backend(), dt, p.act_out, p.fc2_w, out, tokens_per_expert, p.ffn, h, st);  // [n, h]
+  if (p.fc2_b) grouped_scaled_bias_add_forward(dt, rdt, out, p.fc2_b, probs, offsets, experts, n, int(h), st);
+}
+
+// Megatron's MoEAlltoAllTokenDispatcher at expert-parallel size ep (tp = 1), around the local
+// experts. p.permuted holds this rank's tokens permuted over ALL E experts (expert-major, the
+// ep = 1 layout), so the rows for rank q's experts are one contiguous part:
+//   preprocess: the ranks all-gather their tokens per expert [ep, E]; input_splits[q] = this
+//     rank's rows for q's experts, output_splits[q] = rank q's rows for this rank's experts;
+//   dispatch: all-to-all of the rows and their probabilities, then sort_chunks_by_idxs: the
+//     received chunks (source rank-major, then local expert) reordered local expert-major, so each
+//     local expert's rows are contiguous (source rank 0 first, then 1, ...);
+//   the local experts as grouped GEMMs;
+//   combine: the chunks sorted back (source rank-major), the reverse all-to-all into p.expert_out,
+//     this rank's rows in its own permuted order, where the ep = 1 combine (unpermute) reads them.
+// Communication and the chunk sorts move values without rounding, and each row meets exactly the
+// ep = 1 arithmetic (its expert's weights, its probability), so the rounding points are the
+// ep = 1 ones. The counts cross to the host once (the grouped GEMM's group sizes, as at ep = 1).
+inline void moe_alltoall_experts(MoEPlan& p, cudaStream_t st) {
+  const RankPlan& a = p.attn;
+  const DType dt = a.dt, rdt = p.rdt;
+  const std::int64_t h = a.h;
+  const int E = p.E, ep = p.ep, El = p.local_E, me = p.ep_rank;
+  require(p.ep_comm && p.ep_comm->size() == ep && p.ep_comm->rank() == me && El * ep == E,
+          "moe alltoall dispatcher: the plan's expert-parallel group does not match ep = " + std::to_string(ep));
+  // ---- preprocess: every rank's tokens per expert                  // [ep, E]
+  p.ep_comm->all_gather(p.tokens_per_expert_dev, p.ep_counts, std::size_t(E), DType::I64, st);
+  std::vector<std::int64_t> counts(std::size_t(ep) * E);
+  moe_download(counts.data(), p.ep_counts, counts.size() * sizeof(std::int64_t), st);
+  // n(q, l): rows rank q sends for this rank's local expert l
+  auto n = [&](int q, int l) { return counts[std::size_t(q) * E + std::size_t(me) * El + l]; };
+  std::vector<std::size_t> in_rows(std::size_t(ep), 0), out_rows(std::size_t(ep), 0);
+  for (int q = 0; q < ep; ++q)
+    for (int l = 0; l < El; ++l) {
+      in_rows[std::size_t(q)] += std::size_t(p.tokens_per_expert[std::size_t(q) * El + l]);
+      out_rows[std::size_t(q)] += std::size_t(n(q, l));
+    }
+  auto times = [](std::vector<std::size_t> v, std::size_t k) {
+    for (auto& x : v) x *= k;
+    return v;
+  };
+  // ---- dispatch: rows and probabilities to the ranks that hold their experts
+  p.ep_comm->all_to_all(p.permuted, times(in_rows, std::size_t(h)), p.ep_recv, times(out_rows, std::size_t(h)), dt, st);
+  p.ep_comm->all_to_all(p.permuted_probs, in_rows, p.ep_recv_probs, out_rows, rdt, st);
+  // sort_chunks_by_idxs: chunk (q, l) at its source rank-major offset <-> its local expert-major one
+  std::vector<std::int64_t> by_source(std::size_t(ep) * El), by_expert(std::size_t(ep) * El);
+  p.local_tokens_per_expert.assign(std::size_t(El), 0);
+  std::int64_t off = 0;
+  for (int q = 0; q < ep; ++q)
+    for (int l = 0; l < El; ++l) {
+      by_source[std::size_t(q) * El + l] = off;
+      off += n(q, l);
+      p.local_tokens_per_expert[std::size_t(l)] += n(q, l);
+    }
+  const std::int64_t Nl = off;
+  p.ep_offsets_host.assign(std::size_t(El) + 1, 0);
+  off = 0;
+  for (int l = 0; l < El; ++l) {
+    p.ep_offsets_host[std::size_t(l)] = off;
+    for (int q = 0; q < ep; ++q) {
+      by_expert[std::size_t(q) * El + l] = off;
+      off += n(q, l);
+    }
+  }
+  p.ep_offsets_host[std::size_t(El)] = off;
+  rt::Device& dev = rt::device(this_backend());
+  const std::size_t row = std::size_t(h) * dtype_size(dt), prob = dtype_size(rdt);
+  // to_expert_major: true moves chunks source rank-major -> local expert-major, false back
+  auto sort_chunks = [&](const void* src, void* dst, std::size_t bytes_per_row, bool to_expert_major) {
+    for (std::size_t c = 0; c < by_source.size(); ++c) {
+      const std::size_t rows = std::size_t(n(int(c) / El, int(c) % El));
+      if (!rows) continue;
+      const std::size_t from = std::size_t(to_expert_major ? by_source[c] : by_expert[c]);
+      const std::size_t to = std::size_t(to_expert_major ? by_expert[c] : by_source[c]);
+      dev.copy(static_cast<char*>(dst) + to * bytes_per_row, static_cast<const char*>(src) + from * bytes_per_row,
+               rows * bytes_per_row, rt::CopyKind::DeviceToDevice, st);
+    }
+  };
+  sort_chunks(p.ep_recv, p.ep_in, row, true);               // [Nl, h]
+  sort_chunks(p.ep_recv_probs, p.ep_in_probs, prob, true);  // [Nl]
+  dev.copy(p.ep_offsets, p.ep_offsets_host.data(), p.ep_offsets_host.size() * sizeof(std::int64_t),
+           rt::CopyKind::HostToDevice, st);
+
+  // ---- the local experts                                           // [Nl, h]
+  moe_grouped_experts(p, p.ep_in, p.ep_in_probs, p.ep_out, p.local_tokens_per_expert, p.ep_offsets, El, Nl, st);
+
+  // ---- combine: back to source rank-major, the reverse all-to-all  // [N, h]
+  sort_chunks(p.ep_out, p.ep_recv, row, false);
+  p.ep_comm->all_to_all(p.ep_recv, times(out_rows, std::size_t(h)), p.expert_out, times(in_rows, std::size_t(h)), dt,
+                        st);
+}
+
+// Megatron's MoEAllGatherTokenDispatcher at expert-parallel size ep (tp = 1): every rank gathers
+// the ranks' tokens, routing maps and probabilities (TG = ep * T tokens, rank q's at
+// [q T, (q + 1) T)); local_map / local_probs are their local experts' columns; the local experts
+// run on the tokens permuted by local_map (build_row_id_map over [TG, local_E]); unpermute gives
+// the local experts' partial output of every gathered token [TG, h] (each token's local rows added
+// in expert order, stored in T, as at ep = 1); the reduce-scatter, in the probabilities' dtype as
+// Megatron's token_combine casts it, adds the ranks' partials of this rank's tokens into the
+// combine's output [T, h]. Its rounding points (the partial sums, the ep - 1 additions, the casts)
+// are counted in the postprocess, where the ep = 1 combine counts its own. With
+// gather_expert_taps every rank sends rank 0 its experts' rows of rank 0's tokens, which arrive
+// expert-major: the ep = 1 experts' output (p.expert_out) the taps read.
+inline void moe_allgather_experts(MoEPlan& p, cudaStream_t st) {
+  const RankPlan& a = p.attn;
+  const DType dt = a.dt, rdt = p.rdt;
+  const std::int64_t T = std::int64_t(a.s) * a.b, h = a.h;
+  const int E = p.E, ep = p.ep, El = p.local_E, me = p.ep_rank;
+  const std::int64_t TG = T * ep;
+  require(p.ep_comm && p.ep_comm->size() == ep && p.ep_comm->rank() == me && El * ep == E,
+          "moe allgather dispatcher: the plan's expert-parallel group does not match ep = " + std::to_string(ep));
+  const std::size_t es = dtype_size(dt), rs = dtype_size(rdt);
+  // ---- token_dispatch: gather the tokens, the routing maps, the probabilities   // [TG, ...]
+  p.ep_comm->all_gather(a.ln2, p.ag_x, std::size_t(T * h), dt, st);
+  p.ep_comm->all_gather(p.routing_map, p.ag_map, std::size_t(T * E), DType::BOOL, st);
+  p.ep_comm->all_gather(p.probs, p.ag_probs, std::size_t(T * E), rdt, st);
+  // ---- dispatch_postprocess: the local experts' columns (on the host: this phase syncs anyway)
+  std::vector<std::uint8_t> map(std::size_t(TG * E));
+  std::vector<unsigned char> probs(std::size_t(TG * E) * rs);
+  moe_download(map.data(), p.ag_map, map.size(), st);
+  moe_download(probs.data(), p.ag_probs, probs.size(), st);
+  p.ag_local_map_host.resize(std::size_t(TG * El));
+  p.ag_local_probs_host.resize(std::size_t(TG * El) * rs);
+  for (std::int64_t t = 0; t < TG; ++t) {
+    const std::size_t src = std::size_t(t * E + std::int64_t(me) * El), dst = std::size_t(t * El);
+    std::memcpy(&p.ag_local_map_host[dst], &map[src], std::size_t(El));
+    std::memcpy(&p.ag_local_probs_host[dst * rs], &probs[src * rs], std::size_t(El) * rs);
+  }
+  rt::Device& dev = rt::device(this_backend());
+  dev.copy(p.ag_local_map, p.ag_local_map_host.data(), p.ag_local_map_host.size(), rt::CopyKind::HostToDevice, st);
+  dev.copy(p.ag_local_probs, p.ag_local_probs_host.data(), p.ag_local_probs_host.size(), rt::CopyKind::HostToDevice,
+           st);
+  build_row_id_map(p.ag_local_map, TG, El, p.ag_tokens_per_expert, p.ep_offsets, p.ag_row_id_map, st);
+  p.local_tokens_per_expert.assign(std::size_t(El), 0);
+  moe_download(p.local_tokens_per_expert.data(), p.ag_tokens_per_expert, std::size_t(El) * sizeof(std::int64_t), st);
+  std::int64_t Nl = 0;
+  for (auto n : p.local_tokens_per_expert) Nl += n;
+  permute_forward(dt, rdt, p.ag_x, p.ag_row_id_map, p.ag_local_probs, p.ep_in, p.ep_in_probs, TG, El, h, st);
+
+  // ---- the local experts                                           // [Nl, h]
+  moe_grouped_experts(p, p.ep_in, p.ep_in_probs, p.ep_out, p.local_tokens_per_expert, p.ep_offsets, El, Nl, st);
+
+  if (p.gather_expert_taps) {  // rank 0's tokens' rows of each local expert lead its block
+    std::vector<std::size_t> send(std::size_t(ep), 0), recv(std::size_t(ep), 0);
+    std::int64_t packed = 0, first = 0;
+    for (int l = 0; l < El; ++l) {
+      std::int64_t n0 = 0;  // rank 0's tokens routed to local expert l
+      for (std::int64_t t = 0; t < T; ++t) n0 += p.ag_local_map_host[std::size_t(t * El + l)];
+      if (n0)
+        dev.copy(static_cast<char*>(p.ep_recv) + std::size_t(packed * h) * es,
+                 static_cast<const char*>(p.ep_out) + std::size_t(first * h) * es, std::size_t(n0 * h) * es,
+                 rt::CopyKind::DeviceToDevice, st);
+      packed += n0;
+      first += p.local_tokens_per_expert[std::size_t(l)];
+    }
+    send[0] = std::size_t(packed * h);
+    if (me == 0)
+      for (int q = 0; q < ep; ++q)
+        for (int l = 0; l < El; ++l)
+          recv[std::size_t(q)] += std::size_t(p.tokens_per_expert[std::size_t(q * El + l)] * h);
+    p.ep_comm->all_to_all(p.ep_recv, send, p.expert_out, recv, dt, st);
+  }
+
+  // ---- combine_preprocess: unpermute; token_combine: reduce-scatter in the probabilities' dtype
+  unpermute_forward(dt, p.ep_out, p.ag_row_id_map, p.ag_partial, TG, El, h, st);  // [TG, h]
+  void* out = p.shared_ffn > 0 ? p.combined : p.mlp_out;                          // [T, h]
+  if (rdt == dt) {
+    p.ep_comm->reduce_scatter(p.ag_partial, out, std::size_t(T * h), dt, st);
+  } else {
+    cast_forward(dt, rdt, p.ag_partial, p.ag_partial_r, TG * h, st);  // exact: the router dtype is fp32 or fp64
+    p.ep_comm->reduce_scatter(p.ag_partial_r, p.ag_combined_r, std::size_t(T * h), rdt, st);
+    cast_forward(rdt, dt, p.ag_combined_r, out, T * h, st);
+  }
+}
+
+// The expert-compute phase (_forward_mlp_expert_compute): the group sizes to the host (the one
+// synchronisation: shapes depend on the routing, so this phase stays eager), the grouped experts,
+// at ep > 1 between the alltoall dispatcher's dispatch and combine.
+inline void moe_expert_compute_impl(MoEPlan& p, cudaStream_t st) {
   const int E = p.E;
   auto tap = [&](MoETapPoint t) {
     if (p.on_tap) p.on_tap(t);
@@ -230,14 +419,12 @@ inline void moe_expert_compute_impl(MoEPlan& p, cudaStream_t st) {
   for (auto n : p.tokens_per_expert) N += n;
   tap(MoETapPoint::ExpertInputs);
 
-  // ---- experts: grouped fc1, fused bias + activation + probability, grouped fc2
-  const int w1 = (p.glu ? 2 : 1) * p.ffn;
-  grouped_linear_forward(this_backend(), dt, p.permuted, p.fc1_w, p.fc1, p.tokens_per_expert, h, w1, st);
-  grouped_bias_activation_forward(dt, rdt, p.fc1, p.fc1_b, p.permuted_probs, p.act_out, p.offsets, E, N, p.ffn,
-                                  static_cast<Act>(a.act), p.glu, st);
-  grouped_linear_forward(this_backend(), dt, p.act_out, p.fc2_w, p.expert_out, p.tokens_per_expert, p.ffn, h, st);
-  if (p.fc2_b)
-    grouped_scaled_bias_add_forward(dt, rdt, p.expert_out, p.fc2_b, p.permuted_probs, p.offsets, E, N, int(h), st);
+  if (p.ep == 1)
+    moe_grouped_experts(p, p.permuted, p.permuted_probs, p.expert_out, p.tokens_per_expert, p.offsets, E, N, st);
+  else if (p.allgather)
+    moe_allgather_experts(p, st);
+  else
+    moe_alltoall_experts(p, st);
   tap(MoETapPoint::ExpertsOutput);
 }
 
@@ -253,8 +440,17 @@ inline void moe_postprocess_impl(MoEPlan& p, cudaStream_t st) {
   };
 
   // ---- combine: unpermute, + shared experts                        // [T, h]
-  unpermute_forward(dt, p.expert_out, p.row_id_map, p.shared_ffn > 0 ? p.combined : p.mlp_out, T, E, h, st);
-  rounding_store(dt, p.topk);  // counts: each token's top-k expert rows summed, one store each
+  if (p.ep > 1 && p.allgather) {
+    // The allgather dispatcher combined in the expert phase. counts: a token's rows of one rank's
+    // experts summed (at most min(top-k, local experts) stores), then the reduce-scatter's ep - 1
+    // additions in the probabilities' dtype and, when that is not T, the cast back.
+    rounding_store(dt, std::min(p.topk, p.local_E));
+    rounding_store(p.rdt, p.ep - 1);
+    if (p.rdt != dt) rounding_store(dt);
+  } else {
+    unpermute_forward(dt, p.expert_out, p.row_id_map, p.shared_ffn > 0 ? p.combined : p.mlp_out, T, E, h, st);
+    rounding_store(dt, p.topk);  // counts: each token's top-k expert rows summed, one store each
+  }
   if (p.shared_ffn > 0)
     bias_dropout_add_forward(dt, p.combined, nullptr, p.shared_out, p.mlp_out, T, int(h), DropoutArgs{}, 0, st);
   tap(MoETapPoint::MlpOutput);

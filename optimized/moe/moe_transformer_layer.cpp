@@ -10,6 +10,7 @@
 #include "optimized/dot_product_attention.cuh"  // MaskMode
 #include "optimized/moe/moe_transformer_layer_plan.h"
 #include "optimized/moe/router.cuh"  // ScoreFunction, AuxLossKind, kRouterMaxExperts
+#include "optimized/runtime/collectives.h"
 
 namespace twin::opt {
 
@@ -37,7 +38,12 @@ std::string moe_layer_unsupported(const TransformerConfig& c, const LayerOptions
   const int E = *c.num_moe_experts;
   if (o.tp != 1 || o.sp || c.tensor_model_parallel_size != 1)
     return "tensor parallelism of the MoE layer (the optimized MoE twin runs tp = 1)";
-  if (c.expert_model_parallel_size != 1) return "expert_model_parallel_size != 1 (the optimized MoE twin runs ep = 1)";
+  const int ep = c.expert_model_parallel_size;
+  if (ep < 1) return "expert_model_parallel_size " + std::to_string(ep) + " (must be >= 1)";
+  if (E % ep != 0)
+    return "num_moe_experts " + std::to_string(E) + " not divisible by expert_model_parallel_size " +
+           std::to_string(ep);
+  if (ep > 1 && o.backend == rt::Backend::Cuda) return "expert_model_parallel_size > 1 on the GPU (one device here)";
   if (E > sim::kRouterMaxExperts) return "num_moe_experts > " + std::to_string(sim::kRouterMaxExperts);
   if (c.moe_router_load_balancing_type == "sinkhorn") return "sinkhorn load balancing";
   if (c.moe_input_jitter_eps) return "moe_input_jitter_eps (input jitter)";
@@ -87,6 +93,8 @@ struct MoETransformerLayer::Impl {
   rt::Device* dev = nullptr;
   DType dt = DType::F32, rdt = DType::F32;
   int h = 0, np = 0, ng = 0, hn = 0, E = 0, topk = 1, ffn = 0, shared_ffn = 0;
+  int e0 = 0, local_E = 0;                    // this rank's experts: [e0, e0 + local_E)
+  std::unique_ptr<rt::Communicator> ep_comm;  // ep > 1: this rank's handle to the expert-parallel group
   std::map<std::string, Tensor> full;
   std::vector<rt::DeviceBuffer> weights, acts;
   std::optional<rt::Stream> stream;
@@ -108,10 +116,10 @@ struct MoETransformerLayer::Impl {
     return weights.back().get();
   }
   const void* upload_opt(const std::string& key) { return full.count(key) ? upload(full.at(key)) : nullptr; }
-  // Tensors of one key pattern over the experts, stacked [E, ...] into one device buffer.
+  // Tensors of one key pattern over this rank's experts, stacked [local_E, ...] into one device buffer.
   const void* upload_stacked(const std::function<std::string(int)>& key) {
     std::vector<std::byte> bytes;
-    for (int e = 0; e < E; ++e) {
+    for (int e = e0; e < e0 + local_E; ++e) {
       const Tensor& t = full.at(key(e));
       bytes.insert(bytes.end(), t.raw(), t.raw() + t.nbytes());
     }
@@ -125,12 +133,23 @@ MoETransformerLayer::~MoETransformerLayer() = default;
 
 MoETransformerLayer::MoETransformerLayer(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
                                          LayerOptions o)
-    : config_(c), options_(o), impl_(std::make_unique<Impl>()) {
+    : config_(c), options_(o) {
   if (const std::string why = moe_layer_unsupported(c, o); !why.empty())
     throw ConfigError("optimized MoE layer: unsupported: " + why);
-  // The attention half's checks are the dense layer's: build one on the attention params with a
-  // stand-in MLP to validate, then take its plan fields.
-  Impl& m = *impl_;
+  const int ep = c.expert_model_parallel_size;
+  std::vector<std::unique_ptr<rt::Communicator>> comms;
+  if (ep > 1) comms = rt::make_threaded_group(ep);
+  for (int r = 0; r < ep; ++r) {
+    ranks_.push_back(std::make_unique<Impl>());
+    ranks_.back()->ep_comm = ep > 1 ? std::move(comms[std::size_t(r)]) : nullptr;
+    init_rank(*ranks_.back(), c, params, o, r);
+  }
+}
+
+// One expert-parallel rank: every parameter checked, the attention half's and the router's
+// uploaded, and this rank's local experts.
+void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const std::map<std::string, Tensor>& params,
+                                    const LayerOptions& o, int rank) {
   m.dt = params_dtype(c);
   m.rdt = router_dtype(c);
   m.h = c.hidden_size;
@@ -139,6 +158,8 @@ MoETransformerLayer::MoETransformerLayer(const TransformerConfig& c, const std::
   m.hn = c.head_dim();
   m.E = *c.num_moe_experts;
   m.topk = c.moe_router_topk;
+  m.local_E = m.E / c.expert_model_parallel_size;
+  m.e0 = rank * m.local_E;
   m.ffn = c.moe_ffn_hidden_size.value_or(c.ffn());
   m.shared_ffn = c.moe_shared_expert_intermediate_size.value_or(0);
   if (m.topk < 1 || m.topk > m.E)
@@ -246,6 +267,11 @@ MoETransformerLayer::MoETransformerLayer(const TransformerConfig& c, const std::
 
   // ---- the MoE MLP
   P.E = m.E;
+  P.ep = c.expert_model_parallel_size;
+  P.ep_rank = rank;
+  P.local_E = m.local_E;
+  P.ep_comm = m.ep_comm.get();
+  P.allgather = c.moe_token_dispatcher_type == "allgather";
   P.topk = m.topk;
   P.rdt = m.rdt;
   P.cast_input = m.rdt != m.dt;
@@ -297,12 +323,38 @@ MoETransformerLayer::MoETransformerLayer(const TransformerConfig& c, const std::
 }
 
 const std::vector<std::int64_t>& MoETransformerLayer::tokens_per_expert() const {
-  return impl_->plan.tokens_per_expert;
+  return ranks_.front()->plan.tokens_per_expert;
 }
 
 LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEForwardInputs& in,
                                          const ForwardOptions& fo) {
-  Impl& m = *impl_;
+  const int ep = static_cast<int>(ranks_.size());
+  if (ep == 1) return forward_rank(0, hidden_states, in, fo);
+  // The ranks as threads. Rounding points are counted per thread: each rank counts from the
+  // caller's count, and the caller continues from the ranks' join (they execute the same points).
+  // The taps are rank 0's (the other ranks hold the same tokens: their routing and outputs are
+  // rank 0's), as a rank-0 hook in Megatron records them.
+  const RoundingCount at_start = rounding_now();
+  std::vector<RoundingCount> at_end(static_cast<std::size_t>(ep));
+  std::vector<LayerOutput> outs(static_cast<std::size_t>(ep));
+  for (auto& r : ranks_) r->plan.gather_expert_taps = fo.record_taps;  // a collective: every rank alike
+  rt::run_ranks(ep, [&](int r) {
+    CountRoundings counting;
+    rounding_set(at_start);
+    ForwardOptions rank_fo = fo;
+    rank_fo.record_taps = fo.record_taps && r == 0;
+    outs[std::size_t(r)] = forward_rank(r, hidden_states, in, rank_fo);
+    at_end[std::size_t(r)] = rounding_now();
+  });
+  RoundingCount ranks_end = at_start;
+  for (const RoundingCount& e : at_end) ranks_end.join(e);
+  rounding_set(ranks_end);
+  return std::move(outs.front());
+}
+
+LayerOutput MoETransformerLayer::forward_rank(int rank, const Tensor& hidden_states, const MoEForwardInputs& in,
+                                              const ForwardOptions& fo) {
+  Impl& m = *ranks_[std::size_t(rank)];
   const TransformerConfig& c = config_;
   if (hidden_states.dim() != 3 || hidden_states.size(2) != m.h)
     throw ShapeError("optimized MoE layer: hidden_states expected [s, b, " + std::to_string(m.h) + "], got " +
@@ -364,7 +416,7 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
     m.router_graph.reset();
     m.postprocess_graph.reset();
     m.acts.clear();
-    m.acts.reserve(48);
+    m.acts.reserve(64);
     auto buf = [&](std::size_t bytes) {
       m.acts.emplace_back(*m.dev, std::max<std::size_t>(bytes, 1));
       return m.acts.back().get();
@@ -410,6 +462,28 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
       P.shared_act = buf(tok * m.shared_ffn * es);
       P.shared_out = buf(tok * H * es);
       P.gate_logits = buf(tok * es);
+    }
+    if (P.ep > 1) {
+      P.ep_counts = static_cast<std::int64_t*>(buf(std::size_t(P.ep) * E * sizeof(std::int64_t)));
+      P.ep_recv = buf(nmax * H * es);
+      P.ep_recv_probs = buf(nmax * rs);
+      P.ep_in = buf(nmax * H * es);
+      P.ep_in_probs = buf(nmax * rs);
+      P.ep_out = buf(nmax * H * es);
+      P.ep_offsets = static_cast<std::int64_t*>(buf((std::size_t(m.local_E) + 1) * sizeof(std::int64_t)));
+    }
+    if (P.ep > 1 && P.allgather) {
+      const std::size_t tg = tok * std::size_t(P.ep), el = std::size_t(m.local_E);
+      P.ag_x = buf(tg * H * es);
+      P.ag_map = static_cast<std::uint8_t*>(buf(tg * E));
+      P.ag_probs = buf(tg * E * rs);
+      P.ag_local_map = static_cast<std::uint8_t*>(buf(tg * el));
+      P.ag_local_probs = buf(tg * el * rs);
+      P.ag_tokens_per_expert = static_cast<std::int64_t*>(buf(el * sizeof(std::int64_t)));
+      P.ag_row_id_map = static_cast<std::int64_t*>(buf(el * tg * sizeof(std::int64_t)));
+      P.ag_partial = buf(tg * H * es);
+      P.ag_partial_r = m.rdt != m.dt ? buf(tg * H * rs) : nullptr;
+      P.ag_combined_r = m.rdt != m.dt ? buf(tok * H * rs) : nullptr;
     }
   }
   m.x_in.upload(hidden_states.raw(), hidden_states.nbytes());

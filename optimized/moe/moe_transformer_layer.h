@@ -1,7 +1,17 @@
 // The optimized twin of Megatron-Core's MoETransformerLayer (the local GPT spec with num_experts):
 // the dense layer's attention half, then an MoELayer (TopKRouter, token dispatcher, the experts as
 // grouped GEMMs, shared experts), on the GPU (Backend::Cuda) or the CUDA simulator (Backend::Sim),
-// at tensor- and expert-parallel size 1 (moe_layer.cuh says how each step runs).
+// at tensor-parallel size 1 (moe_layer.cuh says how each step runs).
+//
+// Expert parallelism: config.expert_model_parallel_size = ep (dividing num_moe_experts) runs ep
+// simulated ranks (threads, the threaded collectives), rank r holding the local experts
+// [r * E / ep, (r + 1) * E / ep), with the config's dispatcher between them (Megatron's alltoall
+// or allgather). Every rank holds the same tokens (the layer's input, as data-parallel replicas of
+// one batch), so each rank's router, routing_map and losses are the ep = 1 ones, and each token's
+// expert rows come back to it computed by the experts' owners; the output and record are rank
+// 0's. The alltoall dispatcher adds no rounding (the output is bitwise the ep = 1 one on the
+// simulator); the allgather dispatcher's reduce-scatter adds the ranks' partial sums (its
+// rounding points are counted). On the GPU ep must be 1 (one device here).
 //
 // What it does not implement is named by moe_layer_unsupported() before anything runs, so a
 // caller reports `unsupported` instead of computing a wrong answer.
@@ -49,14 +59,18 @@ class MoETransformerLayer {
   // the tap_in.mlp.experts.* inputs, the aux losses (loss / coeff) and the expert-bias counter.
   LayerOutput forward(const Tensor& hidden_states, const MoEForwardInputs& inputs, const ForwardOptions& options = {});
 
-  // Tokens per expert of the last forward.
+  // Tokens per expert of the last forward (rank 0's tokens, over all E experts).
   const std::vector<std::int64_t>& tokens_per_expert() const;
 
  private:
-  struct Impl;
+  struct Impl;  // one expert-parallel rank
+  static void init_rank(Impl& m, const TransformerConfig& config, const std::map<std::string, Tensor>& params,
+                        const LayerOptions& options, int rank);
+  LayerOutput forward_rank(int rank, const Tensor& hidden_states, const MoEForwardInputs& inputs,
+                           const ForwardOptions& options);
   TransformerConfig config_;
   LayerOptions options_;
-  std::unique_ptr<Impl> impl_;
+  std::vector<std::unique_ptr<Impl>> ranks_;
 };
 
 }  // namespace twin::opt

@@ -92,8 +92,39 @@ struct MoEPlan {
   void* gate_logits = nullptr;                    // [T]
   void* mlp_out = nullptr;                        // [T, h]
 
+  // ---- expert parallelism, ep > 1: this rank holds the local experts
+  // [ep_rank * local_E, (ep_rank + 1) * local_E) (fc1_w .. fc2_b above are those experts only).
+  // A rank receives at most ep * T rows for each of its local_E experts: ep * T * local_E = T * E
+  // = N_max rows, so every buffer below has the N_max rows of the ep = 1 ones.
+  int ep = 1, ep_rank = 0, local_E = 0;
+  rt::Communicator* ep_comm = nullptr;
+  std::int64_t* ep_counts = nullptr;          // [ep, E] device: every rank's tokens per expert
+  void* ep_recv = nullptr;                    // [N_max, h] rows by source rank, then local expert
+  void* ep_recv_probs = nullptr;              // [N_max] rdt
+  void* ep_in = nullptr;                      // [N_max, h] rows by local expert, then source rank
+  void* ep_in_probs = nullptr;                // [N_max] rdt
+  void* ep_out = nullptr;                     // [N_max, h] the local experts' outputs
+  std::int64_t* ep_offsets = nullptr;         // [local_E + 1] device: exclusive prefix of local tokens per expert
+  std::vector<std::int64_t> ep_offsets_host;  // [local_E + 1] (the upload's source stays alive)
+  std::vector<std::int64_t> local_tokens_per_expert;  // [local_E] rows this rank's experts computed
+  // The allgather dispatcher (else alltoall); TG = ep * T gathered tokens, rank q's at [q T, (q + 1) T).
+  bool allgather = false;
+  bool gather_expert_taps = false;               // rank 0 assembles the ep = 1 expert outputs for its taps
+  void* ag_x = nullptr;                          // [TG, h] the gathered pre_mlp_layernorm outputs
+  std::uint8_t* ag_map = nullptr;                // [TG, E] the gathered routing maps
+  void* ag_probs = nullptr;                      // [TG, E] rdt
+  std::uint8_t* ag_local_map = nullptr;          // [TG, local_E] local_map: the local experts' columns
+  void* ag_local_probs = nullptr;                // [TG, local_E] rdt
+  std::int64_t* ag_tokens_per_expert = nullptr;  // [local_E] device
+  std::int64_t* ag_row_id_map = nullptr;         // [local_E, TG]
+  void* ag_partial = nullptr;                    // [TG, h] the local experts' rows unpermuted
+  void* ag_partial_r = nullptr;                  // [TG, h] rdt (router dtype != dt)
+  void* ag_combined_r = nullptr;                 // [T, h] rdt (router dtype != dt)
+  std::vector<std::uint8_t> ag_local_map_host;   // the uploads' sources stay alive
+  std::vector<unsigned char> ag_local_probs_host;
+
   // ---- host results of the forward
-  std::vector<std::int64_t> tokens_per_expert;        // [E]
+  std::vector<std::int64_t> tokens_per_expert;        // [E] this rank's tokens, routed
   std::vector<double>* local_tokens = nullptr;        // expert-bias counter (non-padding routed tokens), or null
   std::vector<std::uint8_t>* padding_host = nullptr;  // [T] or null
 

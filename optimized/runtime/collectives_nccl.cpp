@@ -66,6 +66,8 @@ ncclDataType_t to_nccl(DType dt) {
       return ncclInt32;
     case DType::I64:
       return ncclInt64;
+    case DType::BOOL:  // moved, never summed (a routing map)
+      return ncclUint8;
     default:
       throw CollectiveError(std::string("NCCL: unsupported dtype ") + dtype_name(dt));
   }

@@ -94,8 +94,9 @@ struct OptMoECase : proptest::PropertyCase {
   }
 };
 
-rc::Gen<OptMoECase> gen_opt_moe_case() {
-  return proptest::rerunnable<OptMoECase>(rc::gen::exec([] {
+// experts_multiple_of: num_moe_experts is drawn among the multiples of it in [2, 8].
+rc::Gen<OptMoECase> gen_opt_moe_case(int experts_multiple_of = 1) {
+  return proptest::rerunnable<OptMoECase>(rc::gen::exec([experts_multiple_of] {
     OptMoECase o;
     o.dtype = *rc::gen::element(DType::F32, DType::BF16);
     o.s = *rc::gen::inRange(1, 7);
@@ -106,7 +107,9 @@ rc::Gen<OptMoECase> gen_opt_moe_case() {
     o.bias = *rc::gen::arbitrary<bool>();
     o.rope = *rc::gen::element<std::string>("none", "half");
     o.seed = *rc::gen::inRange<std::uint64_t>(1, 1000000);
-    const int E = o.E = *rc::gen::inRange(2, 9), k = o.k = *rc::gen::inRange(1, std::min(E, 4) + 1);
+    const int em = experts_multiple_of;
+    const int E = o.E = em * *rc::gen::inRange(std::max(1, 2 / em), 8 / em + 1),
+              k = o.k = *rc::gen::inRange(1, std::min(E, 4) + 1);
     o.ffn = *rc::gen::element(8, 24);
     o.score = *rc::gen::element<std::string>("softmax", "sigmoid");
     o.pre = o.score == "softmax" && (k == 1 || *rc::gen::arbitrary<bool>());
@@ -244,8 +247,11 @@ Tensor reference_forward(const MoECase& m, bool exact, Record* rec) {
   return layer.forward(m.hidden_states, li, rec ? Taps(rec) : Taps()).first;
 }
 
-Tensor optimized_forward(const MoECase& m, Record* rec) {
-  opt::MoETransformerLayer layer(m.config, m.params, opt::LayerOptions{});
+// ep: the config's expert_model_parallel_size (the drawn dispatcher between the ranks).
+Tensor optimized_forward(const MoECase& m, Record* rec, int ep = 1) {
+  TransformerConfig c = m.config;
+  c.expert_model_parallel_size = ep;
+  opt::MoETransformerLayer layer(c, m.params, opt::LayerOptions{});
   opt::MoEForwardInputs in;
   in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
   in.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
@@ -333,6 +339,99 @@ RC_GTEST_PROP(OptimizedMoEProperty, GraphReplayIsBitwiseEqualToEager, ()) {
                           b.forward(m.hidden_states, in, eager).hidden_states));
   RC_ASSERT(a.tokens_per_expert() == b.tokens_per_expert());
   // Second call: other hidden states, the captured graphs replayed.
+  std::vector<double> v = m.hidden_states.to_f64();
+  for (std::size_t i = 0; i < v.size(); i += 3) v[i] = -v[i];  // negation is exact in any dtype
+  const Tensor x2 = Tensor::from_doubles(m.hidden_states.dtype(), m.hidden_states.shape(), v);
+  RC_ASSERT(bitwise_equal(a.forward(x2, in, graph).hidden_states, b.forward(x2, in, eager).hidden_states));
+  RC_ASSERT(a.tokens_per_expert() == b.tokens_per_expert());
+}
+
+// Expert parallelism: ep = 2, 4 and 8 (those dividing num_moe_experts; even E drawn) run ep
+// simulated ranks with the drawn dispatcher, each rank computing its E / ep local experts on the
+// rows of all ranks. Routing is exact: the routing map, the router's probabilities and the tokens
+// per expert are bitwise the ep = 1 ones. The output is within the reference's bound at every ep.
+// On the simulator every entry up to the experts' output is moreover bitwise the ep = 1 one, with
+// the same rounding count: each row meets its expert's weights and probability in the ep = 1
+// arithmetic (the simulator's GEMM computes each row from that row alone), and communication
+// moves values without rounding. With the alltoall dispatcher the combine adds each token's expert
+// rows in the ep = 1 order on the token's own rank, so the rest is bitwise too; the allgather
+// dispatcher's reduce-scatter adds the ranks' partial sums, whose roundings its count carries.
+RC_GTEST_PROP(OptimizedMoEProperty, ExpertParallelSizesAgree, ()) {
+  const MoECase m = make_case(*gen_opt_moe_case(2));
+  const int E = *m.config.num_moe_experts;
+  RC_LOG() << describe(m) << "\n";
+  Record ref_rec, one;
+  const Tensor ref = reference_forward(m, false, &ref_rec), exact = reference_forward(m, true, nullptr);
+  const Tensor base = optimized_forward(m, &one, 1);
+  const Tolerance tol = reference_error_bound(m.dense.dtype, max_abs_diff(ref, exact), max_abs(ref));
+  int runs = 0;
+  for (int ep : {2, 4, 8}) {
+    if (E % ep != 0) continue;
+    ++runs;
+    RC_LOG() << "ep " << ep << "\n";
+    Record rec;
+    const Tensor got = optimized_forward(m, &rec, ep);
+    RC_ASSERT(bitwise_equal(*rec.find("mlp.router.1"), *one.find("mlp.router.1")));
+    RC_ASSERT(bitwise_equal(*rec.find("mlp.experts.tokens_per_expert", Role::TapIn),
+                            *one.find("mlp.experts.tokens_per_expert", Role::TapIn)));
+    if (bitwise_equal(*one.find("mlp.router.1"), *ref_rec.find("mlp.router.1"))) {  // else a near-tie (above)
+      const Comparison cmp = compare("output.hidden_states", got, ref, tol);
+      RC_LOG() << "max abs " << cmp.max_abs << " bound atol " << tol.atol << " rtol " << tol.rtol << "\n";
+      RC_ASSERT(cmp.pass);
+    }
+    const bool alltoall = m.config.moe_token_dispatcher_type == "alltoall";
+    if (alltoall) RC_ASSERT(bitwise_equal(got, base));
+    RC_ASSERT(rec.entries.size() == one.entries.size());
+    bool combined = false;  // from the combine (mlp.0) on
+    for (std::size_t i = 0; i < rec.entries.size(); ++i) {
+      RC_LOG() << rec.entries[i].key() << "\n";
+      RC_ASSERT(rec.entries[i].key() == one.entries[i].key());
+      combined = combined || rec.entries[i].key() == "tap.mlp.0";
+      if (combined && !alltoall) continue;
+      RC_ASSERT(rec.entries[i].rounding == one.entries[i].rounding);
+      RC_ASSERT(bitwise_equal(rec.entries[i].value, one.entries[i].value));
+    }
+    RC_ASSERT(combined);
+  }
+  RC_ASSERT(runs >= 1);  // every even E in [2, 8] has ep = 2
+}
+
+// The configurations expert parallelism does not run are named, before anything runs.
+TEST(OptimizedMoEExpertParallel, UnsupportedConfigsAreNamed) {
+  TransformerConfig c;
+  c.num_moe_experts = 6;
+  c.moe_token_dispatcher_type = "alltoall";
+  c.expert_model_parallel_size = 4;
+  EXPECT_NE(opt::moe_layer_unsupported(c).find("not divisible"), std::string::npos);
+  c.expert_model_parallel_size = 2;
+  EXPECT_EQ(opt::moe_layer_unsupported(c), "");
+  opt::LayerOptions gpu;
+  gpu.backend = rt::Backend::Cuda;
+  EXPECT_NE(opt::moe_layer_unsupported(c, gpu).find("GPU"), std::string::npos);
+  c.moe_token_dispatcher_type = "allgather";
+  EXPECT_EQ(opt::moe_layer_unsupported(c), "");
+  c.expert_model_parallel_size = 0;
+  EXPECT_NE(opt::moe_layer_unsupported(c).find(">= 1"), std::string::npos);
+}
+
+// At ep = 2 each rank captures its router and postprocess phases into its own graphs (the
+// dispatcher's communication runs eager between them): a replay is bitwise equal to eager execution, on the
+// first replay and on a second one with new inputs of the same shape.
+RC_GTEST_PROP(OptimizedMoEProperty, ExpertParallelGraphReplayIsBitwiseEqualToEager, ()) {
+  const MoECase m = make_case(*gen_opt_moe_case(2));
+  RC_LOG() << describe(m) << "\n";
+  TransformerConfig c = m.config;
+  c.expert_model_parallel_size = 2;
+  opt::MoEForwardInputs in;
+  in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
+  in.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
+  opt::ForwardOptions eager, graph;
+  eager.training = graph.training = true;
+  graph.use_graph = true;
+  opt::MoETransformerLayer a(c, m.params, opt::LayerOptions{}), b(c, m.params, opt::LayerOptions{});
+  RC_ASSERT(bitwise_equal(a.forward(m.hidden_states, in, graph).hidden_states,
+                          b.forward(m.hidden_states, in, eager).hidden_states));
+  RC_ASSERT(a.tokens_per_expert() == b.tokens_per_expert());
   std::vector<double> v = m.hidden_states.to_f64();
   for (std::size_t i = 0; i < v.size(); i += 3) v[i] = -v[i];  // negation is exact in any dtype
   const Tensor x2 = Tensor::from_doubles(m.hidden_states.dtype(), m.hidden_states.shape(), v);

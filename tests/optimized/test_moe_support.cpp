@@ -32,7 +32,7 @@ TEST(OptimizedMoESupport, UnsupportedFeaturesAreReportedBeforeRunning) {
          c.moe_router_load_balancing_type = "sinkhorn";
          c.moe_aux_loss_coeff = 0.0;
        }},
-      {"expert_model_parallel_size", [](TransformerConfig& c) { c.expert_model_parallel_size = 2; }},
+      {"expert_model_parallel_size", [](TransformerConfig& c) { c.expert_model_parallel_size = 3; }},  // E = 4
       {"moe_apply_probs_on_input",
        [](TransformerConfig& c) {
          c.moe_apply_probs_on_input = true;

@@ -1,4 +1,5 @@
-// `twin case`, `twin check`, `twin layout` and `twin fixture --tp`, run as a user runs them: what they print (text and
+// `twin case`, `twin check`, `twin layout` and `twin fixture --tp / --ep`, run as a user runs them: what they print
+// (text and
 // --json), their exit codes, and one-line errors for bad input. Expected values come from outside
 // the command: the reference twin's own record (the tap names and order), Megatron-Core's layout
 // table (fixtures/megatron-core/retro_decoder_layout_table.json), a golden with a tap perturbed.
@@ -205,6 +206,57 @@ TEST(TwinFixtureTp, BadShardingExit2WithOneLine) {
   }
   // an error inside a file names the file
   EXPECT_TRUE(has(run_twin("fixture --twin optimized --tp 4 --sp " + mask).err, "dense_ln_mha_explicit_mask"));
+}
+
+// ---- twin fixture --ep: the optimized MoE layer over simulated expert-parallel ranks against the
+// same ep = 1 golden. Routing is exact; the alltoall exchange moves values without rounding, so
+// every row's error and bound are the ep = 1 ones; the allgather dispatcher's reduce-scatter adds
+// rounding points to the combine (mlp.0 and the output), and only there.
+
+TEST(TwinFixtureEp, MoEGoldenPassesOverExpertParallelRanksWithTheSameRows) {
+  const std::string golden = quote(golden_dir() + "/moe_top2_aux_allgather.safetensors");  // E = 4
+  for (const char* dispatcher : {"alltoall", "allgather"}) {
+    SCOPED_TRACE(dispatcher);
+    const std::string file = std::string(dispatcher) == "allgather"
+                                 ? golden
+                                 : quote(golden_dir() + "/moe_top2_aux_alltoall_presoftmax.safetensors");
+    const TwinRun ep1 = run_twin("fixture --json --twin optimized " + file);
+    ASSERT_EQ(ep1.code, 0) << ep1.out << ep1.err;
+    const json one = json::parse(ep1.out);
+    for (int ep : {2, 4}) {
+      SCOPED_TRACE(ep);
+      const TwinRun r = run_twin("fixture --json --twin optimized --ep " + std::to_string(ep) + " " + file);
+      ASSERT_EQ(r.code, 0) << r.out << r.err;
+      const json j = json::parse(r.out);
+      EXPECT_EQ(j["status"], "pass");
+      EXPECT_EQ(j["ep"], ep);
+      ASSERT_EQ(tensor_names(j), tensor_names(one));
+      EXPECT_GE(tensor_names(j).size(), 15u);
+      bool combined = false;  // from the combine on (allgather: the reduce-scatter's roundings)
+      for (std::size_t i = 0; i < j["tensors"].size(); ++i) {
+        const std::string name = j["tensors"][i]["name"];
+        combined = combined || name == "tap.mlp.0";
+        if (combined && std::string(dispatcher) == "allgather") continue;
+        EXPECT_EQ(j["tensors"][i]["max_abs"], one["tensors"][i]["max_abs"]) << name;
+        EXPECT_EQ(j["tensors"][i]["tol_abs"], one["tensors"][i]["tol_abs"]) << name;
+      }
+      EXPECT_TRUE(combined);
+    }
+  }
+  EXPECT_TRUE(has(run_twin("fixture --twin optimized --ep 2 " + golden).out, "optimized twin, ep 2]"));
+  // what cannot run at ep > 1 is unsupported (exit 3), bad options exit 2
+  const TwinRun e8 = run_twin("fixture --twin optimized --ep 8 " + golden);
+  EXPECT_EQ(e8.code, 3) << e8.out << e8.err;
+  EXPECT_TRUE(has(e8.out, "num_moe_experts 4 not divisible by expert_model_parallel_size 8")) << e8.out;
+  const TwinRun dense = run_twin("fixture --twin optimized --ep 2 " + quote(golden_dir() + "/" + kShardable));
+  EXPECT_EQ(dense.code, 3) << dense.out << dense.err;
+  EXPECT_TRUE(has(dense.out, "does not run fixture kind 'dense_layer' at ep > 1")) << dense.out;
+  for (const char* args : {"fixture --ep 2 ", "fixture --twin optimized --ep 0 "}) {
+    const TwinRun r = run_twin(args + golden);
+    EXPECT_EQ(r.code, 2) << args;
+    EXPECT_EQ(lines(r.err).size(), 1u) << r.err;
+    EXPECT_TRUE(has(r.err, "--ep")) << r.err;
+  }
 }
 
 // ---- twin layout: Megatron-Core's own layouts for 1..24 layers
