@@ -239,7 +239,7 @@ inline void dot_product_attention_forward(DType dt, const AttnOperands& ops, voi
     // cost: q, k, v read once, the context written once (the scores stay on chip), an explicit
     // mask read once; 2 sq sk hn FLOPs for q k^T and for p v per head, ~5 per score for the
     // softmax, halved under a causal mask (the kernel skips the masked half).
-    const double e = dtype_size(dt), heads = p.np_local, kv_heads = heads / std::max(lay.hpg, 1);
+    const double e = dtype_size(dt), heads = p.np_local, kv_heads = heads / std::max(ops.hpg, 1);
     const double causal = p.mask == MaskMode::Causal ? 0.5 : 1.0;
     const double mask_bytes = p.mask == MaskMode::Explicit ? double(p.mask_b) * p.mask_h * p.sq * p.sk : 0.0;
     rt::declare_cost("dot_product_attention_forward",
