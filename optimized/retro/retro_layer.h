@@ -48,6 +48,11 @@ struct RetroOutput {
   Record record;                  // taps, when record_taps
 };
 
+// Why the optimized Retro decoder cannot run `config` although Megatron-Core can (a feature it
+// does not implement), or "" when it can. The constructors reject the same with a ConfigError;
+// a caller that must tell "not implemented" from bad input (the golden runner) asks first.
+std::string retro_decoder_unsupported(const TransformerConfig& config);
+
 // Megatron's state-dict keys of one decoder layer of `kind` (encoder keys under
 // "cross_attention.encoder.layers.N.") for `config`.
 std::vector<std::string> retro_layer_param_keys(const TransformerConfig& config, RetroLayerKind kind);

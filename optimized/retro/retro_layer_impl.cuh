@@ -55,21 +55,36 @@ RetroSizes retro_sizes(const TransformerConfig& c) {
   return s;
 }
 
+// What Megatron-Core runs but this twin does not implement ("" when nothing): reported as
+// unsupported (retro_decoder_unsupported), not as bad input.
+std::string unsupported_of(const TransformerConfig& c) {
+  if (c.bias_activation_fusion) return "bias_activation_fusion";
+  if (c.window_size.has_value()) return "window_size (sliding-window attention)";
+  if (c.softmax_type != "vanilla") return "softmax_type '" + c.softmax_type + "' (vanilla only)";
+  if (c.attention_output_gate) return "attention_output_gate";
+  if (c.qk_l2_norm) return "qk_l2_norm";
+  if (c.activation_func_clamp_value.has_value()) return "activation_func_clamp_value";
+  if (c.glu_linear_offset != 0.0) return "glu_linear_offset != 0";
+  if (c.context_parallel_size != 1) return "context_parallel_size != 1";
+  if (c.sequence_parallel) return "sequence_parallel";
+  if (c.head_dim() > kAttnMaxHeadDim)
+    return "kv_channels " + std::to_string(c.head_dim()) + " > " + std::to_string(kAttnMaxHeadDim) +
+           " (the attention kernel's limit)";
+  try {
+    act_from_name(c.activation_func);
+  } catch (const std::invalid_argument&) {
+    return "activation_func '" + c.activation_func + "' (no optimized kernel)";
+  }
+  return "";
+}
+
 void validate(const TransformerConfig& c) {
   reject(c.normalization != "LayerNorm",
          "normalization '" + c.normalization + "': the local Retro spec's FusedLayerNorm supports LayerNorm only");
-  reject(c.bias_activation_fusion, "bias_activation_fusion is not supported");
-  reject(c.window_size.has_value(), "window_size (sliding-window attention) is not supported");
-  reject(c.softmax_type != "vanilla", "softmax_type '" + c.softmax_type + "' is not supported (vanilla)");
-  reject(c.attention_output_gate, "attention_output_gate is not supported");
-  reject(c.qk_l2_norm, "qk_l2_norm is not supported");
-  reject(c.activation_func_clamp_value.has_value(), "activation_func_clamp_value is not supported");
-  reject(c.glu_linear_offset != 0.0, "glu_linear_offset != 0 is not supported");
+  if (const std::string why = unsupported_of(c); !why.empty()) reject(true, why + " is not supported");
   reject(c.num_moe_experts.has_value(), "num_moe_experts: the Retro specs are dense");
-  reject(c.context_parallel_size != 1, "context_parallel_size must be 1");
   const int tp = c.tensor_model_parallel_size;
   reject(tp < 1, "tensor_model_parallel_size must be >= 1");
-  reject(c.sequence_parallel, "sequence_parallel is not supported by the optimized Retro decoder");
   reject(c.num_attention_heads % tp != 0 || c.query_groups() % tp != 0,
          "tensor_model_parallel_size " + std::to_string(tp) + " must divide num_attention_heads " +
              std::to_string(c.num_attention_heads) + " and num_query_groups " + std::to_string(c.query_groups()));
@@ -78,8 +93,6 @@ void validate(const TransformerConfig& c) {
   reject(c.hidden_size <= 0 || c.num_attention_heads <= 0 || c.head_dim() <= 0 || c.ffn() <= 0,
          "hidden_size, heads, kv_channels and ffn must be > 0");
   reject(c.num_attention_heads % c.query_groups() != 0, "num_attention_heads not divisible by num_query_groups");
-  reject(c.head_dim() > kAttnMaxHeadDim, "kv_channels > 256 is not supported by the attention kernel");
-  act_from_name(c.activation_func);  // throws for an activation without a kernel
   retro_sizes(c);
 }
 
