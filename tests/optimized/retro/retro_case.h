@@ -38,7 +38,10 @@ struct RetroRun {
   Record record;  // outputs and taps
 };
 RetroRun run_reference(const RetroCase& c);
-RetroRun run_optimized(const RetroCase& c);
+// use_graph: the twin's CUDA-graph path, no taps. The graph is captured on other inputs of the
+// same shapes (the case's seed + 1) and then replayed on the case's: the outputs are the replay's
+// only if the replay recomputes from the refilled input buffers.
+RetroRun run_optimized(const RetroCase& c, bool use_graph = false);
 
 // The reference's entries the optimized record also holds (the reference taps more modules, e.g.
 // every neighbour's linear_q), compared with compare_record's golden bound from the counted
