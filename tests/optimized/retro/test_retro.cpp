@@ -255,7 +255,7 @@ TEST(RetroLayer, FixedCasesMatchTheReferenceTapByTap) {
     c.chunks = 2;
     c.encoder_layers = 2;
     c.bs = 2;
-    c.bf16 = true;
+    c.dtype = DType::BF16;
     c.dropout = 0.2;
     c.context_mask = kind != RetroKind::Later;
     c.seed = 7;

@@ -23,7 +23,10 @@ struct Unsupported {
 TEST(OptimizedRetroSupport, UnsupportedFeaturesAreReportedBeforeRunning) {
   const std::vector<Unsupported> cases = {
       {"bias_activation_fusion", [](TransformerConfig& c) { c.bias_activation_fusion = true; }},
-      {"window_size", [](TransformerConfig& c) { c.window_size = std::vector<int>{4, 0}; }},
+      {"window_size",
+       [](TransformerConfig& c) {
+         c.window_size = std::vector<int>{4, 0};
+       }},
       {"softmax_type", [](TransformerConfig& c) { c.softmax_type = "off-by-one"; }},
       {"qk_l2_norm", [](TransformerConfig& c) { c.qk_l2_norm = true; }},
       {"glu_linear_offset", [](TransformerConfig& c) { c.glu_linear_offset = 1.0; }},
