@@ -8,6 +8,12 @@
 namespace twin::cli {
 
 int run_case_command(const CaseOptions& opt, std::ostream& out, std::ostream& err) {
+  if (opt.id.rfind("retro(", 0) == 0) {
+    // The Retro cases' runner lives with their property tests (tests/optimized/retro/retro_case.h).
+    err << "error: `twin case` reruns dense(...) ids; rerun a retro(...) id with TWIN_CASE='" << opt.id
+        << "' RC_PARAMS=max_success=1 build/bin/test_optimized_retro_properties\n";
+    return 2;
+  }
   parity::DenseCase c;
   try {
     c = parity::parse_case_id(opt.id);

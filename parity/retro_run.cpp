@@ -3,8 +3,8 @@
 // retriever encoder), retro_block (RetroDecoderBlock in the layout of the shared spec code,
 // reference/retro/decoder_spec.h) and retro_layout_table (that layout itself: the optimized block
 // is built from it, so the table's run is the reference's). On the simulator (TWIN_BACKEND=cuda:
-// the GPU); a config the twin does not support is rejected by the layer's constructor before
-// anything runs.
+// the GPU). A config Megatron-Core runs but the twin does not implement is reported unsupported
+// (FixtureUnsupported) before anything runs; bad input is an error.
 #include <cstdlib>
 #include <string>
 
@@ -38,6 +38,15 @@ void reject_isolated(const Fixture& f, const RunMode& mode) {
   if (mode.isolate) throw FixtureError(f.path + ": the optimized twin does not run modules isolated yet");
 }
 
+void reject_unsupported(const Fixture& f) {
+  if (const std::string why = opt::retro::retro_decoder_unsupported(f.config); !why.empty())
+    throw FixtureUnsupported("the optimized twin does not implement " + why);
+  // A golden is the unsharded layer's run with its taps; the twin records taps unsharded only.
+  if (f.config.tensor_model_parallel_size != 1)
+    throw FixtureUnsupported("the optimized twin records the Retro taps at tensor_model_parallel_size 1 only, not " +
+                             std::to_string(f.config.tensor_model_parallel_size));
+}
+
 TwinRun finish(opt::retro::RetroOutput out) {
   TwinRun run;
   run.record = std::move(out.record);
@@ -50,6 +59,7 @@ TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode
   reject_isolated(f, mode);
   reference::validate_retro_config(f.config);
   check_inputs(f, {"hidden_states", "context", "context_mask"});
+  reject_unsupported(f);
   opt::retro::RetroDecoderLayer layer(
       f.config, params_of(f),
       with_encoder ? opt::retro::RetroLayerKind::RetroWithEncoder : opt::retro::RetroLayerKind::Retro, f.layer_number,
@@ -76,6 +86,7 @@ TwinRun run_optimized_retro_block(const Fixture& f, const RunMode& mode) {
   check_inputs(f, {"hidden_states", "context", "context_mask"});
   std::vector<opt::retro::RetroLayerKind> layout;
   for (auto k : reference::retro::get_retro_decoder_block_layout(f.config)) layout.push_back(kind_of(k));
+  reject_unsupported(f);
   opt::retro::RetroDecoderBlock block(f.config, params_of(f), layout, backend_of_env());
   opt::retro::RetroForwardOptions o;
   o.training = f.training;

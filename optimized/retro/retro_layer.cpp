@@ -36,6 +36,10 @@ std::vector<std::pair<std::string, Shape>> retro_layer_param_shapes(const Transf
   return sim::retro_param_shapes(c, kind);  // the same keys and shapes for every backend
 }
 
+std::string retro_decoder_unsupported(const TransformerConfig& c) {
+  return sim::retro_unsupported(c);  // the same features on every backend
+}
+
 std::vector<std::string> retro_layer_param_keys(const TransformerConfig& c, RetroLayerKind kind) {
   std::vector<std::string> keys;
   for (const auto& [key, shape] : retro_layer_param_shapes(c, kind)) keys.push_back(key);

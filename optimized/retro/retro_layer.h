@@ -40,6 +40,16 @@ struct RetroForwardOptions {
   std::uint64_t seed = 0;    // Philox key of every dropout call
   std::uint64_t offset = 0;  // base Philox offset of the layer / block
   bool record_taps = false;  // submodule outputs under the reference's tap names (TP = 1 only)
+  // Capture the forward into a CUDA graph once, then replay it (the dense layer's use_graph). A
+  // graph holds the input and activation buffers it was captured with and bakes in the shapes
+  // and the dropout arguments (training, seed, offset): a call with other shapes or dropout
+  // arguments captures anew, one with the same replays on the new input values. The first call
+  // runs the forward eagerly once before capturing it (a warm-up that allocates every buffer, as
+  // nothing may be allocated while a stream captures). No taps (they copy to the host mid-
+  // forward). On the simulator at any tp (its collectives are stream work, captured and replayed
+  // like kernels); on the GPU at tp = 1 (its ranks' threaded collectives are host work that a
+  // CUDA graph cannot capture).
+  bool use_graph = false;
 };
 
 struct RetroOutput {
@@ -47,6 +57,11 @@ struct RetroOutput {
   std::optional<Tensor> context;  // the context the layer / block hands on (encoder output [r*k, bs*l, d])
   Record record;                  // taps, when record_taps
 };
+
+// Why the optimized Retro decoder cannot run `config` although Megatron-Core can (a feature it
+// does not implement), or "" when it can. The constructors reject the same with a ConfigError;
+// a caller that must tell "not implemented" from bad input (the golden runner) asks first.
+std::string retro_decoder_unsupported(const TransformerConfig& config);
 
 // Megatron's state-dict keys of one decoder layer of `kind` (encoder keys under
 // "cross_attention.encoder.layers.N.") for `config`.

@@ -55,21 +55,36 @@ RetroSizes retro_sizes(const TransformerConfig& c) {
   return s;
 }
 
+// What Megatron-Core runs but this twin does not implement ("" when nothing): reported as
+// unsupported (retro_decoder_unsupported), not as bad input.
+std::string unsupported_of(const TransformerConfig& c) {
+  if (c.bias_activation_fusion) return "bias_activation_fusion";
+  if (c.window_size.has_value()) return "window_size (sliding-window attention)";
+  if (c.softmax_type != "vanilla") return "softmax_type '" + c.softmax_type + "' (vanilla only)";
+  if (c.attention_output_gate) return "attention_output_gate";
+  if (c.qk_l2_norm) return "qk_l2_norm";
+  if (c.activation_func_clamp_value.has_value()) return "activation_func_clamp_value";
+  if (c.glu_linear_offset != 0.0) return "glu_linear_offset != 0";
+  if (c.context_parallel_size != 1) return "context_parallel_size != 1";
+  if (c.sequence_parallel) return "sequence_parallel";
+  if (c.head_dim() > kAttnMaxHeadDim)
+    return "kv_channels " + std::to_string(c.head_dim()) + " > " + std::to_string(kAttnMaxHeadDim) +
+           " (the attention kernel's limit)";
+  try {
+    act_from_name(c.activation_func);
+  } catch (const std::invalid_argument&) {
+    return "activation_func '" + c.activation_func + "' (no optimized kernel)";
+  }
+  return "";
+}
+
 void validate(const TransformerConfig& c) {
   reject(c.normalization != "LayerNorm",
          "normalization '" + c.normalization + "': the local Retro spec's FusedLayerNorm supports LayerNorm only");
-  reject(c.bias_activation_fusion, "bias_activation_fusion is not supported");
-  reject(c.window_size.has_value(), "window_size (sliding-window attention) is not supported");
-  reject(c.softmax_type != "vanilla", "softmax_type '" + c.softmax_type + "' is not supported (vanilla)");
-  reject(c.attention_output_gate, "attention_output_gate is not supported");
-  reject(c.qk_l2_norm, "qk_l2_norm is not supported");
-  reject(c.activation_func_clamp_value.has_value(), "activation_func_clamp_value is not supported");
-  reject(c.glu_linear_offset != 0.0, "glu_linear_offset != 0 is not supported");
+  if (const std::string why = unsupported_of(c); !why.empty()) reject(true, why + " is not supported");
   reject(c.num_moe_experts.has_value(), "num_moe_experts: the Retro specs are dense");
-  reject(c.context_parallel_size != 1, "context_parallel_size must be 1");
   const int tp = c.tensor_model_parallel_size;
   reject(tp < 1, "tensor_model_parallel_size must be >= 1");
-  reject(c.sequence_parallel, "sequence_parallel is not supported by the optimized Retro decoder");
   reject(c.num_attention_heads % tp != 0 || c.query_groups() % tp != 0,
          "tensor_model_parallel_size " + std::to_string(tp) + " must divide num_attention_heads " +
              std::to_string(c.num_attention_heads) + " and num_query_groups " + std::to_string(c.query_groups()));
@@ -78,8 +93,6 @@ void validate(const TransformerConfig& c) {
   reject(c.hidden_size <= 0 || c.num_attention_heads <= 0 || c.head_dim() <= 0 || c.ffn() <= 0,
          "hidden_size, heads, kv_channels and ffn must be > 0");
   reject(c.num_attention_heads % c.query_groups() != 0, "num_attention_heads not divisible by num_query_groups");
-  reject(c.head_dim() > kAttnMaxHeadDim, "kv_channels > 256 is not supported by the attention kernel");
-  act_from_name(c.activation_func);  // throws for an activation without a kernel
   retro_sizes(c);
 }
 
@@ -89,6 +102,15 @@ struct DTensor {
   Shape shape;
   void* get() const { return buf ? buf->get() : nullptr; }
   std::int64_t numel() const { return shape_numel(shape); }
+};
+
+// The activations of a forward captured into a graph: the warm-up allocates them in order, the
+// capture takes the same buffers in the same order (no allocation while the stream captures), and
+// they live as long as the graph that reads and writes them.
+struct Arena {
+  std::vector<DTensor> bufs;
+  std::size_t next = 0;
+  bool capturing = false;  // hand out `bufs` in order instead of allocating
 };
 
 // What one forward runs on: device, stream, dtype, taps.
@@ -101,11 +123,21 @@ struct Exec {
   std::uint64_t seed = 0;
   int rank = 0, tp = 1;
   rt::Communicator* comm = nullptr;  // tp > 1
+  Arena* arena = nullptr;            // a graph's warm-up or capture
   cudaStream_t st() const { return stream->handle(); }
 
   DTensor alloc(Shape shape) const {
+    if (arena && arena->capturing) {
+      // The capture runs the warm-up's code on the same shapes: the same allocations in order.
+      if (arena->next >= arena->bufs.size() || arena->bufs[arena->next].shape != shape)
+        throw std::logic_error("optimized Retro decoder: the captured forward's allocation " +
+                               std::to_string(arena->next) + " " + shape_str(shape) + " differs from its warm-up's");
+      return arena->bufs[arena->next++];
+    }
     const std::size_t bytes = std::max<std::size_t>(std::size_t(shape_numel(shape)) * dtype_size(dt), 1);
-    return DTensor{std::make_shared<rt::DeviceBuffer>(*dev, bytes), std::move(shape)};
+    DTensor d{std::make_shared<rt::DeviceBuffer>(*dev, bytes), std::move(shape)};
+    if (arena) arena->bufs.push_back(d);
+    return d;
   }
   DTensor upload(const Tensor& t) const {
     DTensor d{std::make_shared<rt::DeviceBuffer>(*dev, std::max<std::size_t>(t.nbytes(), 1)), t.shape()};
@@ -724,7 +756,7 @@ struct Shared {
     std::optional<DTensor> mask;
     Shape mask_shape;
   };
-  Inputs upload(const Exec& ex, const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask) const {
+  void check(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask) const {
     const std::int64_t d = config.hidden_size;
     if (hidden_states.dim() != 3 || hidden_states.size(2) != d || hidden_states.size(0) <= 0 ||
         hidden_states.size(1) <= 0)
@@ -733,14 +765,9 @@ struct Shared {
     if (hidden_states.dtype() != dt)
       throw ShapeError(std::string("optimized Retro decoder: hidden_states dtype ") +
                        dtype_name(hidden_states.dtype()) + " differs from the params dtype " + dtype_name(dt));
-    Inputs in;
-    in.x = ex.upload(hidden_states);
-    if (context) {
-      if (context->dim() != 3 || context->size(2) != d || context->dtype() != dt)
-        throw ShapeError("optimized Retro decoder: context expected " + std::string(dtype_name(dt)) + " [*, *, " +
-                         std::to_string(d) + "], got " + context->describe());
-      in.context = ex.upload(*context);
-    }
+    if (context && (context->dim() != 3 || context->size(2) != d || context->dtype() != dt))
+      throw ShapeError("optimized Retro decoder: context expected " + std::string(dtype_name(dt)) + " [*, *, " +
+                       std::to_string(d) + "], got " + context->describe());
     if (context_mask) {
       const Shape& ms = context_mask->shape();
       const RetroSizes rs = retro_sizes(config);
@@ -751,9 +778,17 @@ struct Shared {
       if (context && ms[0] != 1 && ms[0] != context->size(1))
         throw ShapeError("optimized Retro decoder: context_mask batch " + std::to_string(ms[0]) +
                          " is neither 1 nor the neighbour batch k*bs*l = " + std::to_string(context->size(1)));
-      in.mask = DTensor{std::make_shared<rt::DeviceBuffer>(*ex.dev, context_mask->nbytes()), ms};
-      in.mask->buf->upload(context_mask->raw(), context_mask->nbytes(), ex.st());
-      in.mask_shape = ms;
+    }
+  }
+  Inputs upload(const Exec& ex, const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask) const {
+    check(hidden_states, context, context_mask);
+    Inputs in;
+    in.x = ex.upload(hidden_states);
+    if (context) in.context = ex.upload(*context);
+    if (context_mask) {
+      in.mask = DTensor{std::make_shared<rt::DeviceBuffer>(*ex.dev, context_mask->nbytes()), context_mask->shape()};
+      in.mask->buf->upload(context_mask->raw(), context_mask->nbytes(), ex.st());  // BOOL: one byte per element
+      in.mask_shape = context_mask->shape();
     }
     return in;
   }
@@ -764,6 +799,115 @@ struct Shared {
     out.record = std::move(rec);
     return out;
   }
+
+  // ---- graph capture and replay (RetroForwardOptions::use_graph)
+  using Forward = std::function<std::pair<DTensor, std::optional<DTensor>>(const Exec&, const Inputs&)>;
+  // What a captured graph bakes in: the input shapes (its buffers) and the dropout arguments.
+  struct GraphKey {
+    Shape x, context, mask;
+    bool has_context = false, has_mask = false, training = false;
+    std::uint64_t seed = 0, offset = 0;
+    bool operator==(const GraphKey& o) const {
+      return x == o.x && context == o.context && mask == o.mask && has_context == o.has_context &&
+             has_mask == o.has_mask && training == o.training && seed == o.seed && offset == o.offset;
+    }
+  };
+  // One rank's graph with every buffer it reads and writes.
+  struct RankGraph {
+    GraphKey key;
+    Inputs in;    // the input buffers the graph reads: refilled before each replay
+    Arena arena;  // its activations
+    DTensor x;    // its outputs (in the arena)
+    std::optional<DTensor> context;
+    std::optional<rt::Graph> graph;
+    RoundingCount rounding;  // the rounding points the captured forward executes, counted at capture
+  };
+  std::vector<std::unique_ptr<RankGraph>> graphs;  // per rank
+
+  static RoundingCount minus(RoundingCount a, const RoundingCount& b) {
+    a.bf16 -= b.bf16;
+    a.fp16 -= b.fp16;
+    a.fp32 -= b.fp32;
+    a.reduction -= b.reduction;
+    return a;
+  }
+  static RoundingCount plus(RoundingCount a, const RoundingCount& b) {
+    a.bf16 += b.bf16;
+    a.fp16 += b.fp16;
+    a.fp32 += b.fp32;
+    a.reduction += b.reduction;
+    return a;
+  }
+
+  // Replays the forward captured for these shapes and dropout arguments, capturing it first when
+  // there is none: warm-up (eager, allocating the arena), capture (the same code on the same
+  // buffers, nothing executed), replay. The rounding count advances by the captured forward's
+  // points at each replay, as an eager run advances it (every count in a forward is its input's
+  // count plus points, so the forward's points are the same for any input count).
+  RetroOutput run_graph(const RetroForwardOptions& o, const Tensor& hidden_states, const Tensor* context,
+                        const Tensor* context_mask, const Forward& fwd) {
+    if (o.record_taps)
+      throw std::invalid_argument(
+          "optimized Retro decoder: use_graph records no taps (a tap copies to the host "
+          "mid-forward, which a captured stream cannot)");
+    if (dev->backend() == rt::Backend::Cuda && tp != 1)
+      throw std::invalid_argument(
+          "optimized Retro decoder: use_graph on the GPU is for tensor_model_parallel_size 1 (the ranks' threaded "
+          "collectives are host work a CUDA graph cannot capture)");
+    check(hidden_states, context, context_mask);
+    GraphKey key;
+    key.x = hidden_states.shape();
+    key.has_context = context != nullptr;
+    if (context) key.context = context->shape();
+    key.has_mask = context_mask != nullptr;
+    if (context_mask) key.mask = context_mask->shape();
+    key.training = o.training;
+    key.seed = o.seed;
+    key.offset = o.offset;
+    if (graphs.size() != static_cast<std::size_t>(tp)) graphs.resize(static_cast<std::size_t>(tp));
+    return run(o, [&](const Exec& rank_exec) {
+      std::unique_ptr<RankGraph>& g = graphs[static_cast<std::size_t>(rank_exec.rank)];
+      if (g && g->key == key) {
+        g->in.x.buf->upload(hidden_states.raw(), hidden_states.nbytes(), rank_exec.st());
+        if (context) g->in.context->buf->upload(context->raw(), context->nbytes(), rank_exec.st());
+        if (context_mask) g->in.mask->buf->upload(context_mask->raw(), context_mask->nbytes(), rank_exec.st());
+      } else {
+        g.reset();  // the old graph and its buffers
+        auto fresh = std::make_unique<RankGraph>();
+        fresh->key = key;
+        fresh->in = upload(rank_exec, hidden_states, context, context_mask);
+        Exec ex = rank_exec;
+        ex.arena = &fresh->arena;
+        const RoundingCount start = rounding_now();
+        fwd(ex, fresh->in);  // warm-up
+        ex.stream->synchronize();
+        rounding_set(start);
+        fresh->arena.capturing = true;
+        ex.stream->begin_capture();
+        try {
+          auto [x, ctx] = fwd(ex, fresh->in);
+          fresh->x = x;
+          fresh->context = ctx;
+        } catch (...) {
+          try {
+            rt::Graph discarded = ex.stream->end_capture();
+          } catch (...) {
+          }
+          throw;
+        }
+        fresh->graph.emplace(ex.stream->end_capture());
+        if (fresh->arena.next != fresh->arena.bufs.size())
+          throw std::logic_error(
+              "optimized Retro decoder: the captured forward allocated fewer buffers than its warm-up");
+        fresh->rounding = minus(rounding_now(), start);
+        rounding_set(start);
+        g = std::move(fresh);
+      }
+      rounding_set(plus(rounding_now(), g->rounding));
+      g->graph->launch(*rank_exec.stream);
+      return finish(rank_exec, g->x, g->context, Record{});
+    });
+  }
 };
 
 struct LayerRunner : retro::detail::Runner {
@@ -771,6 +915,10 @@ struct LayerRunner : retro::detail::Runner {
   std::unique_ptr<Layer> layer;
   RetroOutput forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                       const RetroForwardOptions& o) override {
+    if (o.use_graph)
+      return sh.run_graph(o, hidden_states, context, context_mask, [&](const Exec& ex, const Shared::Inputs& in) {
+        return layer->forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
+      });
     return sh.run(o, [&](const Exec& rank_exec) {
       Record rec;
       Exec ex = rank_exec;
@@ -787,6 +935,10 @@ struct BlockRunner : retro::detail::Runner {
   Block block;
   RetroOutput forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                       const RetroForwardOptions& o) override {
+    if (o.use_graph)
+      return sh.run_graph(o, hidden_states, context, context_mask, [&](const Exec& ex, const Shared::Inputs& in) {
+        return block.forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
+      });
     return sh.run(o, [&](const Exec& rank_exec) {
       Record rec;
       Exec ex = rank_exec;

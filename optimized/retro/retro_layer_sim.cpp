@@ -16,4 +16,5 @@ std::vector<std::pair<std::string, Shape>> retro_param_shapes(const TransformerC
                                                               retro::RetroLayerKind kind) {
   return retro_impl::param_shapes_of(config, kind);
 }
+std::string retro_unsupported(const TransformerConfig& config) { return retro_impl::unsupported_of(config); }
 }  // namespace twin::opt::sim

@@ -32,6 +32,7 @@ struct Runner {
                                                           const std::vector<retro::RetroLayerKind>& layout); \
   std::vector<std::pair<std::string, Shape>> retro_param_shapes(const TransformerConfig& config,             \
                                                                 retro::RetroLayerKind kind);                 \
+  std::string retro_unsupported(const TransformerConfig& config);                                            \
   }
 TWIN_RETRO_BACKEND_API(sim)
 #if TWIN_HAVE_CUDA

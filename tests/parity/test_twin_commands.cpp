@@ -102,6 +102,7 @@ TEST(TwinCase, BadIdsAndOptionsExit2WithOneLine) {
       {"case " + quote(bad_dtype), "dtype=bf17"},
       {"case " + quote("dense(h=16)"), "missing key"},
       {"case " + quote("moe(h=16)"), "dense("},
+      {"case " + quote("retro(kind=later,m=2)"), "TWIN_CASE='retro(kind=later,m=2)'"},
       {"case", "ID is required"},
       {"case --backend tpu " + quote(kTp4), "tpu"},
       {"case --graph " + quote(kTp4), "tp=1"},

@@ -1,7 +1,5 @@
 #include "tests/optimized/retro/retro_case.h"
 
-#include <fmt/format.h>
-
 #include <map>
 #include <random>
 #include <set>
@@ -38,7 +36,7 @@ Inputs make_inputs(const RetroCase& c) {
   Inputs in;
   in.config = to_config(c);
   in.training = c.dropout > 0.0;
-  const DType dt = c.bf16 ? DType::BF16 : DType::F32;
+  const DType dt = c.dtype;
   std::mt19937_64 rng(c.seed);
   const std::int64_t d = in.config.hidden_size, l = num_chunks(c), N = std::int64_t(c.bs) * l, r = c.chunks * c.m;
   // Parameters: layernorm weights near 1, biases and weights ~ 1 / sqrt(fan-in).
@@ -72,14 +70,18 @@ Inputs make_inputs(const RetroCase& c) {
 
 }  // namespace
 
-std::string to_id(const RetroCase& c) {
-  const char* kind = c.kind == RetroKind::Later ? "later" : c.kind == RetroKind::First ? "first" : "block";
-  return fmt::format(
-      "retro(kind={}{},m={},k={},chunks={},enc={},ns={},bs={},np={},hn={},ffn={},dtype={},cmask={},bias={},drop={},"
-      "tp={},seed={})",
-      kind, c.kind == RetroKind::Block ? fmt::format(",layers={}", c.block_layers) : "", c.m, c.k, c.chunks,
-      c.encoder_layers, c.ns, c.bs, c.heads, c.head_dim, c.ffn, c.bf16 ? "bf16" : "fp32", int(c.context_mask),
-      int(c.bias), c.dropout, c.tp, c.seed);
+std::string format_case_value(RetroKind v) {
+  return v == RetroKind::Later ? "later" : v == RetroKind::First ? "first" : "block";
+}
+void parse_case_value(const std::string& key, const std::string& s, RetroKind& v) {
+  if (s == "later")
+    v = RetroKind::Later;
+  else if (s == "first")
+    v = RetroKind::First;
+  else if (s == "block")
+    v = RetroKind::Block;
+  else
+    throw proptest::CaseIdParseError(key + "=" + s + ": expected later | first | block");
 }
 
 TransformerConfig to_config(const RetroCase& c) {
@@ -89,8 +91,8 @@ TransformerConfig to_config(const RetroCase& c) {
   cfg.num_attention_heads = c.heads;
   cfg.kv_channels = c.head_dim;
   cfg.ffn_hidden_size = c.ffn;
-  cfg.params_dtype = c.bf16 ? "bfloat16" : "float32";
-  cfg.bf16 = c.bf16;
+  cfg.params_dtype = c.dtype == DType::BF16 ? "bfloat16" : "float32";
+  cfg.bf16 = c.dtype == DType::BF16;
   cfg.add_bias_linear = c.bias;
   cfg.hidden_dropout = cfg.attention_dropout = c.dropout;
   cfg.retro_encoder_hidden_dropout = cfg.retro_encoder_attention_dropout = c.dropout;
@@ -142,27 +144,42 @@ RetroRun run_reference(const RetroCase& c) {
   return run;
 }
 
-RetroRun run_optimized(const RetroCase& c) {
+RetroRun run_optimized(const RetroCase& c, bool use_graph) {
   const Inputs in = make_inputs(c);
   opt::retro::RetroForwardOptions o;
   o.training = in.training;
   o.seed = c.seed;
-  o.record_taps = c.tp == 1;
+  o.record_taps = c.tp == 1 && !use_graph;
+  o.use_graph = use_graph;
   const Tensor* mask = in.context_mask.defined() ? &in.context_mask : nullptr;
+  std::optional<Inputs> other;  // the capture's inputs
+  if (use_graph) {
+    RetroCase o2 = c;
+    o2.seed = c.seed + 1;
+    other = make_inputs(o2);
+  }
   RetroRun run;
   CountRoundings counting;
   opt::retro::RetroOutput out;
+  auto forward = [&](auto& twin) {
+    if (other) {
+      const RoundingCount start = rounding_now();
+      twin.forward(other->hidden_states, &other->context, mask ? &other->context_mask : nullptr, o);
+      rounding_set(start);
+    }
+    return twin.forward(in.hidden_states, &in.context, mask, o);
+  };
   if (c.kind == RetroKind::Block) {
     std::vector<RetroLayerKind> layout;
     for (auto k : reference::retro::get_retro_decoder_block_layout(c.block_layers))
       layout.push_back(static_cast<RetroLayerKind>(static_cast<int>(k)));
     opt::retro::RetroDecoderBlock block(in.config, in.params, layout);
-    out = block.forward(in.hidden_states, &in.context, mask, o);
+    out = forward(block);
     out.context.reset();  // a block hands back its hidden states
   } else {
     opt::retro::RetroDecoderLayer layer(
         in.config, in.params, c.kind == RetroKind::First ? RetroLayerKind::RetroWithEncoder : RetroLayerKind::Retro, 6);
-    out = layer.forward(in.hidden_states, &in.context, mask, o);
+    out = forward(layer);
   }
   run.hidden_states = out.hidden_states;
   run.context = out.context;

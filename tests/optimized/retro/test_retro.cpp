@@ -209,6 +209,37 @@ TEST(RetroErrors, TapsAtTp1Only) {
   expect_throw_with<std::invalid_argument>([&] { layer.forward(h, &ctx, nullptr, o); }, "tensor_model_parallel_size 1");
 }
 
+// What Megatron runs but the twin does not implement is named (the golden runner reports it
+// unsupported), and the constructor rejects the same.
+TEST(RetroErrors, UnimplementedFeaturesAreNamed) {
+  using opt::retro::RetroLayerKind;
+  const TransformerConfig cfg = to_config(small_case(RetroKind::Later));
+  EXPECT_EQ(opt::retro::retro_decoder_unsupported(cfg), "");
+  TransformerConfig fused = cfg;
+  fused.bias_activation_fusion = true;
+  EXPECT_NE(opt::retro::retro_decoder_unsupported(fused).find("bias_activation_fusion"), std::string::npos);
+  expect_throw_with<ConfigError>(
+      [&] { opt::retro::RetroDecoderLayer(fused, zero_params(cfg, RetroLayerKind::Retro), RetroLayerKind::Retro, 6); },
+      "bias_activation_fusion is not supported");
+  TransformerConfig act = cfg;
+  act.activation_func = "no_such_activation";
+  EXPECT_NE(opt::retro::retro_decoder_unsupported(act).find("activation_func 'no_such_activation'"), std::string::npos);
+  TransformerConfig cp = cfg;
+  cp.context_parallel_size = 2;
+  EXPECT_NE(opt::retro::retro_decoder_unsupported(cp).find("context_parallel_size"), std::string::npos);
+}
+
+TEST(RetroErrors, GraphReplayRecordsNoTaps) {
+  using opt::retro::RetroLayerKind;
+  const TransformerConfig cfg = to_config(small_case(RetroKind::Later));
+  opt::retro::RetroDecoderLayer layer(cfg, zero_params(cfg, RetroLayerKind::Retro), RetroLayerKind::Retro, 6);
+  const Tensor h = Tensor::zeros(DType::F32, {5, 1, 8}), ctx = Tensor::zeros(DType::F32, {4, 3, 8});
+  opt::retro::RetroForwardOptions o;
+  o.use_graph = true;
+  o.record_taps = true;
+  expect_throw_with<std::invalid_argument>([&] { layer.forward(h, &ctx, nullptr, o); }, "use_graph records no taps");
+}
+
 TEST(RetroErrors, ParametersAreCheckedByKey) {
   using opt::retro::RetroLayerKind;
   const TransformerConfig cfg = to_config(small_case(RetroKind::First));
@@ -261,7 +292,7 @@ TEST(RetroLayer, FixedCasesMatchTheReferenceTapByTap) {
     c.chunks = 2;
     c.encoder_layers = 2;
     c.bs = 2;
-    c.bf16 = true;
+    c.dtype = DType::BF16;
     c.dropout = 0.2;
     c.context_mask = kind != RetroKind::Later;
     c.seed = 7;
@@ -275,6 +306,45 @@ TEST(RetroLayer, FixedCasesMatchTheReferenceTapByTap) {
       encoder_taps += row.name.find("encoder.layers.") != std::string::npos;
     }
     EXPECT_GE(rows.size(), kind == RetroKind::Later ? 20u : 40u);
-    if (kind != RetroKind::Later) EXPECT_GT(encoder_taps, 10u);
+    if (kind != RetroKind::Later) {
+      EXPECT_GT(encoder_taps, 10u);
+    }
+  }
+}
+
+// One first layer replaying its graph across calls: a new sequence length (new buffer shapes) or
+// a new dropout seed captures anew, the same ones replay; every call equals an eager twin built
+// from the same params bit for bit (dropout on: a stale seed or offset would change the masks).
+TEST(RetroGraph, RecapturesWhenShapesOrDropoutChange) {
+  using opt::retro::RetroLayerKind;
+  RetroCase c = small_case(RetroKind::First);
+  c.dropout = 0.2;
+  const TransformerConfig cfg = to_config(c);
+  std::map<std::string, Tensor> params;
+  std::uint64_t i = 0;
+  for (const auto& [key, shape] : opt::retro::retro_layer_param_shapes(cfg, RetroLayerKind::RetroWithEncoder))
+    params[key] = random_tensor(DType::F32, shape, -0.5, 0.5, ++i);
+  opt::retro::RetroDecoderLayer graph(cfg, params, RetroLayerKind::RetroWithEncoder, 6);
+  opt::retro::RetroDecoderLayer eager(cfg, params, RetroLayerKind::RetroWithEncoder, 6);
+  auto bits = [](const Tensor& a, const Tensor& b) {
+    return a.shape() == b.shape() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+  };
+  // m = 2, r = 2, k = 2, bs = 1: ns 5 -> l = 3, ns 7 -> l = 4; neighbours [r, k*bs*l, d].
+  const std::vector<std::pair<std::int64_t, std::uint64_t>> calls = {{5, 1}, {5, 1}, {7, 1}, {7, 2}, {7, 2}, {5, 1}};
+  for (std::size_t n = 0; n < calls.size(); ++n) {
+    const auto [ns, seed] = calls[n];
+    SCOPED_TRACE("call " + std::to_string(n) + ": ns " + std::to_string(ns) + " seed " + std::to_string(seed));
+    const std::int64_t l = (ns + 1) / 2;
+    const Tensor h = random_tensor(DType::F32, {ns, 1, 8}, -1, 1, 100 + n);
+    const Tensor neighbours = random_tensor(DType::F32, {2, 2 * l, 8}, -1, 1, 200 + n);
+    opt::retro::RetroForwardOptions o;
+    o.training = true;
+    o.seed = seed;
+    const auto want = eager.forward(h, &neighbours, nullptr, o);
+    o.use_graph = true;
+    const auto got = graph.forward(h, &neighbours, nullptr, o);
+    EXPECT_TRUE(bits(got.hidden_states, want.hidden_states));
+    ASSERT_TRUE(got.context && want.context);
+    EXPECT_TRUE(bits(*got.context, *want.context));
   }
 }

@@ -2,11 +2,13 @@
 // Retro cases per property (chunk length, neighbours, retrieved chunks, encoder layers, sequence
 // lengths divisible by the chunk length and not, with and without context_mask, fp32 and bf16,
 // dropout on and off; later layer, first layer with the retriever encoder, 6- and 9-layer
-// blocks). A failure logs the case id (tests/optimized/retro/retro_case.h to_id).
+// blocks; eager and CUDA-graph replay). A failure prints the case id; TWIN_CASE='<id>' reruns it
+// (tests/case_id.h).
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
 #include <cstring>
+#include <vector>
 
 #include "tests/optimized/retro/retro_case.h"
 
@@ -16,8 +18,10 @@ using namespace twin::test;
 namespace {
 
 // Small sizes: the simulator runs every thread of every kernel. Blocks are rarer (6-9 layers).
-rc::Gen<RetroCase> gen_retro_case() {
-  return rc::gen::exec([] {
+// tp drawn from `tps`; above 1 the heads (a multiple of tp) and ffn = 4 tp shard evenly. The
+// drawn case is the whole case a property runs, so its id reruns it (tests/case_id.h).
+rc::Gen<RetroCase> gen_retro_case(std::vector<int> tps = {1}) {
+  return proptest::rerunnable<RetroCase>(rc::gen::exec([tps] {
     RetroCase c;
     c.kind =
         *rc::gen::weightedElement<RetroKind>({{4, RetroKind::Later}, {4, RetroKind::First}, {1, RetroKind::Block}});
@@ -29,17 +33,18 @@ rc::Gen<RetroCase> gen_retro_case() {
     const int l = *rc::gen::inRange(1, 4);
     c.ns = *rc::gen::element(l * c.m, std::max(1, l * c.m - *rc::gen::inRange(0, c.m)));
     c.bs = *rc::gen::inRange(1, 3);
-    c.heads = *rc::gen::inRange(1, 3);
+    c.tp = *rc::gen::elementOf(tps);
+    c.heads = c.tp * *rc::gen::inRange(1, 3);
     c.head_dim = *rc::gen::element(4, 8);
-    c.ffn = *rc::gen::element(8, 16);
-    c.block_layers = *rc::gen::element(6, 9);
-    c.bf16 = *rc::gen::arbitrary<bool>();
+    c.ffn = c.tp > 1 ? 4 * c.tp : *rc::gen::element(8, 16);
+    c.block_layers = c.kind == RetroKind::Block ? *rc::gen::element(6, 9) : 6;
+    c.dtype = *rc::gen::element(DType::F32, DType::BF16);
     c.context_mask = c.kind != RetroKind::Later && *rc::gen::arbitrary<bool>();
     c.bias = *rc::gen::weightedElement<bool>({{3, true}, {1, false}});
     c.dropout = *rc::gen::element(0.0, 0.0, 0.2);
     c.seed = *rc::gen::inRange<std::uint64_t>(1, 1000000);
     return c;
-  });
+  }));
 }
 
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
@@ -84,10 +89,7 @@ RC_GTEST_PROP(OptimizedRetroProperty, TwoRunsAreBitwiseEqual, ()) {
 // the bound (rank 0's count: the reference's points plus the sums over ranks) and the TP = 1
 // twin's within the same bound.
 RC_GTEST_PROP(OptimizedRetroProperty, TensorParallelMatchesReferenceAndTp1, ()) {
-  RetroCase c = *gen_retro_case();
-  c.tp = *rc::gen::element(2, 4);
-  c.heads = c.tp * *rc::gen::inRange(1, 3);
-  c.ffn = 4 * c.tp;
+  const RetroCase c = *gen_retro_case({2, 4});
   RC_LOG() << to_id(c) << "\n";
   const RetroRun ref = run_reference(c), opt = run_optimized(c);
   RetroCase c1 = c;
@@ -103,4 +105,26 @@ RC_GTEST_PROP(OptimizedRetroProperty, TensorParallelMatchesReferenceAndTp1, ()) 
       RC_ASSERT(cmp.pass);
     }
   RC_ASSERT(compared >= 2u);
+}
+
+// A CUDA-graph replay of the layer / block equals eager execution bit for bit, at TP 1, 2 and 4
+// (the simulator captures the ranks' collectives with their kernels), with the same rounding
+// count at the outputs. The graph is captured on other inputs and replayed on the case's
+// (run_optimized), so a replay that recomputed nothing would fail.
+RC_GTEST_PROP(OptimizedRetroProperty, GraphReplayIsBitwiseEqualToEager, ()) {
+  const RetroCase c = *gen_retro_case({1, 1, 2, 4});
+  RC_LOG() << to_id(c) << "\n";
+  const RetroRun eager = run_optimized(c), graph = run_optimized(c, true);
+  RC_ASSERT(bitwise_equal(graph.hidden_states, eager.hidden_states));
+  RC_ASSERT(graph.context.has_value() == eager.context.has_value());
+  if (eager.context) RC_ASSERT(bitwise_equal(*graph.context, *eager.context));
+  std::size_t outputs = 0;
+  for (const RecordEntry& e : eager.record.entries)
+    for (const RecordEntry& g : graph.record.entries)
+      if (e.role == Role::Output && g.role == Role::Output && e.name == g.name) {
+        ++outputs;
+        RC_LOG() << e.name << ": eager " << e.rounding.describe() << ", replay " << g.rounding.describe() << "\n";
+        RC_ASSERT(e.rounding == g.rounding);
+      }
+  RC_ASSERT(outputs == (eager.context ? 2u : 1u));
 }
