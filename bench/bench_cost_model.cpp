@@ -8,7 +8,9 @@
 //                                   manual time is the roofline time (counters flops, bytes,
 //                                   FLOP/B, roofline_us), so ci/bench stores it beside the
 //                                   measured suites and the dashboard shows it as a table.
-// The configurations are bench_reference_layers' dense shapes (small enough for the simulator).
+// The configurations: bench_reference_layers' dense shapes (small enough for the simulator), and
+// the MoE and Retro layers of goldens in fixtures/megatron-core (golden:<file>), run through the
+// optimized twin's fixture handlers.
 #include <benchmark/benchmark.h>
 
 #include <cstring>
@@ -18,7 +20,9 @@
 
 #include "optimized/runtime/cost_model.h"
 #include "optimized/transformer_layer.h"
+#include "fixtures/fixture.h"
 #include "parity/dense_case.h"
+#include "parity/fixture_kinds.h"
 
 using namespace twin;
 
@@ -29,10 +33,27 @@ const char* kCases[] = {
     "64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=1)",
     "dense(h=256,a=8,g=2,d=32,ffn=704,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s="
     "64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=2)",
+    "golden:moe_top2_shared_expert_swiglu.safetensors",
+    "golden:moe_top2_capacity_probs_drop.safetensors",
+    "golden:retro_first_layer_cmask.safetensors",
+    "golden:retro_block_6layers_nondivisible.safetensors",
 };
+
+// A golden's layer through the optimized twin's fixture handler under a CostScope.
+std::vector<rt::KernelCost> golden_costs(const std::string& file) {
+  const Fixture f = load_fixture(golden_dir() + "/" + file);
+  const FixtureHandler h = find_fixture_handler(f.kind, TwinKind::Optimized, RunMode{});
+  if (!h) throw std::runtime_error(file + ": the optimized twin does not support kind " + f.kind);
+  rt::CostScope scope;
+  h(f, RunMode{});
+  std::vector<rt::KernelCost> out = scope.kernels();
+  out.push_back(scope.total());
+  return out;
+}
 
 // One forward of the optimized layer on the simulator under a CostScope.
 std::vector<rt::KernelCost> layer_costs(const std::string& id) {
+  if (id.rfind("golden:", 0) == 0) return golden_costs(id.substr(7));
   const parity::DenseCase c = parity::parse_case_id(id);
   const parity::DenseInputs in = parity::make_inputs(c);
   opt::LayerOptions lo;

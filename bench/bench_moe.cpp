@@ -89,7 +89,7 @@ void BM_MoEPermute(benchmark::State& state) {
     k::build_row_id_map(r.map.as<std::uint8_t>(), kT, kE, r.tpe.as<std::int64_t>(), r.offsets.as<std::int64_t>(),
                         r.rows.as<std::int64_t>(), nullptr);
     k::permute_forward(kDt, kDt, x.get(), r.rows.as<std::int64_t>(), r.probs.get(), out.get(), pp.get(), kT, kE, kH,
-                       nullptr);
+                       r.N, nullptr);
     dev().synchronize();
   }
   // read: the routed tokens' rows and the map; written: the permuted rows and probabilities
@@ -115,7 +115,7 @@ void BM_MoEUnpermute(benchmark::State& state) {
   Routed r = route();
   rt::DeviceBuffer rows = random_buffer(kDt, r.N * kH, 5), out(dev(), kT * kH * dtype_size(kDt));
   for (auto _ : state) {
-    k::unpermute_forward(kDt, rows.get(), r.rows.as<std::int64_t>(), out.get(), kT, kE, kH, nullptr);
+    k::unpermute_forward(kDt, rows.get(), r.rows.as<std::int64_t>(), out.get(), kT, kE, kH, r.N, nullptr);
     dev().synchronize();
   }
   const double bytes = (double(r.N) + kT) * kH * dtype_size(kDt) + kT * kE * 8.0;

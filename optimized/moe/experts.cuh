@@ -96,6 +96,13 @@ inline void grouped_bias_activation_forward(DType dt, DType rdt, const void* in,
   // counts: the bias add, the activation's stores on its longest path, the GLU product, the scale.
   const int act_stores = act == Act::Silu || act == Act::QuickGelu ? 3 : act == Act::Relu ? 0 : 1;
   rounding_store(dt, (bias ? 1 : 0) + act_stores + (glu ? 1 : 0) + (scale ? 1 : 0));
+  // cost: the grouped fc1 output [n, (glu ? 2 : 1) f] read, [n, f] written, every expert's bias
+  // once, a scale per row; ~8 FLOPs per output element, as the dense bias_activation.
+  const double in_width = (glu ? 2.0 : 1.0) * f, e = dtype_size(dt);
+  rt::declare_cost("grouped_bias_activation_forward",
+                   e * (double(n) * (in_width + f) + (bias ? double(E) * in_width : 0.0)) +
+                       (scale ? double(n) * (rdt == DType::F64 ? 8 : dtype_size(rdt)) : 0.0),
+                   8.0 * n * f);
   if (n == 0) return;
   dispatch_dtype(dt, "grouped_bias_activation_forward", [&](auto a) {
     using T = decltype(a);
@@ -114,6 +121,11 @@ inline void grouped_scaled_bias_add_forward(DType dt, DType rdt, void* out, cons
                                             cudaStream_t stream) {
   require(bias && scale && out, "grouped_scaled_bias_add_forward: null buffer");
   rounding_store(dt);  // counts: the sum (the product is a branch from parameters and scales)
+  // cost: out [n, h] read and written, every expert's bias once, a scale per row; a multiply-add.
+  rt::declare_cost(
+      "grouped_scaled_bias_add_forward",
+      double(dtype_size(dt)) * (2.0 * n * h + double(E) * h) + double(n) * (rdt == DType::F64 ? 8 : dtype_size(rdt)),
+      2.0 * n * h);
   if (n == 0) return;
   dispatch_dtype(dt, "grouped_scaled_bias_add_forward", [&](auto a) {
     using T = decltype(a);

@@ -75,6 +75,13 @@ inline void moe_download(void* host, const void* dev, std::size_t bytes, cudaStr
 // experts, router, and the dispatch preprocess (the row-id map and the permute). No host
 // synchronisation unless a recorded map is checked or the expert-bias counter is updated eagerly
 // (p.capturing: the host updates the counter after the graph's replay), so it can be captured.
+// The permuted rows N at most, for the cost model: each token to topk experts, or every expert
+// filled to its capacity when padded.
+inline std::int64_t routed_rows_bound(const MoEPlan& p) {
+  const std::int64_t T = std::int64_t(p.attn.s) * p.attn.b;
+  return p.drop && p.pad_to_capacity ? p.E * expert_capacity(T * p.topk, p.E, p.capacity_factor) : T * p.topk;
+}
+
 inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
   attention_forward_impl(p.attn, st);
   const RankPlan& a = p.attn;
@@ -100,6 +107,9 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
       dispatch_dtype(dt, "shared_expert_gate", [&](auto tag) {
         using TT = decltype(tag);
         const unsigned threads = elementwise_threads(T * h);
+        // cost: the shared experts' output read and written, the gate logits [T] read; the
+        // sigmoid once per token, the product per element.
+        rt::declare_cost("shared_expert_gate", double(dtype_size(dt)) * (2.0 * T * h + T), double(T) * (h + 4));
         if (T > 0)
           launch_kernel(shared_expert_gate_kernel<TT>, dim3(elementwise_blocks(T * h, threads)), dim3(threads), 0, st,
                         static_cast<TT*>(p.shared_out), static_cast<const TT*>(p.gate_logits), T, int(h));
@@ -115,6 +125,9 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
     const void* xin = p.x_r;
     cast_forward(dt, DType::F64, x, p.x_r, T * h, st);
     const unsigned threads = elementwise_threads(T * E);
+    // cost: the fp64 input [T, h], weight [E, h] and bias read once, the logits [T, E] written; a
+    // multiply-add per input and weight pair.
+    rt::declare_cost("gating_fp64", 8.0 * (double(T) * h + double(E) * h + E + double(T) * E), 2.0 * T * E * h);
     if (T > 0)
       launch_kernel(gating_fp64_kernel, dim3(elementwise_blocks(T * E, threads)), dim3(threads), 0, st,
                     static_cast<const double*>(xin), static_cast<const double*>(p.router_w),
@@ -214,7 +227,7 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
 
   // ---- dispatch: the row-id map, built once; permute tokens and probabilities   // [N, h]
   build_row_id_map(p.routing_map, T, E, p.tokens_per_expert_dev, p.offsets, p.row_id_map, st);
-  permute_forward(dt, rdt, x, p.row_id_map, p.probs, p.permuted, p.permuted_probs, T, E, h, st);
+  permute_forward(dt, rdt, x, p.row_id_map, p.probs, p.permuted, p.permuted_probs, T, E, h, routed_rows_bound(p), st);
 }
 
 // experts: grouped fc1, fused bias + activation + probability, grouped fc2, over the rows `in`
@@ -367,7 +380,7 @@ inline void moe_allgather_experts(MoEPlan& p, cudaStream_t st) {
   moe_download(p.local_tokens_per_expert.data(), p.ag_tokens_per_expert, std::size_t(El) * sizeof(std::int64_t), st);
   std::int64_t Nl = 0;
   for (auto n : p.local_tokens_per_expert) Nl += n;
-  permute_forward(dt, rdt, p.ag_x, p.ag_row_id_map, p.ag_local_probs, p.ep_in, p.ep_in_probs, TG, El, h, st);
+  permute_forward(dt, rdt, p.ag_x, p.ag_row_id_map, p.ag_local_probs, p.ep_in, p.ep_in_probs, TG, El, h, Nl, st);
 
   // ---- the local experts                                           // [Nl, h]
   moe_grouped_experts(p, p.ep_in, p.ep_in_probs, p.ep_out, p.local_tokens_per_expert, p.ep_offsets, El, Nl, st);
@@ -394,8 +407,8 @@ inline void moe_allgather_experts(MoEPlan& p, cudaStream_t st) {
   }
 
   // ---- combine_preprocess: unpermute; token_combine: reduce-scatter in the probabilities' dtype
-  unpermute_forward(dt, p.ep_out, p.ag_row_id_map, p.ag_partial, TG, El, h, st);  // [TG, h]
-  void* out = p.shared_ffn > 0 ? p.combined : p.mlp_out;                          // [T, h]
+  unpermute_forward(dt, p.ep_out, p.ag_row_id_map, p.ag_partial, TG, El, h, Nl, st);  // [TG, h]
+  void* out = p.shared_ffn > 0 ? p.combined : p.mlp_out;                              // [T, h]
   if (rdt == dt) {
     p.ep_comm->reduce_scatter(p.ag_partial, out, std::size_t(T * h), dt, st);
   } else {
@@ -448,7 +461,8 @@ inline void moe_postprocess_impl(MoEPlan& p, cudaStream_t st) {
     rounding_store(p.rdt, p.ep - 1);
     if (p.rdt != dt) rounding_store(dt);
   } else {
-    unpermute_forward(dt, p.expert_out, p.row_id_map, p.shared_ffn > 0 ? p.combined : p.mlp_out, T, E, h, st);
+    unpermute_forward(dt, p.expert_out, p.row_id_map, p.shared_ffn > 0 ? p.combined : p.mlp_out, T, E, h,
+                      routed_rows_bound(p), st);
     rounding_store(dt, p.topk);  // counts: each token's top-k expert rows summed, one store each
   }
   if (p.shared_ffn > 0)

@@ -372,6 +372,16 @@ inline void router_topk_forward(DType rdt, const void* logits, const float* expe
   require(logits && probs && routing_map, "router_topk_forward: null logits / probs / routing_map");
   require(!a.aux_scores || (aux_scores && aux_map), "router_topk_forward: aux scores requested without buffers");
   require(!a.z_loss || z, "router_topk_forward: z-loss requested without a buffer");
+  {
+    // cost: the logits [T, E] read, probs written, the routing map written, the expert bias and
+    // padding mask read; the losses' per-token scores and maps (fp32) and z when asked for.
+    // ~10 FLOPs per score (exponential, sums, the top-k compares).
+    const double r = rdt == DType::F64 ? 8 : dtype_size(rdt), te = double(a.tokens) * a.experts;
+    rt::declare_cost("router_topk_forward",
+                     te * (2 * r + 1) + (expert_bias ? 4.0 * a.experts : 0.0) + (padding ? double(a.tokens) : 0.0) +
+                         (a.aux_scores ? te * (4 + 1) : 0.0) + (a.z_loss ? 4.0 * a.tokens : 0.0),
+                     10.0 * te);
+  }
   if (a.tokens == 0) return;
   dispatch_router_dtype(rdt, "router_topk_forward", [&](auto tag) {
     using R = decltype(tag);
@@ -388,6 +398,13 @@ inline void router_capacity_forward(DType rdt, const void* probs_in, const std::
   require(drop_policy == "probs" || drop_policy == "position",
           "router_capacity_forward: drop_policy '" + drop_policy + "' (probs | position)");
   require(capacity >= 0 && E > 0, "router_capacity_forward: bad capacity " + std::to_string(capacity));
+  {
+    // cost: probs and map [T, E] read and written once; the per-expert top-capacity selection at
+    // ~log2(T) compares per score.
+    const double r = rdt == DType::F64 ? 8 : dtype_size(rdt), te = double(T) * E;
+    rt::declare_cost("router_capacity_forward", 2.0 * te * (r + 1),
+                     te * std::log2(double(std::max<std::int64_t>(T, 2))));
+  }
   if (T == 0) return;
   dispatch_router_dtype(rdt, "router_capacity_forward", [&](auto tag) {
     using R = decltype(tag);
@@ -419,6 +436,15 @@ inline void router_loss_forward(const float* aux_scores, const std::uint8_t* aux
   require(a.coeff != 0.0, "router_loss_forward: zero coefficient");
   require(a.kind != AuxLossKind::SeqAuxLoss || (a.bsz > 0 && a.tokens % a.bsz == 0),
           "router_loss_forward: seq_aux_loss needs tokens divisible by the batch size");
+  {
+    // cost: the fp32 scores and the map [T, E] (or z [T]) and the padding mask read once, one fp32
+    // written; a multiply-add per score.
+    const double te = double(a.tokens) * a.experts;
+    rt::declare_cost(
+        "router_loss_forward",
+        (a.kind == AuxLossKind::ZLoss ? 4.0 * a.tokens : te * (4 + 1)) + (padding ? double(a.tokens) : 0.0) + 4.0,
+        a.kind == AuxLossKind::ZLoss ? 2.0 * a.tokens : 2.0 * te);
+  }
   launch_kernel(router_loss_kernel, dim3(1), dim3(32), 0, stream, aux_scores, aux_map, z, padding, a, column_scratch,
                 out);
 }
@@ -446,6 +472,8 @@ __global__ void cast_kernel(const A* in, B* out, std::int64_t n) {
 }
 
 inline void cast_forward(DType from, DType to, const void* in, void* out, std::int64_t n, cudaStream_t stream) {
+  auto size = [](DType d) { return d == DType::F64 ? 8.0 : double(dtype_size(d)); };
+  rt::declare_cost("cast_forward", double(n) * (size(from) + size(to)), 0.0);  // cost: read and written once
   if (n == 0) return;
   dispatch_router_dtype(from, "cast_forward", [&](auto a) {
     dispatch_router_dtype(to, "cast_forward", [&](auto b) {

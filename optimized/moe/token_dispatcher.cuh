@@ -104,6 +104,8 @@ inline void build_row_id_map(const std::uint8_t* routing_map, std::int64_t T, in
   require(T >= 0 && E > 0, "build_row_id_map: bad shape [" + std::to_string(T) + ", " + std::to_string(E) + "]");
   require(routing_map && tokens_per_expert && expert_offsets && (row_id_map || T == 0),
           "build_row_id_map: null buffer");
+  // cost: the routing map [T, E] read once, the row-id map [E, T] written, the counts and offsets.
+  rt::declare_cost("build_row_id_map", double(T) * E * (1 + 8) + 8.0 * (2 * E + 1), 0.0);
   launch_kernel(build_row_id_map_kernel, dim3(1), dim3(std::min(1024u, ceil_div(E, 32) * 32)), 0, stream, routing_map,
                 T, E, tokens_per_expert, expert_offsets, row_id_map);
 }
@@ -112,12 +114,20 @@ inline unsigned row_threads(std::int64_t hidden) {
   return static_cast<unsigned>(std::min<std::int64_t>(256, std::max<std::int64_t>(32, (hidden + 31) / 32 * 32)));
 }
 
-// dt: the tokens' dtype; rdt: the probabilities' (router) dtype.
+// dt: the tokens' dtype; rdt: the probabilities' (router) dtype. routed_rows: the permuted rows N
+// at most (T * topk, or E * capacity when padded), for the cost model only: the exact N is known on
+// the device, and a phase captured as a graph cannot wait for it.
 inline void permute_forward(DType dt, DType rdt, const void* tokens, const std::int64_t* row_id_map, const void* probs,
                             void* permuted, void* permuted_probs, std::int64_t T, int E, std::int64_t hidden,
-                            cudaStream_t stream) {
+                            std::int64_t routed_rows, cudaStream_t stream) {
   require(hidden > 0 && E > 0 && T >= 0, "permute_forward: bad shape");
   require(!probs || permuted_probs, "permute_forward: probs without an output for them");
+  // cost: the row-id map read, each token read once and written to its N rows, a probability per
+  // row read and written; no arithmetic.
+  rt::declare_cost("permute_forward",
+                   8.0 * E * T + double(dtype_size(dt)) * hidden * (T + routed_rows) +
+                       (probs ? 2.0 * routed_rows * (rdt == DType::F64 ? 8 : dtype_size(rdt)) : 0.0),
+                   0.0);
   if (T == 0) return;
   dispatch_dtype(dt, "permute_forward", [&](auto a) {
     using TT = decltype(a);
@@ -135,10 +145,14 @@ inline void permute_forward(DType dt, DType rdt, const void* tokens, const std::
   });
 }
 
+// routed_rows: the permuted rows at most, for the cost model (see permute_forward).
 inline void unpermute_forward(DType dt, const void* permuted, const std::int64_t* row_id_map, void* out, std::int64_t T,
-                              int E, std::int64_t hidden, cudaStream_t stream) {
+                              int E, std::int64_t hidden, std::int64_t routed_rows, cudaStream_t stream) {
   require(hidden > 0 && E > 0 && T >= 0, "unpermute_forward: bad shape");
   require(permuted != out, "unpermute_forward: in and out alias");
+  // cost: the row-id map and the N expert rows read once, [T, h] written; one add per row element.
+  rt::declare_cost("unpermute_forward", 8.0 * E * T + double(dtype_size(dt)) * hidden * (routed_rows + T),
+                   double(routed_rows) * hidden);
   if (T == 0) return;
   dispatch_dtype(dt, "unpermute_forward", [&](auto a) {
     using TT = decltype(a);

@@ -4,10 +4,14 @@
 // from the launchers), and the roofline time is the larger of the memory and the compute time.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
+#include "fixtures/fixture.h"
 #include "optimized/runtime/cost_model.h"
 #include "optimized/runtime/gemm.h"
 #include "optimized/transformer_layer.h"
 #include "parity/dense_case.h"
+#include "parity/fixture_kinds.h"
 #include "tests/optimized/retro/retro_case.h"
 
 using namespace twin;
@@ -116,10 +120,31 @@ TEST(CostModel, EveryRetroKernelIsDeclared) {
   for (const auto kind : {test::RetroKind::First, test::RetroKind::Block}) {
     test::RetroCase c;
     c.kind = kind;
-    c.ns = 5, c.m = 2, c.k = 2, c.chunks = 2, c.encoder_layers = 1, c.dropout = 0.1, c.bf16 = true;
+    c.ns = 5, c.m = 2, c.k = 2, c.chunks = 2, c.encoder_layers = 1, c.dropout = 0.1, c.dtype = DType::BF16;
     rt::CostScope scope;
     test::run_optimized(c);
     SCOPED_TRACE(test::to_id(c));
     expect_every_launch_declared(scope);
   }
+}
+
+// Every MoE golden (router score functions, router dtypes, capacity and drop policies, losses,
+// shared experts and gate, both dispatchers) runs every MoE launcher at least once.
+TEST(CostModel, EveryMoEKernelIsDeclared) {
+  int goldens = 0;
+  for (const std::string dir : {golden_dir(), golden_dir() + "/random"})
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      const std::string path = entry.path().string();
+      if (entry.path().extension() != ".safetensors") continue;
+      const Fixture f = load_fixture(path);
+      if (f.kind != "moe_layer") continue;
+      const FixtureHandler h = find_fixture_handler(f.kind, TwinKind::Optimized, RunMode{});
+      ASSERT_TRUE(h);
+      SCOPED_TRACE(path);
+      rt::CostScope scope;
+      h(f, RunMode{});
+      expect_every_launch_declared(scope);
+      ++goldens;
+    }
+  EXPECT_GE(goldens, 7);
 }

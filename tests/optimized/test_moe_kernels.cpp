@@ -243,7 +243,7 @@ TEST(MoEKernels, PermuteUnpermuteEqualReference) {
         d_pp(sim(), std::size_t(std::max<std::int64_t>(N, 1)) * 4),
         d_out(sim(), std::size_t(c.T * H) * dtype_size(c.dt));
     k::permute_forward(c.dt, DType::F32, d_tok.get(), d_rows.as<std::int64_t>(), d_probs.get(), d_perm.get(),
-                       d_pp.get(), c.T, c.E, H, nullptr);
+                       d_pp.get(), c.T, c.E, H, N, nullptr);
     const Tensor perm = twin::test::from_device(d_perm, c.dt, {N, H});
     const Tensor pp = twin::test::from_device(d_pp, DType::F32, {N});
 
@@ -256,7 +256,7 @@ TEST(MoEKernels, PermuteUnpermuteEqualReference) {
     // unpermute of the permuted rows (scaled, so the sums round): the reference's scatter-add
     const Tensor expert_out = twin::test::random_tensor(c.dt, {N, H}, -2.0, 2.0, seed + 3);
     rt::DeviceBuffer d_eo = twin::test::to_device(expert_out);
-    k::unpermute_forward(c.dt, d_eo.get(), d_rows.as<std::int64_t>(), d_out.get(), c.T, c.E, H, nullptr);
+    k::unpermute_forward(c.dt, d_eo.get(), d_rows.as<std::int64_t>(), d_out.get(), c.T, c.E, H, N, nullptr);
     const Tensor out = twin::test::from_device(d_out, c.dt, {c.T, H});
     const ref::Mat back =
         ref::unpermute(to_mat(expert_out, N, H), want.sorted_indices, c.T, c.dt, ref::Rounding{false});
