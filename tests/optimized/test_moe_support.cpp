@@ -16,7 +16,7 @@ namespace {
 const std::string kGolden = "moe_top2_aux_allgather.safetensors";
 
 struct Unsupported {
-  std::string name;      // the words the reason must contain
+  std::string name;  // the words the reason must contain
   std::function<void(TransformerConfig&)> set;
 };
 
