@@ -3,6 +3,8 @@
 #include <cmath>
 #include <vector>
 
+#include "reference/fast_gemm.h"
+
 namespace twin::reference {
 
 AttnMaskType attn_mask_type_from_name(const std::string& name) {
@@ -67,40 +69,52 @@ void check_attention_mask(const Tensor& mask, int b, int np, int sq, int sk, con
                      std::to_string(np) + "), got " + shape_str(sh));
 }
 
-// One [sq, sk] slice (batch bi, head h) of the attention probabilities after dropout, as the
-// forward computes and rounds them; `softmax_out`, when given, receives the softmax's own output
-// (fp32 under attention_softmax_in_fp32, before the cast back and dropout), which its backward uses.
-Mat DotProductAttention::probabilities(const Mat& query, const Mat& key, int sq, int sk, int b, int bi, int h,
-                                       const Tensor* attention_mask, bool training, const DropoutRng& rng,
-                                       Mat* softmax_out, std::vector<bool>* masked_out) const {
-  // The mask actually applied (FusedScaleMaskSoftmax.forward_torch_softmax).
-  enum class MaskSource { None, Given, Causal, Window } source = MaskSource::None;
-  if (window_size_) {
-    source = MaskSource::Window;
-  } else if (attn_mask_type == AttnMaskType::causal && attention_mask == nullptr && sq > 1) {
-    if (sq != sk) throw ShapeError("DotProductAttention: causal mask is only for self attention (sq != sk)");
-    source = MaskSource::Causal;
-  } else if (attention_mask != nullptr) {
-    source = MaskSource::Given;
+// The mask actually applied to the [sq, sk] slice (batch bi, head h) of the scores
+// (FusedScaleMaskSoftmax.forward_torch_softmax): masked(i, j) is true where the score is filled.
+struct DotProductAttention::SliceMask {
+  enum class Source { None, Given, Causal, Window } source = Source::None;
+  const DotProductAttention& a;
+  int sq, sk, bi, h;
+  const Tensor* attention_mask;
+
+  SliceMask(const DotProductAttention& a_, int sq_, int sk_, int bi_, int h_, const Tensor* mask)
+      : a(a_), sq(sq_), sk(sk_), bi(bi_), h(h_), attention_mask(mask) {
+    if (a.window_size_) {
+      source = Source::Window;
+    } else if (a.attn_mask_type == AttnMaskType::causal && attention_mask == nullptr && sq > 1) {
+      if (sq != sk) throw ShapeError("DotProductAttention: causal mask is only for self attention (sq != sk)");
+      source = Source::Causal;
+    } else if (attention_mask != nullptr) {
+      source = Source::Given;
+    }
   }
-  auto masked = [&](int i, int j) -> bool {
+  bool operator()(int i, int j) const {
     switch (source) {
-      case MaskSource::None:
+      case Source::None:
         return false;
-      case MaskSource::Causal:
+      case Source::Causal:
         return j > i;  // triu(ones, diagonal=1)
-      case MaskSource::Window: {
+      case Source::Window: {
         const int d = sk - sq;  // ~(tril(triu(m, d - w0), d + w1))
-        return !(j - i >= d - (*window_size_)[0] && j - i <= d + (*window_size_)[1]);
+        return !(j - i >= d - (*a.window_size_)[0] && j - i <= d + (*a.window_size_)[1]);
       }
-      case MaskSource::Given: {
+      case Source::Given: {
         const Shape& sh = attention_mask->shape();
         const std::int64_t b0 = sh[0] == 1 ? 0 : bi, h0 = sh[1] == 1 ? 0 : h;
         return attention_mask->at_f64(((b0 * sh[1] + h0) * sq + i) * sk + j) != 0.0;
       }
     }
     return false;
-  };
+  }
+};
+
+// One [sq, sk] slice (batch bi, head h) of the attention probabilities after dropout, as the
+// forward computes and rounds them; `softmax_out`, when given, receives the softmax's own output
+// (fp32 under attention_softmax_in_fp32, before the cast back and dropout), which its backward uses.
+Mat DotProductAttention::probabilities(const Mat& query, const Mat& key, int sq, int sk, int b, int bi, int h,
+                                       const Tensor* attention_mask, bool training, const DropoutRng& rng,
+                                       Mat* softmax_out, std::vector<bool>* masked_out) const {
+  const SliceMask masked(*this, sq, sk, bi, h, attention_mask);
 
   // Softmax storage: fp32 when the input is fp16/bf16 and attention_softmax_in_fp32 (the input is
   // upcast with .float()), else the scores' own dtype (the activation dtype).
@@ -163,18 +177,25 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   if (attention_mask) check_attention_mask(*attention_mask, b, np_, sq, sk, "attention_mask");
 
   const int group = np_ / ng_;
-  Mat context(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);  // [sq, b, np * hn]
-  for (int bi = 0; bi < b; ++bi) {
-    for (int h = 0; h < np_; ++h) {
-      const int g = h / group;  // repeat_interleave(np / ng, dim=2)
-      const Mat probs = probabilities(query, key, sq, sk, b, bi, h, attention_mask, training, rng);
-      // context = bmm(probs, v): [sq, hn] for this (b, h)
-      for (int i = 0; i < sq; ++i) {
-        for (int c = 0; c < hn_; ++c) {
-          double acc = 0.0;
-          for (int j = 0; j < sk; ++j) acc += probs(i, j) * value((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g, c);
-          context(static_cast<Eigen::Index>(i) * b + bi, static_cast<Eigen::Index>(h) * hn_ + c) =
-              p_.act(acc);  // rounds: bmm output
+  const bool dropout = training && attention_dropout > 0.0;
+  Mat context;                  // [sq, b, np * hn]
+  if (p_.fast() && !dropout) {  // with dropout, fast mode takes the loops below (same math, slower)
+    context = forward_fast(query, key, value, sq, sk, b, attention_mask);
+  } else {
+    context.resize(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);
+    for (int bi = 0; bi < b; ++bi) {
+      for (int h = 0; h < np_; ++h) {
+        const int g = h / group;  // repeat_interleave(np / ng, dim=2)
+        const Mat probs = probabilities(query, key, sq, sk, b, bi, h, attention_mask, training, rng);
+        // context = bmm(probs, v): [sq, hn] for this (b, h)
+        for (int i = 0; i < sq; ++i) {
+          for (int c = 0; c < hn_; ++c) {
+            double acc = 0.0;
+            for (int j = 0; j < sk; ++j)
+              acc += probs(i, j) * value((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g, c);
+            context(static_cast<Eigen::Index>(i) * b + bi, static_cast<Eigen::Index>(h) * hn_ + c) =
+                p_.act(acc);  // rounds: bmm output
+          }
         }
       }
     }
@@ -190,9 +211,56 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   } else {
     p_.count_act();
   }
-  if (training && attention_dropout > 0.0) p_.count_act();
+  if (dropout) p_.count_act();
   p_.count_reduce(sk);  // probs @ v
   p_.count_act();
+  return context;
+}
+
+Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
+                                      const Tensor* attention_mask) const {
+  const bool upcast = input_in_float16_ && softmax_in_fp32_;
+  auto sm = [&](double x) { return upcast ? p_.f32(x) : p_.act(x); };
+  const int group = np_ / ng_;
+  Mat context(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);  // [sq, b, np * hn]
+  FMat q(sq, hn_), k(sk, hn_), v(sk, hn_), probs(sq, sk);  // one (b, head) slice; values exact in fp32
+  const int n = softmax_offset ? sk + 1 : sk;
+  Eigen::ArrayXd row(n);
+  for (int bi = 0; bi < b; ++bi) {
+    for (int g = 0; g < ng_; ++g) {
+      for (int j = 0; j < sk; ++j) {
+        k.row(j) = key.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g).cast<float>();
+        v.row(j) = value.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g).cast<float>();
+      }
+      for (int h = g * group; h < (g + 1) * group; ++h) {  // repeat_interleave(np / ng, dim=2)
+        const SliceMask masked(*this, sq, sk, bi, h, attention_mask);
+        for (int i = 0; i < sq; ++i)
+          q.row(i) = query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h).cast<float>();
+        const FMat qk = matmul_nt(q, k);  // [sq, sk], fp32 sums of q . k
+        for (int i = 0; i < sq; ++i) {
+          for (int j = 0; j < sk; ++j) {
+            double score = p_.act(softmax_scale * qk(i, j));  // rounds: baddbmm output (alpha inside), activation dtype
+            if (coeff) score = p_.f32(score * *coeff);        // rounds: input * scale, fp32
+            if (masked(i, j)) score = sm(-10000.0);           // masked_fill_(mask, -10000.0)
+            row[j] = score;
+          }
+          if (softmax_offset) row[sk] = (*softmax_offset)[h];  // SoftmaxOne: the sink logit
+          const Eigen::ArrayXd e = (row - row.maxCoeff()).exp();
+          const double sum = e.sum();
+          for (int j = 0; j < sk; ++j) {
+            double pr = sm(e[j] / sum);   // rounds: softmax output (fp32 or activation dtype)
+            if (upcast) pr = p_.act(pr);  // rounds: probs.bfloat16() / .half()
+            probs(i, j) = static_cast<float>(pr);
+          }
+        }
+        const FMat ctx = matmul_nn(probs, v);  // [sq, hn]: bmm(probs, v), fp32 sums
+        for (int i = 0; i < sq; ++i)
+          for (int c = 0; c < hn_; ++c)
+            context(static_cast<Eigen::Index>(i) * b + bi, static_cast<Eigen::Index>(h) * hn_ + c) =
+                p_.act(ctx(i, c));  // rounds: bmm output
+      }
+    }
+  }
   return context;
 }
 
