@@ -3,6 +3,12 @@
 //
 //   reference/<op>/<dense id>   op = input_layernorm, linear_qkv, core_attention, linear_proj,
 //                               self_attn_bda, pre_mlp_layernorm, mlp, mlp_bda, layer
+//   reference_fast/<op>/<id>    the same op in the reference's fast mode (ComputeMode::Fast: fp32
+//                               GEMMs through OpenBLAS, reference/fast_gemm.h); with LibTorch, each
+//                               iteration also runs libtorch/<op>/<id> untimed-by-the-framework and
+//                               the counters libtorch_s (seconds per iteration) and
+//                               ratio_vs_libtorch (reference time / LibTorch time, both summed
+//                               over the same interleaved iterations) compare them under one load
 //   libtorch/<op>/<dense id>    the same op in torch ops, Megatron's unfused local-spec math
 //                               (only when built with LibTorch)
 //   reference/<phase>/<moe id>  phase = router, dispatch, experts, combine, moe_layer
@@ -12,7 +18,8 @@
 // Names and counters: bench/bench_util.h. The dense ids are parity's case ids (`twin case '<id>'`
 // reruns one); the MoE id names the synthetic MoE layer below in the same key=value style.
 // Both implementations run on one thread (torch::set_num_threads(1); the reference is
-// single-threaded), so the reference / LibTorch ratio compares like with like. LibTorch's fp32
+// single-threaded, its fast mode's BLAS set to one thread), so the reference / LibTorch ratio
+// compares like with like. LibTorch's fp32
 // GEMM goes through the system BLAS (libblas.so.3): ci/bench runs with OpenBLAS.
 //
 // Shapes: a GPT-3-1.3B-style layer (LayerNorm, GeLU, biases, MHA) and a Llama-style layer
@@ -21,6 +28,7 @@
 
 #include <dlfcn.h>
 
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -38,6 +46,7 @@
 #include "bench/bench_util.h"
 #include "fixtures/fixture.h"
 #include "parity/dense_case.h"
+#include "reference/fast_gemm.h"
 #include "reference/fused_bias_dropout.h"
 #include "reference/moe/moe_layer.h"
 #include "reference/retro/decoder_layer_spec.h"
@@ -118,9 +127,10 @@ struct DenseFixture {
   SelfAttention::QKV qkv;
   OutputWithBias proj, mlp_out;
 
-  explicit DenseFixture(const std::string& id) : c(parity::parse_case_id(id)), in(parity::make_inputs(c)) {
+  explicit DenseFixture(const std::string& id, ComputeMode mode = ComputeMode::FP32)
+      : c(parity::parse_case_id(id)), in(parity::make_inputs(c)) {
     cfg = in.config;
-    p = Precision::from_config(cfg);
+    p = Precision::from_config(cfg, mode);
     const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
                                                      attn_mask_type_from_name(cfg.attn_mask_type));
     layer = std::make_unique<TransformerLayer>(cfg, spec.submodules, 1, std::nullopt, p);
@@ -305,6 +315,40 @@ void BM_LibTorchDense(benchmark::State& state, std::string id, std::string op) {
 }
 #endif
 
+// The reference in fast mode; with LibTorch, the same op in LibTorch eager runs after it in every
+// iteration (manual time: the benchmark's time is the reference's alone), so the ratio compares
+// two timings taken under the same machine load, on one thread each.
+void BM_ReferenceFastDense(benchmark::State& state, std::string id, std::string op) {
+  using Clock = std::chrono::steady_clock;
+  DenseFixture f(id, ComputeMode::Fast);
+#ifdef TWIN_HAVE_TORCH
+  torch::set_num_threads(1);
+  TorchDense t(id);
+#endif
+  double reference_s = 0, libtorch_s = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    f.run(op);
+    const auto t1 = Clock::now();
+#ifdef TWIN_HAVE_TORCH
+    t.run(op);
+#endif
+    const auto t2 = Clock::now();
+    const double r = std::chrono::duration<double>(t1 - t0).count();
+    reference_s += r;
+    libtorch_s += std::chrono::duration<double>(t2 - t1).count();
+    state.SetIterationTime(r);
+  }
+  const Cost cost = dense_op_cost(f.c, op);
+  set_cost_counters(state, cost.flops, cost.bytes);
+#ifdef TWIN_HAVE_TORCH
+  if (state.iterations() > 0 && libtorch_s > 0) {
+    state.counters["libtorch_s"] = benchmark::Counter(libtorch_s / double(state.iterations()));
+    state.counters["ratio_vs_libtorch"] = benchmark::Counter(reference_s / libtorch_s);
+  }
+#endif
+}
+
 // ---- MoE layer ------------------------------------------------------------------------------------
 // A Mixtral-style MoE layer, scaled: 8 experts, top-2, SwiGLU experts, alltoall dispatcher, bf16.
 struct MoECase {
@@ -488,6 +532,10 @@ int register_all() {
       benchmark::RegisterBenchmark(bench_name("reference", op, id).c_str(), BM_ReferenceDense, std::string(id),
                                    std::string(op))
           ->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark(bench_name("reference_fast", op, id).c_str(), BM_ReferenceFastDense, std::string(id),
+                                   std::string(op))
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
 #ifdef TWIN_HAVE_TORCH
       benchmark::RegisterBenchmark(bench_name("libtorch", op, id).c_str(), BM_LibTorchDense, std::string(id),
                                    std::string(op))
@@ -521,7 +569,11 @@ std::string blas_library() {
 
 int main(int argc, char** argv) {
   benchmark::AddCustomContext("blas", blas_library());
-  benchmark::AddCustomContext("threads", "1 (torch::set_num_threads(1); the reference is single-threaded)");
+  set_gemm_threads(1);
+  benchmark::AddCustomContext("threads",
+                              "1 (torch::set_num_threads(1); the reference is single-threaded, its fast mode's "
+                              "BLAS set to 1 thread)");
+  benchmark::AddCustomContext("reference_fast_gemm", gemm_backend());
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

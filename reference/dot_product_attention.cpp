@@ -225,7 +225,7 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
   Mat context(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);  // [sq, b, np * hn]
   FMat q(sq, hn_), k(sk, hn_), v(sk, hn_), probs(sq, sk);  // one (b, head) slice; values exact in fp32
   const int n = softmax_offset ? sk + 1 : sk;
-  Eigen::ArrayXd row(n);
+  RowVec row(n), pr(sk);
   for (int bi = 0; bi < b; ++bi) {
     for (int g = 0; g < ng_; ++g) {
       for (int j = 0; j < sk; ++j) {
@@ -238,20 +238,24 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
           q.row(i) = query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h).cast<float>();
         const FMat qk = matmul_nt(q, k);  // [sq, sk], fp32 sums of q . k
         for (int i = 0; i < sq; ++i) {
-          for (int j = 0; j < sk; ++j) {
-            double score = p_.act(softmax_scale * qk(i, j));  // rounds: baddbmm output (alpha inside), activation dtype
-            if (coeff) score = p_.f32(score * *coeff);        // rounds: input * scale, fp32
-            if (masked(i, j)) score = sm(-10000.0);           // masked_fill_(mask, -10000.0)
-            row[j] = score;
+          row.head(sk) = softmax_scale * qk.row(i).cast<double>();
+          p_.act_inplace(row);  // rounds: baddbmm output (alpha inside), activation dtype
+          if (coeff) {
+            for (int j = 0; j < sk; ++j) row[j] = p_.f32(row[j] * *coeff);  // rounds: input * scale, fp32
           }
+          if (masked.source != SliceMask::Source::None)
+            for (int j = 0; j < sk; ++j)
+              if (masked(i, j)) row[j] = sm(-10000.0);         // masked_fill_(mask, -10000.0)
           if (softmax_offset) row[sk] = (*softmax_offset)[h];  // SoftmaxOne: the sink logit
-          const Eigen::ArrayXd e = (row - row.maxCoeff()).exp();
-          const double sum = e.sum();
-          for (int j = 0; j < sk; ++j) {
-            double pr = sm(e[j] / sum);   // rounds: softmax output (fp32 or activation dtype)
-            if (upcast) pr = p_.act(pr);  // rounds: probs.bfloat16() / .half()
-            probs(i, j) = static_cast<float>(pr);
+          const Eigen::ArrayXd e = (row.array() - row.maxCoeff()).exp();
+          pr = e.head(sk).transpose() / e.sum();
+          if (upcast) {
+            for (int j = 0; j < sk; ++j) pr[j] = p_.f32(pr[j]);  // rounds: softmax output, fp32
+            p_.act_inplace(pr);                                  // rounds: probs.bfloat16() / .half()
+          } else {
+            p_.act_inplace(pr);  // rounds: softmax output, activation dtype
           }
+          probs.row(i) = pr.cast<float>();
         }
         const FMat ctx = matmul_nn(probs, v);  // [sq, hn]: bmm(probs, v), fp32 sums
         for (int i = 0; i < sq; ++i)
