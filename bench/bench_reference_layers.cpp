@@ -5,10 +5,10 @@
 //                               self_attn_bda, pre_mlp_layernorm, mlp, mlp_bda, layer
 //   reference_fast/<op>/<id>    the same op in the reference's fast mode (ComputeMode::Fast: fp32
 //                               GEMMs through OpenBLAS, reference/fast_gemm.h); with LibTorch, each
-//                               iteration also runs libtorch/<op>/<id> untimed-by-the-framework and
-//                               the counters libtorch_s (seconds per iteration) and
-//                               ratio_vs_libtorch (reference time / LibTorch time, both summed
-//                               over the same interleaved iterations) compare them under one load
+//                               iteration also runs libtorch/<op>/<id> (not in the benchmark's
+//                               time) and the counters reference_cpu_s, libtorch_cpu_s (thread CPU
+//                               seconds per iteration) and ratio_vs_libtorch (their quotient, over
+//                               the same interleaved iterations) compare them under one load
 //   libtorch/<op>/<dense id>    the same op in torch ops, Megatron's unfused local-spec math
 //                               (only when built with LibTorch)
 //   reference/<phase>/<moe id>  phase = router, dispatch, experts, combine, moe_layer
@@ -29,6 +29,7 @@
 #include <dlfcn.h>
 
 #include <chrono>
+#include <ctime>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -267,11 +268,12 @@ struct TorchDense {
   }
   torch::Tensor mlp(const torch::Tensor& t, bool fc2_bias = true) {
     auto y = linear(t, "mlp.linear_fc1.");
+    // act=gelu is F.gelu, the erf form (Megatron's default activation_func, the reference's Gelu)
     if (c.glu) {
       auto halves = torch::chunk(y, 2, -1);
-      y = (c.act == "silu" ? torch::silu(halves[0]) : torch::gelu(halves[0], "tanh")) * halves[1];
+      y = (c.act == "silu" ? torch::silu(halves[0]) : torch::gelu(halves[0])) * halves[1];
     } else {
-      y = c.act == "silu" ? torch::silu(y) : torch::gelu(y, "tanh");
+      y = c.act == "silu" ? torch::silu(y) : torch::gelu(y);
     }
     return linear(y, "mlp.linear_fc2.", fc2_bias);
   }
@@ -317,7 +319,15 @@ void BM_LibTorchDense(benchmark::State& state, std::string id, std::string op) {
 
 // The reference in fast mode; with LibTorch, the same op in LibTorch eager runs after it in every
 // iteration (manual time: the benchmark's time is the reference's alone), so the ratio compares
-// two timings taken under the same machine load, on one thread each.
+// two timings taken under the same machine load, on one thread each. The ratio is of the calling
+// thread's CPU time (both run on it alone: one BLAS thread, torch::set_num_threads(1)), which a
+// shared machine's other load does not inflate as it does wall time.
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
 void BM_ReferenceFastDense(benchmark::State& state, std::string id, std::string op) {
   using Clock = std::chrono::steady_clock;
   DenseFixture f(id, ComputeMode::Fast);
@@ -325,28 +335,31 @@ void BM_ReferenceFastDense(benchmark::State& state, std::string id, std::string 
   torch::set_num_threads(1);
   TorchDense t(id);
 #endif
-  double reference_s = 0, libtorch_s = 0;
+  double reference_cpu = 0, libtorch_cpu = 0;
   for (auto _ : state) {
     const auto t0 = Clock::now();
+    const double c0 = thread_cpu_seconds();
     f.run(op);
+    const double c1 = thread_cpu_seconds();
     const auto t1 = Clock::now();
 #ifdef TWIN_HAVE_TORCH
     t.run(op);
 #endif
-    const auto t2 = Clock::now();
-    const double r = std::chrono::duration<double>(t1 - t0).count();
-    reference_s += r;
-    libtorch_s += std::chrono::duration<double>(t2 - t1).count();
-    state.SetIterationTime(r);
+    const double c2 = thread_cpu_seconds();
+    reference_cpu += c1 - c0;
+    libtorch_cpu += c2 - c1;
+    state.SetIterationTime(std::chrono::duration<double>(t1 - t0).count());
   }
   const Cost cost = dense_op_cost(f.c, op);
   set_cost_counters(state, cost.flops, cost.bytes);
+  if (state.iterations() > 0) {
+    const double n = double(state.iterations());
+    state.counters["reference_cpu_s"] = benchmark::Counter(reference_cpu / n);
 #ifdef TWIN_HAVE_TORCH
-  if (state.iterations() > 0 && libtorch_s > 0) {
-    state.counters["libtorch_s"] = benchmark::Counter(libtorch_s / double(state.iterations()));
-    state.counters["ratio_vs_libtorch"] = benchmark::Counter(reference_s / libtorch_s);
-  }
+    state.counters["libtorch_cpu_s"] = benchmark::Counter(libtorch_cpu / n);
+    if (libtorch_cpu > 0) state.counters["ratio_vs_libtorch"] = benchmark::Counter(reference_cpu / libtorch_cpu);
 #endif
+  }
 }
 
 // ---- MoE layer ------------------------------------------------------------------------------------

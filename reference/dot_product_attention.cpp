@@ -77,8 +77,11 @@ struct DotProductAttention::SliceMask {
   int sq, sk, bi, h;
   const Tensor* attention_mask;
 
-  SliceMask(const DotProductAttention& a_, int sq_, int sk_, int bi_, int h_, const Tensor* mask)
-      : a(a_), sq(sq_), sk(sk_), bi(bi_), h(h_), attention_mask(mask) {
+  const std::vector<double>* mask_values;  // attention_mask->to_f64(), read once per forward, or nullptr
+
+  SliceMask(const DotProductAttention& a_, int sq_, int sk_, int bi_, int h_, const Tensor* mask,
+            const std::vector<double>* values = nullptr)
+      : a(a_), sq(sq_), sk(sk_), bi(bi_), h(h_), attention_mask(mask), mask_values(values) {
     if (a.window_size_) {
       source = Source::Window;
     } else if (a.attn_mask_type == AttnMaskType::causal && attention_mask == nullptr && sq > 1) {
@@ -101,7 +104,8 @@ struct DotProductAttention::SliceMask {
       case Source::Given: {
         const Shape& sh = attention_mask->shape();
         const std::int64_t b0 = sh[0] == 1 ? 0 : bi, h0 = sh[1] == 1 ? 0 : h;
-        return attention_mask->at_f64(((b0 * sh[1] + h0) * sq + i) * sk + j) != 0.0;
+        const std::int64_t at = ((b0 * sh[1] + h0) * sq + i) * sk + j;
+        return (mask_values ? (*mask_values)[static_cast<std::size_t>(at)] : attention_mask->at_f64(at)) != 0.0;
       }
     }
     return false;
@@ -223,9 +227,10 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
   auto sm = [&](double x) { return upcast ? p_.f32(x) : p_.act(x); };
   const int group = np_ / ng_;
   Mat context(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);  // [sq, b, np * hn]
-  FMat q(sq, hn_), k(sk, hn_), v(sk, hn_), probs(sq, sk);  // one (b, head) slice; values exact in fp32
-  const int n = softmax_offset ? sk + 1 : sk;
-  RowVec row(n), pr(sk);
+  FMat q(sq, hn_), k(sk, hn_), v(sk, hn_);     // one (b, head) slice; values exact in fp32
+  const int n = softmax_offset ? sk + 1 : sk;  // with the sink logit's column
+  Mat scores(sq, n), e(sq, n), pr(sq, sk);
+  const std::vector<double> mask_values = attention_mask ? attention_mask->to_f64() : std::vector<double>();
   for (int bi = 0; bi < b; ++bi) {
     for (int g = 0; g < ng_; ++g) {
       for (int j = 0; j < sk; ++j) {
@@ -233,38 +238,38 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
         v.row(j) = value.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g).cast<float>();
       }
       for (int h = g * group; h < (g + 1) * group; ++h) {  // repeat_interleave(np / ng, dim=2)
-        const SliceMask masked(*this, sq, sk, bi, h, attention_mask);
+        const SliceMask masked(*this, sq, sk, bi, h, attention_mask, &mask_values);
         for (int i = 0; i < sq; ++i)
           q.row(i) = query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h).cast<float>();
         const FMat qk = matmul_nt(q, k);  // [sq, sk], fp32 sums of q . k
-        for (int i = 0; i < sq; ++i) {
-          row.head(sk) = softmax_scale * qk.row(i).cast<double>();
-          p_.act_inplace(row);  // rounds: baddbmm output (alpha inside), activation dtype
-          if (coeff) {
-            for (int j = 0; j < sk; ++j) row[j] = p_.f32(row[j] * *coeff);  // rounds: input * scale, fp32
-          }
-          if (masked.source != SliceMask::Source::None)
+        scores.leftCols(sk) = softmax_scale * qk.cast<double>();
+        p_.act_inplace(scores);  // rounds: baddbmm output (alpha inside), activation dtype
+        if (coeff)
+          for (int i = 0; i < sq; ++i)
+            for (int j = 0; j < sk; ++j) scores(i, j) = p_.f32(scores(i, j) * *coeff);  // rounds: input * scale, fp32
+        if (masked.source != SliceMask::Source::None)
+          for (int i = 0; i < sq; ++i)
             for (int j = 0; j < sk; ++j)
-              if (masked(i, j)) row[j] = sm(-10000.0);         // masked_fill_(mask, -10000.0)
-          if (softmax_offset) row[sk] = (*softmax_offset)[h];  // SoftmaxOne: the sink logit
-          const Eigen::ArrayXd e = (row.array() - row.maxCoeff()).exp();
-          pr = e.head(sk).transpose() / e.sum();
-          if (upcast) {
-            for (int j = 0; j < sk; ++j) pr[j] = p_.f32(pr[j]);  // rounds: softmax output, fp32
-            p_.act_inplace(pr);                                  // rounds: probs.bfloat16() / .half()
-          } else {
-            p_.act_inplace(pr);  // rounds: softmax output, activation dtype
-          }
-          probs.row(i) = pr.cast<float>();
+              if (masked(i, j)) scores(i, j) = sm(-10000.0);                   // masked_fill_(mask, -10000.0)
+        if (softmax_offset) scores.col(sk).setConstant((*softmax_offset)[h]);  // SoftmaxOne: the sink logit
+        const Eigen::VectorXd mx = scores.rowwise().maxCoeff();
+        e = (scores.colwise() - mx).array().exp().matrix();
+        const Eigen::VectorXd sum = e.rowwise().sum();
+        pr = (e.leftCols(sk).array().colwise() / sum.array()).matrix();
+        if (upcast) {
+          p_.f32_inplace(pr);  // rounds: softmax output, fp32
+          p_.act_inplace(pr);  // rounds: probs.bfloat16() / .half()
+        } else {
+          p_.act_inplace(pr);  // rounds: softmax output, activation dtype
         }
-        const FMat ctx = matmul_nn(probs, v);  // [sq, hn]: bmm(probs, v), fp32 sums
+        const FMat ctx = matmul_nn(pr.cast<float>(), v);  // [sq, hn]: bmm(probs, v), fp32 sums
         for (int i = 0; i < sq; ++i)
-          for (int c = 0; c < hn_; ++c)
-            context(static_cast<Eigen::Index>(i) * b + bi, static_cast<Eigen::Index>(h) * hn_ + c) =
-                p_.act(ctx(i, c));  // rounds: bmm output
+          context.row(static_cast<Eigen::Index>(i) * b + bi).segment(static_cast<Eigen::Index>(h) * hn_, hn_) =
+              ctx.row(i).cast<double>();
       }
     }
   }
+  p_.act_inplace(context);  // rounds: bmm output
   return context;
 }
 

@@ -51,8 +51,7 @@ TEST(FastMode, WithinTheCountedBoundOfExactOnTheBenchmarkShapes) {
        {"h=256,a=8,g=8,d=32,ffn=1024,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=1,rope=none,rot=1,qkln=0,mask=causal",
         "h=256,a=8,g=2,d=32,ffn=704,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal"})
     for (const char* dtype : {"fp32", "bf16"}) {
-      const std::string id =
-          std::string("dense(") + shape + ",s=64,b=2,dtype=" + dtype + ",tp=1,sp=0,drop=0,seed=3)";
+      const std::string id = std::string("dense(") + shape + ",s=64,b=2,dtype=" + dtype + ",tp=1,sp=0,drop=0,seed=3)";
       EXPECT_EQ(fast_vs_exact(parity::parse_case_id(id)), "") << id;
     }
 }
