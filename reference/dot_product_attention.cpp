@@ -253,7 +253,9 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
               if (masked(i, j)) scores(i, j) = sm(-10000.0);                   // masked_fill_(mask, -10000.0)
         if (softmax_offset) scores.col(sk).setConstant((*softmax_offset)[h]);  // SoftmaxOne: the sink logit
         const Eigen::VectorXd mx = scores.rowwise().maxCoeff();
-        e = (scores.colwise() - mx).array().exp().matrix();
+        // exp(d) is exactly 0 in double for d < -746 (below the least subnormal, 2^-1074): masked
+        // scores (-10000) skip libm's slow underflow path with the value it would return.
+        e = (scores.colwise() - mx).unaryExpr([](double d) { return d < -746.0 ? 0.0 : std::exp(d); });
         const Eigen::VectorXd sum = e.rowwise().sum();
         pr = (e.leftCols(sk).array().colwise() / sum.array()).matrix();
         if (upcast) {
