@@ -226,6 +226,7 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
   const bool upcast = input_in_float16_ && softmax_in_fp32_;
   auto sm = [&](double x) { return upcast ? p_.f32(x) : p_.act(x); };
   const int group = np_ / ng_;
+  const bool bf16 = p_.params_dtype == DType::BF16;  // q, k, v and the stored probs are bf16 values
   Mat context(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);  // [sq, b, np * hn]
   FMat q(sq, hn_), k(sk, hn_), v(sk, hn_);     // one (b, head) slice; values exact in fp32
   const int n = softmax_offset ? sk + 1 : sk;  // with the sink logit's column
@@ -241,7 +242,7 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
         const SliceMask masked(*this, sq, sk, bi, h, attention_mask, &mask_values);
         for (int i = 0; i < sq; ++i)
           q.row(i) = query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h).cast<float>();
-        const FMat qk = matmul_nt(q, k);  // [sq, sk], fp32 sums of q . k
+        const FMat qk = matmul_nt(q, k, 1.0f, bf16);  // [sq, sk], fp32 sums of q . k
         scores.leftCols(sk) = softmax_scale * qk.cast<double>();
         p_.act_inplace(scores);  // rounds: baddbmm output (alpha inside), activation dtype
         if (coeff)
@@ -264,7 +265,7 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
         } else {
           p_.act_inplace(pr);  // rounds: softmax output, activation dtype
         }
-        const FMat ctx = matmul_nn(pr.cast<float>(), v);  // [sq, hn]: bmm(probs, v), fp32 sums
+        const FMat ctx = matmul_nn(pr.cast<float>(), v, bf16);  // [sq, hn]: bmm(probs, v), fp32 sums
         for (int i = 0; i < sq; ++i)
           context.row(static_cast<Eigen::Index>(i) * b + bi).segment(static_cast<Eigen::Index>(h) * hn_, hn_) =
               ctx.row(i).cast<double>();

@@ -25,7 +25,8 @@ OutputWithBias Linear::forward(const Mat& x, LinearSaved* saved) const {
   if (saved) saved->input = x;
   OutputWithBias out;
   if (p_.fast()) {  // x and weight hold activation-dtype values: exact in fp32
-    out.output = matmul_nt(x.cast<float>(), weight.cast<float>()).cast<double>();  // [n, out], fp32 sums
+    const bool bf16 = p_.params_dtype == DType::BF16;
+    out.output = matmul_nt(x.cast<float>(), weight.cast<float>(), 1.0f, bf16).cast<double>();  // [n, out], fp32 sums
   } else {
     out.output = x * weight.transpose();  // [n, out]
   }

@@ -57,18 +57,30 @@ TEST(FastMode, WithinTheCountedBoundOfExactOnTheBenchmarkShapes) {
 }
 
 // The GEMMs themselves: fp32 sums of length k, within 2 gamma_k(u_fp32) sum |a_i b_i| of the
-// double product (Higham: |fl(sum) - sum| <= gamma_k sum |terms|, one order against another).
+// double product (Higham: |fl(sum) - sum| <= gamma_k sum |terms|, one order against another), for
+// fp32 inputs, bf16 inputs (the bf16 matmul where the backend has one) and inputs flagged bf16
+// that are not (the backend must notice and not read them as bf16).
 TEST(FastGemm, MatmulsAreFp32SumsWithinGammaK) {
   const int m = 7, n = 5, k = 300;
-  const FMat a = FMat::Random(m, k), bt = FMat::Random(n, k), b = bt.transpose();
-  const FMat nt = matmul_nt(a, bt, 0.5f), nn = matmul_nn(a, b);
-  const Mat ad = a.cast<double>(), bd = b.cast<double>();
-  const Mat exact = ad * bd, mag = ad.cwiseAbs() * bd.cwiseAbs();
   const double g = parity::gamma_n(k, unit_roundoff(DType::F32));
-  for (int i = 0; i < m; ++i)
-    for (int j = 0; j < n; ++j) {
-      EXPECT_LE(std::fabs(nn(i, j) - exact(i, j)), 2 * g * mag(i, j)) << i << "," << j;
-      EXPECT_LE(std::fabs(nt(i, j) - 0.5 * exact(i, j)), 2 * g * 0.5 * mag(i, j)) << i << "," << j;
+  for (const bool round_inputs : {false, true})
+    for (const bool flag_bf16 : {false, true}) {
+      FMat a = FMat::Random(m, k), bt = FMat::Random(n, k);
+      if (round_inputs) {
+        a = testing::round_mat(a.cast<double>(), DType::BF16).cast<float>();
+        bt = testing::round_mat(bt.cast<double>(), DType::BF16).cast<float>();
+      }
+      const FMat b = bt.transpose();
+      const FMat nt = matmul_nt(a, bt, 0.5f, flag_bf16), nn = matmul_nn(a, b, flag_bf16);
+      const Mat ad = a.cast<double>(), bd = b.cast<double>();
+      const Mat exact = ad * bd, mag = ad.cwiseAbs() * bd.cwiseAbs();
+      for (int i = 0; i < m; ++i)
+        for (int j = 0; j < n; ++j) {
+          EXPECT_LE(std::fabs(nn(i, j) - exact(i, j)), 2 * g * mag(i, j))
+              << i << "," << j << " bf16 values " << round_inputs << " flagged " << flag_bf16;
+          EXPECT_LE(std::fabs(nt(i, j) - 0.5 * exact(i, j)), 2 * g * 0.5 * mag(i, j))
+              << i << "," << j << " bf16 values " << round_inputs << " flagged " << flag_bf16;
+        }
     }
   EXPECT_FALSE(gemm_backend().empty());
 }
