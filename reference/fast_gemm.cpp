@@ -28,37 +28,47 @@ void check_inner(const char* what, Eigen::Index ka, Eigen::Index kb) {
 }
 
 #if defined(TWIN_REFERENCE_DNNL)
-// The upper half of each fp32 value into `out`; false when some value is not a bf16 value (its
-// lower half is not zero), which the bf16 matmul would then read wrongly.
-bool bf16_bits(const FMat& m, std::vector<std::uint16_t>& out) {
+// The upper half of each value's fp32 bits into `out`; false when some value is not a bf16 value
+// (not an fp32 value, or its lower half is not zero), which the bf16 matmul would read wrongly.
+template <class Matrix>
+bool bf16_bits(const Matrix& m, std::vector<std::uint16_t>& out) {
   out.resize(static_cast<std::size_t>(m.size()));
   std::uint32_t low = 0;
+  bool all_fp32 = true;
   for (Eigen::Index i = 0; i < m.size(); ++i) {
+    const float f = static_cast<float>(m.data()[i]);
+    all_fp32 &= f == m.data()[i];
     std::uint32_t u;
-    std::memcpy(&u, m.data() + i, sizeof u);
+    std::memcpy(&u, &f, sizeof u);
     low |= u & 0xffffu;
     out[static_cast<std::size_t>(i)] = static_cast<std::uint16_t>(u >> 16);
   }
-  return low == 0;
+  return low == 0 && all_fp32;
 }
 
-// c [m, n] = a [m, k] (bf16) times b (bf16): [k, n] stored as [n, k] when b_transposed. false
-// (c untouched) when a or b holds a value that is not a bf16 value.
-bool bf16_matmul(const FMat& a, const FMat& b, bool b_transposed, FMat& c) {
-  static thread_local std::vector<std::uint16_t> ab, bb;
-  if (!bf16_bits(a, ab) || !bf16_bits(b, bb)) return false;
+// c [m, n] = a [m, k] times b ([k, n], stored as [n, k] when b_transposed), both as bf16 bits.
+void bf16_matmul(const std::uint16_t* a, const std::uint16_t* b, bool b_transposed, Eigen::Index k, FMat& c) {
   using dt = dnnl::memory::data_type;
   using tag = dnnl::memory::format_tag;
   static thread_local dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   static thread_local dnnl::stream stream(engine);
-  const dnnl::memory::dim m = a.rows(), k = a.cols(), n = c.cols();
+  const dnnl::memory::dim m = c.rows(), n = c.cols();
   const dnnl::memory::desc a_md({m, k}, dt::bf16, tag::ab), b_md({k, n}, dt::bf16, b_transposed ? tag::ba : tag::ab),
       c_md({m, n}, dt::f32, tag::ab);
   // oneDNN's primitive cache makes a repeated shape's creation cheap (about a microsecond).
   const dnnl::matmul matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, c_md), engine));
-  dnnl::memory am(a_md, engine, ab.data()), bm(b_md, engine, bb.data()), cm(c_md, engine, c.data());
+  dnnl::memory am(a_md, engine, const_cast<std::uint16_t*>(a)), bm(b_md, engine, const_cast<std::uint16_t*>(b)),
+      cm(c_md, engine, c.data());
   matmul.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
   stream.wait();
+}
+
+// Both as bf16 bits when every value is one: then c = a op(b) through the bf16 matmul.
+template <class Matrix>
+bool try_bf16_matmul(const Matrix& a, const Matrix& b, bool b_transposed, FMat& c) {
+  static thread_local std::vector<std::uint16_t> ab, bb;
+  if (!bf16_bits(a, ab) || !bf16_bits(b, bb)) return false;
+  bf16_matmul(ab.data(), bb.data(), b_transposed, a.cols(), c);
   return true;
 }
 #endif
@@ -67,7 +77,7 @@ bool bf16_matmul(const FMat& a, const FMat& b, bool b_transposed, FMat& c) {
 void gemm(const FMat& a, const FMat& b, bool b_transposed, float alpha, bool inputs_bf16, FMat& c) {
   const auto m = a.rows(), k = a.cols(), n = c.cols();
 #if defined(TWIN_REFERENCE_DNNL)
-  if (inputs_bf16 && bf16_matmul(a, b, b_transposed, c)) {
+  if (inputs_bf16 && try_bf16_matmul(a, b, b_transposed, c)) {
     if (alpha != 1.0f) c *= alpha;
     return;
   }
@@ -103,6 +113,18 @@ FMat matmul_nn(const FMat& a, const FMat& b, bool inputs_bf16) {
   FMat c(a.rows(), b.cols());
   gemm(a, b, false, 1.0f, inputs_bf16, c);
   return c;
+}
+
+FMat matmul_nt(const DMat& a, const DMat& b, bool inputs_bf16) {
+  check_inner("matmul_nt", a.cols(), b.cols());
+  if (a.rows() == 0 || b.rows() == 0 || a.cols() == 0) return FMat::Zero(a.rows(), b.rows());
+#if defined(TWIN_REFERENCE_DNNL)
+  if (inputs_bf16) {
+    FMat c(a.rows(), b.rows());
+    if (try_bf16_matmul(a, b, true, c)) return c;
+  }
+#endif
+  return matmul_nt(FMat(a.cast<float>()), FMat(b.cast<float>()), 1.0f, false);
 }
 
 std::string gemm_backend() {

@@ -26,6 +26,10 @@ using FMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajo
 FMat matmul_nt(const FMat& a, const FMat& b, float alpha = 1.0f, bool inputs_bf16 = false);
 // a [m, k], b [k, n]: a b [m, n] (probs @ v).
 FMat matmul_nn(const FMat& a, const FMat& b, bool inputs_bf16 = false);
+// matmul_nt on double matrices whose values are fp32 values (bf16 ones with inputs_bf16): each
+// is converted once, straight into the format the backend reads (x @ weight^T of a Linear).
+using DMat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;  // reference/precision.h's Mat
+FMat matmul_nt(const DMat& a, const DMat& b, bool inputs_bf16 = false);
 
 // "oneDNN ...", "OpenBLAS ..." or "Eigen ...": recorded by benchmarks.
 std::string gemm_backend();

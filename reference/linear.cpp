@@ -26,7 +26,7 @@ OutputWithBias Linear::forward(const Mat& x, LinearSaved* saved) const {
   OutputWithBias out;
   if (p_.fast()) {  // x and weight hold activation-dtype values: exact in fp32
     const bool bf16 = p_.params_dtype == DType::BF16;
-    out.output = matmul_nt(x.cast<float>(), weight.cast<float>(), 1.0f, bf16).cast<double>();  // [n, out], fp32 sums
+    out.output = matmul_nt(x, weight, bf16).cast<double>();  // [n, out], fp32 sums
   } else {
     out.output = x * weight.transpose();  // [n, out]
   }

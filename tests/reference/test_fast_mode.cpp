@@ -73,6 +73,7 @@ TEST(FastGemm, MatmulsAreFp32SumsWithinGammaK) {
       const FMat b = bt.transpose();
       const FMat nt = matmul_nt(a, bt, 0.5f, flag_bf16), nn = matmul_nn(a, b, flag_bf16);
       const Mat ad = a.cast<double>(), bd = b.cast<double>();
+      const FMat ntd = matmul_nt(ad, Mat(bd.transpose()), flag_bf16);  // the double-input form
       const Mat exact = ad * bd, mag = ad.cwiseAbs() * bd.cwiseAbs();
       for (int i = 0; i < m; ++i)
         for (int j = 0; j < n; ++j) {
@@ -80,16 +81,19 @@ TEST(FastGemm, MatmulsAreFp32SumsWithinGammaK) {
               << i << "," << j << " bf16 values " << round_inputs << " flagged " << flag_bf16;
           EXPECT_LE(std::fabs(nt(i, j) - 0.5 * exact(i, j)), 2 * g * 0.5 * mag(i, j))
               << i << "," << j << " bf16 values " << round_inputs << " flagged " << flag_bf16;
+          EXPECT_LE(std::fabs(ntd(i, j) - exact(i, j)), 2 * g * mag(i, j))
+              << i << "," << j << " bf16 values " << round_inputs << " flagged " << flag_bf16;
         }
     }
   EXPECT_FALSE(gemm_backend().empty());
 }
 
 TEST(FastGemm, MismatchedInnerDimensionsAreAnError) {
-  EXPECT_THROW(matmul_nt(FMat::Zero(2, 3), FMat::Zero(2, 4)), std::invalid_argument);
+  EXPECT_THROW(matmul_nt(FMat(FMat::Zero(2, 3)), FMat(FMat::Zero(2, 4))), std::invalid_argument);
+  EXPECT_THROW(matmul_nt(DMat(DMat::Zero(2, 3)), DMat(DMat::Zero(2, 4)), true), std::invalid_argument);
   EXPECT_THROW(matmul_nn(FMat::Zero(2, 3), FMat::Zero(4, 2)), std::invalid_argument);
   EXPECT_THROW(set_gemm_threads(0), std::invalid_argument);
-  EXPECT_EQ(matmul_nt(FMat::Zero(2, 0), FMat::Zero(3, 0)), FMat::Zero(2, 3));  // empty sums are 0
+  EXPECT_EQ(matmul_nt(FMat(FMat::Zero(2, 0)), FMat(FMat::Zero(3, 0))), FMat(FMat::Zero(2, 3)));  // empty sums are 0
 }
 
 // Exact mode stays what the bounds come from, and FP32 the default the goldens run in.
