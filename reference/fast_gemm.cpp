@@ -28,22 +28,24 @@ void check_inner(const char* what, Eigen::Index ka, Eigen::Index kb) {
 }
 
 #if defined(TWIN_REFERENCE_DNNL)
-// The upper half of each value's fp32 bits into `out`; false when some value is not a bf16 value
-// (not an fp32 value, or its lower half is not zero), which the bf16 matmul would read wrongly.
+// The upper half of each value's fp32 bits into `out` (a value is read as its fp32 rounding, as
+// the fp32 paths read it); false when some fp32 value is not a bf16 value (its lower half is not
+// zero), which the bf16 matmul would read wrongly.
 template <class Matrix>
 bool bf16_bits(const Matrix& m, std::vector<std::uint16_t>& out) {
+  static thread_local FMat f;
+  f = m.template cast<float>();
   out.resize(static_cast<std::size_t>(m.size()));
   std::uint32_t low = 0;
-  bool all_fp32 = true;
+  const float* src = f.data();
+  std::uint16_t* dst = out.data();
   for (Eigen::Index i = 0; i < m.size(); ++i) {
-    const float f = static_cast<float>(m.data()[i]);
-    all_fp32 &= f == m.data()[i];
     std::uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
+    std::memcpy(&u, src + i, sizeof u);
     low |= u & 0xffffu;
-    out[static_cast<std::size_t>(i)] = static_cast<std::uint16_t>(u >> 16);
+    dst[i] = static_cast<std::uint16_t>(u >> 16);
   }
-  return low == 0 && all_fp32;
+  return low == 0;
 }
 
 // c [m, n] = a [m, k] times b ([k, n], stored as [n, k] when b_transposed), both as bf16 bits.
