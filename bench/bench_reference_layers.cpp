@@ -3,6 +3,12 @@
 //
 //   reference/<op>/<dense id>   op = input_layernorm, linear_qkv, core_attention, linear_proj,
 //                               self_attn_bda, pre_mlp_layernorm, mlp, mlp_bda, layer
+//   reference_fast/<op>/<id>    the same op in the reference's fast mode (ComputeMode::Fast: fp32
+//                               GEMMs through OpenBLAS, reference/fast_gemm.h); with LibTorch, each
+//                               iteration also runs libtorch/<op>/<id> (not in the benchmark's
+//                               time) and the counters reference_cpu_s, libtorch_cpu_s (thread CPU
+//                               seconds per iteration) and ratio_vs_libtorch (their quotient, over
+//                               the same interleaved iterations) compare them under one load
 //   libtorch/<op>/<dense id>    the same op in torch ops, Megatron's unfused local-spec math
 //                               (only when built with LibTorch)
 //   reference/<phase>/<moe id>  phase = router, dispatch, experts, combine, moe_layer
@@ -12,7 +18,8 @@
 // Names and counters: bench/bench_util.h. The dense ids are parity's case ids (`twin case '<id>'`
 // reruns one); the MoE id names the synthetic MoE layer below in the same key=value style.
 // Both implementations run on one thread (torch::set_num_threads(1); the reference is
-// single-threaded), so the reference / LibTorch ratio compares like with like. LibTorch's fp32
+// single-threaded, its fast mode's BLAS set to one thread), so the reference / LibTorch ratio
+// compares like with like. LibTorch's fp32
 // GEMM goes through the system BLAS (libblas.so.3): ci/bench runs with OpenBLAS.
 //
 // Shapes: a GPT-3-1.3B-style layer (LayerNorm, GeLU, biases, MHA) and a Llama-style layer
@@ -21,6 +28,8 @@
 
 #include <dlfcn.h>
 
+#include <chrono>
+#include <ctime>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
@@ -38,6 +47,7 @@
 #include "bench/bench_util.h"
 #include "fixtures/fixture.h"
 #include "parity/dense_case.h"
+#include "reference/fast_gemm.h"
 #include "reference/fused_bias_dropout.h"
 #include "reference/moe/moe_layer.h"
 #include "reference/retro/decoder_layer_spec.h"
@@ -118,9 +128,10 @@ struct DenseFixture {
   SelfAttention::QKV qkv;
   OutputWithBias proj, mlp_out;
 
-  explicit DenseFixture(const std::string& id) : c(parity::parse_case_id(id)), in(parity::make_inputs(c)) {
+  explicit DenseFixture(const std::string& id, ComputeMode mode = ComputeMode::FP32)
+      : c(parity::parse_case_id(id)), in(parity::make_inputs(c)) {
     cfg = in.config;
-    p = Precision::from_config(cfg);
+    p = Precision::from_config(cfg, mode);
     const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
                                                      attn_mask_type_from_name(cfg.attn_mask_type));
     layer = std::make_unique<TransformerLayer>(cfg, spec.submodules, 1, std::nullopt, p);
@@ -257,11 +268,12 @@ struct TorchDense {
   }
   torch::Tensor mlp(const torch::Tensor& t, bool fc2_bias = true) {
     auto y = linear(t, "mlp.linear_fc1.");
+    // act=gelu is F.gelu, the erf form (Megatron's default activation_func, the reference's Gelu)
     if (c.glu) {
       auto halves = torch::chunk(y, 2, -1);
-      y = (c.act == "silu" ? torch::silu(halves[0]) : torch::gelu(halves[0], "tanh")) * halves[1];
+      y = (c.act == "silu" ? torch::silu(halves[0]) : torch::gelu(halves[0])) * halves[1];
     } else {
-      y = c.act == "silu" ? torch::silu(y) : torch::gelu(y, "tanh");
+      y = c.act == "silu" ? torch::silu(y) : torch::gelu(y);
     }
     return linear(y, "mlp.linear_fc2.", fc2_bias);
   }
@@ -304,6 +316,51 @@ void BM_LibTorchDense(benchmark::State& state, std::string id, std::string op) {
   set_cost_counters(state, cost.flops, cost.bytes);
 }
 #endif
+
+// The reference in fast mode; with LibTorch, the same op in LibTorch eager runs after it in every
+// iteration (manual time: the benchmark's time is the reference's alone), so the ratio compares
+// two timings taken under the same machine load, on one thread each. The ratio is of the calling
+// thread's CPU time (both run on it alone: one BLAS thread, torch::set_num_threads(1)), which a
+// shared machine's other load does not inflate as it does wall time.
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+}
+
+void BM_ReferenceFastDense(benchmark::State& state, std::string id, std::string op) {
+  using Clock = std::chrono::steady_clock;
+  DenseFixture f(id, ComputeMode::Fast);
+#ifdef TWIN_HAVE_TORCH
+  torch::set_num_threads(1);
+  TorchDense t(id);
+#endif
+  double reference_cpu = 0, libtorch_cpu = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    const double c0 = thread_cpu_seconds();
+    f.run(op);
+    const double c1 = thread_cpu_seconds();
+    const auto t1 = Clock::now();
+#ifdef TWIN_HAVE_TORCH
+    t.run(op);
+#endif
+    const double c2 = thread_cpu_seconds();
+    reference_cpu += c1 - c0;
+    libtorch_cpu += c2 - c1;
+    state.SetIterationTime(std::chrono::duration<double>(t1 - t0).count());
+  }
+  const Cost cost = dense_op_cost(f.c, op);
+  set_cost_counters(state, cost.flops, cost.bytes);
+  if (state.iterations() > 0) {
+    const double n = double(state.iterations());
+    state.counters["reference_cpu_s"] = benchmark::Counter(reference_cpu / n);
+#ifdef TWIN_HAVE_TORCH
+    state.counters["libtorch_cpu_s"] = benchmark::Counter(libtorch_cpu / n);
+    if (libtorch_cpu > 0) state.counters["ratio_vs_libtorch"] = benchmark::Counter(reference_cpu / libtorch_cpu);
+#endif
+  }
+}
 
 // ---- MoE layer ------------------------------------------------------------------------------------
 // A Mixtral-style MoE layer, scaled: 8 experts, top-2, SwiGLU experts, alltoall dispatcher, bf16.
@@ -488,6 +545,10 @@ int register_all() {
       benchmark::RegisterBenchmark(bench_name("reference", op, id).c_str(), BM_ReferenceDense, std::string(id),
                                    std::string(op))
           ->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark(bench_name("reference_fast", op, id).c_str(), BM_ReferenceFastDense, std::string(id),
+                                   std::string(op))
+          ->UseManualTime()
+          ->Unit(benchmark::kMicrosecond);
 #ifdef TWIN_HAVE_TORCH
       benchmark::RegisterBenchmark(bench_name("libtorch", op, id).c_str(), BM_LibTorchDense, std::string(id),
                                    std::string(op))
@@ -521,7 +582,11 @@ std::string blas_library() {
 
 int main(int argc, char** argv) {
   benchmark::AddCustomContext("blas", blas_library());
-  benchmark::AddCustomContext("threads", "1 (torch::set_num_threads(1); the reference is single-threaded)");
+  set_gemm_threads(1);
+  benchmark::AddCustomContext("threads",
+                              "1 (torch::set_num_threads(1); the reference is single-threaded, its fast mode's "
+                              "BLAS set to 1 thread)");
+  benchmark::AddCustomContext("reference_fast_gemm", gemm_backend());
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

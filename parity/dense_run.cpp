@@ -24,11 +24,15 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, Record* record) {
+  return reference_forward(c, in, exact ? reference::ComputeMode::Exact : reference::ComputeMode::FP32, record);
+}
+
+Tensor reference_forward(const DenseCase& c, const DenseInputs& in, reference::ComputeMode mode, Record* record) {
   using namespace twin::reference;
   TransformerConfig cfg = in.config;
   cfg.tensor_model_parallel_size = 1;  // the reference is the unsharded layer
   cfg.sequence_parallel = false;
-  const Precision p = Precision::from_config(cfg, exact ? ComputeMode::Exact : ComputeMode::FP32);
+  const Precision p = Precision::from_config(cfg, mode);
   // The spec's attn_mask_type param: causal, or no_mask / padding / arbitrary for the other cases.
   const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
                                                    attn_mask_type_from_name(cfg.attn_mask_type));

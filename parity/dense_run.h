@@ -15,6 +15,7 @@
 #include "parity/compare.h"
 #include "parity/dense_case.h"
 #include "parity/tap_diff.h"
+#include "reference/precision.h"
 
 namespace twin::parity {
 
@@ -28,6 +29,9 @@ struct RunOptions {
 // fp64 without rounding (the output is then F64).
 // With `record`: taps and rounding counts recorded there.
 Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, Record* record = nullptr);
+// The same in any of the reference's modes (reference/precision.h; Fast: fp32 GEMMs through BLAS).
+Tensor reference_forward(const DenseCase& c, const DenseInputs& in, reference::ComputeMode mode,
+                         Record* record = nullptr);
 // The optimized layer at the case's tp / sp.
 Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOptions& o, Record* record = nullptr);
 

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include <unsupported/Eigen/SpecialFunctions>
+
 namespace twin::reference {
 
 ActivationFunc activation_from_name(const std::string& name) {
@@ -88,7 +90,33 @@ static int act1_stores(ActivationFunc f) {
   }
 }
 
+// ComputeMode::Fast's Gelu and Silu on whole matrices in fp32 arithmetic with Eigen's vectorised
+// fp32 exp and erf (a few fp32 ulps, as torch's own fp32 kernels), the same stores as act1: far
+// inside the bound's one store of the activation dtype per `rounds:` plus its fp32 reductions,
+// which test_fast_mode checks.
+static Mat apply_activation_fast(ActivationFunc f, const Mat& x, const Precision& p) {
+  using RowArrayF = Eigen::Array<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const RowArrayF xf = x.cast<float>().array();
+  if (f == ActivationFunc::Silu) {
+    Mat e = (-xf).exp().cast<double>().matrix();
+    p.act_inplace(e);  // rounds: exp(-x)
+    e.array() += 1.0;
+    p.act_inplace(e);  // rounds: 1 + ...
+    Mat y = (x.array() / e.array()).matrix();
+    p.act_inplace(y);  // rounds: x / ...
+    return y;
+  }
+  // Gelu: x * 0.5 * (1 + erf(x / sqrt(2))), one store
+  Mat y = (xf * 0.5f * (1.0f + (xf * static_cast<float>(M_SQRT1_2)).erf())).cast<double>().matrix();
+  p.act_inplace(y);  // rounds: output
+  return y;
+}
+
 Mat apply_activation(ActivationFunc f, const Mat& x, const Precision& p) {
+  if (p.fast() && (f == ActivationFunc::Gelu || f == ActivationFunc::Silu)) {
+    p.count_act(act1_stores(f));
+    return apply_activation_fast(f, x, p);
+  }
   Mat y(x.rows(), x.cols());
   for (Eigen::Index i = 0; i < x.size(); ++i) y.data()[i] = act1(f, x.data()[i], p);
   p.count_act(act1_stores(f));

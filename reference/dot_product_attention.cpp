@@ -3,6 +3,8 @@
 #include <cmath>
 #include <vector>
 
+#include "reference/fast_gemm.h"
+
 namespace twin::reference {
 
 AttnMaskType attn_mask_type_from_name(const std::string& name) {
@@ -67,40 +69,56 @@ void check_attention_mask(const Tensor& mask, int b, int np, int sq, int sk, con
                      std::to_string(np) + "), got " + shape_str(sh));
 }
 
+// The mask actually applied to the [sq, sk] slice (batch bi, head h) of the scores
+// (FusedScaleMaskSoftmax.forward_torch_softmax): masked(i, j) is true where the score is filled.
+struct DotProductAttention::SliceMask {
+  enum class Source { None, Given, Causal, Window } source = Source::None;
+  const DotProductAttention& a;
+  int sq, sk, bi, h;
+  const Tensor* attention_mask;
+
+  const std::vector<double>* mask_values;  // attention_mask->to_f64(), read once per forward, or nullptr
+
+  SliceMask(const DotProductAttention& a_, int sq_, int sk_, int bi_, int h_, const Tensor* mask,
+            const std::vector<double>* values = nullptr)
+      : a(a_), sq(sq_), sk(sk_), bi(bi_), h(h_), attention_mask(mask), mask_values(values) {
+    if (a.window_size_) {
+      source = Source::Window;
+    } else if (a.attn_mask_type == AttnMaskType::causal && attention_mask == nullptr && sq > 1) {
+      if (sq != sk) throw ShapeError("DotProductAttention: causal mask is only for self attention (sq != sk)");
+      source = Source::Causal;
+    } else if (attention_mask != nullptr) {
+      source = Source::Given;
+    }
+  }
+  bool operator()(int i, int j) const {
+    switch (source) {
+      case Source::None:
+        return false;
+      case Source::Causal:
+        return j > i;  // triu(ones, diagonal=1)
+      case Source::Window: {
+        const int d = sk - sq;  // ~(tril(triu(m, d - w0), d + w1))
+        return !(j - i >= d - (*a.window_size_)[0] && j - i <= d + (*a.window_size_)[1]);
+      }
+      case Source::Given: {
+        const Shape& sh = attention_mask->shape();
+        const std::int64_t b0 = sh[0] == 1 ? 0 : bi, h0 = sh[1] == 1 ? 0 : h;
+        const std::int64_t at = ((b0 * sh[1] + h0) * sq + i) * sk + j;
+        return (mask_values ? (*mask_values)[static_cast<std::size_t>(at)] : attention_mask->at_f64(at)) != 0.0;
+      }
+    }
+    return false;
+  }
+};
+
 // One [sq, sk] slice (batch bi, head h) of the attention probabilities after dropout, as the
 // forward computes and rounds them; `softmax_out`, when given, receives the softmax's own output
 // (fp32 under attention_softmax_in_fp32, before the cast back and dropout), which its backward uses.
 Mat DotProductAttention::probabilities(const Mat& query, const Mat& key, int sq, int sk, int b, int bi, int h,
                                        const Tensor* attention_mask, bool training, const DropoutRng& rng,
                                        Mat* softmax_out, std::vector<bool>* masked_out) const {
-  // The mask actually applied (FusedScaleMaskSoftmax.forward_torch_softmax).
-  enum class MaskSource { None, Given, Causal, Window } source = MaskSource::None;
-  if (window_size_) {
-    source = MaskSource::Window;
-  } else if (attn_mask_type == AttnMaskType::causal && attention_mask == nullptr && sq > 1) {
-    if (sq != sk) throw ShapeError("DotProductAttention: causal mask is only for self attention (sq != sk)");
-    source = MaskSource::Causal;
-  } else if (attention_mask != nullptr) {
-    source = MaskSource::Given;
-  }
-  auto masked = [&](int i, int j) -> bool {
-    switch (source) {
-      case MaskSource::None:
-        return false;
-      case MaskSource::Causal:
-        return j > i;  // triu(ones, diagonal=1)
-      case MaskSource::Window: {
-        const int d = sk - sq;  // ~(tril(triu(m, d - w0), d + w1))
-        return !(j - i >= d - (*window_size_)[0] && j - i <= d + (*window_size_)[1]);
-      }
-      case MaskSource::Given: {
-        const Shape& sh = attention_mask->shape();
-        const std::int64_t b0 = sh[0] == 1 ? 0 : bi, h0 = sh[1] == 1 ? 0 : h;
-        return attention_mask->at_f64(((b0 * sh[1] + h0) * sq + i) * sk + j) != 0.0;
-      }
-    }
-    return false;
-  };
+  const SliceMask masked(*this, sq, sk, bi, h, attention_mask);
 
   // Softmax storage: fp32 when the input is fp16/bf16 and attention_softmax_in_fp32 (the input is
   // upcast with .float()), else the scores' own dtype (the activation dtype).
@@ -163,18 +181,25 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   if (attention_mask) check_attention_mask(*attention_mask, b, np_, sq, sk, "attention_mask");
 
   const int group = np_ / ng_;
-  Mat context(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);  // [sq, b, np * hn]
-  for (int bi = 0; bi < b; ++bi) {
-    for (int h = 0; h < np_; ++h) {
-      const int g = h / group;  // repeat_interleave(np / ng, dim=2)
-      const Mat probs = probabilities(query, key, sq, sk, b, bi, h, attention_mask, training, rng);
-      // context = bmm(probs, v): [sq, hn] for this (b, h)
-      for (int i = 0; i < sq; ++i) {
-        for (int c = 0; c < hn_; ++c) {
-          double acc = 0.0;
-          for (int j = 0; j < sk; ++j) acc += probs(i, j) * value((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g, c);
-          context(static_cast<Eigen::Index>(i) * b + bi, static_cast<Eigen::Index>(h) * hn_ + c) =
-              p_.act(acc);  // rounds: bmm output
+  const bool dropout = training && attention_dropout > 0.0;
+  Mat context;                  // [sq, b, np * hn]
+  if (p_.fast() && !dropout) {  // with dropout, fast mode takes the loops below (same math, slower)
+    context = forward_fast(query, key, value, sq, sk, b, attention_mask);
+  } else {
+    context.resize(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);
+    for (int bi = 0; bi < b; ++bi) {
+      for (int h = 0; h < np_; ++h) {
+        const int g = h / group;  // repeat_interleave(np / ng, dim=2)
+        const Mat probs = probabilities(query, key, sq, sk, b, bi, h, attention_mask, training, rng);
+        // context = bmm(probs, v): [sq, hn] for this (b, h)
+        for (int i = 0; i < sq; ++i) {
+          for (int c = 0; c < hn_; ++c) {
+            double acc = 0.0;
+            for (int j = 0; j < sk; ++j)
+              acc += probs(i, j) * value((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g, c);
+            context(static_cast<Eigen::Index>(i) * b + bi, static_cast<Eigen::Index>(h) * hn_ + c) =
+                p_.act(acc);  // rounds: bmm output
+          }
         }
       }
     }
@@ -190,9 +215,64 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   } else {
     p_.count_act();
   }
-  if (training && attention_dropout > 0.0) p_.count_act();
+  if (dropout) p_.count_act();
   p_.count_reduce(sk);  // probs @ v
   p_.count_act();
+  return context;
+}
+
+Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
+                                      const Tensor* attention_mask) const {
+  const bool upcast = input_in_float16_ && softmax_in_fp32_;
+  auto sm = [&](double x) { return upcast ? p_.f32(x) : p_.act(x); };
+  const int group = np_ / ng_;
+  const bool bf16 = p_.params_dtype == DType::BF16;  // q, k, v and the stored probs are bf16 values
+  Mat context(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);  // [sq, b, np * hn]
+  FMat q(sq, hn_), k(sk, hn_), v(sk, hn_);     // one (b, head) slice; values exact in fp32
+  const int n = softmax_offset ? sk + 1 : sk;  // with the sink logit's column
+  Mat scores(sq, n), e(sq, n), pr(sq, sk);
+  const std::vector<double> mask_values = attention_mask ? attention_mask->to_f64() : std::vector<double>();
+  for (int bi = 0; bi < b; ++bi) {
+    for (int g = 0; g < ng_; ++g) {
+      for (int j = 0; j < sk; ++j) {
+        k.row(j) = key.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g).cast<float>();
+        v.row(j) = value.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g).cast<float>();
+      }
+      for (int h = g * group; h < (g + 1) * group; ++h) {  // repeat_interleave(np / ng, dim=2)
+        const SliceMask masked(*this, sq, sk, bi, h, attention_mask, &mask_values);
+        for (int i = 0; i < sq; ++i)
+          q.row(i) = query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h).cast<float>();
+        const FMat qk = matmul_nt(q, k, 1.0f, bf16);  // [sq, sk], fp32 sums of q . k
+        scores.leftCols(sk) = softmax_scale * qk.cast<double>();
+        p_.act_inplace(scores);  // rounds: baddbmm output (alpha inside), activation dtype
+        if (coeff)
+          for (int i = 0; i < sq; ++i)
+            for (int j = 0; j < sk; ++j) scores(i, j) = p_.f32(scores(i, j) * *coeff);  // rounds: input * scale, fp32
+        if (masked.source != SliceMask::Source::None)
+          for (int i = 0; i < sq; ++i)
+            for (int j = 0; j < sk; ++j)
+              if (masked(i, j)) scores(i, j) = sm(-10000.0);                   // masked_fill_(mask, -10000.0)
+        if (softmax_offset) scores.col(sk).setConstant((*softmax_offset)[h]);  // SoftmaxOne: the sink logit
+        const Eigen::VectorXd mx = scores.rowwise().maxCoeff();
+        // exp(d) is exactly 0 in double for d < -746 (below the least subnormal, 2^-1074): masked
+        // scores (-10000) skip libm's slow underflow path with the value it would return.
+        e = (scores.colwise() - mx).unaryExpr([](double d) { return d < -746.0 ? 0.0 : std::exp(d); });
+        const Eigen::VectorXd sum = e.rowwise().sum();
+        pr = (e.leftCols(sk).array().colwise() / sum.array()).matrix();
+        if (upcast) {
+          p_.f32_inplace(pr);  // rounds: softmax output, fp32
+          p_.act_inplace(pr);  // rounds: probs.bfloat16() / .half()
+        } else {
+          p_.act_inplace(pr);  // rounds: softmax output, activation dtype
+        }
+        const FMat ctx = matmul_nn(pr.cast<float>(), v, bf16);  // [sq, hn]: bmm(probs, v), fp32 sums
+        for (int i = 0; i < sq; ++i)
+          context.row(static_cast<Eigen::Index>(i) * b + bi).segment(static_cast<Eigen::Index>(h) * hn_, hn_) =
+              ctx.row(i).cast<double>();
+      }
+    }
+  }
+  p_.act_inplace(context);  // rounds: bmm output
   return context;
 }
 

@@ -68,6 +68,11 @@ class DotProductAttention {
   std::optional<RowVec> softmax_offset;  // off-by-one (zeros) or learnable [np]
 
  private:
+  struct SliceMask;
+  // ComputeMode::Fast's forward without dropout: per (batch, head) slice, q k^T and probs v as
+  // fp32 GEMMs (reference/fast_gemm.h), the same rounding points as probabilities() + forward.
+  Mat forward_fast(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
+                   const Tensor* attention_mask) const;
   Mat probabilities(const Mat& query, const Mat& key, int sq, int sk, int b, int bi, int h,
                     const Tensor* attention_mask, bool training, const DropoutRng& rng, Mat* softmax_out = nullptr,
                     std::vector<bool>* masked_out = nullptr) const;

@@ -1,5 +1,7 @@
 #include "reference/linear.h"
 
+#include "reference/fast_gemm.h"
+
 namespace twin::reference {
 
 Linear::Linear(int input_size, int output_size, bool bias, bool skip_bias_add, Precision p)
@@ -22,8 +24,13 @@ OutputWithBias Linear::forward(const Mat& x, LinearSaved* saved) const {
                      std::to_string(output_size_) + ", " + std::to_string(input_size_) + "]");
   if (saved) saved->input = x;
   OutputWithBias out;
-  out.output = x * weight.transpose();  // [n, out]
-  p_.act_inplace(out.output);           // rounds: GEMM output (fp32 accumulation), activation dtype
+  if (p_.fast()) {  // x and weight hold activation-dtype values: exact in fp32
+    const bool bf16 = p_.params_dtype == DType::BF16;
+    out.output = matmul_nt(x, weight, bf16).cast<double>();  // [n, out], fp32 sums
+  } else {
+    out.output = x * weight.transpose();  // [n, out]
+  }
+  p_.act_inplace(out.output);  // rounds: GEMM output (fp32 accumulation), activation dtype
   p_.count_reduce(input_size_);
   p_.count_act();
   if (has_bias_) {

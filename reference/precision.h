@@ -14,6 +14,13 @@
 //     For fp32 parameters both points round to fp32: every op of torch's fp32 graph stores once.
 //   ComputeMode::Exact no rounding at all: the true value of the same formula on the same (already
 //     representable) parameters and inputs, for measuring how far any implementation is from it.
+//   ComputeMode::Fast  FP32's rounding points, but the GEMMs (linear layers, attention's q k^T and
+//     probs v) accumulate in fp32 through a BLAS (reference/fast_gemm.h) in the library's order,
+//     as Megatron's own GEMMs do, instead of in double. Everything else is FP32 mode's code. Its
+//     results stay within the counted bound of Exact (parity::golden_bound: a reduction
+//     accumulated in fp32 is one of the rounding points counted, 2 gamma_K(u_fp32)), so it may
+//     stand in for FP32 mode where speed matters (benchmarks, large shapes); goldens and the
+//     bounds themselves are FP32 and Exact mode's business, and FP32 stays the default.
 //
 // Matrices hold [s, b, h] activations as (s * b) x h, sequence-major: row = s_idx * b + b_idx,
 // exactly the memory order of Megatron's [s, b, h] tensors.
@@ -32,7 +39,7 @@ namespace twin::reference {
 using Mat = RowMatrix<double>;  // [rows, cols], row-major
 using RowVec = Eigen::RowVectorXd;
 
-enum class ComputeMode { FP32, Exact };
+enum class ComputeMode { FP32, Exact, Fast };
 
 struct Precision {
   ComputeMode mode = ComputeMode::FP32;
@@ -42,16 +49,26 @@ struct Precision {
   static Precision from_config(const TransformerConfig& c, ComputeMode mode = ComputeMode::FP32);
 
   bool exact() const { return mode == ComputeMode::Exact; }
+  // GEMMs accumulate in fp32 through reference/fast_gemm.h (ComputeMode::Fast).
+  bool fast() const { return mode == ComputeMode::Fast; }
 
   // rounds: to the activation (parameter) dtype; identity in Exact mode. bf16/fp16 go through
-  // fp32 first, as torch's kernels compute in fp32 and store once.
+  // fp32 first, as torch's kernels compute in fp32 and store once. Inline (round_to's float and
+  // bf16 cases, the same bits): the reference rounds every element of every activation.
   double act(double x) const {
     if (exact()) return x;
-    const double f = round_to(DType::F32, x);
-    return params_dtype == DType::F32 ? f : round_to(params_dtype, f);
+    const float f = static_cast<float>(x);  // round_to(F32, x)
+    switch (params_dtype) {
+      case DType::F32:
+        return f;
+      case DType::BF16:
+        return bf16_bits_to_float(float_to_bf16_bits(f));
+      default:
+        return round_to(params_dtype, f);
+    }
   }
   // rounds: to fp32; identity in Exact mode.
-  double f32(double x) const { return exact() ? x : round_to(DType::F32, x); }
+  double f32(double x) const { return exact() ? x : static_cast<double>(static_cast<float>(x)); }
 
   // Counts the rounding points a `rounds:` site executes (core/rounding.h), once per tensor, not
   // per element: n stores to the activation dtype, n to fp32, a reduction of length k accumulated

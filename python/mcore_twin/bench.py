@@ -239,11 +239,14 @@ def reference_ratios(run):
     s = samples(run)
     ratios = []
     for name, times in sorted(s.items()):
-        impl, op, case = split_name(name)
+        # reference_fast/... (the reference's fast mode) runs on manual time: Google Benchmark
+        # appends /manual_time to its name.
+        impl, op, case = split_name(name.removesuffix("/manual_time"))
         other = f"libtorch/{op}/{case}"
-        if impl == "reference" and other in s:
+        if impl in ("reference", "reference_fast") and other in s:
             ref, lt = statistics.median(times), statistics.median(s[other])
-            ratios.append({"op": op, "case": case, "reference_ns": ref, "libtorch_ns": lt, "ratio": ref / lt})
+            label = op if impl == "reference" else f"{op} (fast mode)"
+            ratios.append({"op": label, "case": case, "reference_ns": ref, "libtorch_ns": lt, "ratio": ref / lt})
     return ratios
 
 
