@@ -351,71 +351,41 @@ const std::vector<std::int64_t>& MoETransformerLayer::tokens_per_expert() const 
   return ranks_.front()->plan.tokens_per_expert;
 }
 
+// forward is exactly the three phases in turn. At ep > 1 each rank's thread runs its three phases
+// (the same rank functions the phases called one by one run) in turn: one thread start per rank
+// and forward rather than per rank and phase (each new thread starts a simulator worker).
 LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEForwardInputs& in,
                                          const ForwardOptions& fo) {
-  const int ep = static_cast<int>(ranks_.size());
-  if (ep == 1) {  // forward is exactly the three phases in turn
+  if (ranks_.size() == 1) {
     _forward_mlp_router(hidden_states, in, fo);
     _forward_mlp_expert_compute();
     return _forward_mlp_postprocess();
   }
-  // The ranks as threads. Rounding points are counted per thread: each rank counts from the
-  // caller's count, and the caller continues from the ranks' join (they execute the same points).
-  // The taps are rank 0's (the other ranks hold the same tokens: their routing and outputs are
-  // rank 0's), as a rank-0 hook in Megatron records them.
-  const RoundingCount at_start = rounding_now();
-  std::vector<RoundingCount> at_end(static_cast<std::size_t>(ep));
-  std::vector<LayerOutput> outs(static_cast<std::size_t>(ep));
-  for (auto& r : ranks_) r->plan.gather_expert_taps = fo.record_taps;  // a collective: every rank alike
-  rt::run_ranks(ep, [&](int r) {
-    CountRoundings counting;
-    rounding_set(at_start);
-    ForwardOptions rank_fo = fo;
-    rank_fo.record_taps = fo.record_taps && r == 0;
-    outs[std::size_t(r)] = forward_rank(r, hidden_states, in, rank_fo);
-    at_end[std::size_t(r)] = rounding_now();
+  set_gather_expert_taps(fo);
+  std::vector<LayerOutput> outs(ranks_.size());
+  on_every_rank([&](int r) {
+    router_rank(r, hidden_states, in, rank_options(fo, r));
+    expert_compute_rank(r);
+    outs[std::size_t(r)] = postprocess_rank(r);
   });
-  RoundingCount ranks_end = at_start;
-  for (const RoundingCount& e : at_end) ranks_end.join(e);
-  rounding_set(ranks_end);
   return std::move(outs.front());
 }
 
-// One rank's forward: its three phases in turn (at ep > 1 in the rank's thread).
-LayerOutput MoETransformerLayer::forward_rank(int rank, const Tensor& hidden_states, const MoEForwardInputs& in,
-                                              const ForwardOptions& fo) {
-  router_rank(rank, hidden_states, in, fo);
-  expert_compute_rank(rank);
-  return postprocess_rank(rank);
+// The taps are rank 0's (the other ranks hold the same tokens: their routing and outputs are
+// rank 0's), as a rank-0 hook in Megatron records them.
+ForwardOptions MoETransformerLayer::rank_options(const ForwardOptions& fo, int rank) {
+  ForwardOptions rank_fo = fo;
+  rank_fo.record_taps = fo.record_taps && rank == 0;
+  return rank_fo;
 }
 
-// The phases called one by one drive rank 0 alone: at ep > 1 each phase would have to run every
-// rank's thread (the expert compute's collectives pair the ranks) and join the ranks' rounding
-// counts per phase, which forward() does over the whole layer instead; so they take ep = 1 only.
-void MoETransformerLayer::require_single_rank(const char* phase) const {
-  if (ranks_.size() != 1)
-    throw ConfigError(std::string("optimized MoE layer: ") + phase +
-                      " called alone runs at expert_model_parallel_size 1 only (this layer has " +
-                      std::to_string(ranks_.size()) + "); call forward() at ep > 1");
-}
-
-void MoETransformerLayer::_forward_mlp_router(const Tensor& hidden_states, const MoEForwardInputs& in,
-                                              const ForwardOptions& fo) {
-  require_single_rank("_forward_mlp_router");
-  router_rank(0, hidden_states, in, fo);
-}
-
-void MoETransformerLayer::_forward_mlp_expert_compute() {
-  require_single_rank("_forward_mlp_expert_compute");
-  expert_compute_rank(0);
-}
-
-LayerOutput MoETransformerLayer::_forward_mlp_postprocess() {
-  require_single_rank("_forward_mlp_postprocess");
-  return postprocess_rank(0);
+void MoETransformerLayer::set_gather_expert_taps(const ForwardOptions& fo) {
+  if (ranks_.size() > 1)
+    for (auto& r : ranks_) r->plan.gather_expert_taps = fo.record_taps;  // a collective: every rank alike
 }
 
 namespace {
+
 constexpr char kPhaseOrder[] =
     " (a forward runs _forward_mlp_router, _forward_mlp_expert_compute, _forward_mlp_postprocess in turn)";
 
@@ -431,6 +401,66 @@ auto run_phase(F&& phase, D&& drop) -> decltype(phase()) {
 }
 
 }  // namespace
+
+// One phase on every expert-parallel rank: at ep = 1 on this thread; at ep > 1 on one thread per
+// rank (the expert compute's collectives pair them). Rounding points are counted per thread: each
+// rank counts from the caller's count, and the caller continues from the ranks' join (they execute
+// the same points). If any rank throws, every rank drops the forward in flight, so the ranks stay
+// in step (a rank a phase ahead would wait in a collective for the others).
+void MoETransformerLayer::on_every_rank(const std::function<void(int)>& phase) {
+  const int ep = static_cast<int>(ranks_.size());
+  run_phase(
+      [&] {
+        if (ep == 1) return phase(0);
+        const RoundingCount at_start = rounding_now();
+        std::vector<RoundingCount> at_end(static_cast<std::size_t>(ep));
+        rt::run_ranks(ep, [&](int r) {
+          CountRoundings counting;
+          rounding_set(at_start);
+          phase(r);
+          at_end[std::size_t(r)] = rounding_now();
+        });
+        RoundingCount ranks_end = at_start;
+        for (const RoundingCount& e : at_end) ranks_end.join(e);
+        rounding_set(ranks_end);
+      },
+      [&] {
+        for (auto& r : ranks_) r->end_forward();
+      });
+}
+
+void MoETransformerLayer::_forward_mlp_router(const Tensor& hidden_states, const MoEForwardInputs& in,
+                                              const ForwardOptions& fo) {
+  set_gather_expert_taps(fo);
+  on_every_rank([&](int r) { router_rank(r, hidden_states, in, rank_options(fo, r)); });
+}
+
+// The preconditions are checked here, before any rank runs, and leave the forward in flight as it
+// was; the ranks move through the phases in step, so rank 0's phase is every rank's.
+void MoETransformerLayer::_forward_mlp_expert_compute() {
+  const Impl::Phase done = ranks_.front()->done;
+  if (done != Impl::Phase::Router)
+    throw std::logic_error(
+        std::string("optimized MoE layer: _forward_mlp_expert_compute needs _forward_mlp_router first") +
+        (done == Impl::Phase::ExpertCompute ? " (it already ran on the last router phase's outputs)" : "") +
+        kPhaseOrder);
+  on_every_rank([&](int r) { expert_compute_rank(r); });
+}
+
+LayerOutput MoETransformerLayer::_forward_mlp_postprocess() {
+  const Impl::Phase done = ranks_.front()->done;
+  if (done == Impl::Phase::None)
+    throw std::logic_error(std::string("optimized MoE layer: _forward_mlp_postprocess needs _forward_mlp_router and "
+                                       "_forward_mlp_expert_compute first") +
+                           kPhaseOrder);
+  if (done == Impl::Phase::Router)
+    throw std::logic_error(
+        std::string("optimized MoE layer: _forward_mlp_postprocess needs _forward_mlp_expert_compute first") +
+        kPhaseOrder);
+  std::vector<LayerOutput> outs(ranks_.size());
+  on_every_rank([&](int r) { outs[std::size_t(r)] = postprocess_rank(r); });
+  return std::move(outs.front());
+}
 
 // The router phase (_forward_mlp_router, here with the attention half before it: the twin's
 // router graph covers both): inputs checked and uploaded, attention, pre_mlp_layernorm, shared
@@ -835,12 +865,6 @@ void MoETransformerLayer::run_graph_phase(Impl& m, PhaseKind kind) {
 // grouped experts (at ep > 1 between the dispatcher's dispatch and combine); always eager.
 void MoETransformerLayer::expert_compute_rank(int rank) {
   Impl& m = *ranks_[std::size_t(rank)];
-  if (m.done != Impl::Phase::Router)
-    throw std::logic_error(
-        std::string("optimized MoE layer: _forward_mlp_expert_compute needs _forward_mlp_router "
-                    "first") +
-        (m.done == Impl::Phase::ExpertCompute ? " (it already ran on the last router phase's outputs)" : "") +
-        kPhaseOrder);
   run_phase([&] { run_graph_phase(m, PhaseKind::ExpertCompute); }, [&] { m.end_forward(); });
   m.done = Impl::Phase::ExpertCompute;
 }
@@ -849,14 +873,6 @@ void MoETransformerLayer::expert_compute_rank(int rank) {
 // output and the record of the whole forward.
 LayerOutput MoETransformerLayer::postprocess_rank(int rank) {
   Impl& m = *ranks_[std::size_t(rank)];
-  if (m.done == Impl::Phase::None)
-    throw std::logic_error(std::string("optimized MoE layer: _forward_mlp_postprocess needs _forward_mlp_router and "
-                                       "_forward_mlp_expert_compute first") +
-                           kPhaseOrder);
-  if (m.done == Impl::Phase::Router)
-    throw std::logic_error(std::string("optimized MoE layer: _forward_mlp_postprocess needs "
-                                       "_forward_mlp_expert_compute first") +
-                           kPhaseOrder);
   return run_phase(
       [&] {
         run_graph_phase(m, PhaseKind::Postprocess);

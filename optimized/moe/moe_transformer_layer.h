@@ -17,6 +17,7 @@
 // caller reports `unsupported` instead of computing a wrong answer.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -57,7 +58,8 @@ class MoETransformerLayer {
 
   // hidden_states [s, b, h]. With record_taps the record holds the taps (the reference's names),
   // the tap_in.mlp.experts.* inputs, the aux losses (loss / coeff) and the expert-bias counter.
-  // At ep = 1 exactly _forward_mlp_router, _forward_mlp_expert_compute, _forward_mlp_postprocess.
+  // Exactly _forward_mlp_router, _forward_mlp_expert_compute, _forward_mlp_postprocess in turn (at
+  // ep > 1 each rank's thread runs its three phases in turn, started once per forward).
   LayerOutput forward(const Tensor& hidden_states, const MoEForwardInputs& inputs, const ForwardOptions& options = {});
 
   // The forward as Megatron's MoETransformerLayer splits it for partial CUDA graphs, under its
@@ -71,9 +73,8 @@ class MoETransformerLayer {
   //     and the record of the whole forward.
   // A phase called before its predecessor throws std::logic_error naming the missing phase, and
   // leaves the forward in flight as it was. A phase that throws otherwise drops the forward. The
-  // inputs are copied by _forward_mlp_router (they need not outlive it). ep = 1 only: at ep > 1
-  // every phase would have to run all ranks' threads together (the expert compute's collectives),
-  // so these throw ConfigError there and forward() runs the phases inside each rank's thread.
+  // inputs are copied by _forward_mlp_router (they need not outlive it). At ep > 1 each phase
+  // runs every rank (one thread each) and returns when all are done.
   void _forward_mlp_router(const Tensor& hidden_states, const MoEForwardInputs& inputs,
                            const ForwardOptions& options = {});
   void _forward_mlp_expert_compute();
@@ -87,9 +88,9 @@ class MoETransformerLayer {
   static void init_rank(Impl& m, const TransformerConfig& config, const std::map<std::string, Tensor>& params,
                         const LayerOptions& options, int rank);
   enum class PhaseKind { Router, ExpertCompute, Postprocess };
-  LayerOutput forward_rank(int rank, const Tensor& hidden_states, const MoEForwardInputs& inputs,
-                           const ForwardOptions& options);
-  void require_single_rank(const char* phase) const;
+  void on_every_rank(const std::function<void(int)>& phase);
+  static ForwardOptions rank_options(const ForwardOptions& options, int rank);
+  void set_gather_expert_taps(const ForwardOptions& options);
   void router_rank(int rank, const Tensor& hidden_states, const MoEForwardInputs& inputs,
                    const ForwardOptions& options);
   void router_rank_body(Impl& m, const Tensor& hidden_states, const MoEForwardInputs& inputs,

@@ -455,24 +455,22 @@ void assert_records_equal(const Record& a, const Record& b) {
   RC_ASSERT(a.calls == b.calls);
 }
 
-}  // namespace
-
 // Megatron's partial-CUDA-graph phases called one by one (_forward_mlp_router,
 // _forward_mlp_expert_compute, _forward_mlp_postprocess) are forward(): the output, every record
-// entry (taps, tap_in, aux losses, the expert-bias counter, with their rounding counts) and the
-// tokens per expert bitwise equal, on a fresh layer and again on a second input, where the state
-// one forward leaves (the global aux loss's steps, the expert-bias counter) must carry the same way.
-RC_GTEST_PROP(OptimizedMoEProperty, PhasesOneByOneAreForward, ()) {
-  const MoECase m = make_case(*gen_opt_moe_case());
-  RC_LOG() << describe(m) << "\n";
+// entry (taps, tap_in, aux losses, the expert-bias counter, with their rounding counts), the
+// rounding count after it and the tokens per expert bitwise equal, on a fresh layer and again on a
+// second input, where the state one forward leaves (the global aux loss's steps, the expert-bias
+// counter) must carry the same way. ep: expert_model_parallel_size (the phases then run every rank).
+void check_phases_one_by_one_are_forward(const MoECase& m, int ep) {
+  TransformerConfig c = m.config;
+  c.expert_model_parallel_size = ep;
   opt::MoEForwardInputs in;
   in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
   in.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
   opt::ForwardOptions fo;
   fo.training = true;
   fo.record_taps = true;
-  opt::MoETransformerLayer whole(m.config, m.params, opt::LayerOptions{}),
-      phased(m.config, m.params, opt::LayerOptions{});
+  opt::MoETransformerLayer whole(c, m.params, opt::LayerOptions{}), phased(c, m.params, opt::LayerOptions{});
   std::vector<double> v = m.hidden_states.to_f64();
   for (std::size_t i = 0; i < v.size(); i += 3) v[i] = -v[i];  // negation is exact in any dtype
   const Tensor x2 = Tensor::from_doubles(m.hidden_states.dtype(), m.hidden_states.shape(), v);
@@ -496,6 +494,21 @@ RC_GTEST_PROP(OptimizedMoEProperty, PhasesOneByOneAreForward, ()) {
     assert_records_equal(a.record, b.record);
     RC_ASSERT(a_end == b_end);
   }
+}
+
+}  // namespace
+
+RC_GTEST_PROP(OptimizedMoEProperty, PhasesOneByOneAreForward, ()) {
+  const MoECase m = make_case(*gen_opt_moe_case());
+  RC_LOG() << describe(m) << "\n";
+  check_phases_one_by_one_are_forward(m, 1);
+}
+
+// The same at expert-parallel size 2 (even E drawn), the drawn dispatcher between the ranks.
+RC_GTEST_PROP(OptimizedMoEProperty, ExpertParallelPhasesOneByOneAreForward, ()) {
+  const MoECase m = make_case(*gen_opt_moe_case(2));
+  RC_LOG() << describe(m) << "\n";
+  check_phases_one_by_one_are_forward(m, 2);
 }
 
 // A phase called before its predecessor throws, naming the phase that must run first, and leaves
@@ -544,23 +557,30 @@ TEST(OptimizedMoEPhases, OutOfOrderCallsNameTheMissingPhase) {
   EXPECT_TRUE(bitwise_equal(phased, layer.forward(m.hidden_states, in, fo).hidden_states));
 }
 
-// At ep > 1 the phases are not callable alone (each would need every rank's thread); forward() is.
-TEST(OptimizedMoEPhases, PhasesAloneRejectExpertParallelism) {
+// At ep = 2 an out-of-order call is refused before any rank runs (no rank waits in a collective
+// for another), and the forward in flight completes afterwards.
+TEST(OptimizedMoEPhases, OutOfOrderCallsAtExpertParallelSize2) {
   OptMoECase o;
-  o.E = 2;
+  o.s = 3;
+  o.E = 4;
+  o.k = 2;
+  o.dispatcher = "alltoall";
   MoECase m = make_case(o);
   m.config.expert_model_parallel_size = 2;
   opt::MoETransformerLayer layer(m.config, m.params, opt::LayerOptions{});
   opt::MoEForwardInputs in;
   in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
   in.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
+  EXPECT_THROW(layer._forward_mlp_expert_compute(), std::logic_error);
+  layer._forward_mlp_router(m.hidden_states, in);
   try {
-    layer._forward_mlp_router(m.hidden_states, in);
-    ADD_FAILURE() << "_forward_mlp_router ran at ep = 2";
-  } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("expert_model_parallel_size 1 only"), std::string::npos) << e.what();
+    layer._forward_mlp_postprocess();
+    ADD_FAILURE() << "_forward_mlp_postprocess ran before _forward_mlp_expert_compute";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs _forward_mlp_expert_compute first"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(layer._forward_mlp_expert_compute(), ConfigError);
-  EXPECT_THROW(layer._forward_mlp_postprocess(), ConfigError);
-  EXPECT_EQ(layer.forward(m.hidden_states, in).hidden_states.shape(), m.hidden_states.shape());
+  layer._forward_mlp_expert_compute();
+  const Tensor phased = layer._forward_mlp_postprocess().hidden_states;
+  opt::MoETransformerLayer fresh(m.config, m.params, opt::LayerOptions{});
+  EXPECT_TRUE(bitwise_equal(phased, fresh.forward(m.hidden_states, in).hidden_states));
 }
