@@ -555,6 +555,11 @@ TEST(OptimizedMoEPhases, OutOfOrderCallsNameTheMissingPhase) {
   EXPECT_TRUE(bitwise_equal(phased, fresh.forward(m.hidden_states, in, fo).hidden_states));
   // after a completed forward, forward() still runs (the phases are back at the start)
   EXPECT_TRUE(bitwise_equal(phased, layer.forward(m.hidden_states, in, fo).hidden_states));
+  // a router phase that rejects its input drops the forward in flight before it
+  layer._forward_mlp_router(m.hidden_states, in, fo);
+  const Tensor bad = Tensor::empty(m.hidden_states.dtype(), {m.hidden_states.size(0), m.hidden_states.size(1), 3});
+  EXPECT_THROW(layer._forward_mlp_router(bad, in, fo), ShapeError);
+  EXPECT_NE(message(expert_compute).find(need_router), std::string::npos) << message(expert_compute);
 }
 
 // At ep = 2 an out-of-order call is refused before any rank runs (no rank waits in a collective
