@@ -109,7 +109,32 @@ struct MoETransformerLayer::Impl {
   std::optional<rt::Graph> router_graph, postprocess_graph;
   int graph_aux_kind = -2;
   bool graph_z_loss = false;
+  // What one forward carries from phase to phase: the phase that ran last (a phase runs only after
+  // its predecessor), the options, the inputs the phases read on the host, the record so far.
+  enum class Phase { None, Router, ExpertCompute };
+  Phase done = Phase::None;
+  ForwardOptions fo;
+  std::vector<std::uint8_t> padding, recorded;  // [T] token order, [T, E]
+  std::int64_t S = 0, B = 0;
+  double max_logit = 0.0;
+  LayerOutput pending;
 
+  Tensor download(const void* ptr, DType type, Shape shape) {
+    Tensor t = Tensor::empty(type, shape);
+    if (t.nbytes()) {
+      dev->copy(t.raw_mut(), ptr, t.nbytes(), rt::CopyKind::DeviceToHost, stream->handle());
+      stream->synchronize();
+    }
+    return t;
+  }
+  // Forgets a forward in flight (after the postprocess, or when a phase threw).
+  void end_forward() {
+    done = Phase::None;
+    plan.attn.on_tap = nullptr;
+    plan.on_tap = nullptr;
+    plan.recorded_map = nullptr;
+    plan.padding_host = nullptr;
+  }
   const void* upload(const Tensor& t) {
     weights.emplace_back(*dev, std::max<std::size_t>(t.nbytes(), 1));
     weights.back().upload(t.raw(), t.nbytes());
@@ -326,35 +351,131 @@ const std::vector<std::int64_t>& MoETransformerLayer::tokens_per_expert() const 
   return ranks_.front()->plan.tokens_per_expert;
 }
 
+// forward is exactly the three phases in turn. At ep > 1 each rank's thread runs its three phases
+// (the same rank functions the phases called one by one run) in turn: one thread start per rank
+// and forward rather than per rank and phase (each new thread starts a simulator worker).
 LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEForwardInputs& in,
                                          const ForwardOptions& fo) {
-  const int ep = static_cast<int>(ranks_.size());
-  if (ep == 1) return forward_rank(0, hidden_states, in, fo);
-  // The ranks as threads. Rounding points are counted per thread: each rank counts from the
-  // caller's count, and the caller continues from the ranks' join (they execute the same points).
-  // The taps are rank 0's (the other ranks hold the same tokens: their routing and outputs are
-  // rank 0's), as a rank-0 hook in Megatron records them.
-  const RoundingCount at_start = rounding_now();
-  std::vector<RoundingCount> at_end(static_cast<std::size_t>(ep));
-  std::vector<LayerOutput> outs(static_cast<std::size_t>(ep));
-  for (auto& r : ranks_) r->plan.gather_expert_taps = fo.record_taps;  // a collective: every rank alike
-  rt::run_ranks(ep, [&](int r) {
-    CountRoundings counting;
-    rounding_set(at_start);
-    ForwardOptions rank_fo = fo;
-    rank_fo.record_taps = fo.record_taps && r == 0;
-    outs[std::size_t(r)] = forward_rank(r, hidden_states, in, rank_fo);
-    at_end[std::size_t(r)] = rounding_now();
+  if (ranks_.size() == 1) {
+    _forward_mlp_router(hidden_states, in, fo);
+    _forward_mlp_expert_compute();
+    return _forward_mlp_postprocess();
+  }
+  set_gather_expert_taps(fo);
+  std::vector<LayerOutput> outs(ranks_.size());
+  on_every_rank([&](int r) {
+    router_rank(r, hidden_states, in, rank_options(fo, r));
+    expert_compute_rank(r);
+    outs[std::size_t(r)] = postprocess_rank(r);
   });
-  RoundingCount ranks_end = at_start;
-  for (const RoundingCount& e : at_end) ranks_end.join(e);
-  rounding_set(ranks_end);
   return std::move(outs.front());
 }
 
-LayerOutput MoETransformerLayer::forward_rank(int rank, const Tensor& hidden_states, const MoEForwardInputs& in,
+// The taps are rank 0's (the other ranks hold the same tokens: their routing and outputs are
+// rank 0's), as a rank-0 hook in Megatron records them.
+ForwardOptions MoETransformerLayer::rank_options(const ForwardOptions& fo, int rank) {
+  ForwardOptions rank_fo = fo;
+  rank_fo.record_taps = fo.record_taps && rank == 0;
+  return rank_fo;
+}
+
+void MoETransformerLayer::set_gather_expert_taps(const ForwardOptions& fo) {
+  if (ranks_.size() > 1)
+    for (auto& r : ranks_) r->plan.gather_expert_taps = fo.record_taps;  // a collective: every rank alike
+}
+
+namespace {
+
+constexpr char kPhaseOrder[] =
+    " (a forward runs _forward_mlp_router, _forward_mlp_expert_compute, _forward_mlp_postprocess in turn)";
+
+// Runs `phase`; if it throws, `drop` forgets the forward in flight (its buffers hold a partial phase).
+template <class F, class D>
+auto run_phase(F&& phase, D&& drop) -> decltype(phase()) {
+  try {
+    return phase();
+  } catch (...) {
+    drop();
+    throw;
+  }
+}
+
+}  // namespace
+
+// One phase on every expert-parallel rank: at ep = 1 on this thread; at ep > 1 on one thread per
+// rank (the expert compute's collectives pair them). Rounding points are counted per thread: each
+// rank counts from the caller's count, and the caller continues from the ranks' join (they execute
+// the same points). If any rank throws, every rank drops the forward in flight, so the ranks stay
+// in step (a rank a phase ahead would wait in a collective for the others).
+void MoETransformerLayer::on_every_rank(const std::function<void(int)>& phase) {
+  const int ep = static_cast<int>(ranks_.size());
+  run_phase(
+      [&] {
+        if (ep == 1) return phase(0);
+        const RoundingCount at_start = rounding_now();
+        std::vector<RoundingCount> at_end(static_cast<std::size_t>(ep));
+        rt::run_ranks(ep, [&](int r) {
+          CountRoundings counting;
+          rounding_set(at_start);
+          phase(r);
+          at_end[std::size_t(r)] = rounding_now();
+        });
+        RoundingCount ranks_end = at_start;
+        for (const RoundingCount& e : at_end) ranks_end.join(e);
+        rounding_set(ranks_end);
+      },
+      [&] {
+        for (auto& r : ranks_) r->end_forward();
+      });
+}
+
+void MoETransformerLayer::_forward_mlp_router(const Tensor& hidden_states, const MoEForwardInputs& in,
                                               const ForwardOptions& fo) {
+  set_gather_expert_taps(fo);
+  on_every_rank([&](int r) { router_rank(r, hidden_states, in, rank_options(fo, r)); });
+}
+
+// The preconditions are checked here, before any rank runs, and leave the forward in flight as it
+// was; the ranks move through the phases in step, so rank 0's phase is every rank's.
+void MoETransformerLayer::_forward_mlp_expert_compute() {
+  const Impl::Phase done = ranks_.front()->done;
+  if (done != Impl::Phase::Router)
+    throw std::logic_error(
+        std::string("optimized MoE layer: _forward_mlp_expert_compute needs _forward_mlp_router first") +
+        (done == Impl::Phase::ExpertCompute ? " (it already ran on the last router phase's outputs)" : "") +
+        kPhaseOrder);
+  on_every_rank([&](int r) { expert_compute_rank(r); });
+}
+
+LayerOutput MoETransformerLayer::_forward_mlp_postprocess() {
+  const Impl::Phase done = ranks_.front()->done;
+  if (done == Impl::Phase::None)
+    throw std::logic_error(std::string("optimized MoE layer: _forward_mlp_postprocess needs _forward_mlp_router and "
+                                       "_forward_mlp_expert_compute first") +
+                           kPhaseOrder);
+  if (done == Impl::Phase::Router)
+    throw std::logic_error(
+        std::string("optimized MoE layer: _forward_mlp_postprocess needs _forward_mlp_expert_compute first") +
+        kPhaseOrder);
+  std::vector<LayerOutput> outs(ranks_.size());
+  on_every_rank([&](int r) { outs[std::size_t(r)] = postprocess_rank(r); });
+  return std::move(outs.front());
+}
+
+// The router phase (_forward_mlp_router, here with the attention half before it: the twin's
+// router graph covers both): inputs checked and uploaded, attention, pre_mlp_layernorm, shared
+// experts, router, the dispatch preprocess, the expert-bias counter. Starts a new forward,
+// dropping one left unfinished.
+void MoETransformerLayer::router_rank(int rank, const Tensor& hidden_states, const MoEForwardInputs& in,
+                                      const ForwardOptions& fo) {
   Impl& m = *ranks_[std::size_t(rank)];
+  m.end_forward();
+  run_phase([&] { router_rank_body(m, hidden_states, in, fo); }, [&] { m.end_forward(); });
+  m.done = Impl::Phase::Router;
+}
+
+void MoETransformerLayer::router_rank_body(Impl& m, const Tensor& hidden_states, const MoEForwardInputs& in,
+                                           const ForwardOptions& fo) {
   const TransformerConfig& c = config_;
   if (hidden_states.dim() != 3 || hidden_states.size(2) != m.h)
     throw ShapeError("optimized MoE layer: hidden_states expected [s, b, " + std::to_string(m.h) + "], got " +
@@ -386,7 +507,8 @@ LayerOutput MoETransformerLayer::forward_rank(int rank, const Tensor& hidden_sta
     rot = static_cast<int>(rs[3]);
     if (rot <= 0 || rot % 2 || rot > m.hn) throw ShapeError("optimized MoE layer: bad rot_dim " + std::to_string(rot));
   }
-  std::vector<std::uint8_t> padding;
+  std::vector<std::uint8_t>& padding = m.padding;
+  padding.clear();
   if (in.padding_mask) {
     if (in.padding_mask->shape() != Shape{b, s})
       throw ShapeError("optimized MoE layer: padding_mask expected [b, s] = " + shape_str({b, s}) + ", got " +
@@ -396,7 +518,8 @@ LayerOutput MoETransformerLayer::forward_rank(int rank, const Tensor& hidden_sta
       for (std::int64_t bi = 0; bi < b; ++bi)
         padding[std::size_t(si * b + bi)] = in.padding_mask->at_f64(bi * s + si) != 0.0;
   }
-  std::vector<std::uint8_t> recorded;
+  std::vector<std::uint8_t>& recorded = m.recorded;
+  recorded.clear();
   if (in.recorded_routing_map) {
     if (in.recorded_routing_map->shape() != Shape{T, E})
       throw ShapeError("optimized MoE layer: recorded routing map expected [T, E] = " + shape_str({T, E}) + ", got " +
@@ -536,26 +659,24 @@ LayerOutput MoETransformerLayer::forward_rank(int rank, const Tensor& hidden_sta
   if (P.z_loss && P.z_coeff == 0.0) throw ConfigError("optimized MoE layer: moe_z_loss_coeff = 0");
 
   // ---- taps
-  LayerOutput result;
-  Record& rec = result.record;
-  const cudaStream_t st = m.stream->handle();
-  auto download = [&](const void* ptr, DType dt, Shape shape) {
-    Tensor t = Tensor::empty(dt, shape);
-    if (t.nbytes()) {
-      m.dev->copy(t.raw_mut(), ptr, t.nbytes(), rt::CopyKind::DeviceToHost, st);
-      m.stream->synchronize();
-    }
-    return t;
-  };
-  // The maps are one byte per element, 0 or 1: BOOL's storage.
-  auto download_bool = [&](const void* ptr, Shape shape) { return download(ptr, DType::BOOL, shape); };
+  // The record fills over the three phases; the hooks live as long as the layer's Impl (they
+  // capture it, never this phase's locals).
+  m.pending = LayerOutput{};
+  m.max_logit = 0.0;
+  m.fo = fo;
+  m.S = s;
+  m.B = b;
   const std::int64_t S = s, B = b;
-  double max_logit = 0.0;
-  auto bias_tap = [&](const std::string& name, const std::string& key) {
-    if (m.full.count(key)) rec.add_exact(Role::Tap, name, m.full.at(key).clone());
-  };
+  Impl* const mp = &m;
   if (fo.record_taps) {
-    p.on_tap = [&](TapPoint t) {
+    p.on_tap = [mp, S, B, H, es](TapPoint t) {
+      Impl& m = *mp;
+      RankPlan& p = m.plan.attn;
+      Record& rec = m.pending.record;
+      auto download = [&](const void* ptr, DType type, Shape shape) { return m.download(ptr, type, shape); };
+      auto bias_tap = [&](const std::string& name, const std::string& key) {
+        if (m.full.count(key)) rec.add_exact(Role::Tap, name, m.full.at(key).clone());
+      };
       switch (t) {
         case TapPoint::InputLayernorm:
           rec.add(Role::Tap, "input_layernorm", download(p.ln1, m.dt, {S, B, H}));
@@ -597,7 +718,14 @@ LayerOutput MoETransformerLayer::forward_rank(int rank, const Tensor& hidden_sta
           break;
       }
     };
-    P.on_tap = [&](MoETapPoint t) {
+    P.on_tap = [mp, S, B, H, T, E, es](MoETapPoint t) {
+      Impl& m = *mp;
+      MoEPlan& P = m.plan;
+      Record& rec = m.pending.record;
+      double& max_logit = m.max_logit;
+      auto download = [&](const void* ptr, DType type, Shape shape) { return m.download(ptr, type, shape); };
+      // The maps are one byte per element, 0 or 1: BOOL's storage.
+      auto download_bool = [&](const void* ptr, Shape shape) { return m.download(ptr, DType::BOOL, shape); };
       switch (t) {
         case MoETapPoint::SharedFc1:
           rec.add(Role::Tap, "mlp.shared_experts.linear_fc1.0",
@@ -680,47 +808,81 @@ LayerOutput MoETransformerLayer::forward_rank(int rank, const Tensor& hidden_sta
     P.on_tap = nullptr;
   }
 
-  const bool gpu = options_.backend == rt::Backend::Cuda;
-  using Phase = void (*)(MoEPlan&, cudaStream_t);
-  auto phase = [&](Phase sim_fn, Phase cuda_fn, std::optional<rt::Graph>* graph) {
-    Phase fn = gpu ? cuda_fn : sim_fn;
-    if (!graph || !fo.use_graph) return fn(P, st);
-    if (!*graph) {
-      P.capturing = true;
-      m.stream->begin_capture();
-      fn(P, st);
-      graph->emplace(m.stream->end_capture());
-      P.capturing = false;
-    }
-    (*graph)->launch(*m.stream);
-  };
-#if TWIN_HAVE_CUDA
-  phase(sim::moe_router_phase, cuda::moe_router_phase, &m.router_graph);
-#else
-  phase(sim::moe_router_phase, sim::moe_router_phase, &m.router_graph);
-#endif
+  run_graph_phase(m, PhaseKind::Router);
   if (fo.use_graph && P.local_tokens) {  // the expert-bias counter, kept out of the graph
     m.stream->synchronize();
-    const Tensor map = download(P.routing_map, DType::BOOL, {T, E});
+    const Tensor map = m.download(P.routing_map, DType::BOOL, {T, E});
     for (std::int64_t t = 0; t < T; ++t) {
       if (!padding.empty() && padding[std::size_t(t)]) continue;
       for (std::int64_t e = 0; e < E; ++e) m.local_tokens[std::size_t(e)] += map.at_f64(t * E + e);
     }
   }
-#if TWIN_HAVE_CUDA
-  phase(sim::moe_expert_compute, cuda::moe_expert_compute, nullptr);
-  phase(sim::moe_postprocess, cuda::moe_postprocess, &m.postprocess_graph);
-#else
-  phase(sim::moe_expert_compute, sim::moe_expert_compute, nullptr);
-  phase(sim::moe_postprocess, sim::moe_postprocess, &m.postprocess_graph);
-#endif
-  m.stream->synchronize();
-  result.hidden_states = download(p.out, m.dt, {S, B, H});
-  p.on_tap = nullptr;
-  P.on_tap = nullptr;
-  P.recorded_map = nullptr;
+  P.recorded_map = nullptr;  // read by the router phase alone
   P.padding_host = nullptr;
-  return result;
+}
+
+// Runs one phase's kernel sequence on the rank's stream: eager, or (router and postprocess, with
+// use_graph) captured into the phase's graph once and replayed.
+void MoETransformerLayer::run_graph_phase(Impl& m, PhaseKind kind) {
+  using Fn = void (*)(MoEPlan&, cudaStream_t);
+  Fn sim_fn = nullptr, cuda_fn = nullptr;
+  std::optional<rt::Graph>* graph = nullptr;
+  switch (kind) {
+    case PhaseKind::Router:
+      sim_fn = sim::moe_router_phase;
+      graph = &m.router_graph;
+      break;
+    case PhaseKind::ExpertCompute:
+      sim_fn = sim::moe_expert_compute;
+      break;
+    case PhaseKind::Postprocess:
+      sim_fn = sim::moe_postprocess;
+      graph = &m.postprocess_graph;
+      break;
+  }
+#if TWIN_HAVE_CUDA
+  cuda_fn = kind == PhaseKind::Router          ? cuda::moe_router_phase
+            : kind == PhaseKind::ExpertCompute ? cuda::moe_expert_compute
+                                               : cuda::moe_postprocess;
+#else
+  cuda_fn = sim_fn;
+#endif
+  const Fn fn = options_.backend == rt::Backend::Cuda ? cuda_fn : sim_fn;
+  MoEPlan& P = m.plan;
+  const cudaStream_t st = m.stream->handle();
+  if (!graph || !m.fo.use_graph) return fn(P, st);
+  if (!*graph) {
+    P.capturing = true;
+    m.stream->begin_capture();
+    fn(P, st);
+    graph->emplace(m.stream->end_capture());
+    P.capturing = false;
+  }
+  (*graph)->launch(*m.stream);
+}
+
+// The expert-compute phase (_forward_mlp_expert_compute): the tokens per expert to the host, the
+// grouped experts (at ep > 1 between the dispatcher's dispatch and combine); always eager.
+void MoETransformerLayer::expert_compute_rank(int rank) {
+  Impl& m = *ranks_[std::size_t(rank)];
+  run_phase([&] { run_graph_phase(m, PhaseKind::ExpertCompute); }, [&] { m.end_forward(); });
+  m.done = Impl::Phase::ExpertCompute;
+}
+
+// The postprocess phase (_forward_mlp_postprocess): combine, + shared experts, mlp_bda; the
+// output and the record of the whole forward.
+LayerOutput MoETransformerLayer::postprocess_rank(int rank) {
+  Impl& m = *ranks_[std::size_t(rank)];
+  return run_phase(
+      [&] {
+        run_graph_phase(m, PhaseKind::Postprocess);
+        m.stream->synchronize();
+        LayerOutput result = std::move(m.pending);
+        result.hidden_states = m.download(m.plan.attn.out, m.dt, {m.S, m.B, m.h});
+        m.end_forward();
+        return result;
+      },
+      [&] { m.end_forward(); });
 }
 
 }  // namespace twin::opt

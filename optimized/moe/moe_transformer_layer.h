@@ -17,6 +17,7 @@
 // caller reports `unsupported` instead of computing a wrong answer.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -57,7 +58,27 @@ class MoETransformerLayer {
 
   // hidden_states [s, b, h]. With record_taps the record holds the taps (the reference's names),
   // the tap_in.mlp.experts.* inputs, the aux losses (loss / coeff) and the expert-bias counter.
+  // Exactly _forward_mlp_router, _forward_mlp_expert_compute, _forward_mlp_postprocess in turn (at
+  // ep > 1 each rank's thread runs its three phases in turn, started once per forward).
   LayerOutput forward(const Tensor& hidden_states, const MoEForwardInputs& inputs, const ForwardOptions& options = {});
+
+  // The forward as Megatron's MoETransformerLayer splits it for partial CUDA graphs, under its
+  // method names (the reference's too), each phase callable alone (the router and postprocess
+  // phases are the ones captured with use_graph):
+  //   _forward_mlp_router: the attention half (Megatron's _forward_attention, which the twin's router
+  //     graph covers too), pre_mlp_layernorm, the shared experts, the router and its losses, the
+  //     dispatch preprocess (row-id map, permute) [N, h]; starts a new forward, dropping an unfinished one;
+  //   _forward_mlp_expert_compute: the tokens per expert to the host, the grouped experts [N, h];
+  //   _forward_mlp_postprocess: combine (unpermute), + shared experts, mlp_bda: the output [s, b, h]
+  //     and the record of the whole forward.
+  // A phase called before its predecessor throws std::logic_error naming the missing phase, and
+  // leaves the forward in flight as it was. A phase that throws otherwise drops the forward. The
+  // inputs are copied by _forward_mlp_router (they need not outlive it). At ep > 1 each phase
+  // runs every rank (one thread each) and returns when all are done.
+  void _forward_mlp_router(const Tensor& hidden_states, const MoEForwardInputs& inputs,
+                           const ForwardOptions& options = {});
+  void _forward_mlp_expert_compute();
+  LayerOutput _forward_mlp_postprocess();
 
   // Tokens per expert of the last forward (rank 0's tokens, over all E experts).
   const std::vector<std::int64_t>& tokens_per_expert() const;
@@ -66,8 +87,17 @@ class MoETransformerLayer {
   struct Impl;  // one expert-parallel rank
   static void init_rank(Impl& m, const TransformerConfig& config, const std::map<std::string, Tensor>& params,
                         const LayerOptions& options, int rank);
-  LayerOutput forward_rank(int rank, const Tensor& hidden_states, const MoEForwardInputs& inputs,
-                           const ForwardOptions& options);
+  enum class PhaseKind { Router, ExpertCompute, Postprocess };
+  void on_every_rank(const std::function<void(int)>& phase);
+  static ForwardOptions rank_options(const ForwardOptions& options, int rank);
+  void set_gather_expert_taps(const ForwardOptions& options);
+  void router_rank(int rank, const Tensor& hidden_states, const MoEForwardInputs& inputs,
+                   const ForwardOptions& options);
+  void router_rank_body(Impl& m, const Tensor& hidden_states, const MoEForwardInputs& inputs,
+                        const ForwardOptions& options);
+  void expert_compute_rank(int rank);
+  LayerOutput postprocess_rank(int rank);
+  void run_graph_phase(Impl& m, PhaseKind kind);
   TransformerConfig config_;
   LayerOptions options_;
   std::vector<std::unique_ptr<Impl>> ranks_;

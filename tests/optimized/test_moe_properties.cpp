@@ -438,3 +438,154 @@ RC_GTEST_PROP(OptimizedMoEProperty, ExpertParallelGraphReplayIsBitwiseEqualToEag
   RC_ASSERT(bitwise_equal(a.forward(x2, in, graph).hidden_states, b.forward(x2, in, eager).hidden_states));
   RC_ASSERT(a.tokens_per_expert() == b.tokens_per_expert());
 }
+
+namespace {
+
+// Whether two records are bitwise one record: the same entries in the same order, each with the
+// same value bits, rounding count and magnitude, and the same tap call counts.
+void assert_records_equal(const Record& a, const Record& b) {
+  RC_ASSERT(a.entries.size() == b.entries.size());
+  for (std::size_t i = 0; i < a.entries.size(); ++i) {
+    RC_LOG() << a.entries[i].key() << "\n";
+    RC_ASSERT(a.entries[i].key() == b.entries[i].key());
+    RC_ASSERT(bitwise_equal(a.entries[i].value, b.entries[i].value));
+    RC_ASSERT(a.entries[i].rounding == b.entries[i].rounding);
+    RC_ASSERT(a.entries[i].magnitude == b.entries[i].magnitude);
+  }
+  RC_ASSERT(a.calls == b.calls);
+}
+
+// Megatron's partial-CUDA-graph phases called one by one (_forward_mlp_router,
+// _forward_mlp_expert_compute, _forward_mlp_postprocess) are forward(): the output, every record
+// entry (taps, tap_in, aux losses, the expert-bias counter, with their rounding counts), the
+// rounding count after it and the tokens per expert bitwise equal, on a fresh layer and again on a
+// second input, where the state one forward leaves (the global aux loss's steps, the expert-bias
+// counter) must carry the same way. ep: expert_model_parallel_size (the phases then run every rank).
+void check_phases_one_by_one_are_forward(const MoECase& m, int ep) {
+  TransformerConfig c = m.config;
+  c.expert_model_parallel_size = ep;
+  opt::MoEForwardInputs in;
+  in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
+  in.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
+  opt::ForwardOptions fo;
+  fo.training = true;
+  fo.record_taps = true;
+  opt::MoETransformerLayer whole(c, m.params, opt::LayerOptions{}), phased(c, m.params, opt::LayerOptions{});
+  std::vector<double> v = m.hidden_states.to_f64();
+  for (std::size_t i = 0; i < v.size(); i += 3) v[i] = -v[i];  // negation is exact in any dtype
+  const Tensor x2 = Tensor::from_doubles(m.hidden_states.dtype(), m.hidden_states.shape(), v);
+  for (const Tensor* x : {&m.hidden_states, &x2}) {
+    opt::LayerOutput a, b;
+    RoundingCount a_end, b_end;
+    {
+      CountRoundings counting;
+      a = whole.forward(*x, in, fo);
+      a_end = rounding_now();
+    }
+    {
+      CountRoundings counting;
+      phased._forward_mlp_router(*x, in, fo);
+      phased._forward_mlp_expert_compute();
+      b = phased._forward_mlp_postprocess();
+      b_end = rounding_now();
+    }
+    RC_ASSERT(bitwise_equal(a.hidden_states, b.hidden_states));
+    RC_ASSERT(whole.tokens_per_expert() == phased.tokens_per_expert());
+    assert_records_equal(a.record, b.record);
+    RC_ASSERT(a_end == b_end);
+  }
+}
+
+}  // namespace
+
+RC_GTEST_PROP(OptimizedMoEProperty, PhasesOneByOneAreForward, ()) {
+  const MoECase m = make_case(*gen_opt_moe_case());
+  RC_LOG() << describe(m) << "\n";
+  check_phases_one_by_one_are_forward(m, 1);
+}
+
+// The same at expert-parallel size 2 (even E drawn), the drawn dispatcher between the ranks.
+RC_GTEST_PROP(OptimizedMoEProperty, ExpertParallelPhasesOneByOneAreForward, ()) {
+  const MoECase m = make_case(*gen_opt_moe_case(2));
+  RC_LOG() << describe(m) << "\n";
+  check_phases_one_by_one_are_forward(m, 2);
+}
+
+// A phase called before its predecessor throws, naming the phase that must run first, and leaves
+// the forward in flight intact: completing it in order still gives forward()'s output.
+TEST(OptimizedMoEPhases, OutOfOrderCallsNameTheMissingPhase) {
+  OptMoECase o;
+  o.s = 3;
+  o.b = 2;
+  o.E = 4;
+  o.k = 2;
+  o.lb = "aux_loss";
+  o.shared = true;
+  const MoECase m = make_case(o);
+  opt::MoEForwardInputs in;
+  in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
+  in.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
+  opt::ForwardOptions fo;
+  fo.training = true;
+  opt::MoETransformerLayer layer(m.config, m.params, opt::LayerOptions{});
+  auto message = [](const std::function<void()>& call) {
+    try {
+      call();
+    } catch (const std::logic_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no exception)");
+  };
+  auto expert_compute = [&] { layer._forward_mlp_expert_compute(); };
+  auto postprocess = [&] { layer._forward_mlp_postprocess(); };
+  const std::string need_router = "needs _forward_mlp_router";
+  const std::string need_experts = "needs _forward_mlp_expert_compute first";
+  EXPECT_NE(message(expert_compute).find(need_router), std::string::npos) << message(expert_compute);
+  EXPECT_NE(message(postprocess).find("needs _forward_mlp_router and _forward_mlp_expert_compute first"),
+            std::string::npos)
+      << message(postprocess);
+  layer._forward_mlp_router(m.hidden_states, in, fo);
+  EXPECT_NE(message(postprocess).find(need_experts), std::string::npos) << message(postprocess);
+  layer._forward_mlp_expert_compute();
+  // the router's outputs are consumed: a second expert compute needs a new router phase
+  EXPECT_NE(message(expert_compute).find(need_router), std::string::npos) << message(expert_compute);
+  const Tensor phased = layer._forward_mlp_postprocess().hidden_states;
+  EXPECT_NE(message(postprocess).find("needs _forward_mlp_router"), std::string::npos) << message(postprocess);
+  opt::MoETransformerLayer fresh(m.config, m.params, opt::LayerOptions{});
+  EXPECT_TRUE(bitwise_equal(phased, fresh.forward(m.hidden_states, in, fo).hidden_states));
+  // after a completed forward, forward() still runs (the phases are back at the start)
+  EXPECT_TRUE(bitwise_equal(phased, layer.forward(m.hidden_states, in, fo).hidden_states));
+  // a router phase that rejects its input drops the forward in flight before it
+  layer._forward_mlp_router(m.hidden_states, in, fo);
+  const Tensor bad = Tensor::empty(m.hidden_states.dtype(), {m.hidden_states.size(0), m.hidden_states.size(1), 3});
+  EXPECT_THROW(layer._forward_mlp_router(bad, in, fo), ShapeError);
+  EXPECT_NE(message(expert_compute).find(need_router), std::string::npos) << message(expert_compute);
+}
+
+// At ep = 2 an out-of-order call is refused before any rank runs (no rank waits in a collective
+// for another), and the forward in flight completes afterwards.
+TEST(OptimizedMoEPhases, OutOfOrderCallsAtExpertParallelSize2) {
+  OptMoECase o;
+  o.s = 3;
+  o.E = 4;
+  o.k = 2;
+  o.dispatcher = "alltoall";
+  MoECase m = make_case(o);
+  m.config.expert_model_parallel_size = 2;
+  opt::MoETransformerLayer layer(m.config, m.params, opt::LayerOptions{});
+  opt::MoEForwardInputs in;
+  in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
+  in.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
+  EXPECT_THROW(layer._forward_mlp_expert_compute(), std::logic_error);
+  layer._forward_mlp_router(m.hidden_states, in);
+  try {
+    layer._forward_mlp_postprocess();
+    ADD_FAILURE() << "_forward_mlp_postprocess ran before _forward_mlp_expert_compute";
+  } catch (const std::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs _forward_mlp_expert_compute first"), std::string::npos) << e.what();
+  }
+  layer._forward_mlp_expert_compute();
+  const Tensor phased = layer._forward_mlp_postprocess().hidden_states;
+  opt::MoETransformerLayer fresh(m.config, m.params, opt::LayerOptions{});
+  EXPECT_TRUE(bitwise_equal(phased, fresh.forward(m.hidden_states, in).hidden_states));
+}
