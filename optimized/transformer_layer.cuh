@@ -28,9 +28,10 @@ namespace twin::opt::TWIN_BACKEND {
 inline rt::Backend this_backend() { return TWIN_SIM ? rt::Backend::Sim : rt::Backend::Cuda; }
 
 // y[rows, out] = x[rows, in] @ w[out, in]^T (+ bias via the epilogue): torch's Linear on
-// row-major tensors as a column-major cuBLASLt GEMM (see runtime/gemm.h).
-inline void linear_forward(DType dt, const void* x, const void* w, const void* bias, void* y, std::int64_t rows,
-                           std::int64_t in, std::int64_t out, cudaStream_t stream) {
+// row-major tensors as a column-major cuBLASLt GEMM (see runtime/gemm.h), counting nothing (the
+// caller counts).
+inline void linear_uncounted(DType dt, const void* x, const void* w, const void* bias, void* y, std::int64_t rows,
+                             std::int64_t in, std::int64_t out, cudaStream_t stream) {
   rt::GemmArgs g;
   g.transa = rt::Op::T;
   g.transb = rt::Op::N;
@@ -52,6 +53,12 @@ inline void linear_forward(DType dt, const void* x, const void* w, const void* b
     g.bias_dtype = dt;
   }
   rt::gemm(this_backend()).run(g, stream);
+}
+
+// linear_uncounted with its rounding points counted.
+inline void linear_forward(DType dt, const void* x, const void* w, const void* bias, void* y, std::int64_t rows,
+                           std::int64_t in, std::int64_t out, cudaStream_t stream) {
+  linear_uncounted(dt, x, w, bias, y, rows, in, out, stream);
   // counts: Megatron stores the GEMM output and then the biased sum; an epilogue storing once
   // differs from that by at most the one rounding counted for the bias.
   rounding_reduce(in);

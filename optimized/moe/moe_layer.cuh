@@ -27,32 +27,6 @@
 
 namespace twin::opt::TWIN_BACKEND {
 
-// y[rows, out] = x[rows, in] @ w[out, in]^T in dtype dt, counting nothing (the caller counts).
-inline void linear_uncounted(DType dt, const void* x, const void* w, const void* bias, void* y, std::int64_t rows,
-                             std::int64_t in, std::int64_t out, cudaStream_t stream) {
-  rt::GemmArgs g;
-  g.transa = rt::Op::T;
-  g.transb = rt::Op::N;
-  g.m = out;
-  g.n = rows;
-  g.k = in;
-  g.ab_dtype = g.cd_dtype = dt;
-  g.a = w;
-  g.lda = in;
-  g.b = x;
-  g.ldb = in;
-  g.d = y;
-  g.ldd = out;
-  g.c = y;
-  g.ldc = out;
-  if (bias) {
-    g.epilogue = rt::Epilogue::Bias;
-    g.bias = bias;
-    g.bias_dtype = dt;
-  }
-  rt::gemm(this_backend()).run(g, stream);
-}
-
 // out[t, :] = out[t, :] * sigmoid(gate_logits[t]), the sigmoid and the product each stored in T.
 template <class T>
 __global__ void shared_expert_gate_kernel(T* out, const T* gate_logits, std::int64_t n, int h) {
