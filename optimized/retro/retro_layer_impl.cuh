@@ -165,6 +165,26 @@ DTensor view(const DTensor& d, Shape shape) { return DTensor{d.buf, std::move(sh
 // One layer's numbers and weights.
 enum class Cross { None, Decoder, Encoder };
 
+// Cross-attention read in place: queries q [sq, N, q_tok / N] with this rank's heads (D = np_l * hn
+// columns) starting at column 0 of q's pointer, keys and values interleaved per head in the
+// linear_kv output kv [sk, N, np_l * 2hn]. One head per group (no GQA in Retro's cross-attention).
+AttnOperands cross_attention_operands(const void* q, std::int64_t q_tok, const void* kv, std::int64_t N, std::int64_t D,
+                                      int hn, DType dt) {
+  AttnOperands ops;
+  ops.q = q;
+  ops.q_tok = q_tok;
+  ops.q_batch = q_tok / N;
+  ops.q_group = hn;
+  ops.q_head = hn;
+  ops.hpg = 1;
+  ops.k = kv;
+  ops.v = static_cast<const char*>(kv) + std::size_t(hn) * dtype_size(dt);
+  ops.kv_tok = N * 2 * D;
+  ops.kv_batch = 2 * D;
+  ops.kv_group = 2 * hn;
+  return ops;
+}
+
 struct Layer;
 struct Block {
   std::vector<std::unique_ptr<Layer>> layers;
@@ -396,18 +416,7 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   ex.tap(pre + "attn.linear_kv.0", kv);
   const DTensor q = linear(ex, padded, "cross_attention.attn.linear_q", true, D);  // [m, N, np_l * hn]
   ex.tap(pre + "attn.linear_q.0", q);
-  AttnOperands ops;
-  ops.q = q.get();
-  ops.q_tok = N * D;
-  ops.q_batch = D;
-  ops.q_group = hn;
-  ops.q_head = hn;
-  ops.hpg = 1;
-  ops.k = kv.get();
-  ops.v = static_cast<const char*>(kv.get()) + std::size_t(hn) * dtype_size(ex.dt);
-  ops.kv_tok = N * 2 * D;
-  ops.kv_batch = 2 * D;
-  ops.kv_group = 2 * hn;
+  const AttnOperands ops = cross_attention_operands(q.get(), N * D, kv.get(), N, D, int(hn), ex.dt);
   const DTensor core = ex.alloc({m, N, D});
   dot_product_attention_forward(ex.dt, ops, core.get(),
                                 attn_params(ex, int(m), int(r * k), int(N), cross_attention_dropout, attn_offset),
@@ -461,18 +470,9 @@ DTensor Layer::encoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   for (std::int64_t n = 0; n < k; ++n) {
     rounding_set(after_q);
     // Neighbour n's queries are column j*k + n of every retrieved position: read in place.
-    AttnOperands ops;
-    ops.q = static_cast<const char*>(q.get()) + std::size_t(n * D) * dtype_size(ex.dt);
-    ops.q_tok = N * k * D;
-    ops.q_batch = k * D;
-    ops.q_group = hn;
-    ops.q_head = hn;
-    ops.hpg = 1;
-    ops.k = kv.get();
-    ops.v = static_cast<const char*>(kv.get()) + std::size_t(hn) * dtype_size(ex.dt);
-    ops.kv_tok = N * 2 * D;
-    ops.kv_batch = 2 * D;
-    ops.kv_group = 2 * hn;
+    const AttnOperands ops =
+        cross_attention_operands(static_cast<const char*>(q.get()) + std::size_t(n * D) * dtype_size(ex.dt), N * k * D,
+                                 kv.get(), N, D, int(hn), ex.dt);
     const std::uint64_t neighbour_offset = attn_offset + (std::uint64_t(n) + 1) * (std::uint64_t{1} << 32);
     dot_product_attention_forward(
         ex.dt, ops, static_cast<char*>(core.get()) + std::size_t(n * r * N * D) * dtype_size(ex.dt),
@@ -1004,3 +1004,22 @@ inline std::unique_ptr<retro::detail::Runner> make_block_impl(const TransformerC
 }
 
 }  // namespace twin::opt::TWIN_BACKEND::retro_impl
+
+// The backend's entry points (retro_runner.h), defined once here for both compilations.
+namespace twin::opt::TWIN_BACKEND {
+std::unique_ptr<retro::detail::Runner> make_retro_layer(const TransformerConfig& config,
+                                                        const std::map<std::string, Tensor>& params,
+                                                        retro::RetroLayerKind kind, int layer_number) {
+  return retro_impl::make_layer_impl(config, params, kind, layer_number);
+}
+std::unique_ptr<retro::detail::Runner> make_retro_block(const TransformerConfig& config,
+                                                        const std::map<std::string, Tensor>& params,
+                                                        const std::vector<retro::RetroLayerKind>& layout) {
+  return retro_impl::make_block_impl(config, params, layout);
+}
+std::vector<std::pair<std::string, Shape>> retro_param_shapes(const TransformerConfig& config,
+                                                              retro::RetroLayerKind kind) {
+  return retro_impl::param_shapes_of(config, kind);
+}
+std::string retro_unsupported(const TransformerConfig& config) { return retro_impl::unsupported_of(config); }
+}  // namespace twin::opt::TWIN_BACKEND
