@@ -82,6 +82,23 @@ Tensor gather_shards(const std::vector<const Tensor*>& shards, ShardLayout layou
 
 }  // namespace
 
+std::map<std::string, Shape> attention_half_param_shapes(std::int64_t h, std::int64_t np, std::int64_t ng,
+                                                         std::int64_t hn) {
+  const std::int64_t qkv_rows = (np + 2 * ng) * hn;
+  return {{"input_layernorm.weight", {h}},
+          {"input_layernorm.bias", {h}},
+          {"self_attention.linear_qkv.weight", {qkv_rows, h}},
+          {"self_attention.linear_qkv.bias", {qkv_rows}},
+          {"self_attention.q_layernorm.weight", {hn}},
+          {"self_attention.q_layernorm.bias", {hn}},
+          {"self_attention.k_layernorm.weight", {hn}},
+          {"self_attention.k_layernorm.bias", {hn}},
+          {"self_attention.linear_proj.weight", {h, np * hn}},
+          {"self_attention.linear_proj.bias", {h}},
+          {"pre_mlp_layernorm.weight", {h}},
+          {"pre_mlp_layernorm.bias", {h}}};
+}
+
 std::vector<std::string> dense_layer_param_keys(const TransformerConfig& c) {
   const bool ln = c.normalization == "LayerNorm";
   std::vector<std::string> k = {"input_layernorm.weight"};
@@ -180,24 +197,12 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
 
   // ---- params: every key present, right shape and dtype
   const bool ln = c.normalization == "LayerNorm";
-  const std::int64_t qkv_rows = std::int64_t(m.np + 2 * m.ng) * m.hn,
-                     fc1_rows = (c.gated_linear_unit ? 2 : 1) * std::int64_t(m.ffn);
-  std::map<std::string, Shape> shapes = {{"input_layernorm.weight", {m.h}},
-                                         {"input_layernorm.bias", {m.h}},
-                                         {"self_attention.linear_qkv.weight", {qkv_rows, m.h}},
-                                         {"self_attention.linear_qkv.bias", {qkv_rows}},
-                                         {"self_attention.q_layernorm.weight", {m.hn}},
-                                         {"self_attention.q_layernorm.bias", {m.hn}},
-                                         {"self_attention.k_layernorm.weight", {m.hn}},
-                                         {"self_attention.k_layernorm.bias", {m.hn}},
-                                         {"self_attention.linear_proj.weight", {m.h, std::int64_t(m.np) * m.hn}},
-                                         {"self_attention.linear_proj.bias", {m.h}},
-                                         {"pre_mlp_layernorm.weight", {m.h}},
-                                         {"pre_mlp_layernorm.bias", {m.h}},
-                                         {"mlp.linear_fc1.weight", {fc1_rows, m.h}},
-                                         {"mlp.linear_fc1.bias", {fc1_rows}},
-                                         {"mlp.linear_fc2.weight", {m.h, m.ffn}},
-                                         {"mlp.linear_fc2.bias", {m.h}}};
+  const std::int64_t fc1_rows = (c.gated_linear_unit ? 2 : 1) * std::int64_t(m.ffn);
+  std::map<std::string, Shape> shapes = attention_half_param_shapes(m.h, m.np, m.ng, m.hn);
+  shapes.insert({{"mlp.linear_fc1.weight", {fc1_rows, m.h}},
+                 {"mlp.linear_fc1.bias", {fc1_rows}},
+                 {"mlp.linear_fc2.weight", {m.h, m.ffn}},
+                 {"mlp.linear_fc2.bias", {m.h}}});
   for (const auto& key : dense_layer_param_keys(c)) {
     auto it = params.find(key);
     if (it == params.end()) throw ShapeError("optimized dense layer: missing parameter '" + key + "'");

@@ -83,4 +83,10 @@ class DenseTransformerLayer {
 // Megatron's state-dict keys the dense layer needs for `config` (biases and norms included or not).
 std::vector<std::string> dense_layer_param_keys(const TransformerConfig& config);
 
+// The shapes of the attention half's state-dict entries (input_layernorm through
+// pre_mlp_layernorm) of a layer of hidden size h, np heads in ng query groups of head dim hn: the
+// dense and the MoE layer share that half.
+std::map<std::string, Shape> attention_half_param_shapes(std::int64_t h, std::int64_t np, std::int64_t ng,
+                                                         std::int64_t hn);
+
 }  // namespace twin::opt

@@ -27,7 +27,8 @@ Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, 
   return reference_forward(c, in, exact ? reference::ComputeMode::Exact : reference::ComputeMode::FP32, record);
 }
 
-Tensor reference_forward(const DenseCase& c, const DenseInputs& in, reference::ComputeMode mode, Record* record) {
+Tensor reference_forward(const DenseCase& /*c: the inputs carry it*/, const DenseInputs& in,
+                         reference::ComputeMode mode, Record* record) {
   using namespace twin::reference;
   TransformerConfig cfg = in.config;
   cfg.tensor_model_parallel_size = 1;  // the reference is the unsharded layer

@@ -210,25 +210,14 @@ void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const s
   m.stream.emplace(*m.dev);
 
   // ---- params: every key present, right shape and dtype; no other key
-  const std::int64_t qkv_rows = std::int64_t(m.np + 2 * m.ng) * m.hn, w1 = (c.gated_linear_unit ? 2 : 1) * m.ffn,
+  const std::int64_t w1 = (c.gated_linear_unit ? 2 : 1) * m.ffn,
                      sw1 = (c.gated_linear_unit ? 2 : 1) * std::int64_t(m.shared_ffn);
-  std::map<std::string, Shape> shapes = {{"input_layernorm.weight", {m.h}},
-                                         {"input_layernorm.bias", {m.h}},
-                                         {"self_attention.linear_qkv.weight", {qkv_rows, m.h}},
-                                         {"self_attention.linear_qkv.bias", {qkv_rows}},
-                                         {"self_attention.q_layernorm.weight", {m.hn}},
-                                         {"self_attention.q_layernorm.bias", {m.hn}},
-                                         {"self_attention.k_layernorm.weight", {m.hn}},
-                                         {"self_attention.k_layernorm.bias", {m.hn}},
-                                         {"self_attention.linear_proj.weight", {m.h, std::int64_t(m.np) * m.hn}},
-                                         {"self_attention.linear_proj.bias", {m.h}},
-                                         {"pre_mlp_layernorm.weight", {m.h}},
-                                         {"pre_mlp_layernorm.bias", {m.h}},
-                                         {"mlp.router.weight", {m.E, m.h}},
-                                         {"mlp.router.bias", {m.E}},
-                                         {"mlp.shared_experts.linear_fc1.weight", {sw1, m.h}},
-                                         {"mlp.shared_experts.linear_fc2.weight", {m.h, m.shared_ffn}},
-                                         {"mlp.shared_experts.gate_weight", {1, m.h}}};
+  std::map<std::string, Shape> shapes = attention_half_param_shapes(m.h, m.np, m.ng, m.hn);
+  shapes.insert({{"mlp.router.weight", {m.E, m.h}},
+                 {"mlp.router.bias", {m.E}},
+                 {"mlp.shared_experts.linear_fc1.weight", {sw1, m.h}},
+                 {"mlp.shared_experts.linear_fc2.weight", {m.h, m.shared_ffn}},
+                 {"mlp.shared_experts.gate_weight", {1, m.h}}});
   for (int e = 0; e < m.E; ++e) {
     shapes[expert_key(e, "linear_fc1.weight")] = {w1, m.h};
     shapes[expert_key(e, "linear_fc1.bias")] = {w1};

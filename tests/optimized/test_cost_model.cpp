@@ -132,7 +132,7 @@ TEST(CostModel, EveryRetroKernelIsDeclared) {
 // shared experts and gate, both dispatchers) runs every MoE launcher at least once.
 TEST(CostModel, EveryMoEKernelIsDeclared) {
   int goldens = 0;
-  for (const std::string dir : {golden_dir(), golden_dir() + "/random"})
+  for (const std::string& dir : {golden_dir(), golden_dir() + "/random"})
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
       const std::string path = entry.path().string();
       if (entry.path().extension() != ".safetensors") continue;
