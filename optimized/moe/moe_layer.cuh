@@ -96,16 +96,9 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
 
   // ---- router: gating in the router dtype                          // [T, E]
   if (rdt == DType::F64) {
-    const void* xin = p.x_r;
     cast_forward(dt, DType::F64, x, p.x_r, T * h, st);
-    const unsigned threads = elementwise_threads(T * E);
-    // cost: the fp64 input [T, h], weight [E, h] and bias read once, the logits [T, E] written; a
-    // multiply-add per input and weight pair.
-    rt::declare_cost("gating_fp64", 8.0 * (double(T) * h + double(E) * h + E + double(T) * E), 2.0 * T * E * h);
-    if (T > 0)
-      launch_kernel(gating_fp64_kernel, dim3(elementwise_blocks(T * E, threads)), dim3(threads), 0, st,
-                    static_cast<const double*>(xin), static_cast<const double*>(p.router_w),
-                    static_cast<const double*>(p.router_b), static_cast<double*>(p.logits), T, E, int(h));
+    gating_fp64(static_cast<const double*>(p.x_r), static_cast<const double*>(p.router_w),
+                static_cast<const double*>(p.router_b), static_cast<double*>(p.logits), T, E, int(h), st);
   } else {
     if (p.cast_input) cast_forward(dt, rdt, x, p.x_r, T * h, st);
     linear_uncounted(rdt, p.cast_input ? p.x_r : x, p.router_w, p.router_b, p.logits, T, h, E, st);

@@ -463,6 +463,18 @@ static __global__ void gating_fp64_kernel(const double* x, const double* w, cons
   }
 }
 
+// Launcher: fp64 gating of T tokens [T, h] by the router weight [E, h] (+ bias [E]) into logits [T, E].
+inline void gating_fp64(const double* x, const double* w, const double* bias, double* logits, std::int64_t T, int E,
+                        int h, cudaStream_t stream) {
+  // cost: the fp64 input [T, h], weight [E, h] and bias read once, the logits [T, E] written; a
+  // multiply-add per input and weight pair.
+  rt::declare_cost("gating_fp64", 8.0 * (double(T) * h + double(E) * h + E + double(T) * E), 2.0 * T * E * h);
+  if (T == 0) return;
+  const unsigned threads = elementwise_threads(T * E);
+  launch_kernel(gating_fp64_kernel, dim3(elementwise_blocks(T * E, threads)), dim3(threads), 0, stream, x, w, bias,
+                logits, T, E, h);
+}
+
 // A dtype cast of n elements (the gating input into the router dtype).
 template <class A, class B>
 __global__ void cast_kernel(const A* in, B* out, std::int64_t n) {
