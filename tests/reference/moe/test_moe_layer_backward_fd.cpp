@@ -151,10 +151,9 @@ Case make_case(std::uint64_t id) {
   d << "s " << k.s << " b " << k.b << " E " << E << " k " << topk << " " << c.moe_router_score_function
     << (c.moe_router_pre_softmax ? " pre_softmax" : "") << (c.moe_router_enable_expert_bias ? " expert_bias" : "")
     << (c.moe_router_num_groups ? " groups " + std::to_string(*c.moe_router_group_topk) + "/2" : "")
-    << (c.moe_router_topk_scaling_factor ? " scale 1.5" : "") << " router_dtype "
-    << c.moe_router_dtype.value_or("none") << " " << c.moe_token_dispatcher_type << " "
-    << c.moe_router_load_balancing_type << " coeff " << c.moe_aux_loss_coeff
-    << (c.moe_z_loss_coeff ? " z_loss" : "");
+    << (c.moe_router_topk_scaling_factor ? " scale 1.5" : "") << " router_dtype " << c.moe_router_dtype.value_or("none")
+    << " " << c.moe_token_dispatcher_type << " " << c.moe_router_load_balancing_type << " coeff "
+    << c.moe_aux_loss_coeff << (c.moe_z_loss_coeff ? " z_loss" : "");
   if (c.moe_expert_capacity_factor)
     d << " capacity " << *c.moe_expert_capacity_factor << " " << c.moe_token_drop_policy
       << (c.moe_pad_expert_input_to_capacity ? " pad" : "");
@@ -324,4 +323,33 @@ TEST(MoETransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
   }
   std::cout << cases << " cases, " << total.compared << " probes compared, " << total.excluded
             << " excluded where the routing changes within the step\n";
+}
+
+// A config whose backward the reference lacks is named, and forward with `saved` refuses it before
+// computing anything (the fixture handler then reports the gradients as not compared, with it).
+TEST(MoETransformerLayerBackward, UnsupportedConfigsAreNamed) {
+  const Case base = make_case(0);
+  auto why = [&](auto edit) {
+    TransformerConfig c = base.config;
+    edit(c);
+    const ModuleSpec spec = get_gpt_layer_local_moe_spec(*c.num_moe_experts, false, false, c.normalization);
+    MoETransformerLayer layer(c, spec.submodules, 1, std::nullopt, Precision{ComputeMode::Exact, DType::F32});
+    const auto reason = layer.backward_unsupported();
+    TransformerLayerSaved saved;
+    EXPECT_THROW(layer.forward(base.hidden_states, {}, {}, &saved), std::logic_error);
+    return reason.value_or("(supported)");
+  };
+  EXPECT_EQ(why([](TransformerConfig& c) {
+              c.moe_router_load_balancing_type = "sinkhorn";
+              c.moe_aux_loss_coeff = 0.0;
+              c.moe_expert_capacity_factor.reset();  // a capacity needs a loss-based balancing
+              c.moe_pad_expert_input_to_capacity = false;
+            }),
+            "sinkhorn routing");
+  EXPECT_EQ(why([](TransformerConfig& c) { c.moe_input_jitter_eps = 0.01; }),
+            "moe_input_jitter_eps (the jitter's backward)");
+  EXPECT_EQ(why([](TransformerConfig& c) { c.calculate_per_token_loss = true; }),
+            "calculate_per_token_loss (the losses scaled by the token count)");
+  const Harness hx(base);
+  EXPECT_EQ(hx.layer(base.params)->backward_unsupported(), std::nullopt);
 }
