@@ -3,7 +3,8 @@
 // retro_decoder_layer_first / retro_decoder_layer (a Retro decoder layer owning the retriever
 // encoder, or not) and retro_block (a decoder TransformerBlock from get_retro_decoder_block_spec).
 // Each builds the layer from the golden's config and params, runs it on the golden's inputs while
-// counting rounding points, and returns the record; parity/golden.h compares. Isolated
+// counting rounding points, and returns the record; parity/golden.h compares. The dense and MoE
+// layers also run their backward on the golden's grad_in.output (run_layer_with_backward). Isolated
 // (RunMode::isolate), the taps continue from the golden's own tap tensors (golden_substitutes).
 #include <memory>
 #include <string>

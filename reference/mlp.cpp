@@ -176,10 +176,9 @@ MlpGrads MLP::backward(const Mat& doutput, const MlpSaved& saved, const MlpArgs&
     if (static_cast<Eigen::Index>(scale->size()) != dact.rows() || act.rows() != dact.rows() ||
         act.cols() != dact.cols())
       throw ShapeError("MLP backward: per_token_scale has " + std::to_string(scale->size()) +
-                       " entries, the saved "
-                       "activation is [" +
-                       std::to_string(act.rows()) + ", " + std::to_string(act.cols()) + "], the gradient [" +
-                       std::to_string(dact.rows()) + ", " + std::to_string(dact.cols()) + "]");
+                       " entries, the saved activation [" + std::to_string(act.rows()) + ", " +
+                       std::to_string(act.cols()) + "], the gradient [" + std::to_string(dact.rows()) + ", " +
+                       std::to_string(dact.cols()) + "]");
     // (act * scale).to(dtype): the product is in the promoted dtype (fp32 for an fp32 / fp64 scale).
     const bool scale_fp32 = args.per_token_scale_dtype == DType::F32 || args.per_token_scale_dtype == DType::F64;
     auto rnd_scale = [&](double v) {

@@ -59,7 +59,6 @@ MlpGrads SharedExpertMLP::backward(const Mat& doutput, const SharedExpertSaved& 
   const Index n = doutput.rows();
   Mat dmlp(n, doutput.cols());  // [n, h]
   Eigen::VectorXd dlogits(n);   // [n]
-  double gate_weight_magnitude = 0.0;
   for (Index t = 0; t < n; ++t) {
     const double s = saved.gate_score[t];
     double dscore = 0.0;
@@ -70,7 +69,7 @@ MlpGrads SharedExpertMLP::backward(const Mat& doutput, const SharedExpertSaved& 
     dscore = p_.act(dscore);                      // rounds: (grad * output).sum(-1) (the broadcast's reduction)
     dlogits[t] = p_.act(dscore * s * (1.0 - s));  // rounds: sigmoid_backward
   }
-  p_.count_act();
+  p_.count_act();  // grad * gate_score, the MLP's branch
   const RoundingCount mlp_branch_start = rounding_now();
   p_.count_reduce(doutput.cols());
   p_.count_act(2);
@@ -83,7 +82,7 @@ MlpGrads SharedExpertMLP::backward(const Mat& doutput, const SharedExpertSaved& 
   for (Index t = 0; t < n; ++t)
     for (Index j = 0; j < g.hidden_states.cols(); ++j)
       g.hidden_states(t, j) = p_.act(g.hidden_states(t, j) + p_.act(dlogits[t] * gate_weight[j]));  // rounds: d x, sum
-  gate_weight_magnitude = (dlogits.cwiseAbs().transpose() * saved.hidden_states.cwiseAbs()).maxCoeff();
+  const double gate_weight_magnitude = (dlogits.cwiseAbs().transpose() * saved.hidden_states.cwiseAbs()).maxCoeff();
   p_.count_act(2);
   g.params.push_back({"gate_weight", p_.act(dgate), {1, dgate.cols()}, gate_weight_magnitude});  // rounds: wgrad
   p_.count_reduce(n);
