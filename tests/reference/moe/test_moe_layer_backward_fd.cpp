@@ -286,6 +286,15 @@ TEST(MoETransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
     const Harness hx(k);
     const TransformerLayerGrads grads = hx.grads();
     const FwdRun base_run = hx.run(k.params, k.hidden_states);
+    if (k.config.moe_router_topk < *k.config.num_moe_experts) {
+      // The exclusion can see a routing change: the negated router weight chooses other experts.
+      auto negated = k.params;
+      std::vector<double> w = negated.at("mlp.router.weight").to_f64();
+      for (double& x : w) x = -x;
+      negated["mlp.router.weight"] = Tensor::from_doubles(DType::F64, negated.at("mlp.router.weight").shape(), w);
+      EXPECT_FALSE(same_routing(hx.run(negated, k.hidden_states), base_run))
+          << "case " << id << " (" << k.describe << ")";
+    }
     std::mt19937_64 g(id + 11);
     Tally tally;
     // Every parameter has a gradient (the expert bias is a buffer: none), and nothing else does.
