@@ -3,7 +3,8 @@
 // retro_decoder_layer_first / retro_decoder_layer (a Retro decoder layer owning the retriever
 // encoder, or not) and retro_block (a decoder TransformerBlock from get_retro_decoder_block_spec).
 // Each builds the layer from the golden's config and params, runs it on the golden's inputs while
-// counting rounding points, and returns the record; parity/golden.h compares. Isolated
+// counting rounding points, and returns the record; parity/golden.h compares. The dense and MoE
+// layers also run their backward on the golden's grad_in.output (run_layer_with_backward). Isolated
 // (RunMode::isolate), the taps continue from the golden's own tap tensors (golden_substitutes).
 #include <memory>
 #include <string>
@@ -61,19 +62,11 @@ TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode
   return run_layer(layer, f, in, mode);  // strict: every param.* key must be owned by the spec
 }
 
-}  // namespace
-
-// The dense layer runs forward and, when the golden has grad_in.output, backward on it: the
-// gradients follow the forward entries in the record (Role::Grad), the backward's rounding points
-// counted on from the forward's (a gradient depends on every forward activation it reads).
-TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
-  const TransformerConfig& cfg = f.config;
-  validate_transformer_config(cfg);
-  check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb"});
-  const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
-                                                   attn_mask_type_from_name(cfg.attn_mask_type));
-  TransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
-  const LayerInputs in = layer_inputs(f);
+// Runs forward and, when the golden has grad_in.output, backward on it: the gradients follow the
+// forward entries in the record (Role::Grad), the backward's rounding points counted on from the
+// forward's (a gradient depends on every forward activation it reads).
+TwinRun run_layer_with_backward(TransformerLayer& layer, const Fixture& f, const LayerInputs& in, const RunMode& mode) {
+  const TransformerConfig& cfg = layer.config;
   if (!f.has("grad_in.output")) return run_layer(layer, f, in, mode);
   // relu / squared_relu / the GLU clamps have kinks where the gradient jumps; in bf16 / fp16 two
   // correct implementations put a pre-activation on different sides of a kink often enough that a
@@ -121,6 +114,20 @@ TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
   return run;
 }
 
+}  // namespace
+
+// The dense layer: forward and backward (run_layer_with_backward).
+TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
+  const TransformerConfig& cfg = f.config;
+  validate_transformer_config(cfg);
+  check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb"});
+  const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
+                                                   attn_mask_type_from_name(cfg.attn_mask_type));
+  TransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
+  const LayerInputs in = layer_inputs(f);
+  return run_layer_with_backward(layer, f, in, mode);
+}
+
 TwinRun run_reference_moe_layer(const Fixture& f, const RunMode& mode) {
   const TransformerConfig& cfg = f.config;
   if (!cfg.num_moe_experts) throw FixtureError(f.path + ": kind moe_layer but config.num_moe_experts is None");
@@ -137,7 +144,7 @@ TwinRun run_reference_moe_layer(const Fixture& f, const RunMode& mode) {
     throw FixtureError(f.path + ": __metadata__.tie_break_dependent must be \"true\" or \"false\", got \"" + tie +
                        "\"");
   if (tie == "true") in.recorded_routing_map = &f.tensor("tap.mlp.router.1");
-  return run_layer(layer, f, in, mode);
+  return run_layer_with_backward(layer, f, in, mode);
 }
 
 TwinRun run_reference_retro_decoder_layer_first(const Fixture& f, const RunMode& mode) {

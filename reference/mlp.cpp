@@ -123,6 +123,7 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
   else
     intermediate_parallel = apply_activation(activation_func, intermediate_parallel, p_);
   const std::vector<double>* per_token_scale = args.per_token_scale;
+  if (saved && per_token_scale) saved->activation_output = intermediate_parallel;
   if (per_token_scale && !weighted_fused) {
     if (static_cast<Eigen::Index>(per_token_scale->size()) != intermediate_parallel.rows())
       throw ShapeError("MLP: per_token_scale has " + std::to_string(per_token_scale->size()) + " entries for " +
@@ -164,12 +165,42 @@ OutputWithBias MLP::forward(const Mat& hidden_states, const MlpArgs& args, const
 MlpGrads MLP::backward(const Mat& doutput, const MlpSaved& saved, const MlpArgs& args) const {
   if (bias_activation_fusion)
     throw ConfigError("MLP backward: the fused bias-activation's backward is not implemented");
-  if (args.per_token_scale) throw ConfigError("MLP backward: the per_token_scale backward is not implemented");
+  const std::vector<double>* scale = args.per_token_scale;
+  if (scale && linear_fc2.has_bias())
+    throw ConfigError("MLP backward: an fc2 bias with per_token_scale (output += bias * scale) is not implemented");
   MlpGrads g;
   const LinearGrads fc2 = linear_fc2.backward(doutput, saved.linear_fc2);
-  const Mat dact = gated_linear_unit ? glu_backward(activation_func, saved.activation_input, fc2.input,
-                                                    glu_linear_offset, activation_func_clamp_value, p_)
-                                     : activation_backward(activation_func, saved.activation_input, fc2.input, p_);
+  Mat dact = fc2.input;  // [n, ffn]
+  if (scale) {
+    const Mat& act = saved.activation_output;
+    if (static_cast<Eigen::Index>(scale->size()) != dact.rows() || act.rows() != dact.rows() ||
+        act.cols() != dact.cols())
+      throw ShapeError("MLP backward: per_token_scale has " + std::to_string(scale->size()) +
+                       " entries, the saved activation [" + std::to_string(act.rows()) + ", " +
+                       std::to_string(act.cols()) + "], the gradient [" + std::to_string(dact.rows()) + ", " +
+                       std::to_string(dact.cols()) + "]");
+    // (act * scale).to(dtype): the product is in the promoted dtype (fp32 for an fp32 / fp64 scale).
+    const bool scale_fp32 = args.per_token_scale_dtype == DType::F32 || args.per_token_scale_dtype == DType::F64;
+    auto rnd_scale = [&](double v) {
+      if (p_.exact() || args.per_token_scale_dtype == DType::F64) return v;
+      return scale_fp32 ? p_.f32(v) : p_.act(v);
+    };
+    g.per_token_scale.assign(scale->size(), 0.0);
+    for (Eigen::Index t = 0; t < dact.rows(); ++t) {
+      double ds = 0.0;
+      for (Eigen::Index j = 0; j < dact.cols(); ++j) {
+        ds += dact(t, j) * act(t, j);
+        dact(t, j) = p_.act(dact(t, j) * (*scale)[t]);  // rounds: grad * scale, stored in the activation dtype
+      }
+      g.per_token_scale[t] = rnd_scale(ds);  // rounds: (grad * act).sum(-1), stored in the scale's dtype
+    }
+    p_.count_act();
+    p_.count_reduce(dact.cols());
+    p_.count_store(scale_fp32 ? DType::F32 : p_.params_dtype);
+  }
+  dact = gated_linear_unit ? glu_backward(activation_func, saved.activation_input, dact, glu_linear_offset,
+                                          activation_func_clamp_value, p_)
+                           : activation_backward(activation_func, saved.activation_input, dact, p_);
   const LinearGrads fc1 = linear_fc1.backward(dact, saved.linear_fc1);  // its bias: the column sums of dact
   g.hidden_states = fc1.input;
   add_param_grads(g.params, "linear_fc1.", fc1);

@@ -19,10 +19,13 @@
 //
 // MlpModule is the interface of the layer's `mlp` slot: the MoE layer implements it too.
 //
-// MLP's backward (the unfused path, no per_token_scale): linear_fc2's backward, the activation's
-// or GLU's backward on the saved fc1 output (+ bias), linear_fc1's backward; both biases' grads
-// are the column sums of the gradients where they are added. The fused bias-activation and
-// per_token_scale backwards are not implemented (ConfigError).
+// MLP's backward (the unfused path): linear_fc2's backward, the activation's or GLU's backward on
+// the saved fc1 output (+ bias), linear_fc1's backward; both biases' grads are the column sums of
+// the gradients where they are added. With per_token_scale (MoE experts) the product
+// (act * scale).to(dtype) is differentiated first: d act = (d * scale).to(act dtype) and
+// d scale = sum over the row of d * act, in the scale's (promoted) dtype. The fused
+// bias-activation backward, and an fc2 bias together with per_token_scale, are not implemented
+// (ConfigError).
 #pragma once
 
 #include <memory>
@@ -67,13 +70,15 @@ void record_output_with_bias(const Taps& taps, const std::string& prefix, Output
 // What MLP's backward needs from its forward.
 struct MlpSaved {
   LinearSaved linear_fc1;
-  Mat activation_input;  // [n, ffn (x2 GLU)]: fc1's output plus its bias
+  Mat activation_input;   // [n, ffn (x2 GLU)]: fc1's output plus its bias
+  Mat activation_output;  // [n, ffn]: the activation's output before per_token_scale (only with one)
   LinearSaved linear_fc2;
 };
 
 struct MlpGrads {
-  Mat hidden_states;  // [n, input_size]
-  ParamGrads params;  // relative to the module ("linear_fc1.weight", ...)
+  Mat hidden_states;                    // [n, input_size]
+  ParamGrads params;                    // relative to the module ("linear_fc1.weight", ...)
+  std::vector<double> per_token_scale;  // [n] with MlpArgs::per_token_scale: its gradient, in its dtype
 };
 
 class MLP : public MlpModule {

@@ -149,15 +149,30 @@ std::optional<std::string> TransformerLayer::backward_unsupported() const {
     return std::string("self_attention is not a SelfAttention");
   if (pre_cross_attn_layernorm || cross_attention || cross_attn_bda)
     return std::string("the layer has a cross-attention (Retro)");
-  if (mlp && !dynamic_cast<const MLP*>(mlp.get())) return std::string("mlp is not an MLP (MoE)");
+  if (mlp)
+    if (auto why = mlp_backward_unsupported()) return why;
   // Features whose backward is not implemented yet.
   if (self_attention && config.attention_output_gate)
     return std::string("attention_output_gate (the output gate's backward)");
   if (self_attention && config.softmax_type == "learnable")
     return std::string("softmax_type learnable (the softmax offset's gradient)");
-  if (mlp && config.bias_activation_fusion)
-    return std::string("bias_activation_fusion (the fused activation's backward)");
   return std::nullopt;
+}
+
+std::optional<std::string> TransformerLayer::mlp_backward_unsupported() const {
+  if (!dynamic_cast<const MLP*>(mlp.get())) return std::string("mlp is not an MLP");
+  if (config.bias_activation_fusion) return std::string("bias_activation_fusion (the fused activation's backward)");
+  return std::nullopt;
+}
+
+OutputWithBias TransformerLayer::forward_mlp_saving(const Mat& hidden_states, const MlpArgs& args, const Taps& taps,
+                                                    TransformerLayerSaved& saved) {
+  return static_cast<MLP&>(*mlp).forward(hidden_states, args, taps, &saved.mlp);
+}
+
+MlpGrads TransformerLayer::backward_mlp(const Mat& doutput, const TransformerLayerSaved& saved,
+                                        const MlpArgs& args) const {
+  return static_cast<const MLP&>(*mlp).backward(doutput, saved.mlp, args);
 }
 
 std::pair<Tensor, std::optional<Tensor>> TransformerLayer::forward(const Tensor& hidden_states,
@@ -274,8 +289,7 @@ Mat TransformerLayer::_forward_mlp(const Mat& hidden_states, int s, int b, const
     args.recorded_routing_map = inputs.recorded_routing_map;
     args.training = training;
     if (saving_)
-      mlp_output_with_bias =
-          static_cast<MLP&>(*mlp).forward(pre_mlp_layernorm_output, args, taps.child("mlp"), &saving_->mlp);
+      mlp_output_with_bias = forward_mlp_saving(pre_mlp_layernorm_output, args, taps.child("mlp"), *saving_);
     else
       mlp_output_with_bias = mlp->forward(pre_mlp_layernorm_output, args, taps.child("mlp"));
   } else {
@@ -324,7 +338,7 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
     MlpArgs args;
     args.lead = {s, b};
     args.training = training;
-    MlpGrads mg = static_cast<const MLP&>(*mlp).backward(d, saved.mlp, args);
+    MlpGrads mg = backward_mlp(d, saved, args);
     add("mlp.", mg.params);
     d = std::move(mg.hidden_states);
   }

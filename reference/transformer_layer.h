@@ -50,9 +50,12 @@
 //   mlp, pre_mlp_layernorm backward; d hidden = d norm input + d residual (autograd's sum of the
 //     two uses of hidden_states, stored in the activation dtype)
 //   self_attn_bda, self_attention, input_layernorm the same way -> d hidden_states (input).
-// Each parameter's gradient is listed under its state_dict key. A layer with another module in a
-// slot (MoE's MoELayer, Retro's cross-attention) has no backward yet: forward with `saved`
-// throws std::logic_error naming the module, before computing anything.
+// Each parameter's gradient is listed under its state_dict key. The mlp slot's forward-with-saving
+// and backward are virtual (forward_mlp_saving, backward_mlp, mlp_backward_unsupported): a subclass
+// with another module there (MoETransformerLayer's MoELayer) supplies its own and keeps what its
+// backward needs in TransformerLayerSaved::mlp_module. A layer with a module that has no backward
+// (Retro's cross-attention) throws std::logic_error naming it from forward with `saved`, before
+// computing anything.
 #pragma once
 
 #include <functional>
@@ -153,6 +156,11 @@ struct LayerInputs {
   const Tensor* recorded_routing_map = nullptr;
 };
 
+// What another module in the mlp slot keeps for its backward (a subclass's own type).
+struct MlpModuleSaved {
+  virtual ~MlpModuleSaved() = default;
+};
+
 // Every activation TransformerLayer's backward reads, saved by forward(..., &saved).
 struct TransformerLayerSaved {
   int s = 0, b = 0;
@@ -161,6 +169,7 @@ struct TransformerLayerSaved {
   SelfAttentionSaved self_attention;  // linear_qkv / linear_proj inputs, q, k, v, q/k layernorm inputs, RoPE angles
   Mat pre_mlp_layernorm_input;        // [s*b, h] hidden_states after self_attn_bda (the second residual)
   MlpSaved mlp;                       // linear_fc1 / linear_fc2 inputs, the activation's input
+  std::shared_ptr<MlpModuleSaved> mlp_module;  // instead of `mlp` for another module (MoE)
 };
 
 struct TransformerLayerGrads {
@@ -192,6 +201,13 @@ class TransformerLayer : public BaseTransformerLayer {
   TransformerLayerGrads backward(const Tensor& grad_output, const TransformerLayerSaved& saved) const;
   // Whether backward supports this layer's modules (else the reason, e.g. "mlp is not an MLP").
   std::optional<std::string> backward_unsupported() const;
+  // The mlp slot's part of the three above: the module's forward keeping what its backward needs in
+  // `saved`, its backward from the gradient of its output (params relative to "mlp."), and why it
+  // has none. TransformerLayer's: an MLP.
+  virtual OutputWithBias forward_mlp_saving(const Mat& hidden_states, const MlpArgs& args, const Taps& taps,
+                                            TransformerLayerSaved& saved);
+  virtual MlpGrads backward_mlp(const Mat& doutput, const TransformerLayerSaved& saved, const MlpArgs& args) const;
+  virtual std::optional<std::string> mlp_backward_unsupported() const;
 
   // The steps of forward on (s * b) x h matrices.
   std::pair<Mat, std::optional<Tensor>> _forward_attention(const Mat& hidden_states, int s, int b,

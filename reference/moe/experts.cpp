@@ -15,7 +15,8 @@ void SequentialMLP::load_state_dict(const StateDict& sd, const std::string& pref
 }
 
 Mat SequentialMLP::forward(const Mat& permuted_local_hidden_states, const std::vector<Index>& tokens_per_expert,
-                           const std::vector<double>& permuted_probs_in, const Taps& taps) const {
+                           const std::vector<double>& permuted_probs_in, const Taps& taps,
+                           SequentialMLPSaved* saved) const {
   if (tokens_per_expert.size() != local_experts.size())
     throw ShapeError("SequentialMLP: tokens_per_expert has " + std::to_string(tokens_per_expert.size()) +
                      " entries for " + std::to_string(local_experts.size()) + " local experts");
@@ -26,6 +27,14 @@ Mat SequentialMLP::forward(const Mat& permuted_local_hidden_states, const std::v
                      std::to_string(permuted_local_hidden_states.rows()) + " rows, probs " +
                      std::to_string(permuted_probs_in.size()));
 
+  if (saved) {
+    if (config_.moe_apply_probs_on_input)
+      throw MoEError("SequentialMLP: moe_apply_probs_on_input has no backward in the reference");
+    *saved = SequentialMLPSaved{};
+    saved->local_experts.resize(local_experts.size());
+    saved->tokens_per_expert = tokens_per_expert;
+    saved->permuted_probs = permuted_probs_in;
+  }
   Mat hidden = permuted_local_hidden_states;  // [N, h]
   std::vector<double> permuted_probs = permuted_probs_in;
   if (config_.moe_apply_probs_on_input) {
@@ -52,13 +61,53 @@ Mat SequentialMLP::forward(const Mat& permuted_local_hidden_states, const std::v
     args.lead = {n};
     args.per_token_scale = &probs;
     args.per_token_scale_dtype = probs_dtype_;
-    const Mat output = local_experts[i].forward_inner(hidden.middleRows(start, n), args, expert_taps).output;
+    const Mat output =
+        local_experts[i]
+            .forward_inner(hidden.middleRows(start, n), args, expert_taps, saved ? &saved->local_experts[i] : nullptr)
+            .output;
     output_local.middleRows(start, n) = expert_taps.record("0", output, {n, output.cols()}, p_);
     start += n;
     experts_end.join(rounding_now());
   }
   rounding_set(experts_end);
   return taps.record("0", output_local, {output_local.rows(), output_local.cols()}, p_);
+}
+
+SequentialMLPGrads SequentialMLP::backward(const Mat& doutput, const SequentialMLPSaved& saved) const {
+  if (saved.local_experts.size() != local_experts.size())
+    throw std::logic_error("SequentialMLP::backward: `saved` was not filled by forward(..., saved)");
+  const Index N = static_cast<Index>(saved.permuted_probs.size());
+  if (doutput.rows() != N || doutput.cols() != config_.hidden_size)
+    throw ShapeError("SequentialMLP backward: grad_output is [" + std::to_string(doutput.rows()) + ", " +
+                     std::to_string(doutput.cols()) + "], the forward's output [" + std::to_string(N) + ", " +
+                     std::to_string(config_.hidden_size) + "]");
+  SequentialMLPGrads g;
+  g.permuted_local_hidden_states.resize(N, config_.hidden_size);
+  g.permuted_probs.assign(static_cast<std::size_t>(N), 0.0);
+  // torch.cat's backward splits the gradient; each expert's backward is a branch of its own: the
+  // count goes on with the largest.
+  const RoundingCount at_output = rounding_now();
+  RoundingCount experts_end = at_output;
+  Index start = 0;
+  for (std::size_t i = 0; i < local_experts.size(); ++i) {
+    rounding_set(at_output);
+    const Index n = saved.tokens_per_expert[i];
+    const std::vector<double> probs(saved.permuted_probs.begin() + start, saved.permuted_probs.begin() + start + n);
+    MlpArgs args;
+    args.lead = {n};
+    args.per_token_scale = &probs;
+    args.per_token_scale_dtype = probs_dtype_;
+    // An expert without tokens still ran (on [0, h]): its weights' gradients are zeros.
+    const MlpGrads eg = local_experts[i].backward(doutput.middleRows(start, n), saved.local_experts[i], args);
+    g.permuted_local_hidden_states.middleRows(start, n) = eg.hidden_states;
+    for (Index r = 0; r < n; ++r) g.permuted_probs[start + r] = eg.per_token_scale[r];
+    for (const ParamGrad& p : eg.params)
+      g.params.push_back({"local_experts." + std::to_string(i) + "." + p.name, p.value, p.shape, p.magnitude});
+    start += n;
+    experts_end.join(rounding_now());
+  }
+  rounding_set(experts_end);
+  return g;
 }
 
 }  // namespace twin::reference::moe

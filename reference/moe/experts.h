@@ -11,6 +11,10 @@
 // Taps (under "mlp.experts."): local_experts.<i>.linear_fc1.0 / .1, local_experts.<i>.linear_fc2.0,
 // local_experts.<i>.0 (each expert's output, also for an expert without tokens: [0, h]), then
 // "0" (all outputs, concatenated expert-major).
+//
+// Backward: each expert's MLP backward (reference/mlp.h, with per_token_scale) on its slice of
+// the outputs' gradient, giving the gradient of its input rows, of its rows' probabilities and of
+// its parameters. moe_apply_probs_on_input has no backward here (MoEError).
 #pragma once
 
 #include <vector>
@@ -22,6 +26,19 @@
 
 namespace twin::reference::moe {
 
+// What SequentialMLP's backward needs from its forward.
+struct SequentialMLPSaved {
+  std::vector<MlpSaved> local_experts;   // one per local expert
+  std::vector<Index> tokens_per_expert;  // [local E]
+  std::vector<double> permuted_probs;    // [N]
+};
+
+struct SequentialMLPGrads {
+  Mat permuted_local_hidden_states;    // [N, h]
+  std::vector<double> permuted_probs;  // [N], in the probabilities' dtype
+  ParamGrads params;                   // "local_experts.<i>.linear_fc1.weight", ...
+};
+
 class SequentialMLP {
  public:
   // probs_dtype: the dtype of the routing probabilities (the router dtype).
@@ -30,7 +47,9 @@ class SequentialMLP {
   // permuted_local_hidden_states [N, h] expert-major, tokens_per_expert [local E] summing to N,
   // permuted_probs [N]. Returns the outputs [N, h] (the bias is None: added inside).
   Mat forward(const Mat& permuted_local_hidden_states, const std::vector<Index>& tokens_per_expert,
-              const std::vector<double>& permuted_probs, const Taps& taps) const;
+              const std::vector<double>& permuted_probs, const Taps& taps, SequentialMLPSaved* saved = nullptr) const;
+  // doutput [N, h]: the gradient of forward's output.
+  SequentialMLPGrads backward(const Mat& doutput, const SequentialMLPSaved& saved) const;
 
   // local_experts.<i>.linear_fc1.weight ... under `prefix` ("mlp.experts.").
   void load_state_dict(const StateDict& sd, const std::string& prefix);

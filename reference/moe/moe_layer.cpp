@@ -81,7 +81,9 @@ void MoELayer::load_state_dict(const StateDict& sd, const std::string& prefix) {
 std::optional<Mat> MoELayer::shared_experts_compute(const Mat& hidden_states, const Shape& lead,
                                                     const Taps& taps) const {
   if (!shared_experts) return std::nullopt;
-  const Mat shared_expert_output = shared_experts->forward(hidden_states, lead, taps.child("shared_experts"));
+  SharedExpertSaved* saved = nullptr;
+  if (saving_) saved = &saving_->shared_experts.emplace();
+  const Mat shared_expert_output = shared_experts->forward(hidden_states, lead, taps.child("shared_experts"), saved);
   Shape shape = lead;
   shape.push_back(shared_expert_output.cols());
   return taps.record("shared_experts", shared_expert_output, shape, p_);
@@ -91,7 +93,7 @@ RouterOutput MoELayer::route(const Mat& hidden_states, Index seq_length, Index b
                              const std::vector<bool>* padding_mask, const Taps& taps,
                              const BoolMat* recorded_routing_map) {
   return router.forward(hidden_states, seq_length, bsz, padding_mask, taps.child("router"), &aux_losses,
-                        recorded_routing_map);
+                        recorded_routing_map, saving_ ? &saving_->router : nullptr);
 }
 
 DispatchTensors MoELayer::preprocess(const Mat& hidden_states, Index seq_length, Index bsz, const Mat& probs,
@@ -127,7 +129,19 @@ OutputWithBias MoELayer::routed_experts_compute(DispatchTensors x, const Taps& t
     experts_taps.set_magnitude(probs_magnitude);
     rounding_join(dispatched_input_rounding);
   }
-  const Mat expert_output = experts.forward(in.dispatched_input, in.tokens_per_expert, in.permuted_probs, experts_taps);
+  if (saving_) {
+    const std::vector<Index>& rows = token_dispatcher->state.reversed_local_input_permutation_mapping;
+    if (static_cast<Index>(rows.size()) != in.dispatched_input.rows())
+      throw std::logic_error("MoELayer: the dispatcher's permutation maps " + std::to_string(rows.size()) +
+                             " rows, the experts get " + std::to_string(in.dispatched_input.rows()));
+    saving_->row_tokens = rows;
+    saving_->row_experts.clear();
+    for (std::size_t e = 0; e < in.tokens_per_expert.size(); ++e)
+      saving_->row_experts.insert(saving_->row_experts.end(), static_cast<std::size_t>(in.tokens_per_expert[e]),
+                                  static_cast<Index>(e));
+  }
+  const Mat expert_output = experts.forward(in.dispatched_input, in.tokens_per_expert, in.permuted_probs, experts_taps,
+                                            saving_ ? &saving_->experts : nullptr);
   OutputWithBias out;  // mlp_bias is None: expert biases are added inside the experts
   out.output = token_dispatcher->combine_preprocess(expert_output);
   return out;
@@ -203,6 +217,21 @@ Mat MoELayer::forward_postprocess(const Mat& output, const std::optional<Mat>& s
   return taps.record("0", result, {st.seq_length, st.bsz, result.cols()}, p_);
 }
 
+OutputWithBias MoELayer::forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps,
+                                 MoELayerSaved* saved) {
+  if (saved) {
+    if (const auto why = backward_unsupported()) throw MoEError("MoELayer has no backward: " + *why);
+    *saved = MoELayerSaved{};
+    saved->tokens = hidden_states.rows();
+  }
+  struct Reset {
+    MoELayerSaved*& p;
+    ~Reset() { p = nullptr; }
+  } reset{saving_};
+  saving_ = saved;
+  return forward(hidden_states, args, taps);
+}
+
 OutputWithBias MoELayer::forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) {
   const MoERouteOutput r = forward_route(hidden_states, args, taps);
   const OutputWithBias expert = forward_expert_compute(r.hidden_states_and_probs, r.token_dispatcher_attrs, taps);
@@ -210,6 +239,70 @@ OutputWithBias MoELayer::forward(const Mat& hidden_states, const MlpArgs& args, 
   out.output = forward_postprocess(expert.output, r.shared_expert_output, taps);
   out.bias = expert.bias;
   return out;
+}
+
+std::optional<std::string> MoELayer::backward_unsupported() const {
+  if (auto why = router.backward_unsupported()) return why;
+  if (config_.moe_apply_probs_on_input) return std::string("moe_apply_probs_on_input");
+  if (config_.add_bias_linear) return std::string("expert biases (add_bias_linear)");
+  if (config_.bias_activation_fusion) return std::string("bias_activation_fusion (the fused activation's backward)");
+  return std::nullopt;
+}
+
+MlpGrads MoELayer::backward(const Mat& doutput, const MoELayerSaved& saved) const {
+  if (const auto why = backward_unsupported()) throw MoEError("MoELayer has no backward: " + *why);
+  const Index T = saved.tokens, h = config_.hidden_size, E = *config_.num_moe_experts;
+  if (T <= 0 || saved.router.logits.rows() != T)
+    throw std::logic_error("MoELayer::backward: `saved` was not filled by forward(..., saved)");
+  if (doutput.rows() != T || doutput.cols() != h)
+    throw ShapeError("MoELayer backward: grad_output is [" + std::to_string(doutput.rows()) + ", " +
+                     std::to_string(doutput.cols()) + "], the output [" + std::to_string(T) + ", " + std::to_string(h) +
+                     "]");
+  const Index N = static_cast<Index>(saved.row_tokens.size());
+  MlpGrads g;
+  auto add = [&g](const std::string& prefix, const ParamGrads& params) {
+    for (const ParamGrad& p : params) g.params.push_back({prefix + p.name, p.value, p.shape, p.magnitude});
+  };
+  const RoundingCount at_output = rounding_now();
+
+  // combine's backward: each dispatched row takes its token's gradient.
+  Mat drows(N, h);  // [N, h]
+  for (Index i = 0; i < N; ++i) drows.row(i) = doutput.row(saved.row_tokens[i]);
+  const SequentialMLPGrads eg = experts.backward(drows, saved.experts);
+  add("experts.", eg.params);
+
+  // dispatch's backward: scatter-add the rows' gradients to their tokens; probabilities to their entries.
+  Mat dhidden = Mat::Zero(T, h);  // [T, h]
+  Mat dprobs = Mat::Zero(T, E);   // [T, E]
+  std::vector<int> rows_of_token(static_cast<std::size_t>(T), 0);
+  for (Index i = 0; i < N; ++i) {
+    const Index t = saved.row_tokens[i];
+    for (Index j = 0; j < h; ++j)
+      dhidden(t, j) =
+          p_.act(dhidden(t, j) + eg.permuted_local_hidden_states(i, j));  // rounds: index_add, one row at a time
+    dprobs(t, saved.row_experts[i]) = eg.permuted_probs[i];
+    ++rows_of_token[t];
+  }
+  int most_rows = 0;
+  for (int c : rows_of_token) most_rows = std::max(most_rows, c);
+  p_.count_act(most_rows);
+
+  const RouterGrads rg = router.backward(dprobs, saved.router);
+  add("router.", rg.params);
+  Mat dinput = p_.act(Mat(dhidden + rg.input));  // rounds: autograd's sum of the two uses
+  p_.count_act();
+
+  if (shared_experts) {
+    const RoundingCount routed_end = rounding_now();
+    rounding_set(at_output);  // the shared experts' backward starts from the output's gradient
+    const MlpGrads sg = shared_experts->backward(doutput, *saved.shared_experts);
+    add("shared_experts.", sg.params);
+    rounding_join(routed_end);
+    dinput = p_.act(Mat(dinput + sg.hidden_states));  // rounds: + the shared experts' input gradient
+    p_.count_act();
+  }
+  g.hidden_states = std::move(dinput);
+  return g;
 }
 
 }  // namespace twin::reference::moe

@@ -18,6 +18,20 @@
 // experts.input.dispatched_input / experts.input.tokens_per_expert / experts.input.permuted_probs
 // (the fixtures' tap_in.mlp.experts.*), experts.local_experts.<i>.*, experts.0, and "0".
 // The losses of the last forward are in aux_losses (name -> loss / coeff, as Megatron logs them).
+//
+// Backward, from the gradient of the output [s * b, h] (MoELayerSaved from forward(..., &saved)):
+//   postprocess:  the gradient reaches the combined experts' output and the shared experts' output
+//   combine:      the unpermute's scatter-add (rows -> tokens) has a gather as its backward: each
+//                 dispatched row gets its token's gradient
+//   experts:      SequentialMLP's backward -> the rows' gradients and their probabilities'
+//   dispatch:     the permute's gather (tokens -> rows) has a scatter-add as its backward: each
+//                 token sums its rows' gradients (stored in the activation dtype after each add);
+//                 each row's probability gradient goes back to its (token, expert) entry of probs
+//   router:       TopKRouter's backward (score function, losses, gating GEMM) -> its input's gradient
+//   shared experts' backward; the input's gradient is autograd's sum of the three uses.
+// At one expert-parallel rank both dispatchers' permutation 2 (the chunk sort by local expert) is
+// the identity, so a dispatched row is its permutation-1 row: token and expert follow from the
+// dispatcher's reversed_local_input_permutation_mapping and the tokens per expert.
 #pragma once
 
 #include <memory>
@@ -48,6 +62,15 @@ struct MoERouteOutput {
   DispatcherState token_dispatcher_attrs;   // the dispatcher's attributes between the phases
 };
 
+// What MoELayer's backward needs from its forward.
+struct MoELayerSaved {
+  Index tokens = 0;  // T = s * b
+  RouterSaved router;
+  SequentialMLPSaved experts;
+  std::optional<SharedExpertSaved> shared_experts;
+  std::vector<Index> row_tokens, row_experts;  // [N] each dispatched row's token and expert
+};
+
 class MoELayer : public MlpModule {
  public:
   MoELayer(const TransformerConfig& config, Precision p, int layer_number = 1);
@@ -55,6 +78,13 @@ class MoELayer : public MlpModule {
   // hidden_states [s * b, h] with args.lead = {s, b} ({n} means s = n, b = 1),
   // args.padding_mask [b, s] or null, args.training. Returns (output [s * b, h], no bias).
   OutputWithBias forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps) override;
+  // The same, keeping what backward needs in `saved` (MoEError when backward_unsupported()).
+  OutputWithBias forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps, MoELayerSaved* saved);
+  // doutput [s * b, h]: the gradient of forward's output. Gradients of the input and of every
+  // parameter ("router.weight", "experts.local_experts.<i>.linear_fc1.weight", "shared_experts.*").
+  MlpGrads backward(const Mat& doutput, const MoELayerSaved& saved) const;
+  // Why backward cannot run for this config (nullopt: it can).
+  std::optional<std::string> backward_unsupported() const;
   // router.*, experts.local_experts.<i>.*, shared_experts.* under `prefix` ("mlp.").
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;
 
@@ -86,6 +116,7 @@ class MoELayer : public MlpModule {
   TransformerConfig config_;
   Precision p_;
   int layer_number_;
+  MoELayerSaved* saving_ = nullptr;  // set while forward(..., saved) runs
 };
 
 }  // namespace twin::reference::moe

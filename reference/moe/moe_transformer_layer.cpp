@@ -68,4 +68,22 @@ Mat MoETransformerLayer::_forward_mlp_postprocess(const Mat& residual, const Mat
   return _forward_post_mlp(mlp_output_with_bias, residual);
 }
 
+OutputWithBias MoETransformerLayer::forward_mlp_saving(const Mat& hidden_states, const MlpArgs& args, const Taps& taps,
+                                                       TransformerLayerSaved& saved) {
+  auto kept = std::make_shared<MoETransformerLayerSaved>();
+  saved.mlp_module = kept;
+  return moe_->forward(hidden_states, args, taps, &kept->moe);
+}
+
+MlpGrads MoETransformerLayer::backward_mlp(const Mat& doutput, const TransformerLayerSaved& saved,
+                                           const MlpArgs&) const {
+  const auto* kept = dynamic_cast<const MoETransformerLayerSaved*>(saved.mlp_module.get());
+  if (!kept) throw std::logic_error("MoETransformerLayer::backward: `saved` holds no MoELayer forward");
+  return moe_->backward(doutput, kept->moe);
+}
+
+std::optional<std::string> MoETransformerLayer::mlp_backward_unsupported() const {
+  return moe_->backward_unsupported();
+}
+
 }  // namespace twin::reference::moe

@@ -10,6 +10,9 @@
 //   _forward_mlp_postprocess(residual, output, shared_expert_output, mlp_bias)
 //       MoELayer "postprocess" group (unpermute, + shared experts) -> _forward_post_mlp (bda)
 //
+// Backward: TransformerLayer's (forward(..., &saved), backward), whose mlp slot runs MoELayer's
+// forward with saving and MoELayer::backward.
+//
 // Their composition is bitwise the layer's whole _forward_mlp (TransformerLayer::_forward_mlp with
 // MoELayer::forward). The data between the phases is the plain structs below; the dispatcher's
 // attributes travel in them (Megatron copies them through token_dispatcher_attrs).
@@ -50,6 +53,11 @@ struct MoEExpertComputeOutput {
   std::optional<RowVec> mlp_bias;  // None: the experts add their biases themselves
 };
 
+// What the mlp slot keeps for backward (TransformerLayerSaved::mlp_module).
+struct MoETransformerLayerSaved : MlpModuleSaved {
+  MoELayerSaved moe;
+};
+
 class MoETransformerLayer : public TransformerLayer {
  public:
   // submodules.mlp must build an MoELayer (std::invalid_argument otherwise).
@@ -64,6 +72,12 @@ class MoETransformerLayer : public TransformerLayer {
                                const std::optional<RowVec>& mlp_bias, const Taps& taps);
 
   MoELayer& moe_layer() { return *moe_; }
+
+  // The MoELayer in the mlp slot: forward keeping MoELayerSaved, backward (reference/moe/moe_layer.h).
+  OutputWithBias forward_mlp_saving(const Mat& hidden_states, const MlpArgs& args, const Taps& taps,
+                                    TransformerLayerSaved& saved) override;
+  MlpGrads backward_mlp(const Mat& doutput, const TransformerLayerSaved& saved, const MlpArgs& args) const override;
+  std::optional<std::string> mlp_backward_unsupported() const override;
 
  private:
   MoELayer* moe_;  // the mlp slot

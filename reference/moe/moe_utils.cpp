@@ -243,6 +243,123 @@ AuxScores compute_routing_scores_for_aux_loss(const Mat& logits, int topk, const
   return a;
 }
 
+// softmax's backward from its output y (fp32): dx = y (dy - sum(dy y)), stored in fp32.
+static Eigen::RowVectorXd softmax_backward_row(const Eigen::RowVectorXd& y, const Eigen::RowVectorXd& dy,
+                                               const Rounding& rnd) {
+  const double dot = (y.array() * dy.array()).sum();
+  Eigen::RowVectorXd dx(y.size());
+  for (Index i = 0; i < y.size(); ++i) dx[i] = rnd(DType::F32, y[i] * (dy[i] - dot));
+  return dx;
+}
+
+Mat topk_routing_backward(const Mat& logits, const Mat& dprobs_in, const BoolMat& selected, const RoutingOptions& opt,
+                          DType rdt, const Rounding& rnd) {
+  const Index T = logits.rows(), E = logits.cols();
+  if (dprobs_in.rows() != T || dprobs_in.cols() != E || selected.rows() != T || selected.cols() != E)
+    throw ShapeError("topk_routing_backward: logits [" + std::to_string(T) + ", " + std::to_string(E) + "], dprobs [" +
+                     std::to_string(dprobs_in.rows()) + ", " + std::to_string(dprobs_in.cols()) + "], routing_map [" +
+                     std::to_string(selected.rows()) + ", " + std::to_string(selected.cols()) + "]");
+  // The scatter's backward: only the chosen entries carry a gradient.
+  Mat dprobs = dprobs_in.array() * selected.cast<double>().array();
+  if (opt.scaling_factor && *opt.scaling_factor != 0.0)
+    dprobs = rnd(rdt, Mat(dprobs * *opt.scaling_factor));  // rounds: probs * scaling_factor's backward
+  Mat dlogits = Mat::Zero(T, E);
+  if (opt.score_function == "softmax") {
+    for (Index t = 0; t < T; ++t) {
+      // The softmax's input: the whole row (pre-softmax) or the k chosen logits.
+      std::vector<Index> cols;
+      for (Index e = 0; e < E; ++e)
+        if (opt.use_pre_softmax || selected(t, e)) cols.push_back(e);
+      const Index n = static_cast<Index>(cols.size());
+      Eigen::RowVectorXd x(n), dy(n);
+      for (Index i = 0; i < n; ++i) {
+        x[i] = rnd(DType::F32, logits(t, cols[i]));
+        dy[i] = dprobs(t, cols[i]);  // .type_as's backward: to fp32, exact
+      }
+      const Eigen::RowVectorXd y = rnd(DType::F32, softmax_rows(Mat(x))).row(0);  // the fp32 softmax output
+      const Eigen::RowVectorXd dx = softmax_backward_row(y, dy, rnd);
+      for (Index i = 0; i < n; ++i) dlogits(t, cols[i]) = rnd(rdt, dx[i]);  // rounds: .float()'s backward, to rdt
+    }
+  } else if (opt.score_function == "sigmoid") {
+    const Mat sig32 = rnd(DType::F32, sigmoid(rnd(DType::F32, logits)));  // the fp32 sigmoid output
+    const Mat scores = rnd(rdt, sig32);                                   // .type_as(logits)
+    Mat dscores = dprobs;
+    if (opt.topk > 1) {  // probs = scores / (scores.sum(-1) + 1e-20) over the k chosen
+      for (Index t = 0; t < T; ++t) {
+        double sum = 0.0, dot = 0.0;
+        for (Index e = 0; e < E; ++e)
+          if (selected(t, e)) sum += scores(t, e);
+        const double denom = rnd(rdt, rnd(rdt, sum) + 1e-20);
+        for (Index e = 0; e < E; ++e)
+          if (selected(t, e)) dot += dprobs(t, e) * scores(t, e);
+        const double ddenom = rnd(rdt, -dot / (denom * denom));  // rounds: the division's backward for the denominator
+        for (Index e = 0; e < E; ++e)
+          dscores(t, e) =
+              selected(t, e) ? rnd(rdt, rnd(rdt, dprobs(t, e) / denom) + ddenom) : 0.0;  // rounds: / denom, + d denom
+      }
+    }
+    for (Index t = 0; t < T; ++t)
+      for (Index e = 0; e < E; ++e) {
+        const double y = sig32(t, e);
+        dlogits(t, e) =
+            rnd(rdt, rnd(DType::F32, dscores(t, e) * y * (1.0 - y)));  // rounds: sigmoid_backward (fp32), to rdt
+      }
+  } else {
+    throw MoEError("Invalid score_function: " + opt.score_function + " (softmax | sigmoid)");
+  }
+  return dlogits;
+}
+
+Mat aux_scores_backward(const Mat& logits, const Mat& dscores, const std::string& score_function, DType rdt,
+                        const Rounding& rnd) {
+  const Index T = logits.rows(), E = logits.cols();
+  Mat dlogits(T, E);
+  if (score_function == "softmax") {  // torch.softmax(logits, dtype=float32): fp32 output, no type_as
+    const Mat y = rnd(DType::F32, softmax_rows(rnd(DType::F32, logits)));
+    for (Index t = 0; t < T; ++t) {
+      const Eigen::RowVectorXd dx = softmax_backward_row(y.row(t), dscores.row(t), rnd);
+      for (Index e = 0; e < E; ++e) dlogits(t, e) = rnd(rdt, dx[e]);  // rounds: to the logits' dtype
+    }
+  } else if (score_function == "sigmoid") {  // sigmoid in rdt, / (sum + 1e-20) in rdt
+    const Mat s = rnd(rdt, sigmoid(logits));
+    for (Index t = 0; t < T; ++t) {
+      const double denom = rnd(rdt, rnd(rdt, s.row(t).sum()) + 1e-20);
+      double dot = 0.0;
+      for (Index e = 0; e < E; ++e) dot += dscores(t, e) * s(t, e);
+      const double ddenom = rnd(rdt, -dot / (denom * denom));
+      for (Index e = 0; e < E; ++e) {
+        const double ds = rnd(rdt, rnd(rdt, dscores(t, e) / denom) + ddenom);
+        dlogits(t, e) = rnd(rdt, ds * s(t, e) * (1.0 - s(t, e)));  // rounds: sigmoid_backward
+      }
+    }
+  } else {
+    throw MoEError("Invalid score_function: " + score_function + " (softmax | sigmoid)");
+  }
+  return dlogits;
+}
+
+Mat z_loss_backward(const Mat& logits, double z_loss_coeff, const std::vector<bool>* padding_mask, DType rdt,
+                    const Rounding& rnd) {
+  const Index T = logits.rows(), E = logits.cols();
+  double count = static_cast<double>(T);
+  if (padding_mask) {
+    count = 0;
+    for (Index t = 0; t < T; ++t) count += (*padding_mask)[t] ? 0.0 : 1.0;
+    count = std::max(count, 1.0);
+  }
+  const double dvalue = rnd(rdt, rnd(rdt, z_loss_coeff) / count);  // rounds: mean's (sum / count's) backward
+  Mat dlogits = Mat::Zero(T, E);
+  for (Index t = 0; t < T; ++t) {
+    if (padding_mask && (*padding_mask)[t]) continue;
+    const double m = logits.row(t).maxCoeff();
+    const double lse = rnd(rdt, m + std::log((logits.row(t).array() - m).exp().sum()));  // the forward's logsumexp
+    const double dlse = rnd(rdt, 2.0 * lse * dvalue);                                    // rounds: square's backward
+    for (Index e = 0; e < E; ++e)
+      dlogits(t, e) = rnd(rdt, dlse * std::exp(logits(t, e) - lse));  // rounds: logsumexp's backward
+  }
+  return dlogits;
+}
+
 Routing apply_router_token_dropping(const Routing& routing, int router_topk, double capacity_factor,
                                     const std::string& drop_policy, bool pad_to_capacity) {
   const Index T = routing.probs.rows(), E = routing.probs.cols();

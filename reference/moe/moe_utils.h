@@ -111,6 +111,14 @@ struct Routing {
 Routing topk_routing_with_score_function(const Mat& logits, const RoutingOptions& opt,
                                          const std::vector<double>* expert_bias, DType rdt, const Rounding& rnd);
 
+// Backward of topk_routing_with_score_function: dprobs [T, E] is the gradient of its probs (only
+// the entries the top-k chose carry one: the scatter's backward gathers them), `selected` [T, E]
+// its routing_map; recomputes the forward's scores from logits and returns d logits [T, E] in the
+// router dtype. Each rounding point is the dtype torch stores that gradient in (the score function
+// in fp32, cast back to rdt by the .float()'s backward).
+Mat topk_routing_backward(const Mat& logits, const Mat& dprobs, const BoolMat& selected, const RoutingOptions& opt,
+                          DType rdt, const Rounding& rnd);
+
 struct AuxScores {
   BoolMat routing_map;  // [T, E] top-k of the scores, padding rows cleared
   Mat scores;           // [T, E] full softmax (fp32) or normalised sigmoid, padding rows zero
@@ -118,6 +126,16 @@ struct AuxScores {
 // compute_routing_scores_for_aux_loss: the separate full-score computation the losses use.
 AuxScores compute_routing_scores_for_aux_loss(const Mat& logits, int topk, const std::string& score_function,
                                               const std::vector<bool>* padding_mask, DType rdt, const Rounding& rnd);
+
+// Backward of compute_routing_scores_for_aux_loss's scores: dscores [T, E] (zero on padding rows,
+// whose scores the valid mask zeroed) -> d logits [T, E] in the router dtype.
+Mat aux_scores_backward(const Mat& logits, const Mat& dscores, const std::string& score_function, DType rdt,
+                        const Rounding& rnd);
+
+// Backward of z_loss_func with the autoscaler's gradient 1.0: d logits [T, E] =
+// coeff 2 logsumexp(l_t) softmax(l_t) / (valid tokens), padding rows zero; router dtype.
+Mat z_loss_backward(const Mat& logits, double z_loss_coeff, const std::vector<bool>* padding_mask, DType rdt,
+                    const Rounding& rnd);
 
 // apply_router_token_dropping: each expert keeps at most capacity = ceil(T * k / E * factor)
 // tokens, chosen by the highest probability ("probs") or by the routing map, earliest token first

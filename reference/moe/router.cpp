@@ -159,6 +159,23 @@ Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length,
   auto log = [&](const std::string& name, double loss, double coeff) {
     if (aux_losses) (*aux_losses)[name] += rnd(loss_dt, rnd(loss_dt, loss) / coeff);  // loss / coeff
   };
+  // The backward's gradient of a loss sum_e (sum_t scores[t, e]) tokens[e] scale, for the
+  // autoscaler's gradient 1.0: tokens[e] scale on every non-padding row (padding rows' scores were
+  // zeroed by the valid mask). The loss is in the scores' dtype: fp32 for softmax (dtype=float32),
+  // the router dtype for sigmoid.
+  const DType aux_dt = config_.moe_router_score_function == "softmax" ? DType::F32 : router_dtype_;
+  auto add_grad = [&](const std::vector<double>& tokens, double scale, Index cols_per_row_block) {
+    if (!saving_) return;
+    Mat& g = saving_->aux_scores_grad ? *saving_->aux_scores_grad
+                                      : saving_->aux_scores_grad.emplace(Mat::Zero(logits.rows(), num_experts_));
+    const double sc = rnd(aux_dt, scale);
+    for (Index t = 0; t < logits.rows(); ++t) {
+      if (padding_mask && (*padding_mask)[t]) continue;
+      // seq_aux_loss views [T, E] as [s, b * E]: token t = s_idx * b + b_idx uses column b_idx * E + e.
+      const Index block = cols_per_row_block ? (t % cols_per_row_block) * num_experts_ : 0;
+      for (int e = 0; e < num_experts_; ++e) g(t, e) = rnd(aux_dt, g(t, e) + rnd(aux_dt, sc * tokens[block + e]));
+    }
+  };
 
   // _apply_aux_loss
   if (const double coeff = get_aux_loss_coeff("aux_loss"); coeff != 0) {
@@ -167,6 +184,7 @@ Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length,
         switch_load_balancing_loss_func(scores_for_aux_loss, c.global_tokens_per_expert, c.total_num_tokens, topk_,
                                         num_experts_, coeff),
         coeff);
+    add_grad(c.global_tokens_per_expert, num_experts_ * coeff / (topk_ * c.total_num_tokens * c.total_num_tokens), 0);
   }
   // _apply_seq_aux_loss: [T, E] viewed as [s, b * E], so every sequence counts on its own.
   if (const double coeff = get_aux_loss_coeff("seq_aux_loss"); coeff != 0) {
@@ -181,6 +199,8 @@ Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length,
                                         coeff) /
             static_cast<double>(bsz),
         coeff);
+    add_grad(c.global_tokens_per_expert,
+             num_experts_ * coeff / (topk_ * c.total_num_tokens * c.total_num_tokens) / static_cast<double>(bsz), bsz);
   }
   // _apply_global_aux_loss: tokens per expert averaged over the forwards since the last reset.
   if (const double coeff = get_aux_loss_coeff("global_aux_loss"); coeff != 0) {
@@ -195,6 +215,7 @@ Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length,
         switch_load_balancing_loss_func(scores_for_aux_loss, averaged_tokens_per_expert, c.total_num_tokens, topk_,
                                         num_experts_, coeff),
         coeff);
+    add_grad(averaged_tokens_per_expert, num_experts_ * coeff / (topk_ * c.total_num_tokens * c.total_num_tokens), 0);
   }
   return scores_for_aux_loss;
 }
@@ -212,6 +233,7 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
 
   // apply_z_loss (logged as z_loss / coeff)
   if (config_.moe_z_loss_coeff && training) {
+    if (saving_) saving_->z_loss = true;
     const double moe_z_loss_coeff = *config_.moe_z_loss_coeff;  // / tp_cp size (1)
     const DType loss_dt = router_dtype_;
     const double z_loss = rnd(loss_dt, z_loss_func(logits, moe_z_loss_coeff, padding_mask));
@@ -237,6 +259,7 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
     r.probs = routed.probs;
     r.routing_map = routed.routing_map;
   }
+  if (saving_) saving_->selected = r.routing_map;
 
   // Token dropping under the expert capacity.
   if (config_.moe_expert_capacity_factor) {
@@ -252,6 +275,7 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
   // Load-balancing losses (they leave probs unchanged in the forward).
   if (training && is_aux_loss_enabled()) apply_load_balancing_losses(logits, seq_length, bsz, padding_mask, aux_losses);
 
+  if (saving_) saving_->routing_map = r.routing_map;
   // _apply_expert_bias: count the routed non-padding tokens per expert.
   if (expert_bias) {
     for (Index t = 0; t < r.routing_map.rows(); ++t) {
@@ -263,7 +287,18 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
 }
 
 RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
-                                 const Taps& taps, AuxLosses* aux_losses, const BoolMat* recorded_routing_map) {
+                                 const Taps& taps, AuxLosses* aux_losses, const BoolMat* recorded_routing_map,
+                                 RouterSaved* saved) {
+  if (saved) {
+    if (const auto why = backward_unsupported()) throw MoEError("TopKRouter has no backward: " + *why);
+    *saved = RouterSaved{};
+    if (padding_mask) saved->padding_mask = *padding_mask;
+  }
+  struct Reset {
+    RouterSaved*& p;
+    ~Reset() { p = nullptr; }
+  } reset{saving_};
+  saving_ = saved;
   if (config_.moe_router_force_load_balancing)
     throw MoEError("moe_router_force_load_balancing (random benchmark logits) is not supported by the reference");
   const Mat jittered = apply_input_jitter(input);            // [T, h]
@@ -273,6 +308,10 @@ RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz, 
   precision_.count_reduce(config_.hidden_size);  // the gating GEMM, stored in the router dtype
   precision_.count_store(rdt);
   const Mat logits = taps.record("logits", gated, {seq_length, bsz, num_experts_}, rdt);
+  if (saved) {
+    saved->input = jittered;
+    saved->logits = logits;
+  }
   AuxLosses logged;  // this call's losses, recorded below and added to *aux_losses
   RouterOutput r = routing(logits, seq_length, bsz, padding_mask, &logged, recorded_routing_map);
   if (aux_losses)
@@ -310,6 +349,70 @@ RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz, 
     taps.record_state("local_tokens_per_expert_after",
                       Tensor::from_doubles(DType::F64, {num_experts_}, local_tokens_per_expert));
   return r;
+}
+
+std::optional<std::string> TopKRouter::backward_unsupported() const {
+  if (config_.moe_router_load_balancing_type == "sinkhorn") return std::string("sinkhorn routing");
+  if (config_.moe_input_jitter_eps) return std::string("moe_input_jitter_eps (the jitter's backward)");
+  if (config_.moe_router_force_load_balancing) return std::string("moe_router_force_load_balancing");
+  if (config_.calculate_per_token_loss)
+    return std::string("calculate_per_token_loss (the losses scaled by the token count)");
+  if (config_.add_bias_linear) return std::string("a router bias (add_bias_linear)");
+  return std::nullopt;
+}
+
+RouterGrads TopKRouter::backward(const Mat& dprobs, const RouterSaved& saved) const {
+  if (const auto why = backward_unsupported()) throw MoEError("TopKRouter has no backward: " + *why);
+  const Index T = saved.logits.rows();
+  if (T == 0 || saved.routing_map.rows() != T || saved.selected.rows() != T)
+    throw std::logic_error("TopKRouter::backward: `saved` was not filled by forward(..., saved)");
+  if (dprobs.rows() != T || dprobs.cols() != num_experts_)
+    throw ShapeError("TopKRouter backward: dprobs is [" + std::to_string(dprobs.rows()) + ", " +
+                     std::to_string(dprobs.cols()) + "], probs [" + std::to_string(T) + ", " +
+                     std::to_string(num_experts_) + "]");
+  const Rounding rnd = Rounding::of(precision_);
+  const DType rdt = router_dtype_;
+  const std::vector<bool>* padding_mask = saved.padding_mask ? &*saved.padding_mask : nullptr;
+  // Token dropping: probs * routing_map; its backward masks the gradient the same way.
+  const Mat dkept = dprobs.array() * saved.routing_map.cast<double>().array();
+  RoutingOptions opt;
+  opt.topk = topk_;
+  opt.use_pre_softmax = config_.moe_router_pre_softmax;
+  opt.num_groups = config_.moe_router_num_groups;
+  opt.group_topk = config_.moe_router_group_topk;
+  opt.scaling_factor = config_.moe_router_topk_scaling_factor;
+  opt.score_function = config_.moe_router_score_function;
+  Mat dlogits = topk_routing_backward(saved.logits, dkept, saved.selected, opt, rdt, rnd);  // [T, E]
+  // The score function: a softmax or sigmoid in fp32 (a reduction over the row), cast back; the
+  // scaling factor and sigmoid's renormalisation are stores of their own.
+  precision_.count_reduce(num_experts_);
+  precision_.count_f32();
+  precision_.count_store(rdt, 1 + (opt.score_function == "sigmoid" && topk_ > 1 ? 3 : 0) +
+                                  (opt.scaling_factor.value_or(0.0) != 0.0 ? 1 : 0));
+  // The losses' gradients, accumulated into the logits' gradient (autograd's sum, in rdt).
+  if (saved.aux_scores_grad) {
+    const Mat d = aux_scores_backward(saved.logits, *saved.aux_scores_grad, opt.score_function, rdt, rnd);
+    dlogits = rnd(rdt, Mat(dlogits + d));  // rounds: the accumulated gradient
+    precision_.count_reduce(num_experts_);
+    precision_.count_store(rdt, 3);
+  }
+  if (saved.z_loss) {
+    const Mat d = z_loss_backward(saved.logits, *config_.moe_z_loss_coeff, padding_mask, rdt, rnd);
+    dlogits = rnd(rdt, Mat(dlogits + d));  // rounds: the accumulated gradient
+    precision_.count_store(rdt, 4);
+  }
+  // RouterGatingLinearFunction.backward: mm(grad, weight.to(rdt)).to(input dtype),
+  // mm(grad.t(), input.to(rdt)).to(weight dtype).
+  RouterGrads g;
+  const DType act_dt = precision_.storage_dtype();
+  g.input = rnd(act_dt, rnd(rdt, Mat(dlogits * weight)));  // rounds: dgrad GEMM in rdt, to the input dtype
+  const Mat dweight = rnd(act_dt, rnd(rdt, Mat(dlogits.transpose() * saved.input)));  // rounds: wgrad GEMM
+  const double magnitude = (dlogits.cwiseAbs().transpose() * saved.input.cwiseAbs()).maxCoeff();
+  precision_.count_reduce(std::max<Index>(num_experts_, T));
+  precision_.count_store(rdt);
+  precision_.count_act();
+  g.params.push_back({"weight", dweight, {num_experts_, config_.hidden_size}, magnitude});
+  return g;
 }
 
 }  // namespace twin::reference::moe

@@ -3,6 +3,16 @@
 //     apply_z_loss -> topk_routing_with_score_function (or sinkhorn) -> apply_router_token_dropping
 //     -> _apply_aux_loss / _apply_seq_aux_loss / _apply_global_aux_loss -> _apply_expert_bias.
 // Losses are logged as Megatron's save_to_aux_losses_tracker logs them: loss / coeff.
+//
+// Backward (from the gradient of the returned probs): the token dropping's multiply by the map,
+// the score function's backward (topk_routing_backward), plus the losses' gradients as
+// MoEAuxLossAutoScaler injects them: its backward hands each loss the gradient
+// main_loss_backward_scale, 1.0 unless set (calculate_per_token_loss, which would scale the loss by
+// the token count, is not mirrored: MoEError). So a load-balancing loss adds
+// d loss / d scores_for_aux_loss = tokens_per_expert[e] E coeff / (k T^2) (/ b for seq_aux_loss)
+// through its scores' backward, and the z-loss its own gradient of the logits; then the gating
+// GEMM's backward (RouterGatingLinearFunction: in the router dtype, cast to the input's and the
+// weight's dtype). Sinkhorn routing and input jitter have no backward here (MoEError).
 #pragma once
 
 #include <cstdint>
@@ -12,6 +22,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "reference/linear.h"
 #include "reference/moe/moe_utils.h"
 #include "reference/taps.h"
 
@@ -24,6 +35,22 @@ struct RouterOutput {
   Mat logits;           // [T, E] gating output, router dtype
   Mat probs;            // [T, E] routing probabilities (zero off the map), router dtype
   BoolMat routing_map;  // [T, E]
+};
+
+// What TopKRouter's backward needs from its forward.
+struct RouterSaved {
+  Mat input;            // [T, h] the gating input
+  Mat logits;           // [T, E]
+  BoolMat selected;     // [T, E] the top-k choice, before token dropping
+  BoolMat routing_map;  // [T, E] after dropping (the probs are multiplied by it)
+  std::optional<std::vector<bool>> padding_mask;
+  bool z_loss = false;                 // the z-loss was attached (training with moe_z_loss_coeff)
+  std::optional<Mat> aux_scores_grad;  // [T, E] d (sum of the load-balancing losses) / d scores_for_aux_loss
+};
+
+struct RouterGrads {
+  Mat input;          // [T, h] in the activation dtype
+  ParamGrads params;  // "weight"
 };
 
 class TopKRouter {
@@ -41,7 +68,12 @@ class TopKRouter {
   // recorded_routing_map: the post-drop map a golden fixes where the drop depends on torch.topk's
   // order among tied values (tie_break_dependent); checked to be a valid outcome, then used.
   RouterOutput forward(const Mat& input, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
-                       const Taps& taps, AuxLosses* aux_losses, const BoolMat* recorded_routing_map = nullptr);
+                       const Taps& taps, AuxLosses* aux_losses, const BoolMat* recorded_routing_map = nullptr,
+                       RouterSaved* saved = nullptr);
+  // dprobs [T, E]: the gradient of forward's probs (router dtype).
+  RouterGrads backward(const Mat& dprobs, const RouterSaved& saved) const;
+  // Why backward cannot run for this config (nullopt: it can).
+  std::optional<std::string> backward_unsupported() const;
 
   Mat apply_input_jitter(const Mat& input);  // [T, h]
   Mat gating(const Mat& input) const;        // [T, h] -> [T, E]
@@ -73,6 +105,7 @@ class TopKRouter {
   TransformerConfig config_;
   Precision precision_;
   DType router_dtype_;
+  RouterSaved* saving_ = nullptr;  // set while forward(..., saved) runs
   int num_experts_;
   int topk_;
 };

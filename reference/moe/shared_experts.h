@@ -6,6 +6,10 @@
 // Megatron asserts add_bias_linear == False for shared experts (MoEError here).
 // Taps (under "mlp.shared_experts."): linear_fc1.0, linear_fc2.0; the caller records the module's
 // own output as "mlp.shared_experts" (a tensor, not a tuple).
+//
+// Backward: with the gate, d output = d (output * gate_score) -> (d * gate_score) into the MLP's
+// backward, d gate_score = sum_j d * output, d logits = d gate_score * s (1 - s) (sigmoid's
+// backward), d hidden_states += d logits gate_weight, d gate_weight = sum_t d logits hidden_states.
 #pragma once
 
 #include <optional>
@@ -16,11 +20,21 @@
 
 namespace twin::reference::moe {
 
+struct SharedExpertSaved {
+  MlpSaved mlp;
+  Mat hidden_states;               // [n, h] the input (the gate's)
+  Mat mlp_output;                  // [n, h] the MLP's output before the gate
+  std::vector<double> gate_score;  // [n] sigmoid(linear(hidden_states, gate_weight))
+};
+
 class SharedExpertMLP {
  public:
   SharedExpertMLP(const TransformerConfig& config, Precision p, bool gate);
 
-  Mat forward(const Mat& hidden_states, const Shape& lead, const Taps& taps) const;  // [n, h] -> [n, h]
+  Mat forward(const Mat& hidden_states, const Shape& lead, const Taps& taps,
+              SharedExpertSaved* saved = nullptr) const;  // [n, h] -> [n, h]
+  // doutput [n, h]: the gradient of forward's output. Params "linear_fc1.weight", ..., "gate_weight".
+  MlpGrads backward(const Mat& doutput, const SharedExpertSaved& saved) const;
   // linear_fc1.weight, linear_fc2.weight (+ gate_weight [1, h]) under `prefix` ("mlp.shared_experts.").
   void load_state_dict(const StateDict& sd, const std::string& prefix);
 

@@ -153,5 +153,8 @@ TEST(DenseLayerFixture, TheGradientStatusIsReported) {
   EXPECT_EQ(grads.rfind("not compared: an isolated run", 0), 0u) << grads;
   const Fixture moe = load_fixture((fixture_dir() / "moe_top2_aux_allgather.safetensors").string());
   compare_fixture(find_fixture_handler(moe.kind, TwinKind::Reference), moe, TwinKind::Reference, RunMode{}, &grads);
-  EXPECT_EQ(grads, "not compared: the reference twin has no backward for fixture kind 'moe_layer'");
+  EXPECT_EQ(grads, "compared");
+  const Fixture retro = load_fixture((fixture_dir() / "retro_later_layer_divisible.safetensors").string());
+  compare_fixture(find_fixture_handler(retro.kind, TwinKind::Reference), retro, TwinKind::Reference, RunMode{}, &grads);
+  EXPECT_EQ(grads, "not compared: the reference twin has no backward for fixture kind 'retro_decoder_layer'");
 }

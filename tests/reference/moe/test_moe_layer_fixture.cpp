@@ -147,6 +147,39 @@ TEST(MoELayerFixture, HandlerPassesEveryMoeFixture) {
           "tap_in.mlp.experts.tokens_per_expert", "tap.self_attention.0"})
       EXPECT_TRUE(names.count(n)) << n << " not compared";
     for (const std::string& n : f.names_with_prefix("aux.")) EXPECT_TRUE(names.count(n)) << n << " not compared";
+    // The backward ran on grad_in.output: every gradient of the golden is among the comparisons.
+    for (const auto& [n, t] : parity::grads_of(f)) EXPECT_TRUE(names.count(n)) << n << " not compared";
+    EXPECT_FALSE(parity::grads_of(f).empty()) << "the golden has no grad.* tensors";
+  }
+}
+
+// Each MoE gradient's counted bound is tight enough to catch a 1% error in it alone: one grad.*
+// tensor of an fp32 golden scaled by 1.01 fails that row and no other (a few 2^-24 per counted
+// rounding point, far below 1e-2).
+TEST(MoELayerFixture, AWrongGradientFailsAlone) {
+  for (const std::string& path : moe_fixture_paths()) {
+    const Fixture f = load_fixture(path);
+    if (Precision::from_config(f.config).params_dtype != DType::F32) continue;
+    SCOPED_TRACE(path);
+    const TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f, RunMode{});
+    ASSERT_TRUE(run.backward) << run.no_backward_reason;
+    for (const auto& [name, grad] : parity::grads_of(f)) {
+      SCOPED_TRACE(name);
+      const std::vector<double> values = grad.to_f64();
+      if (std::all_of(values.begin(), values.end(), [](double v) { return v == 0.0; }))
+        continue;  // an expert that got no token: its zero gradient is unchanged by scaling
+      parity::Expected expected = parity::expected_of(f);
+      for (auto [n, t] : parity::grads_of(f)) {
+        if (n == name) {
+          std::vector<double> v = t.to_f64();
+          for (double& x : v) x *= 1.01;
+          t = Tensor::from_doubles(t.dtype(), t.shape(), v);
+        }
+        expected.emplace_back(n, t);
+      }
+      for (const auto& c : parity::compare_record(run.record, expected, "reference"))
+        EXPECT_EQ(c.pass, c.name != name) << c.name << ": " << c.tol.reason;
+    }
   }
 }
 
