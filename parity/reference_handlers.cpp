@@ -44,6 +44,27 @@ TwinRun run_layer(TransformerLayer& layer, const Fixture& f, const LayerInputs& 
   return run;
 }
 
+// The gradients follow the forward entries (Role::Grad), the backward's rounding points counted
+// on from the forward's (a gradient depends on every forward activation it reads).
+void add_grads(TwinRun& run, const Precision& p, const ParamGrads& params, const Tensor& hidden_states,
+               const std::optional<Tensor>& context) {
+  for (const ParamGrad& g : params)
+    run.record.add(Role::Grad, "param." + g.name, p.to_tensor(g.value, g.shape)).magnitude = g.magnitude;
+  run.record.add(Role::Grad, "input.hidden_states", hidden_states);
+  if (context) run.record.add(Role::Grad, "input.context", *context);
+  run.backward = true;
+}
+
+// Why a Retro golden's gradients are not compared (none: they are).
+std::optional<std::string> retro_no_backward_reason(const Fixture& f, const RunMode& mode,
+                                                    const std::optional<std::string>& unsupported) {
+  if (!f.has("grad_in.output")) return std::string();  // nothing to compare
+  if (unsupported) return "the reference's backward does not cover " + *unsupported + " yet";
+  if (mode.isolate)
+    return std::string("an isolated run compares the forward only (the golden has no intermediate gradients)");
+  return std::nullopt;
+}
+
 TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode) {
   const TransformerConfig& config = f.config;
   validate_retro_config(config);
@@ -58,7 +79,23 @@ TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode
   LayerInputs in;
   in.context = &input(f, "context", 3);
   in.context_mask = optional_input(f, "context_mask");
-  return run_layer(layer, f, in, mode);  // strict: every param.* key must be owned by the spec
+  if (const auto why = retro_no_backward_reason(f, mode, layer.backward_unsupported())) {
+    TwinRun run = run_layer(layer, f, in, mode);  // strict: every param.* key must be owned by the spec
+    run.no_backward_reason = *why;
+    return run;
+  }
+  layer.load_state_dict(StateDict(params_of(f)));  // strict, as above
+  layer.training = f.training;
+  TwinRun run;
+  CountRoundings counting;
+  TransformerLayerSaved saved;
+  auto [hidden_states, context] = layer.forward(input(f, "hidden_states", 3), in, Taps(&run.record), &saved);
+  run.record.add(Role::Output, "hidden_states", hidden_states);
+  if (context) run.record.add(Role::Output, "context", *context);
+  // output.context is not in the golden's loss (sum(output.hidden_states * grad_in.output)).
+  const TransformerLayerGrads grads = layer.backward(f.tensor("grad_in.output"), saved);
+  add_grads(run, layer.precision, grads.params, grads.hidden_states, grads.context);
+  return run;
 }
 
 }  // namespace
@@ -113,11 +150,7 @@ TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
   // The backward's count continues from the forward's, every rounding point of it: a gradient reads
   // activations from all of the forward.
   const TransformerLayerGrads grads = layer.backward(f.tensor("grad_in.output"), saved);
-  const Precision p = Precision::from_config(cfg);
-  for (const ParamGrad& g : grads.params)
-    run.record.add(Role::Grad, "param." + g.name, p.to_tensor(g.value, g.shape)).magnitude = g.magnitude;
-  run.record.add(Role::Grad, "input.hidden_states", grads.hidden_states);
-  run.backward = true;
+  add_grads(run, Precision::from_config(cfg), grads.params, grads.hidden_states, std::nullopt);
   return run;
 }
 
@@ -158,11 +191,19 @@ TwinRun run_reference_retro_block(const Fixture& f, const RunMode& mode) {
   in.context = &input(f, "context", 3);
   in.context_mask = optional_input(f, "context_mask");
   TwinRun run;
+  const auto why = retro_no_backward_reason(f, mode, block.backward_unsupported());
   const Substitutes substitutes = mode.isolate ? golden_substitutes(f) : nullptr;
   CountRoundings counting;
-  const Tensor hidden_states =
-      block.forward(input(f, "hidden_states", 3), in, f.training, DropoutRng{}, Taps(&run.record, "", &substitutes));
+  TransformerBlockSaved saved;
+  const Tensor hidden_states = block.forward(input(f, "hidden_states", 3), in, f.training, DropoutRng{},
+                                             Taps(&run.record, "", &substitutes), nullptr, why ? nullptr : &saved);
   run.record.add(Role::Output, "hidden_states", hidden_states);
+  if (why) {
+    run.no_backward_reason = *why;
+    return run;
+  }
+  const TransformerBlockGrads grads = block.backward(f.tensor("grad_in.output"), saved);
+  add_grads(run, block.precision, grads.params, grads.hidden_states, grads.context);
   return run;
 }
 

@@ -50,9 +50,17 @@
 //   mlp, pre_mlp_layernorm backward; d hidden = d norm input + d residual (autograd's sum of the
 //     two uses of hidden_states, stored in the activation dtype)
 //   self_attn_bda, self_attention, input_layernorm the same way -> d hidden_states (input).
+//   A cross-attention slot (Retro's decoder / encoder cross-attention) runs its backward together
+//   with its bda's (CrossAttentionBackward, attention.h), between the two: d of the hidden states
+//   after cross_attn_bda -> d of the module's input -> pre_cross_attn_layernorm backward, summed
+//   with the residual's gradient when the bda reads the residual (Retro's encoder bda does not).
+//   The context: backward's grad_context is the gradient of the context forward returned; a
+//   layer whose cross-attention returns no context passes the context through (d context in =
+//   d context out), one that returns one hands grad_context to the module. TransformerLayerGrads::
+//   context is the gradient of inputs.context (none when the layer had no context).
 // Each parameter's gradient is listed under its state_dict key. A layer with another module in a
-// slot (MoE's MoELayer, Retro's cross-attention) has no backward yet: forward with `saved`
-// throws std::logic_error naming the module, before computing anything.
+// slot (MoE's MoELayer, a cross-attention without CrossAttentionBackward) has no backward yet:
+// forward with `saved` throws std::logic_error naming the module, before computing anything.
 #pragma once
 
 #include <functional>
@@ -156,16 +164,21 @@ struct LayerInputs {
 // Every activation TransformerLayer's backward reads, saved by forward(..., &saved).
 struct TransformerLayerSaved {
   int s = 0, b = 0;
-  LayerInputs inputs;                 // the forward's masks and RoPE angles (pointers: the caller's tensors)
-  Mat hidden_states;                  // [s*b, h] the layer's input (input_layernorm's input, first residual)
-  SelfAttentionSaved self_attention;  // linear_qkv / linear_proj inputs, q, k, v, q/k layernorm inputs, RoPE angles
-  Mat pre_mlp_layernorm_input;        // [s*b, h] hidden_states after self_attn_bda (the second residual)
-  MlpSaved mlp;                       // linear_fc1 / linear_fc2 inputs, the activation's input
+  LayerInputs inputs;                     // the forward's masks and RoPE angles (pointers: the caller's tensors)
+  Mat hidden_states;                      // [s*b, h] the layer's input (input_layernorm's input, first residual)
+  SelfAttentionSaved self_attention;      // linear_qkv / linear_proj inputs, q, k, v, q/k layernorm inputs, RoPE angles
+  Mat pre_cross_attn_layernorm_input;     // [s*b, h] hidden_states after self_attn_bda (the second residual)
+  std::shared_ptr<void> cross_attention;  // the cross-attention module's own saved activations
+  bool cross_attention_context = false;   // the cross-attention returned a context (Retro decoder)
+  std::optional<Shape> context_shape;     // inputs.context's shape, when there was one
+  Mat pre_mlp_layernorm_input;            // [s*b, h] hidden_states after cross_attn_bda (the last residual)
+  MlpSaved mlp;                           // linear_fc1 / linear_fc2 inputs, the activation's input
 };
 
 struct TransformerLayerGrads {
-  Tensor hidden_states;  // [s, b, h] in the activation dtype (F64 in Exact mode)
-  ParamGrads params;     // by full state_dict key ("self_attention.linear_qkv.weight", ...)
+  Tensor hidden_states;           // [s, b, h] in the activation dtype (F64 in Exact mode)
+  std::optional<Tensor> context;  // d inputs.context, its shape, when the layer had a context
+  ParamGrads params;              // by full state_dict key ("self_attention.linear_qkv.weight", ...)
 };
 
 class TransformerLayer : public BaseTransformerLayer {
@@ -187,9 +200,11 @@ class TransformerLayer : public BaseTransformerLayer {
   // (see above).
   std::pair<Tensor, std::optional<Tensor>> forward(const Tensor& hidden_states, const LayerInputs& inputs,
                                                    const Taps& taps, TransformerLayerSaved* saved);
-  // grad_output [s, b, h] (the gradient of forward's output) -> gradients of the input and of every
-  // parameter. ShapeError for grad_output of another shape than the saved forward's output.
-  TransformerLayerGrads backward(const Tensor& grad_output, const TransformerLayerSaved& saved) const;
+  // grad_output [s, b, h] (the gradient of forward's output) and grad_context (of the context it
+  // returned; nullptr: none) -> gradients of the inputs and of every parameter. ShapeError for
+  // grad_output or grad_context of another shape than the saved forward's output / context.
+  TransformerLayerGrads backward(const Tensor& grad_output, const TransformerLayerSaved& saved,
+                                 const Tensor* grad_context = nullptr) const;
   // Whether backward supports this layer's modules (else the reason, e.g. "mlp is not an MLP").
   std::optional<std::string> backward_unsupported() const;
 
