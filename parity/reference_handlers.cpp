@@ -55,10 +55,25 @@ void add_grads(TwinRun& run, const Precision& p, const ParamGrads& params, const
   run.backward = true;
 }
 
+// relu / squared_relu / the GLU clamps have kinks where the gradient jumps; in bf16 / fp16 two
+// correct implementations put a pre-activation on different sides of a kink often enough that a
+// counted rounding bound does not hold there (seen against live Megatron: relu + clamp 1.0 in
+// bf16). Until the comparison can exclude elements whose pre-activation lies within rounding of
+// a kink, those gradients are reported as not compared rather than failed or passed.
+std::optional<std::string> activation_kinks(const TransformerConfig& cfg, const Precision& p) {
+  const bool kinks = cfg.activation_func == "relu" || cfg.activation_func == "squared_relu" ||
+                     (cfg.gated_linear_unit && cfg.activation_func_clamp_value);
+  if (!kinks || p.params_dtype == DType::F32) return std::nullopt;
+  return "a " + std::string(twin::dtype_name(p.params_dtype)) +
+         " layer with activation kinks (relu, squared_relu or the GLU clamp): its gradients jump where roundings move "
+         "a pre-activation across a kink, which the rounding bound does not cover yet";
+}
+
 // Why a Retro golden's gradients are not compared (none: they are).
 std::optional<std::string> retro_no_backward_reason(const Fixture& f, const RunMode& mode,
                                                     const std::optional<std::string>& unsupported) {
   if (!f.has("grad_in.output")) return std::string();  // nothing to compare
+  if (const auto why = activation_kinks(f.config, Precision::from_config(f.config))) return why;
   if (unsupported) return "the reference's backward does not cover " + *unsupported + " yet";
   if (mode.isolate)
     return std::string("an isolated run compares the forward only (the golden has no intermediate gradients)");
@@ -112,19 +127,9 @@ TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
   TransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
   const LayerInputs in = layer_inputs(f);
   if (!f.has("grad_in.output")) return run_layer(layer, f, in, mode);
-  // relu / squared_relu / the GLU clamps have kinks where the gradient jumps; in bf16 / fp16 two
-  // correct implementations put a pre-activation on different sides of a kink often enough that a
-  // counted rounding bound does not hold there (seen against live Megatron: relu + clamp 1.0 in
-  // bf16). Until the comparison can exclude elements whose pre-activation lies within rounding of
-  // a kink, those gradients are reported as not compared rather than failed or passed.
-  const bool kinks = cfg.activation_func == "relu" || cfg.activation_func == "squared_relu" ||
-                     (cfg.gated_linear_unit && cfg.activation_func_clamp_value);
-  if (kinks && layer.precision.params_dtype != DType::F32) {
+  if (const auto why = activation_kinks(cfg, layer.precision)) {
     TwinRun run = run_layer(layer, f, in, mode);
-    run.no_backward_reason =
-        "a " + std::string(twin::dtype_name(layer.precision.params_dtype)) +
-        " layer with activation kinks (relu, squared_relu or the GLU clamp): its gradients jump where roundings move a "
-        "pre-activation across a kink, which the rounding bound does not cover yet";
+    run.no_backward_reason = *why;
     return run;
   }
   if (const auto why = layer.backward_unsupported()) {

@@ -188,11 +188,13 @@ Case make_case(std::uint64_t id) {
   }
   if (k.kind != Kind::Block && coin()) k.grad_context = f64_tensor(g, encoder_output, 1.0);
   std::ostringstream d;
-  d << (k.kind == Kind::Later ? "later layer" : k.kind == Kind::First ? "first layer" : "block")
+  d << (k.kind == Kind::Later   ? "later layer"
+        : k.kind == Kind::First ? "first layer"
+                                : "block")
     << (k.kind == Kind::Block ? " of " + std::to_string(c.num_layers) : "") << (k.te ? " te" : " local") << " h " << h
-    << " np " << np << " hn " << hn << " ffn " << ffn << " m " << m << " k " << nbr << " chunks "
-    << chunks << " encoder layers " << *c.retro_encoder_num_layers << " ns " << k.ns << " bs " << k.bs << " "
-    << c.normalization << " " << c.activation_func << (c.gated_linear_unit ? " glu" : "") << (bias ? " bias" : "")
+    << " np " << np << " hn " << hn << " ffn " << ffn << " m " << m << " k " << nbr << " chunks " << chunks
+    << " encoder layers " << *c.retro_encoder_num_layers << " ns " << k.ns << " bs " << k.bs << " " << c.normalization
+    << " " << c.activation_func << (c.gated_linear_unit ? " glu" : "") << (bias ? " bias" : "")
     << (k.context_mask ? " context_mask" : "") << (k.grad_context ? " grad_context" : "")
     << (k.training ? " training" : "") << (c.hidden_dropout > 0 ? " dropout" : "");
   k.describe = d.str();
@@ -219,15 +221,13 @@ void accumulate(Run& r, const Tensor& out, const Tensor& g) {
 
 class Harness {
  public:
-  explicit Harness(const Case& k) : k_(k) {
-    in_.context_mask = k_.context_mask ? &*k_.context_mask : nullptr;
-  }
+  explicit Harness(const Case& k) : k_(k) { in_.context_mask = k_.context_mask ? &*k_.context_mask : nullptr; }
 
   std::unique_ptr<TransformerLayer> layer(const std::map<std::string, Tensor>& params) const {
     std::optional<TransformerBlockSubmodules> encoder;
     if (k_.kind == Kind::First) encoder = get_retro_encoder_block_spec(k_.config, k_.te);
-    const RetroLayerSpec spec = k_.te ? get_retro_decoder_layer_te_spec(encoder)
-                                      : get_retro_decoder_layer_local_spec(encoder);
+    const RetroLayerSpec spec =
+        k_.te ? get_retro_decoder_layer_te_spec(encoder) : get_retro_decoder_layer_local_spec(encoder);
     std::unique_ptr<BaseTransformerLayer> built = spec.spec.build(k_.config, k_.layer_number, exact());
     std::unique_ptr<TransformerLayer> l(dynamic_cast<TransformerLayer*>(built.release()));
     l->load_state_dict(params);
