@@ -42,8 +42,8 @@
 // AttentionModule (a dict-style output puts "context" in AttentionOutput::context and its payload
 // in ::extra); the bda slots take any BdaBuilder (Retro's bda reads ::extra).
 //
-// Backward (the dense layer: SelfAttention, MLP, torch norms, get_bias_dropout_add's bda or
-// IdentityFuncOp, no cross-attention): forward(..., &saved) runs the forward and keeps every
+// Backward (SelfAttention, MLP, torch norms, get_bias_dropout_add's bda or IdentityFuncOp, and
+// a cross-attention with CrossAttentionBackward): forward(..., &saved) runs the forward and keeps every
 // activation the backward needs in one TransformerLayerSaved; backward(grad_output, saved) runs
 // the forward's steps in reverse:
 //   mlp_bda:  d residual = d out; d mlp output = dropout's backward (the forward's mask)
@@ -164,7 +164,9 @@ struct LayerInputs {
 // Every activation TransformerLayer's backward reads, saved by forward(..., &saved).
 struct TransformerLayerSaved {
   int s = 0, b = 0;
-  LayerInputs inputs;                     // the forward's masks and RoPE angles (pointers: the caller's tensors)
+  // The forward's masks and RoPE angles (pointers: the caller's tensors, which must outlive backward;
+  // backward does not read inputs.context, whose shape is context_shape).
+  LayerInputs inputs;
   Mat hidden_states;                      // [s*b, h] the layer's input (input_layernorm's input, first residual)
   SelfAttentionSaved self_attention;      // linear_qkv / linear_proj inputs, q, k, v, q/k layernorm inputs, RoPE angles
   Mat pre_cross_attn_layernorm_input;     // [s*b, h] hidden_states after self_attn_bda (the second residual)
