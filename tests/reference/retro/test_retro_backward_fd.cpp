@@ -367,3 +367,25 @@ TEST(RetroBackward, MatchesCentralDifferencesInExactMode) {
   }
   std::cout << cases << " cases, " << probes << " probes compared\n";
 }
+
+// Bad gradients are clear errors: a grad_output or grad_context of another shape than the forward's
+// output / returned context, or a `saved` no forward filled.
+TEST(RetroBackward, BadGradientsAreErrors) {
+  for (const std::uint64_t id : {0, 1}) {  // a later layer, a first layer
+    const Case k = make_case(id);
+    const Harness hx(k);
+    auto layer = hx.layer(k.params);
+    LayerInputs in;
+    in.context = &k.context;
+    in.context_mask = k.context_mask ? &*k.context_mask : nullptr;
+    TransformerLayerSaved saved;
+    const auto [out, ctx] = layer->forward(k.hidden_states, in, {}, &saved);
+    ASSERT_TRUE(ctx);
+    const Tensor wrong_out = Tensor::zeros(DType::F64, {k.ns + 1, k.bs, k.config.hidden_size});
+    EXPECT_THROW(layer->backward(wrong_out, saved), ShapeError) << k.describe;
+    const Tensor wrong_ctx = Tensor::zeros(DType::F64, {ctx->size(0) + 1, ctx->size(1), ctx->size(2)});
+    EXPECT_THROW(layer->backward(k.grad_output, saved, &wrong_ctx), ShapeError) << k.describe;
+    EXPECT_NO_THROW(layer->backward(k.grad_output, saved, &*ctx)) << k.describe;
+    EXPECT_THROW(layer->backward(k.grad_output, TransformerLayerSaved{}), std::logic_error) << k.describe;
+  }
+}
