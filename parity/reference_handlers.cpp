@@ -3,9 +3,10 @@
 // retro_decoder_layer_first / retro_decoder_layer (a Retro decoder layer owning the retriever
 // encoder, or not) and retro_block (a decoder TransformerBlock from get_retro_decoder_block_spec).
 // Each builds the layer from the golden's config and params, runs it on the golden's inputs while
-// counting rounding points, and returns the record; parity/golden.h compares. The dense and MoE
-// layers also run their backward on the golden's grad_in.output (run_layer_with_backward). Isolated
-// (RunMode::isolate), the taps continue from the golden's own tap tensors (golden_substitutes).
+// counting rounding points, and returns the record; parity/golden.h compares. Every handler also
+// runs the backward on the golden's grad_in.output where it can (no_backward_reason says why not).
+// Isolated (RunMode::isolate), the taps continue from the golden's own tap tensors
+// (golden_substitutes).
 #include <memory>
 #include <string>
 
@@ -45,6 +46,68 @@ TwinRun run_layer(TransformerLayer& layer, const Fixture& f, const LayerInputs& 
   return run;
 }
 
+// The gradients follow the forward entries (Role::Grad), the backward's rounding points counted
+// on from the forward's (a gradient depends on every forward activation it reads).
+void add_grads(TwinRun& run, const Precision& p, const ParamGrads& params, const Tensor& hidden_states,
+               const std::optional<Tensor>& context) {
+  for (const ParamGrad& g : params)
+    run.record.add(Role::Grad, "param." + g.name, p.to_tensor(g.value, g.shape)).magnitude = g.magnitude;
+  run.record.add(Role::Grad, "input.hidden_states", hidden_states);
+  if (context) run.record.add(Role::Grad, "input.context", *context);
+  run.backward = true;
+}
+
+// relu / squared_relu / the GLU clamps have kinks where the gradient jumps; in bf16 / fp16 two
+// correct implementations put a pre-activation on different sides of a kink often enough that a
+// counted rounding bound does not hold there (seen against live Megatron: relu + clamp 1.0 in
+// bf16). Until the comparison can exclude elements whose pre-activation lies within rounding of
+// a kink, those gradients are reported as not compared rather than failed or passed.
+std::optional<std::string> activation_kinks(const TransformerConfig& cfg, const Precision& p) {
+  const bool kinks = cfg.activation_func == "relu" || cfg.activation_func == "squared_relu" ||
+                     (cfg.gated_linear_unit && cfg.activation_func_clamp_value);
+  if (!kinks || p.params_dtype == DType::F32) return std::nullopt;
+  return "a " + std::string(twin::dtype_name(p.params_dtype)) +
+         " layer with activation kinks (relu, squared_relu or the GLU clamp): its gradients jump where roundings move "
+         "a pre-activation across a kink, which the rounding bound does not cover yet";
+}
+
+// Why a golden's gradients are not compared: std::nullopt when they are, "" when it has none.
+std::optional<std::string> no_backward_reason(const Fixture& f, const RunMode& mode,
+                                              const std::optional<std::string>& unsupported) {
+  if (!f.has("grad_in.output")) return std::string();
+  if (const auto why = activation_kinks(f.config, Precision::from_config(f.config))) return why;
+  if (unsupported) return "the reference's backward does not cover " + *unsupported + " yet";
+  // Isolation restarts each module from the golden's own input to it; the golden records no
+  // intermediate gradients for a module's backward to restart from, so gradients are compared end to
+  // end only.
+  if (mode.isolate)
+    return std::string("an isolated run compares the forward only (the golden has no intermediate gradients)");
+  return std::nullopt;
+}
+
+// Runs forward and, when the golden's gradients can be compared, backward on its grad_in.output:
+// the gradients follow the forward entries in the record (Role::Grad), the backward's rounding
+// points counted on from the forward's (a gradient depends on every forward activation it reads).
+TwinRun run_layer_with_backward(TransformerLayer& layer, const Fixture& f, const LayerInputs& in, const RunMode& mode) {
+  if (const auto why = no_backward_reason(f, mode, layer.backward_unsupported())) {
+    TwinRun run = run_layer(layer, f, in, mode);  // strict: every param.* key must be owned by the spec
+    run.no_backward_reason = *why;
+    return run;
+  }
+  layer.load_state_dict(StateDict(params_of(f)));  // strict, as above
+  layer.training = f.training;
+  TwinRun run;
+  CountRoundings counting;
+  TransformerLayerSaved saved;
+  auto [hidden_states, context] = layer.forward(input(f, "hidden_states", 3), in, Taps(&run.record), &saved);
+  run.record.add(Role::Output, "hidden_states", hidden_states);
+  if (context) run.record.add(Role::Output, "context", *context);
+  // output.context is not in the golden's loss (sum(output.hidden_states * grad_in.output)).
+  const TransformerLayerGrads grads = layer.backward(f.tensor("grad_in.output"), saved);
+  add_grads(run, layer.precision, grads.params, grads.hidden_states, grads.context);
+  return run;
+}
+
 TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode) {
   const TransformerConfig& config = f.config;
   validate_retro_config(config);
@@ -59,59 +122,7 @@ TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode
   LayerInputs in;
   in.context = &input(f, "context", 3);
   in.context_mask = optional_input(f, "context_mask");
-  return run_layer(layer, f, in, mode);  // strict: every param.* key must be owned by the spec
-}
-
-// Runs forward and, when the golden has grad_in.output, backward on it: the gradients follow the
-// forward entries in the record (Role::Grad), the backward's rounding points counted on from the
-// forward's (a gradient depends on every forward activation it reads).
-TwinRun run_layer_with_backward(TransformerLayer& layer, const Fixture& f, const LayerInputs& in, const RunMode& mode) {
-  const TransformerConfig& cfg = layer.config;
-  if (!f.has("grad_in.output")) return run_layer(layer, f, in, mode);
-  // relu / squared_relu / the GLU clamps have kinks where the gradient jumps; in bf16 / fp16 two
-  // correct implementations put a pre-activation on different sides of a kink often enough that a
-  // counted rounding bound does not hold there (seen against live Megatron: relu + clamp 1.0 in
-  // bf16). Until the comparison can exclude elements whose pre-activation lies within rounding of
-  // a kink, those gradients are reported as not compared rather than failed or passed.
-  const bool kinks = cfg.activation_func == "relu" || cfg.activation_func == "squared_relu" ||
-                     (cfg.gated_linear_unit && cfg.activation_func_clamp_value);
-  if (kinks && layer.precision.params_dtype != DType::F32) {
-    TwinRun run = run_layer(layer, f, in, mode);
-    run.no_backward_reason =
-        "a " + std::string(twin::dtype_name(layer.precision.params_dtype)) +
-        " layer with activation kinks (relu, squared_relu or the GLU clamp): its gradients jump where roundings move a "
-        "pre-activation across a kink, which the rounding bound does not cover yet";
-    return run;
-  }
-  if (const auto why = layer.backward_unsupported()) {
-    TwinRun run = run_layer(layer, f, in, mode);
-    run.no_backward_reason = "the reference's backward does not cover " + *why + " yet";
-    return run;
-  }
-  if (mode.isolate) {
-    // Isolation restarts each module from the golden's own input to it; the golden records no
-    // intermediate gradients for a module's backward to restart from, so gradients are compared
-    // end to end only.
-    TwinRun run = run_layer(layer, f, in, mode);
-    run.no_backward_reason = "an isolated run compares the forward only (the golden has no intermediate gradients)";
-    return run;
-  }
-  layer.load_state_dict(StateDict(params_of(f)));
-  layer.training = f.training;
-  TwinRun run;
-  CountRoundings counting;
-  TransformerLayerSaved saved;
-  const Tensor hidden_states = layer.forward(input(f, "hidden_states", 3), in, Taps(&run.record), &saved).first;
-  run.record.add(Role::Output, "hidden_states", hidden_states);
-  // The backward's count continues from the forward's, every rounding point of it: a gradient reads
-  // activations from all of the forward.
-  const TransformerLayerGrads grads = layer.backward(f.tensor("grad_in.output"), saved);
-  const Precision p = Precision::from_config(cfg);
-  for (const ParamGrad& g : grads.params)
-    run.record.add(Role::Grad, "param." + g.name, p.to_tensor(g.value, g.shape)).magnitude = g.magnitude;
-  run.record.add(Role::Grad, "input.hidden_states", grads.hidden_states);
-  run.backward = true;
-  return run;
+  return run_layer_with_backward(layer, f, in, mode);
 }
 
 }  // namespace
@@ -165,11 +176,19 @@ TwinRun run_reference_retro_block(const Fixture& f, const RunMode& mode) {
   in.context = &input(f, "context", 3);
   in.context_mask = optional_input(f, "context_mask");
   TwinRun run;
+  const auto why = no_backward_reason(f, mode, block.backward_unsupported());
   const Substitutes substitutes = mode.isolate ? golden_substitutes(f) : nullptr;
   CountRoundings counting;
-  const Tensor hidden_states =
-      block.forward(input(f, "hidden_states", 3), in, f.training, DropoutRng{}, Taps(&run.record, "", &substitutes));
+  TransformerBlockSaved saved;
+  const Tensor hidden_states = block.forward(input(f, "hidden_states", 3), in, f.training, DropoutRng{},
+                                             Taps(&run.record, "", &substitutes), nullptr, why ? nullptr : &saved);
   run.record.add(Role::Output, "hidden_states", hidden_states);
+  if (why) {
+    run.no_backward_reason = *why;
+    return run;
+  }
+  const TransformerBlockGrads grads = block.backward(f.tensor("grad_in.output"), saved);
+  add_grads(run, block.precision, grads.params, grads.hidden_states, grads.context);
   return run;
 }
 

@@ -253,12 +253,12 @@ AttentionOutput CrossAttention::forward(const Mat& hidden_states, const Attentio
 
 AttentionOutput CrossAttention::forward_mats(const Mat& hidden_states, int sq, int b, const Mat& key_value_states,
                                              int sk, const Tensor* attention_mask, bool training, const DropoutRng& rng,
-                                             const Taps& taps) {
+                                             const Taps& taps, CrossAttentionSaved* saved) {
   if (hidden_states.rows() != static_cast<Eigen::Index>(sq) * b || hidden_states.cols() != hidden_)
     throw ShapeError("CrossAttention: hidden_states expected shape " + dims({sq, b, hidden_}));
   // Attention heads [sk, b, h] --> [sk, b, (np * 2 * hn)] --> [sk, b, np, 2 * hn] --> 2 x [sk, b, np, hn]
   const RoundingCount hidden_states_rounding = rounding_now();
-  const OutputWithBias kv_out = linear_kv.forward(key_value_states);
+  const OutputWithBias kv_out = linear_kv.forward(key_value_states, saved ? &saved->linear_kv : nullptr);
   const Mat mixed_kv = taps.record("linear_kv.0", kv_out.output, {sk, b, kv_out.output.cols()}, p_);
   // The query comes from hidden_states, not through linear_kv's tap (a no-op end to end, where the
   // count only grows; in isolation that tap reset it).
@@ -271,17 +271,50 @@ AttentionOutput CrossAttention::forward_mats(const Mat& hidden_states, int sq, i
       value.row(t * np_ + h) = mixed_kv.row(t).segment(static_cast<Eigen::Index>(h) * 2 * hn_ + hn_, hn_);
     }
   // Attention head [sq, b, h] --> [sq, b, hp] --> [sq, b, np, hn]
-  const OutputWithBias q_out = linear_q.forward(hidden_states);
+  const OutputWithBias q_out = linear_q.forward(hidden_states, saved ? &saved->linear_q : nullptr);
   const Mat q = taps.record("linear_q.0", q_out.output, {sq, b, q_out.output.cols()}, p_);
   const Mat query = Eigen::Map<const Mat>(q.data(), static_cast<Eigen::Index>(sq) * b * np_, hn_);
 
+  if (saved) {
+    saved->query = query;
+    saved->key = key;
+    saved->value = value;
+  }
   Mat core_attn_out = core_attention.forward(query, key, value, sq, sk, b, attention_mask, training, rng);
   core_attn_out = taps.record("core_attention", core_attn_out, {sq, b, core_attn_out.cols()}, p_);
 
   AttentionOutput out;
-  static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out);
+  static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out, saved ? &saved->linear_proj : nullptr);
   record_output(taps, out, sq, b, p_);
   return out;
+}
+
+CrossAttentionGrads CrossAttention::backward(const Mat& doutput, const CrossAttentionSaved& saved, int sq, int sk,
+                                             int b, const Tensor* attention_mask, bool training,
+                                             const DropoutRng& rng) const {
+  CrossAttentionGrads g;
+  const LinearGrads proj = linear_proj.backward(doutput, saved.linear_proj);
+  const CoreAttentionGrads core = core_attention.backward(proj.input, saved.query, saved.key, saved.value, sq, sk, b,
+                                                          attention_mask, training, rng);
+  // The (key, value) split's transpose: each head's gradients back into its rows of mixed_kv.
+  const Eigen::Index kv_tokens = static_cast<Eigen::Index>(sk) * b;
+  Mat dmixed_kv(kv_tokens, static_cast<Eigen::Index>(np_) * 2 * hn_);  // [sk, b, np * 2 * hn]
+  for (Eigen::Index t = 0; t < kv_tokens; ++t)
+    for (int h = 0; h < np_; ++h) {
+      dmixed_kv.row(t).segment(static_cast<Eigen::Index>(h) * 2 * hn_, hn_) = core.key.row(t * np_ + h);
+      dmixed_kv.row(t).segment(static_cast<Eigen::Index>(h) * 2 * hn_ + hn_, hn_) = core.value.row(t * np_ + h);
+    }
+  // The query's view [sq*b*np, hn] back to [sq*b, np*hn] (the same memory).
+  const Mat dq =
+      Eigen::Map<const Mat>(core.query.data(), static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);
+  const LinearGrads kv = linear_kv.backward(dmixed_kv, saved.linear_kv);
+  const LinearGrads q = linear_q.backward(dq, saved.linear_q);
+  g.hidden_states = q.input;
+  g.key_value_states = kv.input;
+  add_param_grads(g.params, "linear_q.", q);
+  add_param_grads(g.params, "linear_kv.", kv);
+  add_param_grads(g.params, "linear_proj.", proj);
+  return g;
 }
 
 }  // namespace twin::reference

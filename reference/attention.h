@@ -20,6 +20,12 @@
 // AttentionModule is the interface of the layer's self_attention and cross_attention slots; the
 // Retro helper plugs its own cross-attention in through it.
 //
+// CrossAttention's backward: linear_proj, core attention, the (key, value) split's transpose into
+// mixed_kv's rows, linear_kv (-> d key_value_states) and linear_q (-> d hidden_states); the
+// forward saves what it needs in CrossAttentionSaved. A cross-attention slot module with a
+// backward implements CrossAttentionBackward, whose backward runs through the module's bda as
+// well (Retro's modules return a dict / tuples only the bda built for them reads).
+//
 // SelfAttention's backward runs the forward's steps in reverse: linear_proj (dgrad, wgrad, bias
 // grad), core attention, RoPE, q/k layernorm, the split of mixed_qkv (its transpose: the grads
 // of q, k, v written back into their rows of the fused layout), linear_qkv. The forward saves the
@@ -119,6 +125,45 @@ class SelfAttention : public AttentionModule {
   Precision p_;
 };
 
+// What CrossAttention's backward needs from its forward.
+struct CrossAttentionSaved {
+  LinearSaved linear_q, linear_kv, linear_proj;
+  Mat query, key, value;  // the core attention's inputs [sq*b*np, hn], [sk*b*np, hn] x2
+};
+
+struct CrossAttentionGrads {
+  Mat hidden_states;     // [sq*b, h]
+  Mat key_value_states;  // [sk*b, h]
+  ParamGrads params;     // relative to the module ("linear_q.weight", ...)
+};
+
+// The backward of a cross_attention slot module together with its cross_attn_bda (the bda built
+// for it by the same spec). forward_saving is the module's forward keeping its activations in
+// `saved`; backward_with_bda takes d (the bda's output) [s*b, h] and, when the module returned a
+// context (AttentionOutput::context), d_context of it (nullptr: none reaches it).
+struct CrossAttentionWithBdaGrads {
+  Mat hidden_states;                    // d of the module's input (the pre_cross_attn_layernorm output)
+  std::optional<Mat> residual;          // d of the layer's residual; none: the bda does not read it
+  std::optional<Mat> key_value_states;  // d of args.key_value_states, rows of its [.., .., h] shape
+  ParamGrads params;                    // relative to the module
+};
+struct CrossAttentionBdaArgs {
+  double hidden_dropout = 0.0;
+  bool training = false;
+  DropoutRng rng;  // the bda's dropout stream
+};
+class CrossAttentionBackward {
+ public:
+  virtual ~CrossAttentionBackward() = default;
+  virtual AttentionOutput forward_saving(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps,
+                                         std::shared_ptr<void>* saved) = 0;
+  virtual CrossAttentionWithBdaGrads backward_with_bda(const Mat& d, const Mat* d_context, const void* saved,
+                                                       const AttentionArgs& args,
+                                                       const CrossAttentionBdaArgs& bda) const = 0;
+  // Why the backward does not cover this module's configuration, or none.
+  virtual std::optional<std::string> backward_unsupported() const { return std::nullopt; }
+};
+
 class CrossAttention : public AttentionModule {
  public:
   CrossAttention(const TransformerConfig& config, int layer_number, AttnMaskType attn_mask_type, Precision p);
@@ -126,7 +171,12 @@ class CrossAttention : public AttentionModule {
   AttentionOutput forward(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) override;
   // The same with the context already as a matrix: key_value_states [sk * b, h].
   AttentionOutput forward_mats(const Mat& hidden_states, int sq, int b, const Mat& key_value_states, int sk,
-                               const Tensor* attention_mask, bool training, const DropoutRng& rng, const Taps& taps);
+                               const Tensor* attention_mask, bool training, const DropoutRng& rng, const Taps& taps,
+                               CrossAttentionSaved* saved = nullptr);
+  // doutput [sq*b, h]: the gradient of linear_proj's output (and of its bias when handed out);
+  // the other arguments as in forward_mats.
+  CrossAttentionGrads backward(const Mat& doutput, const CrossAttentionSaved& saved, int sq, int sk, int b,
+                               const Tensor* attention_mask, bool training, const DropoutRng& rng) const;
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;
 
   Linear linear_q;   // [np * hn, h]

@@ -195,8 +195,9 @@ Mat L2Norm::forward(const Mat& x) const {
 }
 
 void add_param_grads(ParamGrads& out, const std::string& prefix, const NormGrads& g) {
-  if (g.weight.size()) out.push_back({prefix + "weight", g.weight, {g.weight.size()}, g.weight_magnitude});
-  if (g.bias.size()) out.push_back({prefix + "bias", g.bias, {g.bias.size()}, g.bias_magnitude});
+  if (g.weight.size())
+    out.push_back({prefix + g.param_prefix + "weight", g.weight, {g.weight.size()}, g.weight_magnitude});
+  if (g.bias.size()) out.push_back({prefix + g.param_prefix + "bias", g.bias, {g.bias.size()}, g.bias_magnitude});
 }
 
 std::unique_ptr<Norm> wrapped_torch_norm(const TransformerConfig& config, int hidden_size, double eps, Precision p) {

@@ -36,6 +36,7 @@ struct NormGrads {
   Mat input;
   RowVec weight, bias;
   double weight_magnitude = 0.0, bias_magnitude = 0.0;  // max sum_rows |dy x_hat| / |dy| (ParamGrad)
+  std::string param_prefix;  // where weight and bias sit below the norm's own key ("norm." of a wrapper)
 };
 
 // LayerNormInterface: forward(x) -> y of the same shape.
@@ -51,7 +52,7 @@ class Norm {
   // the output's own max |y|.
   virtual double error_magnitude(const Mat& /*x*/) const { return -1.0; }
   // dy [n, hidden], x the forward's input. ShapeError on a shape mismatch; std::logic_error for a
-  // norm without a backward (the Retro encoder's).
+  // norm without a backward.
   virtual NormGrads backward(const Mat& dy, const Mat& x) const;
 };
 

@@ -16,6 +16,12 @@
 // layer's own output "layers.<i>.0" (hidden_states) and "layers.<i>.1" (context, when there is
 // one), then "final_layernorm".
 // Dropout streams: layer i runs with offset rng.offset + 8 i (transformer_layer.h).
+//
+// Backward: forward(..., &saved) keeps each layer's TransformerLayerSaved (and the contexts the
+// layers read); backward(grad_output, saved, grad_context) runs final_layernorm's backward, then
+// the layers in reverse, each layer's d context (of the context it read) being the gradient of
+// the context the layer before it returned. Parameters' gradients under "layers.<i>." and
+// "final_layernorm.". std::logic_error for a block with a layer that has no backward.
 #pragma once
 
 #include <memory>
@@ -32,6 +38,19 @@ struct TransformerBlockSubmodules {
   NormBuilder layer_norm;  // empty: None (no final layernorm), as Retro's block specs leave it
 };
 
+struct TransformerBlockSaved {
+  std::vector<TransformerLayerSaved> layers;
+  std::vector<std::optional<Tensor>> contexts;  // the context each layer read (its saved inputs point here)
+  Mat final_layernorm_input;                    // [s*b, h] when there is a final_layernorm
+  Shape hidden_shape;                           // [s, b, h]
+};
+
+struct TransformerBlockGrads {
+  Tensor hidden_states;           // [s, b, h]
+  std::optional<Tensor> context;  // d inputs.context, when the block had one
+  ParamGrads params;              // "layers.<i>.<key>", "final_layernorm.<key>"
+};
+
 class TransformerBlock {
  public:
   TransformerBlock(const TransformerConfig& config, const TransformerBlockSubmodules& spec, Precision p,
@@ -45,7 +64,14 @@ class TransformerBlock {
   // hidden_states [s, b, h] -> [s, b, h]; inputs.context is the first layer's context. When
   // context_out is given, it receives the context the last layer returned.
   Tensor forward(const Tensor& hidden_states, const LayerInputs& inputs, bool training, const DropoutRng& rng,
-                 const Taps& taps, std::optional<Tensor>* context_out = nullptr);
+                 const Taps& taps, std::optional<Tensor>* context_out = nullptr,
+                 TransformerBlockSaved* saved = nullptr);
+  // grad_output [s, b, h] of forward's output, grad_context of the context the last layer returned
+  // (nullptr: none). ShapeError for a grad_output of another shape.
+  TransformerBlockGrads backward(const Tensor& grad_output, const TransformerBlockSaved& saved,
+                                 const Tensor* grad_context = nullptr) const;
+  // Why backward does not cover this block (the first layer without one), or none.
+  std::optional<std::string> backward_unsupported() const;
 
   const TransformerConfig config;
   const Precision precision;

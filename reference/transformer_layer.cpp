@@ -147,8 +147,14 @@ Mat TransformerLayer::apply_bda(const BdaBuilder& bda, const AttentionOutput& x_
 std::optional<std::string> TransformerLayer::backward_unsupported() const {
   if (self_attention && !dynamic_cast<const SelfAttention*>(self_attention.get()))
     return std::string("self_attention is not a SelfAttention");
-  if (pre_cross_attn_layernorm || cross_attention || cross_attn_bda)
-    return std::string("the layer has a cross-attention (Retro)");
+  if (cross_attention) {
+    const auto* ca = dynamic_cast<const CrossAttentionBackward*>(cross_attention.get());
+    if (!ca) return std::string("cross_attention has no backward (not a CrossAttentionBackward)");
+    if (!cross_attn_bda) return std::string("cross_attention without the cross_attn_bda built for it");
+    if (auto why = ca->backward_unsupported()) return "cross_attention: " + *why;
+  } else if (pre_cross_attn_layernorm || cross_attn_bda) {
+    return std::string("pre_cross_attn_layernorm or cross_attn_bda without a cross_attention");
+  }
   if (mlp)
     if (auto why = mlp_backward_unsupported()) return why;
   // Features whose backward is not implemented yet.
@@ -182,6 +188,7 @@ std::pair<Tensor, std::optional<Tensor>> TransformerLayer::forward(const Tensor&
     if (const auto why = backward_unsupported()) throw std::logic_error("TransformerLayer has no backward: " + *why);
     *saved = TransformerLayerSaved{};
     saved->inputs = inputs;
+    if (inputs.context) saved->context_shape = inputs.context->shape();
   }
   struct Reset {
     TransformerLayerSaved*& p;
@@ -248,6 +255,7 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   // Residual connection.
   residual = hidden_states;
   residual_rounding = rounding_now();
+  if (saving_) saving_->pre_cross_attn_layernorm_input = hidden_states;
   // Optional Layer norm after self-attention
   const Mat pre_cross_attn_layernorm_output =
       apply_norm(pre_cross_attn_layernorm, hidden_states, "pre_cross_attn_layernorm", s, b, taps);
@@ -258,9 +266,15 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   if (cross_attention) {
     AttentionArgs args = attention_args(inputs.context_mask, 2);
     args.key_value_states = inputs.context;
-    attention_output_with_bias =
-        cross_attention->forward(pre_cross_attn_layernorm_output, args, taps.child("cross_attention"));
+    if (saving_)
+      attention_output_with_bias = dynamic_cast<CrossAttentionBackward&>(*cross_attention)
+                                       .forward_saving(pre_cross_attn_layernorm_output, args,
+                                                       taps.child("cross_attention"), &saving_->cross_attention);
+    else
+      attention_output_with_bias =
+          cross_attention->forward(pre_cross_attn_layernorm_output, args, taps.child("cross_attention"));
     if (attention_output_with_bias.context) context = attention_output_with_bias.context;
+    if (saving_) saving_->cross_attention_context = attention_output_with_bias.context.has_value();
   } else {
     attention_output_with_bias = AttentionOutput();
     attention_output_with_bias.output = pre_cross_attn_layernorm_output;  // IdentityOp
@@ -305,7 +319,8 @@ Mat TransformerLayer::_forward_post_mlp(const OutputWithBias& mlp_output_with_bi
   return apply_bda(mlp_bda, x_with_bias, residual, residual_rounding, 4);
 }
 
-TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, const TransformerLayerSaved& saved) const {
+TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, const TransformerLayerSaved& saved,
+                                                 const Tensor* grad_context) const {
   if (const auto why = backward_unsupported()) throw std::logic_error("TransformerLayer has no backward: " + *why);
   const int s = saved.s, b = saved.b, h = config.hidden_size;
   if (s <= 0 || saved.hidden_states.rows() != static_cast<Eigen::Index>(s) * b)
@@ -313,6 +328,19 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
   if (grad_output.dim() != 3 || grad_output.size(0) != s || grad_output.size(1) != b || grad_output.size(2) != h)
     throw ShapeError("grad_output: expected the output's shape " + shape_str(Shape{s, b, h}) + ", got " +
                      shape_str(grad_output.shape()));
+  std::optional<Mat> dcontext;  // d of the context forward returned, rows of h
+  if (grad_context) {
+    const bool module_context = cross_attention && saved.cross_attention_context;
+    if (!saved.context_shape && !module_context)
+      throw ShapeError("grad_context: the layer returned no context, got " + shape_str(grad_context->shape()));
+    if (grad_context->dim() != 3 || grad_context->size(2) != h ||
+        (!module_context && grad_context->shape() != *saved.context_shape))
+      throw ShapeError("grad_context: expected the returned context's shape" +
+                       (module_context ? std::string(" [.., .., ") + std::to_string(h) + "]"
+                                       : " " + shape_str(*saved.context_shape)) +
+                       ", got " + shape_str(grad_context->shape()));
+    dcontext = to_mat(*grad_context, grad_context->numel() / h, h, "grad_context");
+  }
   const Eigen::Index n = static_cast<Eigen::Index>(s) * b;
   const Mat dout = to_mat(grad_output, n, h, "grad_output");  // [s*b, h]
   TransformerLayerGrads g;
@@ -348,6 +376,39 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
     d = ng.input;
   }
   d = sum_uses(d, mlp_bda_grads.residual);
+
+  // [Module 6 .. 4] cross_attn_bda with cross_attention, pre_cross_attn_layernorm
+  std::optional<Mat> dcontext_in;  // d inputs.context
+  if (cross_attention) {
+    AttentionArgs args;
+    args.s = s;
+    args.b = b;
+    args.attention_mask = saved.inputs.context_mask;
+    args.training = training;
+    args.rng = rng.with_offset(rng.offset + 2);
+    const CrossAttentionBdaArgs bda{hidden_dropout, training, rng.with_offset(rng.offset + 3)};
+    const bool module_context = saved.cross_attention_context;
+    CrossAttentionWithBdaGrads cg = dynamic_cast<const CrossAttentionBackward&>(*cross_attention)
+                                        .backward_with_bda(d, module_context && dcontext ? &*dcontext : nullptr,
+                                                           saved.cross_attention.get(), args, bda);
+    add("cross_attention.", cg.params);
+    Mat dn = std::move(cg.hidden_states);
+    if (pre_cross_attn_layernorm) {
+      const NormGrads ng = pre_cross_attn_layernorm->backward(dn, saved.pre_cross_attn_layernorm_input);
+      add_param_grads(g.params, "pre_cross_attn_layernorm.", ng);
+      dn = ng.input;
+    }
+    d = cg.residual ? sum_uses(dn, *cg.residual) : dn;
+    dcontext_in = std::move(cg.key_value_states);
+    // A module that returns no context: the layer passes inputs.context through as its context.
+    if (!module_context && dcontext) dcontext_in = dcontext_in ? sum_uses(*dcontext_in, *dcontext) : *dcontext;
+  } else if (dcontext) {
+    dcontext_in = dcontext;  // the context passes through the layer
+  }
+  if (saved.context_shape) {
+    const Shape& cs = *saved.context_shape;
+    g.context = precision.to_tensor(dcontext_in ? *dcontext_in : Mat::Zero(shape_numel(cs) / h, h), cs);
+  }
 
   // [Module 3 .. 1] self_attn_bda, self_attention, input_layernorm
   const BiasDropoutAddGrads attn_bda_grads = bda_backward(self_attn_bda, d, 1);

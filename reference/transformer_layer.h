@@ -42,20 +42,28 @@
 // AttentionModule (a dict-style output puts "context" in AttentionOutput::context and its payload
 // in ::extra); the bda slots take any BdaBuilder (Retro's bda reads ::extra).
 //
-// Backward (the dense layer: SelfAttention, MLP, torch norms, get_bias_dropout_add's bda or
-// IdentityFuncOp, no cross-attention): forward(..., &saved) runs the forward and keeps every
+// Backward (SelfAttention, MLP, torch norms, get_bias_dropout_add's bda or IdentityFuncOp, and
+// a cross-attention with CrossAttentionBackward): forward(..., &saved) runs the forward and keeps every
 // activation the backward needs in one TransformerLayerSaved; backward(grad_output, saved) runs
 // the forward's steps in reverse:
 //   mlp_bda:  d residual = d out; d mlp output = dropout's backward (the forward's mask)
 //   mlp, pre_mlp_layernorm backward; d hidden = d norm input + d residual (autograd's sum of the
 //     two uses of hidden_states, stored in the activation dtype)
 //   self_attn_bda, self_attention, input_layernorm the same way -> d hidden_states (input).
+//   A cross-attention slot (Retro's decoder / encoder cross-attention) runs its backward together
+//   with its bda's (CrossAttentionBackward, attention.h), between the two: d of the hidden states
+//   after cross_attn_bda -> d of the module's input -> pre_cross_attn_layernorm backward, summed
+//   with the residual's gradient when the bda reads the residual (Retro's encoder bda does not).
+//   The context: backward's grad_context is the gradient of the context forward returned; a
+//   layer whose cross-attention returns no context passes the context through (d context in =
+//   d context out), one that returns one hands grad_context to the module. TransformerLayerGrads::
+//   context is the gradient of inputs.context (none when the layer had no context).
 // Each parameter's gradient is listed under its state_dict key. The mlp slot's forward-with-saving
 // and backward are virtual (forward_mlp_saving, backward_mlp, mlp_backward_unsupported): a subclass
 // with another module there (MoETransformerLayer's MoELayer) supplies its own and keeps what its
 // backward needs in TransformerLayerSaved::mlp_module. A layer with a module that has no backward
-// (Retro's cross-attention) throws std::logic_error naming it from forward with `saved`, before
-// computing anything.
+// (a cross-attention without CrossAttentionBackward) throws std::logic_error naming it from forward
+// with `saved`, before computing anything.
 #pragma once
 
 #include <functional>
@@ -164,17 +172,24 @@ struct MlpModuleSaved {
 // Every activation TransformerLayer's backward reads, saved by forward(..., &saved).
 struct TransformerLayerSaved {
   int s = 0, b = 0;
-  LayerInputs inputs;                 // the forward's masks and RoPE angles (pointers: the caller's tensors)
-  Mat hidden_states;                  // [s*b, h] the layer's input (input_layernorm's input, first residual)
-  SelfAttentionSaved self_attention;  // linear_qkv / linear_proj inputs, q, k, v, q/k layernorm inputs, RoPE angles
-  Mat pre_mlp_layernorm_input;        // [s*b, h] hidden_states after self_attn_bda (the second residual)
-  MlpSaved mlp;                       // linear_fc1 / linear_fc2 inputs, the activation's input
+  // The forward's masks and RoPE angles (pointers: the caller's tensors, which must outlive backward;
+  // backward does not read inputs.context, whose shape is context_shape).
+  LayerInputs inputs;
+  Mat hidden_states;                      // [s*b, h] the layer's input (input_layernorm's input, first residual)
+  SelfAttentionSaved self_attention;      // linear_qkv / linear_proj inputs, q, k, v, q/k layernorm inputs, RoPE angles
+  Mat pre_cross_attn_layernorm_input;     // [s*b, h] hidden_states after self_attn_bda (the second residual)
+  std::shared_ptr<void> cross_attention;  // the cross-attention module's own saved activations
+  bool cross_attention_context = false;   // the cross-attention returned a context (Retro decoder)
+  std::optional<Shape> context_shape;     // inputs.context's shape, when there was one
+  Mat pre_mlp_layernorm_input;            // [s*b, h] hidden_states after cross_attn_bda (the last residual)
+  MlpSaved mlp;                           // linear_fc1 / linear_fc2 inputs, the activation's input
   std::shared_ptr<MlpModuleSaved> mlp_module;  // instead of `mlp` for another module (MoE)
 };
 
 struct TransformerLayerGrads {
-  Tensor hidden_states;  // [s, b, h] in the activation dtype (F64 in Exact mode)
-  ParamGrads params;     // by full state_dict key ("self_attention.linear_qkv.weight", ...)
+  Tensor hidden_states;           // [s, b, h] in the activation dtype (F64 in Exact mode)
+  std::optional<Tensor> context;  // d inputs.context, its shape, when the layer had a context
+  ParamGrads params;              // by full state_dict key ("self_attention.linear_qkv.weight", ...)
 };
 
 class TransformerLayer : public BaseTransformerLayer {
@@ -196,9 +211,11 @@ class TransformerLayer : public BaseTransformerLayer {
   // (see above).
   std::pair<Tensor, std::optional<Tensor>> forward(const Tensor& hidden_states, const LayerInputs& inputs,
                                                    const Taps& taps, TransformerLayerSaved* saved);
-  // grad_output [s, b, h] (the gradient of forward's output) -> gradients of the input and of every
-  // parameter. ShapeError for grad_output of another shape than the saved forward's output.
-  TransformerLayerGrads backward(const Tensor& grad_output, const TransformerLayerSaved& saved) const;
+  // grad_output [s, b, h] (the gradient of forward's output) and grad_context (of the context it
+  // returned; nullptr: none) -> gradients of the inputs and of every parameter. ShapeError for
+  // grad_output or grad_context of another shape than the saved forward's output / context.
+  TransformerLayerGrads backward(const Tensor& grad_output, const TransformerLayerSaved& saved,
+                                 const Tensor* grad_context = nullptr) const;
   // Whether backward supports this layer's modules (else the reason, e.g. "mlp is not an MLP").
   std::optional<std::string> backward_unsupported() const;
   // The mlp slot's part of the three above: the module's forward keeping what its backward needs in

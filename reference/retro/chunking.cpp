@@ -1,6 +1,7 @@
 #include "reference/retro/chunking.h"
 
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 namespace twin::reference::retro {
@@ -43,6 +44,24 @@ Mat gather_rows(const Mat& x, const RowMap& map) {
     if (map[i] >= x.rows())
       throw ShapeError("gather_rows: row " + std::to_string(map[i]) + " out of " + std::to_string(x.rows()));
     out.row(static_cast<Eigen::Index>(i)) = x.row(static_cast<Eigen::Index>(map[i]));
+  }
+  return out;
+}
+
+Mat scatter_rows(const Mat& dy, const RowMap& map, Eigen::Index rows) {
+  if (dy.rows() != static_cast<Eigen::Index>(map.size()))
+    throw ShapeError("scatter_rows: " + std::to_string(dy.rows()) + " gradient rows for a map of " +
+                     std::to_string(map.size()));
+  Mat out = Mat::Zero(rows, dy.cols());
+  std::vector<bool> hit(static_cast<std::size_t>(rows), false);
+  for (std::size_t i = 0; i < map.size(); ++i) {
+    if (map[i] < 0) continue;
+    if (map[i] >= rows)
+      throw ShapeError("scatter_rows: row " + std::to_string(map[i]) + " out of " + std::to_string(rows));
+    if (hit[static_cast<std::size_t>(map[i])])
+      throw std::logic_error("scatter_rows: row " + std::to_string(map[i]) + " is read twice by the map");
+    hit[static_cast<std::size_t>(map[i])] = true;
+    out.row(map[i]) = dy.row(static_cast<Eigen::Index>(i));
   }
   return out;
 }

@@ -23,6 +23,11 @@ using RowMap = std::vector<std::int64_t>;
 Tensor gather_rows(const Tensor& x, const RowMap& map, Shape out_shape);  // rows of d = x.shape.back()
 Mat gather_rows(const Mat& x, const RowMap& map);                         // [rows, d] -> [map.size(), d]
 
+// gather_rows' backward: out [rows, d] with out.row(map[o]) = dy.row(o), zero rows where no o
+// maps. Every Retro reshuffle reads each source row at most once (std::logic_error otherwise), so
+// no two gradients meet in a row: nothing is summed, nothing rounds.
+Mat scatter_rows(const Mat& dy, const RowMap& map, Eigen::Index rows);  // [map.size(), d] -> [rows, d]
+
 RowMap chunk_encoder_context_map(std::int64_t ns, std::int64_t bs, std::int64_t m);
 RowMap pad_attending_chunks_map(std::int64_t ns, std::int64_t bs, std::int64_t m);
 RowMap unchunk_decoder_output_map(std::int64_t m, std::int64_t ns, std::int64_t bs, std::int64_t l, std::int64_t pad);

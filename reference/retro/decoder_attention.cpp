@@ -19,8 +19,35 @@ void RetroDecoderCrossAttention::load_state_dict(const StateDict& sd, const std:
   if (encoder) encoder->load_state_dict(sd, prefix + "encoder.");
 }
 
+namespace {
+
+// What the module's backward reads from its forward.
+struct RetroDecoderSaved {
+  std::int64_t ns = 0, bs = 0, l = 0, pad = 0;
+  CrossAttentionSaved attn;
+  TransformerBlockSaved encoder;  // the first Retro layer's
+};
+
+}  // namespace
+
 AttentionOutput RetroDecoderCrossAttention::forward(const Mat& hidden_states, const AttentionArgs& args,
                                                     const Taps& taps) {
+  return forward_saving(hidden_states, args, taps, nullptr);
+}
+
+std::optional<std::string> RetroDecoderCrossAttention::backward_unsupported() const {
+  if (encoder)
+    if (auto why = encoder->backward_unsupported()) return "the encoder's " + *why;
+  return std::nullopt;
+}
+
+AttentionOutput RetroDecoderCrossAttention::forward_saving(const Mat& hidden_states, const AttentionArgs& args,
+                                                           const Taps& taps, std::shared_ptr<void>* saved) {
+  std::shared_ptr<RetroDecoderSaved> st;
+  if (saved) {
+    st = std::make_shared<RetroDecoderSaved>();
+    *saved = st;
+  }
   // hidden_states: [ ns, bs, d ]
   const std::int64_t m = retro_chunk_length, k = retro_num_neighbors, r = retro_retrieved_length;
   const std::int64_t ns = args.s, bs = args.b, d = config_.hidden_size;
@@ -59,8 +86,9 @@ AttentionOutput RetroDecoderCrossAttention::forward(const Mat& hidden_states, co
     encoder_inputs.context_mask = nullptr;  // get_all_true_mask returns None
     DropoutRng encoder_rng = args.rng.with_offset(args.rng.offset + (std::uint64_t{1} << 40));
     const RoundingCount hidden_states_rounding = rounding_now();
-    const Tensor encoded = taps.record(
-        "encoder", encoder->forward(kv_in, encoder_inputs, args.training, encoder_rng, taps.child("encoder")));
+    const Tensor encoded =
+        taps.record("encoder", encoder->forward(kv_in, encoder_inputs, args.training, encoder_rng,
+                                                taps.child("encoder"), nullptr, st ? &st->encoder : nullptr));
     // The attending chunks come from hidden_states, not through the encoder's tap (a no-op end to
     // end, where the count only grows; in isolation that tap reset it).
     rounding_join(hidden_states_rounding);
@@ -79,10 +107,16 @@ AttentionOutput RetroDecoderCrossAttention::forward(const Mat& hidden_states, co
   const Mat padded_chunked_output = gather_rows(hidden_states, pad_attending_chunks_map(ns, bs, m));
 
   // Attend to encoded neighbors (mask None).
-  AttentionOutput out =
-      attn.forward_mats(padded_chunked_output, static_cast<int>(m), static_cast<int>(bs * l),
-                        to_mat(key_value_states, r * k * bs * l, d, "key_value_states"), static_cast<int>(r * k),
-                        /*attention_mask=*/nullptr, args.training, args.rng, taps.child("attn"));
+  AttentionOutput out = attn.forward_mats(
+      padded_chunked_output, static_cast<int>(m), static_cast<int>(bs * l),
+      to_mat(key_value_states, r * k * bs * l, d, "key_value_states"), static_cast<int>(r * k),
+      /*attention_mask=*/nullptr, args.training, args.rng, taps.child("attn"), st ? &st->attn : nullptr);
+  if (st) {
+    st->ns = ns;
+    st->bs = bs;
+    st->l = l;
+    st->pad = pad;
+  }
 
   // Return dimensions for bias-dropout step.
   out.output = taps.record("attention_output", out.output, {m, bs * l, d}, p_);
@@ -90,6 +124,54 @@ AttentionOutput RetroDecoderCrossAttention::forward(const Mat& hidden_states, co
   out.context = taps.record("context", key_value_states);
   out.extra = std::make_shared<RetroDecoderChunking>(RetroDecoderChunking{ns, bs, d, l, pad, m});
   return out;
+}
+
+CrossAttentionWithBdaGrads RetroDecoderCrossAttention::backward_with_bda(const Mat& d, const Mat* d_context,
+                                                                         const void* saved, const AttentionArgs& args,
+                                                                         const CrossAttentionBdaArgs& bda) const {
+  const auto* st = static_cast<const RetroDecoderSaved*>(saved);
+  if (!st || st->ns <= 0)
+    throw std::logic_error("RetroDecoderCrossAttention backward: `saved` was not filled by forward_saving");
+  const std::int64_t m = retro_chunk_length, k = retro_num_neighbors, r = retro_retrieved_length;
+  const std::int64_t ns = st->ns, bs = st->bs, l = st->l, pad = st->pad, h = config_.hidden_size;
+  if (d.rows() != ns * bs || d.cols() != h)
+    throw ShapeError("RetroDecoderCrossAttention backward: d has " + std::to_string(d.rows()) + " x " +
+                     std::to_string(d.cols()) + " rows, expected [ns, bs, d] = [" + std::to_string(ns) + ", " +
+                     std::to_string(bs) + ", " + std::to_string(h) + "]");
+  if (d_context && (d_context->rows() != r * k * bs * l || d_context->cols() != h))
+    throw ShapeError("RetroDecoderCrossAttention backward: d context has " + std::to_string(d_context->rows()) + " x " +
+                     std::to_string(d_context->cols()) + " rows, expected [r * k, bs * l, d] = [" +
+                     std::to_string(r * k) + ", " + std::to_string(bs * l) + ", " + std::to_string(h) + "]");
+  CrossAttentionWithBdaGrads g;
+  // RetroDecoderBiasDropoutAdd: d residual = d; the unchunking's transpose; dropout's backward.
+  g.residual = d;
+  Mat dx = scatter_rows(d, unchunk_decoder_output_map(m, ns, bs, l, pad), m * bs * l);  // [m, bs*l, d]
+  dx = dropout_backward(dx, bda.hidden_dropout, bda.training, bda.rng, p_);
+  // attn (mask None) on the attending chunks and key_value_states [r*k, bs*l, d].
+  CrossAttentionGrads ag = attn.backward(dx, st->attn, static_cast<int>(m), static_cast<int>(r * k),
+                                         static_cast<int>(bs * l), /*attention_mask=*/nullptr, args.training, args.rng);
+  for (ParamGrad& pg : ag.params) g.params.push_back({"attn." + pg.name, std::move(pg.value), pg.shape, pg.magnitude});
+  Mat dhidden = scatter_rows(ag.hidden_states, pad_attending_chunks_map(ns, bs, m), ns * bs);  // [ns, bs, d]
+  Mat dkv = std::move(ag.key_value_states);                                                    // [r*k, bs*l, d]
+  if (d_context) {
+    dkv = p_.act(dkv + *d_context);  // rounds: accumulated gradient, activation dtype
+    p_.count_act();
+  }
+  if (!encoder) {
+    g.key_value_states = std::move(dkv);
+    g.hidden_states = std::move(dhidden);
+    return g;
+  }
+  // The encoder: d of its output [r, k*bs*l, d] (the same memory as [r*k, bs*l, d]).
+  const TransformerBlockGrads eg = encoder->backward(p_.to_tensor(dkv, {r, k * bs * l, h}), st->encoder);
+  for (const ParamGrad& pg : eg.params) g.params.push_back({"encoder." + pg.name, pg.value, pg.shape, pg.magnitude});
+  g.key_value_states = to_mat(eg.hidden_states, r * k * bs * l, h, "encoder grad");  // d neighbour embeddings
+  if (!eg.context) throw std::logic_error("RetroDecoderCrossAttention backward: the encoder returned no d context");
+  const Mat dchunked = to_mat(*eg.context, m * bs * l, h, "encoder d context");  // d chunked_output
+  // hidden_states fed the chunking and the attending chunks: autograd sums the two (stored).
+  g.hidden_states = p_.act(dhidden + scatter_rows(dchunked, chunk_encoder_context_map(ns, bs, m), ns * bs));
+  p_.count_act();  // rounds: accumulated gradient, activation dtype
+  return g;
 }
 
 Mat retro_decoder_bias_dropout_add(const AttentionOutput& x_with_bias, const Mat& residual, double prob, bool training,

@@ -25,6 +25,15 @@
 //
 // Dropout streams: the encoder block's layer i uses offset rng.offset + 2^40 + 8 i of the
 // attention stream the layer hands this module; the chunked cross attention uses the stream itself.
+//
+// Backward (RetroDecoderCrossAttention with RetroDecoderBiasDropoutAdd, CrossAttentionBackward):
+//   d residual = d out; d x = the unchunking's transpose of d out (zero where no token attends),
+//   then dropout's backward; attn's backward -> d padded_chunked_output and d key_value_states;
+//   d key_value_states += d context (the context this module returned is key_value_states itself:
+//   autograd sums the two, stored: rounds). Later layers: that is d key_value_states of the layer's
+//   input. First layer: it is d of the encoder's output; the encoder block's backward gives d of
+//   the neighbour embeddings and d chunked_output (the encoder layers' context), whose chunking's
+//   transpose is summed (rounds) with the attending chunks' transpose into d hidden_states.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +57,7 @@ struct RetroDecoderChunking {
   std::int64_t m = 0;
 };
 
-class RetroDecoderCrossAttention : public BaseRetroCrossAttention {
+class RetroDecoderCrossAttention : public BaseRetroCrossAttention, public CrossAttentionBackward {
  public:
   // encoder: the block built from get_retro_encoder_block_spec, for the first Retro decoder layer
   // only (nullptr otherwise).
@@ -61,6 +70,14 @@ class RetroDecoderCrossAttention : public BaseRetroCrossAttention {
   // [r*k, bs*l, d]. ShapeError naming the expected and the actual shape when they do not fit.
   AttentionOutput forward(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) override;
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;  // attn.*, encoder.*
+
+  AttentionOutput forward_saving(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps,
+                                 std::shared_ptr<void>* saved) override;
+  // d [ns * bs, d] of the bda's output; d_context of the returned context [r*k, bs*l, d] or null.
+  CrossAttentionWithBdaGrads backward_with_bda(const Mat& d, const Mat* d_context, const void* saved,
+                                               const AttentionArgs& args,
+                                               const CrossAttentionBdaArgs& bda) const override;
+  std::optional<std::string> backward_unsupported() const override;
 
   std::unique_ptr<TransformerBlock> encoder;
 };

@@ -16,9 +16,82 @@ AttentionOutput RetroEncoderCrossAttention::forward(const Mat& hidden_states, co
   return out;
 }
 
-std::vector<RetroEncoderAttentionTuple> RetroEncoderCrossAttention::forward_tuples(const Mat& hidden_states,
-                                                                                   const AttentionArgs& args,
-                                                                                   const Taps& taps) {
+namespace {
+
+// What the module's backward reads from its forward.
+struct RetroEncoderSaved {
+  std::int64_t r = 0, N = 0, k = 0, sk = 0;  // N = bs*l, sk = m
+  std::vector<CrossAttentionSaved> attn;     // per neighbour
+};
+
+}  // namespace
+
+AttentionOutput RetroEncoderCrossAttention::forward_saving(const Mat& hidden_states, const AttentionArgs& args,
+                                                           const Taps& taps, std::shared_ptr<void>* saved) {
+  if (!saved) return forward(hidden_states, args, taps);
+  auto st = std::make_shared<RetroEncoderSaved>();
+  auto tuples = std::make_shared<RetroEncoderAttentionTuples>();
+  tuples->tuples = forward_tuples(hidden_states, args, taps, &st->attn);
+  tuples->batch = args.key_value_states->size(1);
+  st->r = retro_retrieved_length;
+  st->k = retro_num_neighbors;
+  st->N = tuples->batch;
+  st->sk = args.key_value_states->size(0);
+  *saved = st;
+  AttentionOutput out;
+  out.extra = tuples;
+  return out;
+}
+
+CrossAttentionWithBdaGrads RetroEncoderCrossAttention::backward_with_bda(const Mat& d, const Mat* d_context,
+                                                                         const void* saved, const AttentionArgs& args,
+                                                                         const CrossAttentionBdaArgs& bda) const {
+  const auto* st = static_cast<const RetroEncoderSaved*>(saved);
+  if (!st || st->attn.size() != static_cast<std::size_t>(st->k) || st->k <= 0)
+    throw std::logic_error("RetroEncoderCrossAttention backward: `saved` was not filled by forward_saving");
+  if (d_context) throw std::logic_error("RetroEncoderCrossAttention backward: the module returns no context");
+  const std::int64_t r = st->r, N = st->N, k = st->k, sk = st->sk, h = config_.hidden_size;
+  const Eigen::Index rows = static_cast<Eigen::Index>(r * N);  // one neighbour's [r, bs*l] rows
+  if (d.rows() != k * rows || d.cols() != h)
+    throw ShapeError("RetroEncoderCrossAttention backward: d has " + std::to_string(d.rows()) + " x " +
+                     std::to_string(d.cols()) + " rows, expected [r, k*bs*l, d] = [" + std::to_string(r) + ", " +
+                     std::to_string(k * N) + ", " + std::to_string(h) + "]");
+  // RetroEncoderBiasDropoutAdd: the stack's transpose, the k outputs one after another.
+  const Mat douts = scatter_rows(d, stack_neighbors_map(r, N, k), k * rows);
+  CrossAttentionWithBdaGrads g;
+  g.hidden_states = Mat::Zero(k * rows, h);
+  Mat dkv;  // [m * bs*l, d]
+  ParamGrads params;
+  for (std::int64_t n = 0; n < k; ++n) {
+    const Mat dout = douts.middleRows(n * rows, rows);  // [r, bs*l, d]; also d residual_n
+    const Mat dx = dropout_backward(dout, bda.hidden_dropout, bda.training, neighbour_rng(bda.rng, n), p_);
+    CrossAttentionGrads ag =
+        attn.backward(dx, st->attn[static_cast<std::size_t>(n)], static_cast<int>(r), static_cast<int>(sk),
+                      static_cast<int>(N), /*attention_mask=*/nullptr, args.training, neighbour_rng(args.rng, n));
+    // chunked_output_n fed the attention's query and the residual: autograd sums the two (stored).
+    const Mat dchunked = p_.act(ag.hidden_states + dout);  // rounds: accumulated gradient, activation dtype
+    p_.count_act();
+    g.hidden_states += scatter_rows(dchunked, split_neighbors_map(r, N, k, n), k * rows);  // disjoint rows
+    if (n == 0) {
+      dkv = std::move(ag.key_value_states);
+      params = std::move(ag.params);
+      continue;
+    }
+    dkv = p_.act(dkv + ag.key_value_states);  // rounds: accumulated gradient, activation dtype
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      params[i].value = p_.act(params[i].value + ag.params[i].value);  // rounds: accumulated .grad, param dtype
+      // max over elements of the summed |terms| <= the sum of the neighbours' maxima
+      params[i].magnitude += ag.params[i].magnitude;
+    }
+    p_.count_act();
+  }
+  g.key_value_states = std::move(dkv);
+  for (ParamGrad& pg : params) g.params.push_back({"attn." + pg.name, std::move(pg.value), pg.shape, pg.magnitude});
+  return g;  // no residual gradient: the bda does not read the layer's residual
+}
+
+std::vector<RetroEncoderAttentionTuple> RetroEncoderCrossAttention::forward_tuples(
+    const Mat& hidden_states, const AttentionArgs& args, const Taps& taps, std::vector<CrossAttentionSaved>* saved) {
   if (!args.key_value_states)
     throw std::invalid_argument(
         "RetroEncoderCrossAttention: key_value_states (the chunked decoder hidden states) "
@@ -52,9 +125,11 @@ std::vector<RetroEncoderAttentionTuple> RetroEncoderCrossAttention::forward_tupl
     // - attention_output: [ r, bs*l, d ]
     // - attention_bias:   [ d ]
     const Mat chunked_output = gather_rows(hidden_states, split_neighbors_map(r, N, k, n));
-    AttentionOutput attention = attn.forward_mats(chunked_output, static_cast<int>(r), static_cast<int>(N),
-                                                  key_value_states, static_cast<int>(sk), /*attention_mask=*/nullptr,
-                                                  args.training, neighbour_rng(args.rng, n), taps.child("attn"));
+    if (saved) saved->emplace_back();
+    AttentionOutput attention =
+        attn.forward_mats(chunked_output, static_cast<int>(r), static_cast<int>(N), key_value_states,
+                          static_cast<int>(sk), /*attention_mask=*/nullptr, args.training, neighbour_rng(args.rng, n),
+                          taps.child("attn"), saved ? &saved->back() : nullptr);
 
     // Residual connection. [ r, bs*l, d ]
     const std::string i = std::to_string(n);
@@ -115,6 +190,12 @@ void RetroEncoderLayerNorm::load_state_dict(const StateDict& sd, const std::stri
 }
 
 Mat RetroEncoderLayerNorm::forward(const Mat& x) const { return norm->forward(x); }
+
+NormGrads RetroEncoderLayerNorm::backward(const Mat& dy, const Mat& x) const {
+  NormGrads g = norm->backward(dy, x);
+  g.param_prefix = "norm." + g.param_prefix;
+  return g;
+}
 
 Mat RetroEncoderLayerNorm::forward_split(const Mat& input, std::int64_t K) const {
   // Input shape: [ r, k*bs*l, d ]. Split into 'num_neighbors' column blocks.

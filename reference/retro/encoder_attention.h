@@ -17,6 +17,17 @@
 //
 // Dropout streams: neighbour n's attention dropout and bias-dropout-add use offset
 // rng.offset + (n + 1) * 2^32 of the stream the layer hands them (layer offsets stay below 2^32).
+//
+// Backward (RetroEncoderCrossAttention with RetroEncoderBiasDropoutAdd, CrossAttentionBackward):
+//   the stack's transpose gives d out_n of each neighbour; d residual_n = d out_n; d (attention
+//   output + bias) = dropout's backward; attn's backward -> d chunked_output_n (the query path)
+//   and d key_value_states; d chunked_output_n = the two summed (autograd, stored: rounds);
+//   the split's transpose puts each neighbour's rows back into d hidden_states. The k neighbours'
+//   d key_value_states and attn's parameter gradients are accumulated in neighbour order, each
+//   addition stored in the activation / parameter dtype (rounds). The layer's residual gets no
+//   gradient: this bda does not read it.
+// RetroEncoderLayerNorm's backward is its norm's on every row (forward's split and stack move
+// whole rows); its parameters' gradients sit under "norm.".
 #pragma once
 
 #include <cstdint>
@@ -46,7 +57,7 @@ struct RetroEncoderAttentionTuples {
   std::int64_t batch = 0;  // bs * l
 };
 
-class RetroEncoderCrossAttention : public BaseRetroCrossAttention {
+class RetroEncoderCrossAttention : public BaseRetroCrossAttention, public CrossAttentionBackward {
  public:
   RetroEncoderCrossAttention(const TransformerConfig& config, int layer_number, AttnMaskType attn_mask_type,
                              Precision p)
@@ -56,8 +67,17 @@ class RetroEncoderCrossAttention : public BaseRetroCrossAttention {
   // the chunked decoder hidden states [m, bs*l, d]. ShapeError naming both shapes when they do
   // not fit. The tuples go to AttentionOutput::extra (output and bias stay empty).
   AttentionOutput forward(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps) override;
+  // saved: when given, each neighbour's attn activations (one CrossAttentionSaved per neighbour).
   std::vector<RetroEncoderAttentionTuple> forward_tuples(const Mat& hidden_states, const AttentionArgs& args,
-                                                         const Taps& taps);
+                                                         const Taps& taps,
+                                                         std::vector<CrossAttentionSaved>* saved = nullptr);
+
+  AttentionOutput forward_saving(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps,
+                                 std::shared_ptr<void>* saved) override;
+  // d [r * k*bs*l, d] of the bda's output; d_context must be null (the module returns no context).
+  CrossAttentionWithBdaGrads backward_with_bda(const Mat& d, const Mat* d_context, const void* saved,
+                                               const AttentionArgs& args,
+                                               const CrossAttentionBdaArgs& bda) const override;
 };
 
 // RetroEncoderBiasDropoutAdd._forward: k tuples of [r * bs*l, d] -> [r * (k*bs*l), d],
@@ -83,6 +103,7 @@ class RetroEncoderLayerNorm : public Norm {
   int hidden_size() const override { return norm->hidden_size(); }
   RowVec weight() const override { return norm->weight(); }
   double error_magnitude(const Mat& x) const override { return norm->error_magnitude(x); }
+  NormGrads backward(const Mat& dy, const Mat& x) const override;
 
   std::unique_ptr<Norm> norm;
   int retro_num_neighbors;
