@@ -16,7 +16,9 @@
 //     representable) parameters and inputs, for measuring how far any implementation is from it.
 //   ComputeMode::Fast  FP32's rounding points, but the GEMMs (linear layers, attention's q k^T and
 //     probs v) accumulate in fp32 through a BLAS (reference/fast_gemm.h) in the library's order,
-//     as Megatron's own GEMMs do, instead of in double. Everything else is FP32 mode's code. Its
+//     as Megatron's own GEMMs do, instead of in double; GeLU / SiLU, and with 16-bit activations
+//     the attention softmax, run in fp32 arithmetic (a few fp32 ulps between the same stores).
+//     Everything else is FP32 mode's code, in fused loops with the same roundings. Its
 //     results stay within the counted bound of Exact (parity::golden_bound: a reduction
 //     accumulated in fp32 is one of the rounding points counted, 2 gamma_K(u_fp32)), so it may
 //     stand in for FP32 mode where speed matters (benchmarks, large shapes); goldens and the
