@@ -57,34 +57,41 @@ Tensor Tensor::from_vector<bool>(Shape shape, const std::vector<bool>& values) {
   return t;
 }
 
+namespace {
+template <class T, class Convert>
+void narrow(const std::vector<double>& v, std::byte* data, Convert convert) {
+  T* dst = reinterpret_cast<T*>(data);
+  for (std::size_t i = 0; i < v.size(); ++i) dst[i] = convert(v[i]);
+}
+}  // namespace
+
+// The dtype's case is chosen once, outside the loop over the values.
 Tensor Tensor::from_doubles(DType dt, Shape shape, const std::vector<double>& v) {
   if (static_cast<std::int64_t>(v.size()) != shape_numel(shape))
     throw ShapeError("Tensor::from_doubles: " + std::to_string(v.size()) + " values for shape " + shape_str(shape));
   Tensor t = empty(dt, std::move(shape));
-  for (std::size_t i = 0; i < v.size(); ++i) {
-    switch (dt) {
-      case DType::F64:
-        reinterpret_cast<double*>(t.data_)[i] = v[i];
-        break;
-      case DType::F32:
-        reinterpret_cast<float*>(t.data_)[i] = static_cast<float>(v[i]);
-        break;
-      case DType::BF16:
-        reinterpret_cast<bf16_t*>(t.data_)[i] = bf16_t(static_cast<float>(v[i]));
-        break;
-      case DType::F16:
-        reinterpret_cast<fp16_t*>(t.data_)[i] = fp16_t(static_cast<float>(v[i]));
-        break;
-      case DType::I64:
-        reinterpret_cast<std::int64_t*>(t.data_)[i] = static_cast<std::int64_t>(v[i]);
-        break;
-      case DType::I32:
-        reinterpret_cast<std::int32_t*>(t.data_)[i] = static_cast<std::int32_t>(v[i]);
-        break;
-      case DType::BOOL:
-        t.data_[i] = std::byte(v[i] != 0 ? 1 : 0);
-        break;
-    }
+  switch (dt) {
+    case DType::F64:
+      narrow<double>(v, t.data_, [](double x) { return x; });
+      break;
+    case DType::F32:
+      narrow<float>(v, t.data_, [](double x) { return static_cast<float>(x); });
+      break;
+    case DType::BF16:
+      narrow<bf16_t>(v, t.data_, [](double x) { return bf16_t(static_cast<float>(x)); });
+      break;
+    case DType::F16:
+      narrow<fp16_t>(v, t.data_, [](double x) { return fp16_t(static_cast<float>(x)); });
+      break;
+    case DType::I64:
+      narrow<std::int64_t>(v, t.data_, [](double x) { return static_cast<std::int64_t>(x); });
+      break;
+    case DType::I32:
+      narrow<std::int32_t>(v, t.data_, [](double x) { return static_cast<std::int32_t>(x); });
+      break;
+    case DType::BOOL:
+      narrow<std::byte>(v, t.data_, [](double x) { return std::byte(x != 0 ? 1 : 0); });
+      break;
   }
   return t;
 }
@@ -124,9 +131,30 @@ double Tensor::at_f64(std::int64_t i) const {
   return 0.0;
 }
 
+namespace {
+template <class T>
+void widen(const std::byte* data, std::vector<double>& out) {
+  const T* src = reinterpret_cast<const T*>(data);
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<double>(static_cast<float>(src[i]));
+}
+}  // namespace
+
+// at_f64 of every element, with the dtype's case chosen once (layers read every input through here).
 std::vector<double> Tensor::to_f64() const {
   std::vector<double> r(static_cast<std::size_t>(numel()));
-  for (std::int64_t i = 0; i < numel(); ++i) r[i] = at_f64(i);
+  switch (dtype_) {
+    case DType::BF16:
+      widen<bf16_t>(data_, r);
+      break;
+    case DType::F16:
+      widen<fp16_t>(data_, r);
+      break;
+    case DType::F32:
+      widen<float>(data_, r);
+      break;
+    default:
+      for (std::size_t i = 0; i < r.size(); ++i) r[i] = at_f64(static_cast<std::int64_t>(i));
+  }
   return r;
 }
 

@@ -96,18 +96,23 @@ static int act1_stores(ActivationFunc f) {
 // which test_fast_mode checks.
 static Mat apply_activation_fast(ActivationFunc f, const Mat& x, const Precision& p) {
   using RowArrayF = Eigen::Array<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  // Each fp32 expression is evaluated into an fp32 array on its own: Eigen vectorises exp and erf
+  // only while no cast to double sits in the same expression.
   const RowArrayF xf = x.cast<float>().array();
   if (f == ActivationFunc::Silu) {
-    Mat e = (-xf).exp().cast<double>().matrix();
-    p.act_inplace(e);  // rounds: exp(-x)
-    e.array() += 1.0;
-    p.act_inplace(e);  // rounds: 1 + ...
-    Mat y = (x.array() / e.array()).matrix();
-    p.act_inplace(y);  // rounds: x / ...
+    const RowArrayF ef = (-xf).exp();
+    Mat y(x.rows(), x.cols());
+    p.with_act([&](auto act) {
+      for (Eigen::Index i = 0; i < y.size(); ++i) {
+        const double e = act(act(ef.data()[i]) + 1.0);  // rounds: exp(-x), 1 + ...
+        y.data()[i] = act(x.data()[i] / e);             // rounds: x / ...
+      }
+    });
     return y;
   }
   // Gelu: x * 0.5 * (1 + erf(x / sqrt(2))), one store
-  Mat y = (xf * 0.5f * (1.0f + (xf * static_cast<float>(M_SQRT1_2)).erf())).cast<double>().matrix();
+  const RowArrayF yf = xf * 0.5f * (1.0f + (xf * static_cast<float>(M_SQRT1_2)).erf());
+  Mat y = yf.cast<double>().matrix();
   p.act_inplace(y);  // rounds: output
   return y;
 }
@@ -142,12 +147,14 @@ Mat glu(ActivationFunc f, const Mat& x, double glu_linear_offset, std::optional<
   rounding_join(activation_path);
   p.count_act();  // the product
   Mat y(x.rows(), half);
-  for (Eigen::Index i = 0; i < y.size(); ++i) {
-    const double lin = glu_linear_offset == 0.0
-                           ? x_linear.data()[i]
-                           : p.act(x_linear.data()[i] + glu_linear_offset);  // rounds: x_linear + offset
-    y.data()[i] = p.act(a.data()[i] * lin);                                  // rounds: act(x_glu) * (...)
-  }
+  p.with_act([&](auto act) {
+    for (Eigen::Index i = 0; i < y.size(); ++i) {
+      const double lin = glu_linear_offset == 0.0
+                             ? x_linear.data()[i]
+                             : act(x_linear.data()[i] + glu_linear_offset);  // rounds: x_linear + offset
+      y.data()[i] = act(a.data()[i] * lin);                                  // rounds: act(x_glu) * (...)
+    }
+  });
   return y;
 }
 

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #if defined(TWIN_REFERENCE_DNNL)
@@ -30,22 +31,25 @@ void check_inner(const char* what, Eigen::Index ka, Eigen::Index kb) {
 #if defined(TWIN_REFERENCE_DNNL)
 // The upper half of each value's fp32 bits into `out` (a value is read as its fp32 rounding, as
 // the fp32 paths read it); false when some fp32 value is not a bf16 value (its lower half is not
-// zero), which the bf16 matmul would read wrongly.
-template <class Matrix>
-bool bf16_bits(const Matrix& m, std::vector<std::uint16_t>& out) {
-  static thread_local FMat f;
-  f = m.template cast<float>();
-  out.resize(static_cast<std::size_t>(m.size()));
-  std::uint32_t low = 0;
-  const float* src = f.data();
+// zero), which the bf16 matmul would read wrongly. One pass without calls or branches, which GCC
+// vectorises (fast_gemm.cpp is built with -O3).
+template <class Scalar>
+bool bf16_bits_n(const Scalar* src, Eigen::Index n, std::vector<std::uint16_t>& out) {
+  out.resize(static_cast<std::size_t>(n));
   std::uint16_t* dst = out.data();
-  for (Eigen::Index i = 0; i < m.size(); ++i) {
+  std::uint32_t low = 0;
+  for (Eigen::Index i = 0; i < n; ++i) {
+    const float f = static_cast<float>(src[i]);
     std::uint32_t u;
-    std::memcpy(&u, src + i, sizeof u);
+    std::memcpy(&u, &f, sizeof u);
     low |= u & 0xffffu;
     dst[i] = static_cast<std::uint16_t>(u >> 16);
   }
   return low == 0;
+}
+template <class Matrix>
+bool bf16_bits(const Matrix& m, std::vector<std::uint16_t>& out) {
+  return bf16_bits_n(m.data(), m.size(), out);
 }
 
 // c [m, n] = a [m, k] times b ([k, n], stored as [n, k] when b_transposed), both as bf16 bits.
@@ -127,6 +131,87 @@ FMat matmul_nt(const DMat& a, const DMat& b, bool inputs_bf16) {
   }
 #endif
   return matmul_nt(FMat(a.cast<float>()), FMat(b.cast<float>()), 1.0f, false);
+}
+
+namespace {
+template <class Matrix>
+void make_operand(const Matrix& m, bool inputs_bf16, std::vector<std::uint16_t>& bf16, FMat& f32) {
+#if defined(TWIN_REFERENCE_DNNL)
+  if (inputs_bf16 && m.size() > 0 && bf16_bits(m, bf16)) return;
+  bf16.clear();
+#else
+  (void)inputs_bf16, (void)bf16;
+#endif
+  f32 = m.template cast<float>();
+}
+}  // namespace
+
+GemmOperand::GemmOperand(const DMat& m, bool inputs_bf16) : rows_(m.rows()), cols_(m.cols()) {
+  make_operand(m, inputs_bf16, bf16_, f32_);
+}
+GemmOperand::GemmOperand(const FMat& m, bool inputs_bf16) : rows_(m.rows()), cols_(m.cols()) {
+  make_operand(m, inputs_bf16, bf16_, f32_);
+}
+
+FMat GemmOperand::f32() const {
+  if (!holds_bf16()) return f32_;
+  FMat f(rows_, cols_);
+  for (Eigen::Index i = 0; i < f.size(); ++i) {
+    const std::uint32_t u = std::uint32_t(bf16_[static_cast<std::size_t>(i)]) << 16;  // exact
+    std::memcpy(f.data() + i, &u, sizeof u);
+  }
+  return f;
+}
+
+namespace {
+// c = alpha a op(b) for a prepared b (op(b) = b^T when b_transposed); the shapes are checked by
+// the callers, and a is not empty.
+template <class Matrix>
+FMat gemm_prepared(const Matrix& a, const GemmOperand& b, bool b_transposed, float alpha, bool inputs_bf16) {
+  FMat c(a.rows(), b_transposed ? b.rows() : b.cols());
+#if defined(TWIN_REFERENCE_DNNL)
+  if (inputs_bf16 && b.holds_bf16()) {
+    static thread_local std::vector<std::uint16_t> ab;
+    if (bf16_bits(a, ab)) {
+      bf16_matmul(ab.data(), b.bf16_bits().data(), b_transposed, a.cols(), c);
+      if (alpha != 1.0f) c *= alpha;
+      return c;
+    }
+  }
+#endif
+  (void)inputs_bf16;
+  FMat af;
+  const FMat* ap;
+  if constexpr (std::is_same_v<Matrix, FMat>) {
+    ap = &a;
+  } else {
+    af = a.template cast<float>();
+    ap = &af;
+  }
+  if (b.holds_bf16())
+    gemm(*ap, b.f32(), b_transposed, alpha, false, c);
+  else
+    gemm(*ap, b.f32_values(), b_transposed, alpha, false, c);
+  return c;
+}
+}  // namespace
+
+FMat matmul_nt(const DMat& a, const GemmOperand& b, bool inputs_bf16) {
+  check_inner("matmul_nt", a.cols(), b.cols());
+  if (a.rows() == 0 || b.rows() == 0 || a.cols() == 0) return FMat::Zero(a.rows(), b.rows());
+  return gemm_prepared(a, b, true, 1.0f, inputs_bf16);
+}
+
+FMat matmul_nt(const FMat& a, const GemmOperand& b, float alpha, bool inputs_bf16) {
+  check_inner("matmul_nt", a.cols(), b.cols());
+  if (a.rows() == 0 || b.rows() == 0 || a.cols() == 0) return FMat::Zero(a.rows(), b.rows());
+  return gemm_prepared(a, b, true, alpha, inputs_bf16);
+}
+
+FMat matmul_nn(const FMat& a, const GemmOperand& b, bool inputs_bf16) {
+  check_inner("matmul_nn", a.cols(), b.rows());
+  if (a.rows() == 0 || b.cols() == 0 || a.cols() == 0) return FMat::Zero(a.rows(), b.cols());
+  return gemm_prepared(a, b, false, 1.0f, inputs_bf16);
 }
 
 std::string gemm_backend() {

@@ -15,7 +15,9 @@
 #pragma once
 
 #include <Eigen/Core>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace twin::reference {
 
@@ -30,6 +32,33 @@ FMat matmul_nn(const FMat& a, const FMat& b, bool inputs_bf16 = false);
 // is converted once, straight into the format the backend reads (x @ weight^T of a Linear).
 using DMat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;  // reference/precision.h's Mat
 FMat matmul_nt(const DMat& a, const DMat& b, bool inputs_bf16 = false);
+
+// A GEMM operand converted once into the format the backend reads, for one that many GEMMs read
+// unchanged (a Linear's weight): the upper halves of its fp32 bits when inputs_bf16 and every
+// value is a bf16 value and the backend has a bf16 matmul, else its fp32 values. `m`'s values
+// must be fp32 values (its fp32 rounding is what is read, as matmul_nt reads it).
+class GemmOperand {
+ public:
+  GemmOperand() = default;
+  GemmOperand(const DMat& m, bool inputs_bf16);
+  GemmOperand(const FMat& m, bool inputs_bf16);
+  Eigen::Index rows() const { return rows_; }
+  Eigen::Index cols() const { return cols_; }
+  bool holds_bf16() const { return !bf16_.empty(); }
+  const std::vector<std::uint16_t>& bf16_bits() const { return bf16_; }  // row-major, or empty
+  FMat f32() const;                                // the fp32 values (from the bf16 bits when holds_bf16())
+  const FMat& f32_values() const { return f32_; }  // the fp32 values; empty when holds_bf16()
+
+ private:
+  Eigen::Index rows_ = 0, cols_ = 0;
+  std::vector<std::uint16_t> bf16_;  // row-major bf16 bits, or empty
+  FMat f32_;                         // row-major fp32 values when bf16_ is empty
+};
+// a [m, k] times b^T, b a prepared [n, k] operand: the same sums as matmul_nt(a, b's matrix).
+FMat matmul_nt(const DMat& a, const GemmOperand& b, bool inputs_bf16 = false);
+FMat matmul_nt(const FMat& a, const GemmOperand& b, float alpha = 1.0f, bool inputs_bf16 = false);
+// a [m, k] times b, b a prepared [k, n] operand: the same sums as matmul_nn(a, b's matrix).
+FMat matmul_nn(const FMat& a, const GemmOperand& b, bool inputs_bf16 = false);
 
 // "oneDNN ...", "OpenBLAS ..." or "Eigen ...": recorded by benchmarks.
 std::string gemm_backend();

@@ -25,19 +25,40 @@ Mat bias_dropout_add(const Mat& x, const std::optional<RowVec>& bias, const Mat&
     throw ShapeError("bias_dropout_add: residual [" + std::to_string(residual_in.rows()) + ", " +
                      std::to_string(residual_in.cols()) + "] does not match x [" + std::to_string(x.rows()) + ", " +
                      std::to_string(x.cols()) + "]");
+  if (bias && bias->size() != x.cols())
+    throw ShapeError("bias_dropout_add: bias [" + std::to_string(bias->size()) +
+                     "] does not match x's last dimension " + std::to_string(x.cols()));
+  if (bias) prec.count_act();
+  prec.count_act();              // the sum; the residual was computed before x: its count is already included
+  dropout_keep_threshold(prob);  // validates prob
+  if (!training || prob == 0.0) {
+    // No dropout: the ops below in one pass (the same roundings, element by element).
+    Mat out(x.rows(), x.cols());
+    const Eigen::Index cols = x.cols();
+    prec.with_act([&](auto act) {
+      for (Eigen::Index r = 0; r < x.rows(); ++r) {
+        const double* xr = x.data() + r * cols;
+        const double* res = residual_in.data() + r * cols;
+        double* o = out.data() + r * cols;
+        if (bias) {
+          const double* bv = bias->data();
+          for (Eigen::Index c = 0; c < cols; ++c)  // rounds: x + bias; residual.to(x.dtype); residual + out
+            o[c] = act(act(res[c]) + act(xr[c] + bv[c]));
+        } else {
+          for (Eigen::Index c = 0; c < cols; ++c) o[c] = act(act(res[c]) + xr[c]);  // rounds: as above, no bias
+        }
+      }
+    });
+    return out;
+  }
   const Mat residual = prec.act(residual_in);  // rounds: residual.to(x.dtype)
   Mat h = x;
   if (bias) {
-    if (bias->size() != x.cols())
-      throw ShapeError("bias_dropout_add: bias [" + std::to_string(bias->size()) +
-                       "] does not match x's last dimension " + std::to_string(x.cols()));
     h.rowwise() += *bias;
     prec.act_inplace(h);  // rounds: x + bias, activation dtype
-    prec.count_act();
   }
   Mat out = residual + dropout(h, prob, training, rng, prec);
   prec.act_inplace(out);  // rounds: residual + out, activation dtype
-  prec.count_act();       // the residual was computed before x: its count is already included
   return out;
 }
 

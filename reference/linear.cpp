@@ -5,16 +5,28 @@
 namespace twin::reference {
 
 Linear::Linear(int input_size, int output_size, bool bias, bool skip_bias_add, Precision p)
-    : weight(Mat::Zero(output_size, input_size)),
-      bias(bias ? RowVec::Zero(output_size) : RowVec()),
+    : bias(bias ? RowVec::Zero(output_size) : RowVec()),
       input_size_(input_size),
       output_size_(output_size),
       has_bias_(bias),
       skip_bias_add_(skip_bias_add),
-      p_(p) {}
+      p_(p) {
+  set_weight(Mat::Zero(output_size, input_size));
+}
+
+void Linear::set_weight(Mat w) {
+  if (w.rows() != output_size_ || w.cols() != input_size_)
+    throw ShapeError("Linear: weight [" + std::to_string(w.rows()) + ", " + std::to_string(w.cols()) +
+                     "] does not match [output_size, input_size] = [" + std::to_string(output_size_) + ", " +
+                     std::to_string(input_size_) + "]");
+  weight_ = std::move(w);
+  // Fast mode converts the weight here, once, not in every forward. Its values are
+  // activation-dtype values (parameters are stored in it), so exact in fp32.
+  if (p_.fast()) fast_weight_ = GemmOperand(weight_, p_.params_dtype == DType::BF16);
+}
 
 void Linear::load_state_dict(const StateDict& sd, const std::string& prefix) {
-  weight = sd.matrix(prefix + "weight", output_size_, input_size_);
+  set_weight(sd.matrix(prefix + "weight", output_size_, input_size_));
   if (has_bias_) bias = sd.vector(prefix + "bias", output_size_);
 }
 
@@ -24,24 +36,36 @@ OutputWithBias Linear::forward(const Mat& x, LinearSaved* saved) const {
                      std::to_string(output_size_) + ", " + std::to_string(input_size_) + "]");
   if (saved) saved->input = x;
   OutputWithBias out;
+  const bool add_bias = has_bias_ && !skip_bias_add_;
   if (p_.fast()) {  // x and weight hold activation-dtype values: exact in fp32
-    const bool bf16 = p_.params_dtype == DType::BF16;
-    out.output = matmul_nt(x, weight, bf16).cast<double>();  // [n, out], fp32 sums
+    const FMat y = matmul_nt(x, fast_weight_, p_.params_dtype == DType::BF16);  // [n, out], fp32 sums
+    out.output.resize(y.rows(), y.cols());
+    // the two roundings below in one pass, element by element
+    const Eigen::Index cols = y.cols();
+    p_.with_act([&](auto act) {
+      for (Eigen::Index r = 0; r < y.rows(); ++r) {
+        const float* yr = y.data() + r * cols;
+        double* o = out.output.data() + r * cols;
+        if (add_bias) {
+          const double* bv = bias.data();
+          for (Eigen::Index c = 0; c < cols; ++c) o[c] = act(act(yr[c]) + bv[c]);  // rounds: GEMM output, + bias
+        } else {
+          for (Eigen::Index c = 0; c < cols; ++c) o[c] = act(yr[c]);  // rounds: GEMM output (fp32 accumulation)
+        }
+      }
+    });
   } else {
-    out.output = x * weight.transpose();  // [n, out]
-  }
-  p_.act_inplace(out.output);  // rounds: GEMM output (fp32 accumulation), activation dtype
-  p_.count_reduce(input_size_);
-  p_.count_act();
-  if (has_bias_) {
-    if (skip_bias_add_) {
-      out.bias = bias;
-    } else {
+    out.output = x * weight_.transpose();  // [n, out]
+    p_.act_inplace(out.output);            // rounds: GEMM output (fp32 accumulation), activation dtype
+    if (add_bias) {
       out.output.rowwise() += bias;
       p_.act_inplace(out.output);  // rounds: output + bias, activation dtype
-      p_.count_act();
     }
   }
+  p_.count_reduce(input_size_);
+  p_.count_act();
+  if (add_bias) p_.count_act();
+  if (has_bias_ && skip_bias_add_) out.bias = bias;
   return out;
 }
 
@@ -57,7 +81,7 @@ LinearGrads Linear::backward(const Mat& dy, const LinearSaved& saved) const {
                      std::to_string(saved.input.cols()) + "] and weight [" + std::to_string(output_size_) + ", " +
                      std::to_string(input_size_) + "]");
   LinearGrads g;
-  g.input = p_.act(dy * weight);  // rounds: dgrad GEMM output (fp32 accumulation), activation dtype
+  g.input = p_.act(dy * weight_);  // rounds: dgrad GEMM output (fp32 accumulation), activation dtype
   p_.count_reduce(output_size_);
   p_.count_act();
   // wgrad and bias grad: reductions over the rows, stored in the parameter (= activation) dtype.

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "reference/fast_gemm.h"
 #include "reference/precision.h"
 #include "reference/state_dict.h"
 
@@ -73,10 +74,15 @@ class Linear {
   bool has_bias() const { return has_bias_; }
   bool skip_bias_add() const { return skip_bias_add_; }
 
-  Mat weight;   // [output_size, input_size]
-  RowVec bias;  // [output_size] (empty without bias)
+  // The weight is set through set_weight (or load_state_dict) only: fast mode keeps it converted
+  // for its GEMM (reference/fast_gemm.h's GemmOperand), and set_weight is where that is redone.
+  const Mat& weight() const { return weight_; }  // [output_size, input_size]
+  void set_weight(Mat w);                        // ShapeError unless [output_size, input_size]
+  RowVec bias;                                   // [output_size] (empty without bias)
 
  private:
+  Mat weight_;
+  GemmOperand fast_weight_;  // weight_ as fast mode's GEMM reads it (ComputeMode::Fast only)
   int input_size_, output_size_;
   bool has_bias_, skip_bias_add_;
   Precision p_;

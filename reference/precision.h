@@ -16,7 +16,9 @@
 //     representable) parameters and inputs, for measuring how far any implementation is from it.
 //   ComputeMode::Fast  FP32's rounding points, but the GEMMs (linear layers, attention's q k^T and
 //     probs v) accumulate in fp32 through a BLAS (reference/fast_gemm.h) in the library's order,
-//     as Megatron's own GEMMs do, instead of in double. Everything else is FP32 mode's code. Its
+//     as Megatron's own GEMMs do, instead of in double; GeLU / SiLU, and with 16-bit activations
+//     the attention softmax, run in fp32 arithmetic (a few fp32 ulps between the same stores).
+//     Everything else is FP32 mode's code, in fused loops with the same roundings. Its
 //     results stay within the counted bound of Exact (parity::golden_bound: a reduction
 //     accumulated in fp32 is one of the rounding points counted, 2 gamma_K(u_fp32)), so it may
 //     stand in for FP32 mode where speed matters (benchmarks, large shapes); goldens and the
@@ -69,6 +71,25 @@ struct Precision {
   }
   // rounds: to fp32; identity in Exact mode.
   double f32(double x) const { return exact() ? x : static_cast<double>(static_cast<float>(x)); }
+
+  // f(round) with `round(x)` equal to act(x), of a function-object type fixed per dtype: a loop
+  // of roundings inside f has neither the mode's nor the dtype's branch per element, so it
+  // inlines and vectorises (for the per-element loops of bf16 and fp32 activations).
+  template <class F>
+  decltype(auto) with_act(F&& f) const {
+    if (exact()) return f([](double x) { return x; });
+    if (params_dtype == DType::F32) return f([](double x) { return static_cast<double>(static_cast<float>(x)); });
+    if (params_dtype == DType::BF16) return f([](double x) { return round_bf16(x); });
+    return f([this](double x) { return act(x); });
+  }
+  // act(x) for bf16 written without calls or branches (float_to_bf16_bits' rounding: a NaN stays a
+  // quiet NaN, else round to nearest even on the upper half).
+  static double round_bf16(double x) {
+    const std::uint32_t u = float_bits(static_cast<float>(x));
+    const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    const std::uint32_t nan = (u | 0x00400000u) & 0xffff0000u;
+    return bits_float((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  }
 
   // Counts the rounding points a `rounds:` site executes (core/rounding.h), once per tensor, not
   // per element: n stores to the activation dtype, n to fp32, a reduction of length k accumulated

@@ -70,19 +70,21 @@ Mat apply_rotary_pos_emb(const Mat& t, const Mat& freqs, int rows_per_position, 
   }
   Mat out = t;  // t_pass columns stay as they are
   const Eigen::Index half = rot_dim / 2;
-  for (Eigen::Index r = 0; r < t.rows(); ++r) {
-    const Eigen::Index pos = r / rows_per_position;
-    for (Eigen::Index c = 0; c < rot_dim; ++c) {
-      double rotated;  // _rotate_half(t)[c]
-      if (!rotary_interleaved)
-        rotated = c < half ? -t(r, c + half) : t(r, c - half);
-      else
-        rotated = c % 2 == 0 ? -t(r, c + 1) : t(r, c - 1);
-      const double a = p.act(t(r, c) * cos_(pos, c));  // rounds: t * cos_
-      const double b = p.act(rotated * sin_(pos, c));  // rounds: _rotate_half(t) * sin_
-      out(r, c) = p.act(a + b);                        // rounds: sum
+  p.with_act([&](auto act) {
+    for (Eigen::Index r = 0; r < t.rows(); ++r) {
+      const Eigen::Index pos = r / rows_per_position;
+      for (Eigen::Index c = 0; c < rot_dim; ++c) {
+        double rotated;  // _rotate_half(t)[c]
+        if (!rotary_interleaved)
+          rotated = c < half ? -t(r, c + half) : t(r, c - half);
+        else
+          rotated = c % 2 == 0 ? -t(r, c + 1) : t(r, c - 1);
+        const double a = act(t(r, c) * cos_(pos, c));  // rounds: t * cos_
+        const double b = act(rotated * sin_(pos, c));  // rounds: _rotate_half(t) * sin_
+        out(r, c) = act(a + b);                        // rounds: sum
+      }
     }
-  }
+  });
   return out;
 }
 

@@ -121,9 +121,9 @@ Mat naive_attention(const Mat& x, const SeparateWeights& w, const Sizes& z, bool
 std::unique_ptr<SelfAttention> make_self_attention(const TransformerConfig& c, const Mat& qkv, const Mat& wo,
                                                    Precision p = exact()) {
   auto a = std::make_unique<SelfAttention>(c, SelfAttentionSubmodules{}, 1, AttnMaskType::causal, p);
-  a->linear_qkv.weight = qkv;
+  a->linear_qkv.set_weight(qkv);
   a->linear_qkv.bias.setZero();
-  a->linear_proj.weight = wo;
+  a->linear_proj.set_weight(wo);
   a->linear_proj.bias.setZero();
   return a;
 }
@@ -257,8 +257,8 @@ TEST(SelfAttention, QueryKeyLayerScalingAndSoftmaxScale) {
   c.apply_query_key_layer_scaling = true;  // divided by layer_number, multiplied back: same math
   auto scaled = std::make_unique<SelfAttention>(c, SelfAttentionSubmodules{}, 3, AttnMaskType::causal, exact());
   EXPECT_DOUBLE_EQ(scaled->core_attention.softmax_scale, 0.5 / 3.0);
-  scaled->linear_qkv.weight = fuse_qkv(w, z);
-  scaled->linear_proj.weight = w.wo;
+  scaled->linear_qkv.set_weight(fuse_qkv(w, z));
+  scaled->linear_proj.set_weight(w.wo);
   EXPECT_LT(max_abs_diff(scaled->forward(x, args_for(z), Taps()).output, base), 1e-10);
   // softmax_scale = s' equals the default scale with the query weight multiplied by s' sqrt(hn)
   c.apply_query_key_layer_scaling = false;
@@ -311,9 +311,9 @@ TEST(SelfAttention, TapsInComputationOrderAndQkLayernormValues) {
   SelfAttention attn(c, sub, 1, AttnMaskType::causal, exact());
   std::mt19937_64 g(6);
   const SeparateWeights w = random_weights(g, z);
-  attn.linear_qkv.weight = fuse_qkv(w, z);
+  attn.linear_qkv.set_weight(fuse_qkv(w, z));
   attn.linear_qkv.bias.setZero();
-  attn.linear_proj.weight = w.wo;
+  attn.linear_proj.set_weight(w.wo);
   attn.linear_proj.bias.setZero();
   auto* qn = dynamic_cast<LayerNorm*>(attn.q_layernorm.get());
   auto* kn = dynamic_cast<LayerNorm*>(attn.k_layernorm.get());
@@ -365,9 +365,9 @@ TEST(CrossAttention, EqualsNaiveAttentionOverTheContext) {
   CrossAttention attn(c, 1, AttnMaskType::padding, exact());
   std::mt19937_64 g(4);
   const int sq = 3, sk = 5, b = 2, hn = 4;
-  attn.linear_q.weight = random_mat(g, 8, 8);
-  attn.linear_kv.weight = random_mat(g, 16, 8);
-  attn.linear_proj.weight = random_mat(g, 8, 8);
+  attn.linear_q.set_weight(random_mat(g, 8, 8));
+  attn.linear_kv.set_weight(random_mat(g, 16, 8));
+  attn.linear_proj.set_weight(random_mat(g, 8, 8));
   const Mat x = random_mat(g, sq * b, 8), ctx = random_mat(g, sk * b, 8);
   const Tensor context = mat_tensor(ctx, {sk, b, 8});
   AttentionArgs a;
@@ -380,9 +380,9 @@ TEST(CrossAttention, EqualsNaiveAttentionOverTheContext) {
     for (int h = 0; h < 2; ++h) {
       Mat q(sq, hn), k(sk, hn), v(sk, hn);
       for (int i = 0; i < sq; ++i)
-        q.row(i) = (x.row(i * b + bi) * attn.linear_q.weight.transpose()).segment(h * hn, hn);
+        q.row(i) = (x.row(i * b + bi) * attn.linear_q.weight().transpose()).segment(h * hn, hn);
       for (int j = 0; j < sk; ++j) {
-        const RowVec kv = ctx.row(j * b + bi) * attn.linear_kv.weight.transpose();  // [np, 2 hn] per token
+        const RowVec kv = ctx.row(j * b + bi) * attn.linear_kv.weight().transpose();  // [np, 2 hn] per token
         k.row(j) = kv.segment(h * 2 * hn, hn);
         v.row(j) = kv.segment(h * 2 * hn + hn, hn);
       }
@@ -394,7 +394,7 @@ TEST(CrossAttention, EqualsNaiveAttentionOverTheContext) {
       const Mat o = sc * v;
       for (int i = 0; i < sq; ++i) expect_ctx.row(i * b + bi).segment(h * hn, hn) = o.row(i);
     }
-  EXPECT_LT(max_abs_diff(out, expect_ctx * attn.linear_proj.weight.transpose()), 1e-10);
+  EXPECT_LT(max_abs_diff(out, expect_ctx * attn.linear_proj.weight().transpose()), 1e-10);
   c.num_query_groups = 1;
   EXPECT_TRUE(throws_with<ConfigError>([&] { CrossAttention(c, 1, AttnMaskType::padding, exact()); },
                                        {"Group query attention"}));

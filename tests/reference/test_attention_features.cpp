@@ -59,9 +59,9 @@ TEST(QkL2Norm, QueryAndKeyAreL2NormalizedWithLayernormEpsilon) {
     std::unique_ptr<AttentionModule> module = spec.submodules.self_attention(c, 1, p);
     auto& attn = dynamic_cast<SelfAttention&>(*module);
     std::mt19937_64 g(11);
-    attn.linear_qkv.weight = rounded(random_mat(g, (np + 2 * ng) * hn, h, 0.3), k.dt);
+    attn.linear_qkv.set_weight(rounded(random_mat(g, (np + 2 * ng) * hn, h, 0.3), k.dt));
     attn.linear_qkv.bias = rounded(random_mat(g, 1, (np + 2 * ng) * hn, 0.1), k.dt).row(0);
-    attn.linear_proj.weight = rounded(random_mat(g, h, np * hn, 0.3), k.dt);
+    attn.linear_proj.set_weight(rounded(random_mat(g, h, np * hn, 0.3), k.dt));
     attn.linear_proj.bias = rounded(random_mat(g, 1, h, 0.1), k.dt).row(0);
     const Mat x = rounded(random_mat(g, s * b, h), k.dt);  // [s, b, h]
     TapRecord rec;

@@ -13,6 +13,7 @@
 #include "parity/dense_run.h"
 #include "parity/golden.h"
 #include "reference/fast_gemm.h"
+#include "reference/linear.h"
 #include "tests/parity/dense_case_gen.h"
 #include "tests/reference/counted_bound.h"
 
@@ -74,6 +75,12 @@ TEST(FastGemm, MatmulsAreFp32SumsWithinGammaK) {
       const FMat nt = matmul_nt(a, bt, 0.5f, flag_bf16), nn = matmul_nn(a, b, flag_bf16);
       const Mat ad = a.cast<double>(), bd = b.cast<double>();
       const FMat ntd = matmul_nt(ad, Mat(bd.transpose()), flag_bf16);  // the double-input form
+      // a prepared operand (GemmOperand) is read as the matrix it was made from: the same call
+      const GemmOperand bt_prepared(bt, flag_bf16), b_prepared(b, flag_bf16);
+      const GemmOperand bt_prepared_d(Mat(bd.transpose()), flag_bf16);
+      EXPECT_EQ(matmul_nt(a, bt_prepared, 0.5f, flag_bf16), nt) << round_inputs << flag_bf16;
+      EXPECT_EQ(matmul_nn(a, b_prepared, flag_bf16), nn) << round_inputs << flag_bf16;
+      EXPECT_EQ(matmul_nt(ad, bt_prepared_d, flag_bf16), ntd) << round_inputs << flag_bf16;
       const Mat exact = ad * bd, mag = ad.cwiseAbs() * bd.cwiseAbs();
       for (int i = 0; i < m; ++i)
         for (int j = 0; j < n; ++j) {
@@ -94,6 +101,27 @@ TEST(FastGemm, MismatchedInnerDimensionsAreAnError) {
   EXPECT_THROW(matmul_nn(FMat::Zero(2, 3), FMat::Zero(4, 2)), std::invalid_argument);
   EXPECT_THROW(set_gemm_threads(0), std::invalid_argument);
   EXPECT_EQ(matmul_nt(FMat(FMat::Zero(2, 0)), FMat(FMat::Zero(3, 0))), FMat(FMat::Zero(2, 3)));  // empty sums are 0
+}
+
+// A Linear's weight, converted once for fast mode's GEMM, follows set_weight: a forward after it
+// reads the new weight (the same output as a Linear built with it), in bf16 (the bf16 matmul's
+// operand) and fp32; a weight of the wrong shape is refused.
+TEST(FastMode, LinearReadsTheWeightLastSet) {
+  for (const DType dt : {DType::BF16, DType::F32}) {
+    const Precision fast{ComputeMode::Fast, dt};
+    const Mat x = testing::round_mat(Mat::Random(6, 16), dt);
+    const Mat w1 = testing::round_mat(Mat::Random(8, 16), dt), w2 = testing::round_mat(Mat::Random(8, 16), dt);
+    Linear changed(16, 8, false, false, fast), fresh(16, 8, false, false, fast);
+    changed.set_weight(w1);
+    const Mat y1 = changed.forward(x).output;
+    changed.set_weight(w2);
+    fresh.set_weight(w2);
+    const Mat y2 = changed.forward(x).output;
+    EXPECT_EQ(y2, fresh.forward(x).output) << dtype_name(dt);
+    EXPECT_NE(y2, y1) << dtype_name(dt);
+    EXPECT_EQ(changed.weight(), w2);
+    EXPECT_THROW(changed.set_weight(Mat::Zero(16, 8)), ShapeError);
+  }
 }
 
 // Exact mode stays what the bounds come from, and FP32 the default the goldens run in.

@@ -129,7 +129,8 @@ RC_GTEST_PROP(Linear, SkipBiasAddReturnsTheBiasSeparately, ()) {
   const int in = lc.in, out = lc.out;
   std::mt19937_64 g(lc.seed);
   Linear fused(in, out, true, false, exact()), skip(in, out, true, true, exact());
-  fused.weight = skip.weight = random_mat(g, out, in);
+  skip.set_weight(random_mat(g, out, in));
+  fused.set_weight(skip.weight());
   fused.bias = skip.bias = random_mat(g, 1, out).row(0);
   const Mat x = random_mat(g, lc.rows, in);
   const OutputWithBias a = fused.forward(x), b = skip.forward(x);
@@ -138,7 +139,7 @@ RC_GTEST_PROP(Linear, SkipBiasAddReturnsTheBiasSeparately, ()) {
   Mat sum = b.output;
   sum.rowwise() += *b.bias;
   RC_ASSERT(max_abs_diff(a.output, sum) < kExactTol);
-  RC_ASSERT(max_abs_diff(b.output, x * skip.weight.transpose()) < kExactTol);  // weight is [out, in]
+  RC_ASSERT(max_abs_diff(b.output, x * skip.weight().transpose()) < kExactTol);  // weight is [out, in]
 }
 
 TEST(Linear, WeightShapeMismatchNamesKeyAndShapes) {
@@ -228,14 +229,15 @@ RC_GTEST_PROP(Linear, StoredDtypeRunIsWithinItsCountedRoundingsOfExact, ()) {
   const LinearCase lc = *gen_linear_case(true);
   std::mt19937_64 g(lc.seed);
   Linear l(lc.in, lc.out, true, false, Precision{ComputeMode::FP32, lc.dtype}), e(lc.in, lc.out, true, false, exact());
-  l.weight = e.weight = round_mat(random_mat(g, lc.out, lc.in), lc.dtype);
+  e.set_weight(round_mat(random_mat(g, lc.out, lc.in), lc.dtype));
+  l.set_weight(e.weight());
   l.bias = e.bias = round_vec(random_mat(g, 1, lc.out).row(0), lc.dtype);
   const Mat x = round_mat(random_mat(g, lc.rows, lc.in), lc.dtype);
   const auto [y, rounding] = run_counted([&] { return l.forward(x).output; });
   RC_ASSERT(all_in_dtype(y, lc.dtype));
   // The error of x W^T + b follows |x| |W|^T + |b| (the product's store rounds relative to the
   // product, which the bias may cancel), not the output's own size.
-  Mat mag = x.cwiseAbs() * e.weight.cwiseAbs().transpose();
+  Mat mag = x.cwiseAbs() * e.weight().cwiseAbs().transpose();
   mag.rowwise() += e.bias.cwiseAbs();
   const std::string why = outside_counted_bound(y, e.forward(x).output, rounding, mag.maxCoeff());
   RC_LOG() << why;
@@ -254,8 +256,10 @@ RC_GTEST_PROP(MLP, StoredDtypeRunIsWithinItsCountedRoundingsOfExact, ()) {
   MLP mlp(c, Precision{ComputeMode::FP32, mc.dtype}), ex(c, exact());
   std::mt19937_64 g(mc.seed);
   const int fc1_out = mc.glu ? 2 * mc.ffn : mc.ffn;
-  mlp.linear_fc1.weight = ex.linear_fc1.weight = round_mat(random_mat(g, fc1_out, mc.h), mc.dtype);
-  mlp.linear_fc2.weight = ex.linear_fc2.weight = round_mat(random_mat(g, mc.h, mc.ffn), mc.dtype);
+  ex.linear_fc1.set_weight(round_mat(random_mat(g, fc1_out, mc.h), mc.dtype));
+  mlp.linear_fc1.set_weight(ex.linear_fc1.weight());
+  ex.linear_fc2.set_weight(round_mat(random_mat(g, mc.h, mc.ffn), mc.dtype));
+  mlp.linear_fc2.set_weight(ex.linear_fc2.weight());
   if (mc.bias) {
     mlp.linear_fc1.bias = ex.linear_fc1.bias = round_vec(random_mat(g, 1, fc1_out).row(0), mc.dtype);
     mlp.linear_fc2.bias = ex.linear_fc2.bias = round_vec(random_mat(g, 1, mc.h).row(0), mc.dtype);
@@ -273,12 +277,12 @@ RC_GTEST_PROP(MLP, StoredDtypeRunIsWithinItsCountedRoundingsOfExact, ()) {
   // at most u times this magnitude at the output, so the count's eps times it bounds them all.
   const double L = 1.13;
   const Mat m1 = [&] {
-    Mat m = x.cwiseAbs() * ex.linear_fc1.weight.cwiseAbs().transpose();
+    Mat m = x.cwiseAbs() * ex.linear_fc1.weight().cwiseAbs().transpose();
     if (mc.bias) m.rowwise() += ex.linear_fc1.bias.cwiseAbs();
     return m;
   }();
   const Mat ma = mc.glu ? Mat((L + 1.0) * m1.leftCols(mc.ffn).cwiseProduct(m1.rightCols(mc.ffn))) : Mat(L * m1);
-  const Mat mag = ma * ex.linear_fc2.weight.cwiseAbs().transpose();
+  const Mat mag = ma * ex.linear_fc2.weight().cwiseAbs().transpose();
   const std::string why = outside_counted_bound(y, ex.forward(x, args, Taps()).output, rounding, mag.maxCoeff());
   RC_LOG() << why;
   RC_ASSERT(why.empty());
@@ -290,18 +294,18 @@ TEST(MLP, ComputesFc1ActivationFc2AndRecordsTaps) {
   c.activation_func = "gelu";
   MLP mlp(c, exact());
   std::mt19937_64 g(11);
-  mlp.linear_fc1.weight = random_mat(g, 12, 8);
+  mlp.linear_fc1.set_weight(random_mat(g, 12, 8));
   mlp.linear_fc1.bias = random_mat(g, 1, 12).row(0);
-  mlp.linear_fc2.weight = random_mat(g, 8, 12);
+  mlp.linear_fc2.set_weight(random_mat(g, 8, 12));
   mlp.linear_fc2.bias = random_mat(g, 1, 8).row(0);
   const Mat x = random_mat(g, 6, 8);
   TapRecord rec;
   MlpArgs args;
   args.lead = {3, 2};
   const OutputWithBias out = mlp.forward(x, args, Taps(&rec, "mlp."));
-  Mat h = x * mlp.linear_fc1.weight.transpose();
+  Mat h = x * mlp.linear_fc1.weight().transpose();
   h.rowwise() += mlp.linear_fc1.bias;
-  const Mat expect = h.unaryExpr(&erf_gelu_def) * mlp.linear_fc2.weight.transpose();
+  const Mat expect = h.unaryExpr(&erf_gelu_def) * mlp.linear_fc2.weight().transpose();
   EXPECT_LT(max_abs_diff(out.output, expect), kExactTol);
   ASSERT_TRUE(out.bias);
   EXPECT_LT((*out.bias - mlp.linear_fc2.bias).cwiseAbs().maxCoeff(), kExactTol);
@@ -335,9 +339,9 @@ TEST(MLP, BiasActivationFusionMirrorsTheFusedFunctions) {
   auto run = [&](const TransformerConfig& cc) {
     MLP mlp(cc, exact());
     std::mt19937_64 gw(13);
-    mlp.linear_fc1.weight = random_mat(gw, mlp.linear_fc1.output_size(), 4);
+    mlp.linear_fc1.set_weight(random_mat(gw, mlp.linear_fc1.output_size(), 4));
     if (mlp.linear_fc1.has_bias()) mlp.linear_fc1.bias = random_mat(gw, 1, mlp.linear_fc1.output_size()).row(0);
-    mlp.linear_fc2.weight = Mat::Identity(4, 6);
+    mlp.linear_fc2.set_weight(Mat::Identity(4, 6));
     MlpArgs args;
     args.lead = {5};
     return mlp.forward(x, args, Taps()).output;
