@@ -95,9 +95,9 @@ class fragment {
   static_assert(std::is_same_v<Use, accumulator> ? std::is_same_v<T, float>
                                                  : (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>),
                 "cudasim wmma: matrix_a/matrix_b of __nv_bfloat16 or __half and float accumulators are simulated");
-  static_assert(std::is_same_v<Use, accumulator> ? std::is_same_v<Layout, void>
-                                                 : (std::is_same_v<Layout, row_major> ||
-                                                    std::is_same_v<Layout, col_major>),
+  static_assert(std::is_same_v<Use, accumulator>
+                    ? std::is_same_v<Layout, void>
+                    : (std::is_same_v<Layout, row_major> || std::is_same_v<Layout, col_major>),
                 "cudasim wmma: matrix_a/matrix_b need row_major or col_major; an accumulator has no layout");
 
  public:
@@ -115,8 +115,8 @@ namespace detail {
 struct MemArgs {
   const void* ptr;
   unsigned ldm;
-  bool col;      // the tile is column-major in memory
-  void* frag;    // this lane's fragment
+  bool col;    // the tile is column-major in memory
+  void* frag;  // this lane's fragment
   int rows, cols;
 };
 
@@ -217,8 +217,8 @@ inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* mptr
 }
 
 template <int M, int N, int K>
-inline void load_matrix_sync(fragment<accumulator, M, N, K, float>& f, const float* mptr, unsigned ldm,
-                             layout_t layout, const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+inline void load_matrix_sync(fragment<accumulator, M, N, K, float>& f, const float* mptr, unsigned ldm, layout_t layout,
+                             const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
   using F = fragment<accumulator, M, N, K, float>;
   constexpr const char* name = "wmma::load_matrix_sync";
   detail::check_mem(name, file, line, mptr, ldm, sizeof(float));

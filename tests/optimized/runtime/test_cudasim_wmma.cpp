@@ -97,9 +97,8 @@ TEST_F(WmmaSimTest, LeadingDimensionDifferingBetweenLanesIsReported) {
 
 TEST_F(WmmaSimTest, MisalignedPointerIsReported) {
   twin::rt::DeviceBuffer a(dev(), 16 * 32 * 2), d(dev(), 32 * 4);
-  const std::string m = launch_error([&] {
-    launch_kernel(wmma_kernels::misaligned_kernel, 1, 32, 0, nullptr, a.as<const __half>(), d.as<float>());
-  });
+  const std::string m = launch_error(
+      [&] { launch_kernel(wmma_kernels::misaligned_kernel, 1, 32, 0, nullptr, a.as<const __half>(), d.as<float>()); });
   EXPECT_HAS(m, marked("misaligned"));
   EXPECT_HAS(m, "32-byte) aligned");
 }
