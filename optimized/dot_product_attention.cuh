@@ -21,10 +21,10 @@
  * copied or repeated. Head dim up to 256 (8 accumulators per lane and row).
  *
  * Tensor cores (dot_product_attention_forward_wmma_kernel, chosen by attention_wmma_supports: bf16 /
- * fp16 and a head dim that is a multiple of 16 up to 256; the CUDA-core kernel above stays for fp32
- * and other head dims). The same two passes, with q k^T and p v as nvcuda::wmma m16n16k16 products:
- * a block owns 64 query rows, 16 per warp (one WMMA row tile, its q fragments kept in registers);
- * K and V stream through shared memory in tiles of 64 keys, stored in T as they are in memory.
+ * fp16, head dim up to 256, zero-padded to a multiple of 16 in shared memory; the CUDA-core kernel
+ * above stays for fp32, which WMMA has no path for). The same two passes, with q k^T and p v as nvcuda::wmma m16n16k16
+ * products: a block owns 64 query rows, 16 per warp (one WMMA row tile, its q fragments kept in registers); K and V
+ * stream through shared memory in tiles of 64 keys, stored in T as they are in memory.
  *   1. per key tile, S = q k^T for the warp's 16 rows (fp32 accumulation over hn), stored to shared
  *      memory; each score is finished exactly as the CUDA-core kernel does (attn_score_from_dot:
  *      alpha, rounded to T, coeff, mask) and feeds the online max and sum;
@@ -255,26 +255,29 @@ constexpr int kTcWarps = kTcBQ / 16;
 constexpr int kTcSub = kTcBK / 16;  // 16-key WMMA tiles per key tile
 
 // Whether the tensor-core kernel covers an attention: WMMA has 16-bit inputs with fp32
-// accumulation (no fp32 inputs) and 16-wide tiles, so bf16 / fp16 and a head dim that is a
-// multiple of 16 up to kAttnMaxHeadDim; everything else runs on the CUDA-core kernel.
+// accumulation (no fp32 inputs), so bf16 / fp16 with a head dim up to kAttnMaxHeadDim (one that is
+// not a multiple of 16 is zero-padded in shared memory: the padded products are exact zeros, which
+// leave an fp32 sum unchanged); fp32 runs on the CUDA-core kernel.
 inline bool attention_wmma_supports(DType dt, int hn) {
-  return (dt == DType::BF16 || dt == DType::F16) && hn > 0 && hn % 16 == 0 && hn <= kAttnMaxHeadDim;
+  return (dt == DType::BF16 || dt == DType::F16) && hn > 0 && hn <= kAttnMaxHeadDim;
 }
+__host__ __device__ inline int attention_wmma_padded_head_dim(int hn) { return (hn + 15) / 16 * 16; }
 
-// One warp's raw scores S[16, 16 * n_sub] = Q[16, hn] K^T for the key tile in k_s ([BK, hn] row-major,
-// so K^T is a col_major matrix_b), accumulated in fp32, stored row-major into s_w (ldm BK).
+// One warp's raw scores S[16, 16 * n_sub] = Q[16, hp] K^T for the key tile in k_s ([BK, hp] row-major,
+// so K^T is a col_major matrix_b; hp the padded head dim), accumulated in fp32, stored row-major into
+// s_w (ldm BK).
 template <class T, int NT>
 __device__ inline void attn_wmma_scores(
     const nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, T, nvcuda::wmma::row_major> (&qf)[NT],
-    const T* k_s, int hn, int n_sub, float* s_w) {
+    const T* k_s, int hp, int n_sub, float* s_w) {
   namespace wmma = nvcuda::wmma;
   for (int n = 0; n < n_sub; ++n) {
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
     wmma::fill_fragment(acc, 0.0f);
     for (int c = 0; c < NT; ++c) {
-      if (c * 16 >= hn) break;  // warp-uniform
+      if (c * 16 >= hp) break;  // warp-uniform
       wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
-      wmma::load_matrix_sync(kf, k_s + n * 16 * hn + c * 16, hn);
+      wmma::load_matrix_sync(kf, k_s + n * 16 * hp + c * 16, hp);
       wmma::mma_sync(acc, qf[c], kf, acc);  // rounds: q k^T, fp32 accumulation over hn
     }
     wmma::store_matrix_sync(s_w + n * 16, acc, kTcBK, wmma::mem_row_major);
@@ -282,19 +285,20 @@ __device__ inline void attn_wmma_scores(
   __syncwarp();  // every lane's part of S is visible to the whole warp
 }
 
-// NT: 16-column tiles of the head dim the kernel holds (hn <= 16 NT); a compile-time count keeps
-// the fragments in registers on the GPU.
+// NT: 16-column tiles of the head dim the kernel holds (hp <= 16 NT); a compile-time count keeps
+// the fragments in registers on the GPU. Shared memory rows are hp = hn rounded up to 16 wide, the
+// columns past hn zero.
 template <class T, int NT>
 __global__ void dot_product_attention_forward_wmma_kernel(AttnOperands op, T* context, AttnParams p) {
   namespace wmma = nvcuda::wmma;
   DYNAMIC_SHARED(unsigned char, smem);
-  const int hn = p.hn;
-  T* q_s = reinterpret_cast<T*>(smem);                         // [BQ, hn]
-  T* k_s = q_s + kTcBQ * hn;                                   // [BK, hn]
-  T* v_s = k_s + kTcBK * hn;                                   // [BK, hn]
-  float* s_s = reinterpret_cast<float*>(v_s + kTcBK * hn);     // [warps, 16, BK] raw scores
+  const int hn = p.hn, hp = attention_wmma_padded_head_dim(hn);
+  T* q_s = reinterpret_cast<T*>(smem);                         // [BQ, hp]
+  T* k_s = q_s + kTcBQ * hp;                                   // [BK, hp]
+  T* v_s = k_s + kTcBK * hp;                                   // [BK, hp]
+  float* s_s = reinterpret_cast<float*>(v_s + kTcBK * hp);     // [warps, 16, BK] raw scores
   T* p_s = reinterpret_cast<T*>(s_s + kTcWarps * 16 * kTcBK);  // [warps, 16, BK] probabilities
-  float* o_s = reinterpret_cast<float*>(k_s);                  // [BQ, hn] context, over k_s / v_s at the end
+  float* o_s = reinterpret_cast<float*>(k_s);                  // [BQ, hp] context, over k_s / v_s at the end
   static_assert(kTcBQ * sizeof(float) <= 2 * kTcBK * sizeof(T), "o_s must fit in k_s and v_s");
 
   const int q0 = blockIdx.x * kTcBQ, h = blockIdx.y, bi = blockIdx.z;
@@ -312,9 +316,9 @@ __global__ void dot_product_attention_forward_wmma_kernel(AttnOperands op, T* co
   const float fill = p.softmax_fp32 ? -10000.0f : round_to<T>(-10000.0f);
   const T zero = Io<T>::store(0.0f);
 
-  for (int e = threadIdx.x; e < kTcBQ * hn; e += blockDim.x) {
-    const int r = e / hn, c = e % hn;
-    q_s[e] = q0 + r < p.sq ? q_base[(q0 + r) * op.q_tok + c] : zero;
+  for (int e = threadIdx.x; e < kTcBQ * hp; e += blockDim.x) {
+    const int r = e / hp, c = e % hp;
+    q_s[e] = q0 + r < p.sq && c < hn ? q_base[(q0 + r) * op.q_tok + c] : zero;
   }
   const int q_last = min(q0 + kTcBQ, p.sq) - 1;
   const int k_end = p.mask == MaskMode::Causal ? min(p.sk, q_last + 1) : p.sk;
@@ -322,9 +326,9 @@ __global__ void dot_product_attention_forward_wmma_kernel(AttnOperands op, T* co
   // K (and V) rows of the tile at k0; rows past k_end are zero (P is zero there, and 0 * NaN poison
   // would not be).
   auto load_tile = [&](int k0, bool with_v) {
-    for (int e = threadIdx.x; e < kTcBK * hn; e += blockDim.x) {
-      const int j = e / hn, c = e % hn;
-      const bool ok = k0 + j < k_end;
+    for (int e = threadIdx.x; e < kTcBK * hp; e += blockDim.x) {
+      const int j = e / hp, c = e % hp;
+      const bool ok = k0 + j < k_end && c < hn;
       k_s[e] = ok ? k_base[(k0 + j) * op.kv_tok + c] : zero;
       if (with_v) v_s[e] = ok ? v_base[(k0 + j) * op.kv_tok + c] : zero;
     }
@@ -333,7 +337,7 @@ __global__ void dot_product_attention_forward_wmma_kernel(AttnOperands op, T* co
   wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[NT];
   if (warp_rows) {
     for (int c = 0; c < NT; ++c)
-      if (c * 16 < hn) wmma::load_matrix_sync(qf[c], q_s + warp * 16 * hn + c * 16, hn);
+      if (c * 16 < hp) wmma::load_matrix_sync(qf[c], q_s + warp * 16 * hp + c * 16, hp);
   }
 
   // ---- pass 1: online max m and rescaled sum l per row (the warp's 16 rows; every lane holds them)
@@ -348,7 +352,7 @@ __global__ void dot_product_attention_forward_wmma_kernel(AttnOperands op, T* co
     __syncthreads();
     if (!warp_rows) continue;
     const int n_sub = (min(kTcBK, k_end - k0) + 15) / 16;
-    attn_wmma_scores<T, NT>(qf, k_s, hn, n_sub, s_w);
+    attn_wmma_scores<T, NT>(qf, k_s, hp, n_sub, s_w);
     for (int r = 0; r < 16; ++r) {
       const int i = w0 + r;
       if (i >= p.sq) break;  // warp-uniform
@@ -376,7 +380,7 @@ __global__ void dot_product_attention_forward_wmma_kernel(AttnOperands op, T* co
     __syncthreads();
     if (!warp_rows) continue;
     const int n_sub = (min(kTcBK, k_end - k0) + 15) / 16;
-    attn_wmma_scores<T, NT>(qf, k_s, hn, n_sub, s_w);
+    attn_wmma_scores<T, NT>(qf, k_s, hp, n_sub, s_w);
     for (int r = 0; r < 16; ++r) {
       const int i = w0 + r;
       for (int t = 0; t < 2; ++t) {
@@ -399,9 +403,9 @@ __global__ void dot_product_attention_forward_wmma_kernel(AttnOperands op, T* co
       wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
       wmma::load_matrix_sync(pf, p_w + n * 16, kTcBK);
       for (int c = 0; c < NT; ++c) {
-        if (c * 16 >= hn) break;  // warp-uniform
+        if (c * 16 >= hp) break;  // warp-uniform
         wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
-        wmma::load_matrix_sync(vf, v_s + n * 16 * hn + c * 16, hn);
+        wmma::load_matrix_sync(vf, v_s + n * 16 * hp + c * 16, hp);
         wmma::mma_sync(o[c], pf, vf, o[c]);  // rounds: probs v, fp32 accumulation over sk
       }
     }
@@ -410,20 +414,21 @@ __global__ void dot_product_attention_forward_wmma_kernel(AttnOperands op, T* co
   __syncthreads();  // k_s / v_s become o_s
   if (warp_rows) {
     for (int c = 0; c < NT; ++c)
-      if (c * 16 < hn) wmma::store_matrix_sync(o_s + warp * 16 * hn + c * 16, o[c], hn, wmma::mem_row_major);
+      if (c * 16 < hp) wmma::store_matrix_sync(o_s + warp * 16 * hp + c * 16, o[c], hp, wmma::mem_row_major);
   }
   __syncwarp();
   for (int r = 0; r < 16; ++r) {
     const int i = w0 + r;
     if (i >= p.sq) break;
     T* out = context + (std::int64_t(i) * p.b + bi) * (std::int64_t(p.np_local) * hn) + std::int64_t(h) * hn;  // [hn]
-    for (int c = lane; c < hn; c += 32) out[c] = Io<T>::store(o_s[(warp * 16 + r) * hn + c]);  // rounds: bmm output, T
+    for (int c = lane; c < hn; c += 32) out[c] = Io<T>::store(o_s[(warp * 16 + r) * hp + c]);  // rounds: bmm output, T
   }
 }
 
 inline std::size_t attention_wmma_smem_bytes(DType dt, int hn) {
   const std::size_t e = dtype_size(dt);
-  return e * (std::size_t(kTcBQ) + 2 * kTcBK) * hn + std::size_t(kTcWarps) * 16 * kTcBK * (sizeof(float) + e);
+  return e * (std::size_t(kTcBQ) + 2 * kTcBK) * attention_wmma_padded_head_dim(hn) +
+         std::size_t(kTcWarps) * 16 * kTcBK * (sizeof(float) + e);
 }
 
 // What the two-pass kernel with query tiles of `bq` rows moves and computes (the cost model):

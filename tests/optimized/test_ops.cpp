@@ -364,13 +364,14 @@ TEST(OptimizedOps, AttentionMatchesReference) {
       }
 }
 
-// The tensor-core kernel (bf16 / fp16, head dims a multiple of 16): the head dims of Megatron's
-// models, GQA, several query and key tiles (s = 70 > 64 rows and keys per tile), every mask.
+// The tensor-core kernel (bf16 / fp16): the head dims of Megatron's models, one zero-padded to a
+// multiple of 16 (24; AttentionMatchesReference's 8 and 40 are too), GQA, several query and key
+// tiles (s = 70 > 64 rows and keys per tile), every mask.
 TEST(OptimizedOps, AttentionOnTensorCoresMatchesReference) {
   for (DType dt : {DType::BF16, DType::F16})
     for (const char* mask : {"none", "causal", "padding", "arbitrary"})
       for (auto [s, np, ng, hn] :
-           {std::tuple{70, 4, 2, 64}, std::tuple{33, 2, 1, 128}, std::tuple{20, 2, 2, 256}, std::tuple{9, 3, 3, 48}}) {
+           {std::tuple{70, 4, 2, 64}, std::tuple{33, 2, 1, 128}, std::tuple{20, 2, 2, 256}, std::tuple{9, 3, 3, 24}}) {
         const AttnCase c{dt, s, 2, np, ng, hn, mask, 0.0};
         if (selected(c.id())) run_attention_case(c);
       }
@@ -380,16 +381,18 @@ TEST(OptimizedOps, AttentionOnTensorCoresMatchesReference) {
   }
 }
 
-// One supports function chooses: WMMA for 16-bit inputs and head dims a multiple of 16 up to 256,
-// the CUDA-core kernel for fp32 and other head dims; the kernel launched is the one it names.
+// One supports function chooses: WMMA for 16-bit inputs and head dims up to 256, the CUDA-core
+// kernel for fp32; the kernel launched is the one it names.
 TEST(OptimizedOps, AttentionChoosesTensorCoresWhereWmmaCoversThem) {
   EXPECT_TRUE(k::attention_wmma_supports(DType::BF16, 64));
   EXPECT_TRUE(k::attention_wmma_supports(DType::F16, 256));
   EXPECT_TRUE(k::attention_wmma_supports(DType::BF16, 16));
   EXPECT_FALSE(k::attention_wmma_supports(DType::F32, 64));
-  EXPECT_FALSE(k::attention_wmma_supports(DType::BF16, 40));
+  EXPECT_TRUE(k::attention_wmma_supports(DType::BF16, 40));  // zero-padded to 48
+  EXPECT_FALSE(k::attention_wmma_supports(DType::F32, 40));
   EXPECT_FALSE(k::attention_wmma_supports(DType::F16, 272));
-  for (auto [dt, hn] : {std::pair{DType::BF16, 64}, std::pair{DType::F32, 64}, std::pair{DType::F16, 40}}) {
+  for (auto [dt, hn] :
+       {std::pair{DType::BF16, 64}, std::pair{DType::F32, 64}, std::pair{DType::F16, 40}, std::pair{DType::F32, 8}}) {
     const int s = 3, b = 1, np = 2, ld = np * 3 * hn;
     rt::DeviceBuffer qkv(sim(), std::size_t(s) * b * ld * dtype_size(dt)), ctx(sim(), std::size_t(s) * b * np * hn * 4);
     qkv.zero();
