@@ -193,3 +193,26 @@ TEST(CostModel, AttentionReadsKTwiceAndVOncePerQueryTileAndNoScores) {
       EXPECT_EQ(scope.kernels()[0].flops, b * np * pairs * (3 * 2.0 * hn + 5.0));
     }
 }
+
+// Every dense golden passes with the attention the supports function chooses, and the 16-bit ones
+// (the bf16 goldens of random/) run it on tensor cores: the launched attention kernel is the WMMA one.
+TEST(CostModel, DenseGoldensRunAttentionOnTensorCoresWhereSupported) {
+  int goldens = 0, on_tensor_cores = 0;
+  for (const std::string& dir : {golden_dir(), golden_dir() + "/random"})
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      if (entry.path().extension() != ".safetensors") continue;
+      const Fixture f = load_fixture(entry.path().string());
+      if (f.kind != "dense_layer") continue;
+      SCOPED_TRACE(entry.path().string());
+      rt::CostScope scope;
+      for (const Comparison& c : compare_fixture(f, TwinKind::Optimized)) EXPECT_EQ(c.mismatches, 0) << c.name;
+      for (const auto& [name, n] : scope.kernel_launches())
+        if (name.find("dot_product_attention_forward_wmma_kernel") != std::string::npos) {
+          ++on_tensor_cores;
+          break;
+        }
+      ++goldens;
+    }
+  EXPECT_GE(goldens, 20);
+  EXPECT_GE(on_tensor_cores, 5);  // the bf16 dense goldens of random/ (head dims 8, 16, 24, 32)
+}
