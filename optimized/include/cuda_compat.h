@@ -2,7 +2,8 @@
 //
 // Design: the same kernel source compiles with nvcc for the GPU and with the host compiler for the
 // CPU CUDA simulator (cudasim/, a static library twin_cudasim). Kernels are written in plain CUDA
-// (__global__, __shared__, __syncthreads, __shfl_*_sync, atomics, threadIdx, __nv_bfloat16, ...);
+// (__global__, __shared__, __syncthreads, __shfl_*_sync, atomics, threadIdx, __nv_bfloat16,
+// nvcuda::wmma's fragments and *_matrix_sync / mma_sync, ...);
 // only two spellings differ from textbook CUDA, because <<<>>> and `extern __shared__` cannot be
 // expressed in standard C++:
 //
@@ -49,6 +50,7 @@ inline std::string kernel_name_from_args(const char* args) {
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <mma.h>
 
 #define TWIN_SIM 0
 #define TWIN_BACKEND cuda

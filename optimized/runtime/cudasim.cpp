@@ -17,6 +17,13 @@
 //   (partial last warp), a shuffle reading a lane outside the mask, and (when nothing can run) a
 //   mask naming lanes that returned or wait elsewhere, are reported with kernel, block, thread and
 //   file:line. Reports are KernelError exceptions thrown by the launch.
+// - Warp collectives (WMMA's load/mma/store, cudasim/wmma.h) are the same rendezvous over all 32
+//   lanes of the warp, and stricter: every lane must arrive at the same call (operation and
+//   file:line), since a warp-collective matrix operation executed by a diverged warp is undefined
+//   in CUDA. A lane arriving while another waits at a different collective, or after a lane of its
+//   warp returned, is reported at once; other never-completing waits by the stall diagnosis. The
+//   last lane to arrive runs the operation over every lane's data (the lanes' fragments live on
+//   their fiber stacks, all mapped while the block runs).
 // - Blocks are taken from an atomic counter by the launching thread plus up to CUDASIM_WORKERS-1
 //   pool threads (default: hardware threads). The first error stops further blocks.
 // - A block that fails is abandoned: its suspended fibers are never resumed (their stacks are
@@ -128,6 +135,9 @@ struct Fiber {
   unsigned mask = 0;
   std::uint64_t value = 0, result = 0;
   int arg = 0, width = 32;
+  const char* coll_name = nullptr;  // WarpOp::Collective: its name, lane data and the operation
+  void* coll_data = nullptr;
+  CollectiveFn coll_fn = nullptr;
   int pred = 0;  // __syncthreads_count/and/or predicate
   char* stack_lo = nullptr;
   std::size_t stack_size = 0;
@@ -362,8 +372,19 @@ const char* op_name(WarpOp op) {
       return "__all_sync";
     case WarpOp::SyncWarp:
       return "__syncwarp";
+    case WarpOp::Collective:
+      return "warp collective";
   }
   return "?";
+}
+// The operation a waiting lane is at (a collective by its own name).
+const char* op_label(const Fiber& f) { return f.op == WarpOp::Collective && f.coll_name ? f.coll_name : op_name(f.op); }
+// Whether lanes a and b wait at the same warp operation: same op and mask, and for a collective
+// also the same name and call site.
+bool same_warp_op(const Fiber& a, const Fiber& b) {
+  if (a.op != b.op || a.mask != b.mask) return false;
+  if (a.op != WarpOp::Collective) return true;
+  return a.coll_fn == b.coll_fn && a.line == b.line && std::strcmp(a.file, b.file) == 0;
 }
 
 std::string where(const char* file, int line) { return std::string(file ? file : "?") + ":" + std::to_string(line); }
@@ -447,7 +468,7 @@ std::string describe_wait(const Fiber& g) {
     case State::AtBarrier:
       return "waits at __syncthreads() at " + where(g.file, g.line);
     case State::AtWarp:
-      return std::string("waits at ") + op_name(g.op) + " with mask " + hex(g.mask) + " at " + where(g.file, g.line);
+      return std::string("waits at ") + op_label(g) + " with mask " + hex(g.mask) + " at " + where(g.file, g.line);
     case State::Runnable:
       return "is runnable";
   }
@@ -464,8 +485,8 @@ std::string diagnose_stall(Worker& w) {
     for (unsigned l = 0; l < 32; ++l) {
       if (!((f.mask >> l) & 1u)) continue;
       const Fiber& g = w.fibers[base + l];
-      if (g.state == State::AtWarp && g.op == f.op && g.mask == f.mask) continue;
-      return prefix(w, &f) + op_name(f.op) + " at " + where(f.file, f.line) + " (warp " + std::to_string(f.warp) +
+      if (g.state == State::AtWarp && same_warp_op(g, f)) continue;
+      return prefix(w, &f) + op_label(f) + " at " + where(f.file, f.line) + " (warp " + std::to_string(f.warp) +
              ", lane " + std::to_string(f.lane) + ") never completes: its mask " + hex(f.mask) + " names lane " +
              std::to_string(l) + " (thread " + dim_str(g.t.tid) + "), which " + describe_wait(g);
     }
@@ -844,6 +865,73 @@ std::uint64_t warp_op(WarpOp op, const char* file, int line, unsigned mask, std:
   }
   waiting &= ~mask;
   return f.result;
+}
+
+[[noreturn]] void warp_misuse(const char* name, const char* file, int line, const std::string& what) {
+  Worker& w = kernel_worker(name);
+  const Fiber& f = *w.current;
+  throw KernelError(prefix(w, &f) + name + " at " + where(file, line) + " (warp " + std::to_string(f.warp) + ", lane " +
+                    std::to_string(f.lane) + "): " + what);
+}
+
+void warp_collective(const char* name, const char* file, int line, void* data, CollectiveFn complete) {
+  Worker& w = kernel_worker(name);
+  Fiber& f = *w.current;
+  const unsigned base = f.warp * 32;
+  const unsigned warp_size = std::min(32u, w.n - base);
+  if (warp_size != 32)
+    warp_misuse(
+        name, file, line,
+        "needs a full warp of 32 threads; warp " + std::to_string(f.warp) + " has " + std::to_string(warp_size));
+  f.op = WarpOp::Collective;
+  f.mask = 0xffffffffu;
+  f.coll_name = name;
+  f.coll_data = data;
+  f.coll_fn = complete;
+  f.file = file;
+  f.line = line;
+  // A lane that returned, or that waits at another collective, can never arrive here: the warp
+  // diverged (each lane waits for the others forever on a GPU too).
+  for (unsigned l = 0; l < 32; ++l) {
+    const Fiber& g = w.fibers[base + l];
+    if (l == f.lane) continue;
+    if (g.state == State::Exited)
+      warp_misuse(name, file, line,
+                  "the warp diverged: lane " + std::to_string(l) + " (thread " + dim_str(g.t.tid) +
+                      ") has returned, but all 32 lanes must execute this call");
+    if (g.state == State::AtWarp && g.op == WarpOp::Collective && !same_warp_op(g, f))
+      warp_misuse(name, file, line,
+                  "the warp diverged: lane " + std::to_string(l) + " (thread " + dim_str(g.t.tid) + ") waits at " +
+                      op_label(g) + " at " + where(g.file, g.line) + "; all 32 lanes must execute the same call");
+  }
+  unsigned& waiting = w.warp_waiting[f.warp];
+  bool complete_now = (waiting | (1u << f.lane)) == 0xffffffffu;
+  for (unsigned l = 0; complete_now && l < 32; ++l)
+    if (l != f.lane && !same_warp_op(w.fibers[base + l], f)) complete_now = false;
+  if (!complete_now) {
+    f.state = State::AtWarp;
+    --w.runnable;
+    waiting |= 1u << f.lane;
+    suspend(w, f);
+    return;
+  }
+  void* lane_data[32];
+  for (unsigned l = 0; l < 32; ++l) lane_data[l] = w.fibers[base + l].coll_data;
+  try {
+    complete(lane_data);
+  } catch (const KernelError&) {
+    throw;
+  } catch (const std::exception& e) {
+    warp_misuse(name, file, line, e.what());
+  }
+  for (unsigned l = 0; l < 32; ++l) {
+    Fiber& g = w.fibers[base + l];
+    if (l != f.lane) {
+      g.state = State::Runnable;
+      ++w.runnable;
+    }
+  }
+  waiting = 0;
 }
 
 }  // namespace detail

@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "fixtures/fixture.h"
+#include "optimized/dot_product_attention.cuh"
 #include "optimized/runtime/cost_model.h"
 #include "optimized/runtime/gemm.h"
 #include "optimized/transformer_layer.h"
@@ -147,4 +148,71 @@ TEST(CostModel, EveryMoEKernelIsDeclared) {
       ++goldens;
     }
   EXPECT_GE(goldens, 7);
+}
+
+// The attention's two passes: per query tile (64 rows on tensor cores, 16 on CUDA cores) K is read
+// twice (once per pass) and V once, over the keys the tile needs (all; up to its last row when
+// causal); q is read and the context written once; an explicit mask is read once; nothing else of
+// size sq x sk (scores and probabilities stay on chip). Expected bytes counted here from that
+// description; FLOPs: q k^T twice and p v once (2 hn each per computed (row, key)) + 5 per score.
+TEST(CostModel, AttentionReadsKTwiceAndVOncePerQueryTileAndNoScores) {
+  namespace k = opt::sim;
+  rt::Device& d = rt::device(rt::Backend::Sim);
+  const int s = 150, b = 2, np = 4, hpg = 2, ng = np / hpg;
+  for (auto [dt, hn, bq] :
+       {std::tuple{DType::BF16, 64, 64}, std::tuple{DType::F16, 32, 64}, std::tuple{DType::F32, 64, 16},
+        std::tuple{DType::BF16, 40, 64}, std::tuple{DType::F32, 40, 16}})
+    for (k::MaskMode mask : {k::MaskMode::None, k::MaskMode::Causal, k::MaskMode::Explicit}) {
+      const int ld = ng * (hpg + 2) * hn;
+      const double e = dtype_size(dt);
+      rt::DeviceBuffer qkv(d, std::size_t(s) * b * ld * dtype_size(dt)), ctx(d, std::size_t(s) * b * np * hn * 4),
+          m(d, std::size_t(s) * s);
+      qkv.zero();
+      m.zero();
+      k::AttnParams p;
+      p.sq = p.sk = s;
+      p.b = b;
+      p.np_local = p.np_total = np;
+      p.hn = hn;
+      p.mask = mask;
+      p.mask_ptr = static_cast<const std::uint8_t*>(m.get());
+      rt::CostScope scope;
+      k::dot_product_attention_forward(dt, qkv.get(), k::QkvLayout{ld, (hpg + 2) * hn, hpg}, ctx.get(), p, nullptr);
+      ASSERT_EQ(scope.kernels().size(), 1u);
+      double keys_read = 0, pairs = 0;  // per (batch, head): key rows per query tile, (row, key) products
+      for (int q0 = 0; q0 < s; q0 += bq) {
+        const int rows = std::min(bq, s - q0), keys = mask == k::MaskMode::Causal ? q0 + rows : s;
+        keys_read += keys;
+        pairs += double(rows) * keys;
+      }
+      const double q_and_context = 2.0 * e * b * np * s * hn;
+      const double k_twice_v_once = 3.0 * e * b * np * keys_read * hn;
+      const double mask_once = mask == k::MaskMode::Explicit ? double(s) * s : 0.0;
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " hn " + std::to_string(hn) + " mask " + std::to_string(int(mask)));
+      EXPECT_EQ(scope.kernels()[0].bytes, q_and_context + k_twice_v_once + mask_once);
+      EXPECT_EQ(scope.kernels()[0].flops, b * np * pairs * (3 * 2.0 * hn + 5.0));
+    }
+}
+
+// Every dense golden passes with the attention the supports function chooses, and the 16-bit ones
+// (the bf16 goldens of random/) run it on tensor cores: the launched attention kernel is the WMMA one.
+TEST(CostModel, DenseGoldensRunAttentionOnTensorCoresWhereSupported) {
+  int goldens = 0, on_tensor_cores = 0;
+  for (const std::string& dir : {golden_dir(), golden_dir() + "/random"})
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      if (entry.path().extension() != ".safetensors") continue;
+      const Fixture f = load_fixture(entry.path().string());
+      if (f.kind != "dense_layer") continue;
+      SCOPED_TRACE(entry.path().string());
+      rt::CostScope scope;
+      for (const Comparison& c : compare_fixture(f, TwinKind::Optimized)) EXPECT_EQ(c.mismatches, 0) << c.name;
+      for (const auto& [name, n] : scope.kernel_launches())
+        if (name.find("dot_product_attention_forward_wmma_kernel") != std::string::npos) {
+          ++on_tensor_cores;
+          break;
+        }
+      ++goldens;
+    }
+  EXPECT_GE(goldens, 20);
+  EXPECT_GE(on_tensor_cores, 5);  // the bf16 dense goldens of random/ (head dims 8, 16, 24, 32)
 }

@@ -26,6 +26,7 @@
 #include "optimized/fused_bias_dropout.cuh"
 #include "optimized/rotary_pos_embedding.cuh"
 #include "optimized/torch_norm.cuh"
+#include "optimized/runtime/cost_model.h"
 #include "parity/bounds.h"
 #include "reference/activations.h"
 #include "reference/dot_product_attention.h"
@@ -361,6 +362,51 @@ TEST(OptimizedOps, AttentionMatchesReference) {
         const AttnCase c{dt, s, 2, np, ng, hn, mask, 0.0};
         if (selected(c.id())) run_attention_case(c);
       }
+}
+
+// The tensor-core kernel (bf16 / fp16): the head dims of Megatron's models, one zero-padded to a
+// multiple of 16 (24; AttentionMatchesReference's 8 and 40 are too), GQA, several query and key
+// tiles (s = 70 > 64 rows and keys per tile), every mask.
+TEST(OptimizedOps, AttentionOnTensorCoresMatchesReference) {
+  for (DType dt : {DType::BF16, DType::F16})
+    for (const char* mask : {"none", "causal", "padding", "arbitrary"})
+      for (auto [s, np, ng, hn] :
+           {std::tuple{70, 4, 2, 64}, std::tuple{33, 2, 1, 128}, std::tuple{20, 2, 2, 256}, std::tuple{9, 3, 3, 24}}) {
+        const AttnCase c{dt, s, 2, np, ng, hn, mask, 0.0};
+        if (selected(c.id())) run_attention_case(c);
+      }
+  for (DType dt : {DType::BF16, DType::F16}) {
+    const AttnCase c{dt, 67, 2, 4, 2, 32, "causal", 0.3};
+    if (selected(c.id())) run_attention_case(c);
+  }
+}
+
+// One supports function chooses: WMMA for 16-bit inputs and head dims up to 256, the CUDA-core
+// kernel for fp32; the kernel launched is the one it names.
+TEST(OptimizedOps, AttentionChoosesTensorCoresWhereWmmaCoversThem) {
+  EXPECT_TRUE(k::attention_wmma_supports(DType::BF16, 64));
+  EXPECT_TRUE(k::attention_wmma_supports(DType::F16, 256));
+  EXPECT_TRUE(k::attention_wmma_supports(DType::BF16, 16));
+  EXPECT_FALSE(k::attention_wmma_supports(DType::F32, 64));
+  EXPECT_TRUE(k::attention_wmma_supports(DType::BF16, 40));  // zero-padded to 48
+  EXPECT_FALSE(k::attention_wmma_supports(DType::F32, 40));
+  EXPECT_FALSE(k::attention_wmma_supports(DType::F16, 272));
+  for (auto [dt, hn] :
+       {std::pair{DType::BF16, 64}, std::pair{DType::F32, 64}, std::pair{DType::F16, 40}, std::pair{DType::F32, 8}}) {
+    const int s = 3, b = 1, np = 2, ld = np * 3 * hn;
+    rt::DeviceBuffer qkv(sim(), std::size_t(s) * b * ld * dtype_size(dt)), ctx(sim(), std::size_t(s) * b * np * hn * 4);
+    qkv.zero();
+    k::AttnParams p;
+    p.sq = p.sk = s;
+    p.b = b;
+    p.np_local = p.np_total = np;
+    p.hn = hn;
+    rt::CostScope scope;
+    k::dot_product_attention_forward(dt, qkv.get(), k::QkvLayout{ld, 3 * hn, 1}, ctx.get(), p, nullptr);
+    ASSERT_EQ(scope.kernel_launches().size(), 1u);
+    const bool wmma = scope.kernel_launches()[0].first.find("wmma") != std::string::npos;
+    EXPECT_EQ(wmma, k::attention_wmma_supports(dt, hn)) << scope.kernel_launches()[0].first;
+  }
 }
 
 TEST(OptimizedOps, AttentionDropoutMatchesReference) {

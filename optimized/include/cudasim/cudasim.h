@@ -76,7 +76,7 @@ inline const ThreadCtx& thread_ctx() {
   return *tl_thread;
 }
 
-enum class WarpOp : int { Shfl, ShflUp, ShflDown, ShflXor, Ballot, Any, All, SyncWarp };
+enum class WarpOp : int { Shfl, ShflUp, ShflDown, ShflXor, Ballot, Any, All, SyncWarp, Collective };
 
 // Block barrier; returns how many threads passed a non-zero `pred` (for __syncthreads_count/and/or).
 int syncthreads(const char* file, int line, int pred = 0);
@@ -84,6 +84,14 @@ int syncthreads(const char* file, int line, int pred = 0);
 // value; ballot: the mask; any/all: 0/1).
 std::uint64_t warp_op(WarpOp op, const char* file, int line, unsigned mask, std::uint64_t value, int arg, int width);
 unsigned activemask();
+// A warp collective (WMMA, cudasim/wmma.h): all 32 lanes of the caller's warp must arrive at the
+// same call (`name` at file:line); each posts `data`, and the last to arrive runs
+// complete(lane_data) with every lane's data (lane_data[l] from lane l) before all continue. A
+// std::exception from `complete` is reported as a misuse at file:line, like a diverged warp.
+using CollectiveFn = void (*)(void* const* lane_data);
+void warp_collective(const char* name, const char* file, int line, void* data, CollectiveFn complete);
+// Throws the simulator's report of a misused warp operation (kernel, block, thread, file:line).
+[[noreturn]] void warp_misuse(const char* name, const char* file, int line, const std::string& what);
 
 template <class T>
 std::uint64_t to_bits(const T& v) {
@@ -211,3 +219,4 @@ struct SyncWarpAt {
 #define DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(::cudasim::detail::tl_dyn_smem)
 
 #include "cudasim/device_functions.h"
+#include "cudasim/wmma.h"

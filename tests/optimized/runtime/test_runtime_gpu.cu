@@ -1,6 +1,7 @@
 // The simulator's semantics and runtime cases, compiled by nvcc (sm_90) and run on a GPU: the
 // same kernel files and the same expectations as test_cudasim_semantics.cpp / test_device_sim.cpp.
-// The negative kernels are compiled too (they must build with nvcc) but never launched here.
+// The WMMA products of wmma_cases.inc run here too. The negative and WMMA misuse kernels are
+// compiled too (they must build with nvcc) but never launched here.
 #include "tests/optimized/runtime/gpu_fixture.h"
 
 #define SEMANTICS_FIXTURE GpuTest
@@ -8,6 +9,16 @@
 
 #define RUNTIME_FIXTURE GpuTest
 #include "tests/optimized/runtime/runtime_cases.inc"
+
+class WmmaGpuTest : public GpuTest {
+ protected:
+  template <class F>
+  void for_each_order(F f) {
+    f();  // a GPU has no resume order to vary
+  }
+};
+#define WMMA_FIXTURE WmmaGpuTest
+#include "tests/optimized/runtime/wmma_cases.inc"
 
 #include "tests/optimized/runtime/kernels/negative_kernels.cuh"
 
@@ -23,4 +34,11 @@
     reinterpret_cast<void*>(&negative::shuffle_source_outside_mask_forward_kernel),
     reinterpret_cast<void*>(&negative::neighbour_forward_kernel),
     reinterpret_cast<void*>(&negative::throwing_forward_kernel),
+    reinterpret_cast<void*>(&wmma_kernels::diverged_mma_kernel),
+    reinterpret_cast<void*>(&wmma_kernels::returned_lane_kernel),
+    reinterpret_cast<void*>(&wmma_kernels::bad_ldm_kernel),
+    reinterpret_cast<void*>(&wmma_kernels::bad_store_ldm_kernel),
+    reinterpret_cast<void*>(&wmma_kernels::nonuniform_ldm_kernel),
+    reinterpret_cast<void*>(&wmma_kernels::misaligned_kernel),
+    reinterpret_cast<void*>(&wmma_kernels::partial_warp_kernel),
 };
