@@ -394,3 +394,40 @@ TEST(OptimizedBackward, LinearGradsMatchReference) {
                   id);
     }
 }
+
+// ---- cost declarations ----------------------------------------------------------------------
+// Every simulated kernel launch of the backward launchers is matched by one cost declaration
+// (GEMMs declare through the GEMM interface and are no kernel launch): a launcher without one
+// would leave its kernel out of the roofline table.
+TEST(OptimizedBackward, EveryKernelLaunchIsDeclared) {
+  const DType dt = DType::BF16;
+  const int n = 300, h = 40, f = 24;
+  auto x = to_device(random_tensor(dt, {n, 2 * f}, -1, 1, 1)), dy = to_device(random_tensor(dt, {n, 2 * f}, -1, 1, 2));
+  auto w = to_device(random_tensor(dt, {2 * f * h}, -1, 1, 3));
+  rt::DeviceBuffer dx(sim(), std::size_t(n) * 2 * f * 2), dw(sim(), std::size_t(2) * f * h * 2), db(sim(), 2 * f * 2);
+  const std::size_t ws_bytes = k::norm_backward_workspace_bytes(false, n, 2 * f);
+  rt::DeviceBuffer ws(sim(), ws_bytes);
+  const auto freqs = to_device(ref::RotaryEmbedding(8, 1.0).forward(n));
+  rt::CostScope scope;
+  for (bool rms : {false, true})
+    k::norm_backward(rms, dt, dy.get(), x.get(), dx.get(), w.get(), dw.get(), rms ? nullptr : db.get(),
+                     k::NormRows::dense(n, 2 * f), 1e-5, false, ws.get(), ws_bytes, nullptr);
+  k::bias_activation_backward(dt, x.get(), w.get(), dy.get(), dx.get(), n, f, k::Act::Silu, true, nullptr);
+  k::bias_dropout_add_backward(dt, dy.get(), dx.get(), nullptr, db.get(), n, h, k::DropoutArgs::make(0.1, true, 1, 2),
+                               0, ws.get(), ws_bytes, nullptr);
+  k::rotary_pos_emb_backward(dt, dx.get(), static_cast<const float*>(freqs.get()), k::NormRows::dense(n, 8), 1, 8,
+                             false, nullptr);
+  k::linear_backward_dgrad(dt, dy.get(), w.get(), dx.get(), n, h, f, nullptr);
+  k::linear_backward_wgrad(dt, dy.get(), x.get(), dw.get(), n, h, f, nullptr);
+  k::linear_backward_bias(dt, dy.get(), db.get(), n, f, ws.get(), ws_bytes, nullptr);
+  int launched = 0, declared = 0;
+  std::string names;
+  for (const auto& [name, count] : scope.kernel_launches()) {
+    launched += count;
+    names += " " + name;
+  }
+  for (const auto& c : scope.kernels())
+    if (c.kernel.rfind("gemm", 0) != 0 && c.kernel.rfind("grouped_gemm", 0) != 0) declared += c.launches;
+  EXPECT_GT(launched, 0);
+  EXPECT_EQ(declared, launched) << "kernels launched:" << names << "\n" << rt::cost_table(scope.kernels());
+}
