@@ -17,6 +17,7 @@
 #include <cstring>
 #include <fmt/format.h>
 #include <functional>
+#include <random>
 
 #include "core/rounding.h"
 #include "optimized/activations.cuh"
@@ -72,77 +73,94 @@ bool same_bits(const Tensor& a, const Tensor& b) {
 }  // namespace
 
 // ---- torch_norm.cuh -------------------------------------------------------------------------
+namespace {
+// One norm backward case: rows x width, zero-centred gamma or not.
+void run_norm_case(bool rms, DType dt, int rows, int width, bool zcg) {
+  const std::string id = fmt::format("norm_backward(kind={},dtype={},rows={},width={},zcg={})", rms ? "rms" : "ln",
+                                     dt_name(dt), rows, width, int(zcg));
+  if (!selected(id)) return;
+  const Tensor x = random_tensor(dt, {rows, width}, -2, 3, rows * 31 + width);  // mean far from 0 for LN
+  const Tensor dy = random_tensor(dt, {rows, width}, -1, 1, rows * 7 + width);
+  const Tensor w = random_tensor(dt, {width}, zcg ? -0.5 : 0.5, zcg ? 0.5 : 1.5, 7);
+  auto d_x = to_device(x), d_dy = to_device(dy), d_w = to_device(w);
+  rt::DeviceBuffer d_dx(sim(), x.nbytes()), d_dw(sim(), w.nbytes()), d_db(sim(), w.nbytes());
+  const std::size_t ws_bytes = k::norm_backward_workspace_bytes(rms, rows, width);
+  rt::DeviceBuffer ws(sim(), ws_bytes);
+  auto run = [&] {
+    k::norm_backward(rms, dt, d_dy.get(), d_x.get(), d_dx.get(), d_w.get(), d_dw.get(), rms ? nullptr : d_db.get(),
+                     k::NormRows::dense(rows, width), 1e-5, zcg, ws.get(), ws_bytes, nullptr);
+  };
+  const RoundingCount count = counted(run);
+  const Tensor dx = from_device(d_dx, dt, {rows, width}), dw = from_device(d_dw, dt, {width}),
+               db = from_device(d_db, dt, {width});
+  run();
+  EXPECT_TRUE(same_bits(dx, from_device(d_dx, dt, {rows, width}))) << id << ": dx differs between two runs";
+  EXPECT_TRUE(same_bits(dw, from_device(d_dw, dt, {width}))) << id << ": dweight differs between two runs";
+  if (!rms) {
+    EXPECT_TRUE(same_bits(db, from_device(d_db, dt, {width}))) << id << ": dbias differs between two runs";
+  }
+
+  std::unique_ptr<ref::Norm> norm;
+  if (rms)
+    norm = std::make_unique<ref::RMSNorm>(width, 1e-5, zcg, prec(dt));
+  else
+    norm = std::make_unique<ref::LayerNorm>(width, 1e-5, zcg, prec(dt));
+  ref::StateDict sd({{"weight", w}, {"bias", Tensor::zeros(dt, {width})}});
+  norm->load_state_dict(sd, "");
+  const ref::Mat xm = ref::to_mat(x, rows, width, "x"), dym = ref::to_mat(dy, rows, width, "dy");
+  const ref::NormGrads g = norm->backward(dym, xm);
+  // dx's error follows its terms before they cancel, per row (exact statistics suffice for a
+  // magnitude): LayerNorm rstd (|dxhat| + mean|dxhat| + |xhat| mean|dxhat xhat|), RMSNorm
+  // rstd |dxhat| + |x| rstd^3 mean|dxhat x|; dxhat = dy gamma.
+  double mag_dx = 0.0;
+  for (int r = 0; r < rows; ++r) {
+    const double mean = rms ? 0.0 : xm.row(r).mean();
+    const double ms = (xm.row(r).array() - mean).square().mean();
+    const double rstd = 1.0 / std::sqrt(ms + 1e-5);
+    double m1 = 0.0, m2 = 0.0;
+    for (int c = 0; c < width; ++c) {
+      const double gamma = w.at_f64(c) + (zcg ? 1.0 : 0.0), dxhat = std::fabs(dym(r, c) * gamma);
+      m1 += dxhat / width;
+      m2 += dxhat * std::fabs(rms ? xm(r, c) : (xm(r, c) - mean) * rstd) / width;
+    }
+    for (int c = 0; c < width; ++c) {
+      const double gamma = w.at_f64(c) + (zcg ? 1.0 : 0.0), dxhat = std::fabs(dym(r, c) * gamma);
+      mag_dx = std::max(mag_dx, rms ? rstd * dxhat + std::fabs(xm(r, c)) * rstd * rstd * rstd * m2
+                                    : rstd * (dxhat + m1 + std::fabs(xm(r, c) - mean) * rstd * m2));
+    }
+  }
+  const ref::Precision p = prec(dt);
+  expect_pass(compare(id + " dx", dx, p.to_tensor(g.input, {rows, width}), counted_bound(dt, count, mag_dx)), id);
+  // dgamma / dbeta: fp32 column sums of n_rows terms, each term's error relative to |term|:
+  // the reference's magnitudes sum_rows |dy x_hat| and sum_rows |dy|.
+  expect_pass(
+      compare(id + " dweight", dw, p.to_tensor(g.weight, {width}), counted_bound(dt, count, g.weight_magnitude)), id);
+  if (!rms)
+    expect_pass(compare(id + " dbias", db, p.to_tensor(g.bias, {width}), counted_bound(dt, count, g.bias_magnitude)),
+                id);
+}
+}  // namespace
+
 TEST(OptimizedBackward, NormMatchesReference) {
   // warp rows, block rows, and more rows than one column-sum chunk (256)
   const std::tuple<int, int, bool> shapes[] = {{5, 8, false}, {7, 96, true}, {3, 1500, false}, {300, 40, false}};
   for (bool rms : {false, true})
     for (DType dt : kDtypes)
-      for (auto [rows, width, zcg] : shapes) {
-        const std::string id = fmt::format("norm_backward(kind={},dtype={},rows={},width={},zcg={})",
-                                           rms ? "rms" : "ln", dt_name(dt), rows, width, int(zcg));
-        if (!selected(id)) continue;
-        const Tensor x = random_tensor(dt, {rows, width}, -2, 3, rows * 31 + width);  // mean far from 0 for LN
-        const Tensor dy = random_tensor(dt, {rows, width}, -1, 1, rows * 7 + width);
-        const Tensor w = random_tensor(dt, {width}, zcg ? -0.5 : 0.5, zcg ? 0.5 : 1.5, 7);
-        auto d_x = to_device(x), d_dy = to_device(dy), d_w = to_device(w);
-        rt::DeviceBuffer d_dx(sim(), x.nbytes()), d_dw(sim(), w.nbytes()), d_db(sim(), w.nbytes());
-        const std::size_t ws_bytes = k::norm_backward_workspace_bytes(rms, rows, width);
-        rt::DeviceBuffer ws(sim(), ws_bytes);
-        auto run = [&] {
-          k::norm_backward(rms, dt, d_dy.get(), d_x.get(), d_dx.get(), d_w.get(), d_dw.get(),
-                           rms ? nullptr : d_db.get(), k::NormRows::dense(rows, width), 1e-5, zcg, ws.get(), ws_bytes,
-                           nullptr);
-        };
-        const RoundingCount count = counted(run);
-        const Tensor dx = from_device(d_dx, dt, {rows, width}), dw = from_device(d_dw, dt, {width}),
-                     db = from_device(d_db, dt, {width});
-        run();
-        EXPECT_TRUE(same_bits(dx, from_device(d_dx, dt, {rows, width}))) << id << ": dx differs between two runs";
-        EXPECT_TRUE(same_bits(dw, from_device(d_dw, dt, {width}))) << id << ": dweight differs between two runs";
-        if (!rms) {
-          EXPECT_TRUE(same_bits(db, from_device(d_db, dt, {width}))) << id << ": dbias differs between two runs";
-        }
+      for (auto [rows, width, zcg] : shapes) run_norm_case(rms, dt, rows, width, zcg);
+}
 
-        std::unique_ptr<ref::Norm> norm;
-        if (rms)
-          norm = std::make_unique<ref::RMSNorm>(width, 1e-5, zcg, prec(dt));
-        else
-          norm = std::make_unique<ref::LayerNorm>(width, 1e-5, zcg, prec(dt));
-        ref::StateDict sd({{"weight", w}, {"bias", Tensor::zeros(dt, {width})}});
-        norm->load_state_dict(sd, "");
-        const ref::Mat xm = ref::to_mat(x, rows, width, "x"), dym = ref::to_mat(dy, rows, width, "dy");
-        const ref::NormGrads g = norm->backward(dym, xm);
-        // dx's error follows its terms before they cancel, per row (exact statistics suffice for a
-        // magnitude): LayerNorm rstd (|dxhat| + mean|dxhat| + |xhat| mean|dxhat xhat|), RMSNorm
-        // rstd |dxhat| + |x| rstd^3 mean|dxhat x|; dxhat = dy gamma.
-        double mag_dx = 0.0;
-        for (int r = 0; r < rows; ++r) {
-          const double mean = rms ? 0.0 : xm.row(r).mean();
-          const double ms = (xm.row(r).array() - mean).square().mean();
-          const double rstd = 1.0 / std::sqrt(ms + 1e-5);
-          double m1 = 0.0, m2 = 0.0;
-          for (int c = 0; c < width; ++c) {
-            const double gamma = w.at_f64(c) + (zcg ? 1.0 : 0.0), dxhat = std::fabs(dym(r, c) * gamma);
-            m1 += dxhat / width;
-            m2 += dxhat * std::fabs(rms ? xm(r, c) : (xm(r, c) - mean) * rstd) / width;
-          }
-          for (int c = 0; c < width; ++c) {
-            const double gamma = w.at_f64(c) + (zcg ? 1.0 : 0.0), dxhat = std::fabs(dym(r, c) * gamma);
-            mag_dx = std::max(mag_dx, rms ? rstd * dxhat + std::fabs(xm(r, c)) * rstd * rstd * rstd * m2
-                                          : rstd * (dxhat + m1 + std::fabs(xm(r, c) - mean) * rstd * m2));
-          }
-        }
-        const ref::Precision p = prec(dt);
-        expect_pass(compare(id + " dx", dx, p.to_tensor(g.input, {rows, width}), counted_bound(dt, count, mag_dx)), id);
-        // dgamma / dbeta: fp32 column sums of n_rows terms, each term's error relative to |term|:
-        // the reference's magnitudes sum_rows |dy x_hat| and sum_rows |dy|.
-        expect_pass(
-            compare(id + " dweight", dw, p.to_tensor(g.weight, {width}), counted_bound(dt, count, g.weight_magnitude)),
-            id);
-        if (!rms)
-          expect_pass(
-              compare(id + " dbias", db, p.to_tensor(g.bias, {width}), counted_bound(dt, count, g.bias_magnitude)), id);
-      }
+TEST(OptimizedBackward, NormMatchesReferenceOnRandomShapes) {
+  // Shapes off every power of two: partial warps and blocks of warp rows, widths around the warp /
+  // block switch (1024), rows across column-sum chunk boundaries. Fixed seed: the same cases each run.
+  std::mt19937_64 rng(20261203);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int i = 0; i < 24; ++i) {
+    const bool rms = pick(0, 1), zcg = pick(0, 3) == 0;
+    const DType dt = kDtypes[pick(0, 2)];
+    const int width = pick(0, 3) == 0 ? pick(1000, 1100) : pick(1, 200);
+    const int rows = pick(0, 3) == 0 ? pick(250, 530) : pick(1, 20);
+    run_norm_case(rms, dt, rows, width, zcg);
+  }
 }
 
 TEST(OptimizedBackward, NormOverStridedRowsEqualsDenseRowsBitwise) {
