@@ -103,4 +103,99 @@ inline unsigned elementwise_blocks(std::int64_t n, unsigned threads) {
   return static_cast<unsigned>(std::min<std::int64_t>(ceil_div(n, threads), 65535));
 }
 
+// ---- Deterministic column sums: parameter gradients reduced over the rows ----------------------
+// out_v[c] = sum over rows r of f(r, c)[v] for every column c < width and each of NV values v
+// (a norm's dgamma and dbeta, a bias's grad), accumulated in fp32 in an order fixed by the shapes
+// alone, then stored once in T. Stage 1: a block of kColSumCols columns x kColSumRowLanes row
+// lanes takes a chunk of kColSumChunkRows rows (lane l adds rows l, l + lanes, ...; a warp reads
+// 32 consecutive columns of one row, coalesced), adds its lanes' sums in lane order in shared
+// memory and writes one fp32 partial per (value, chunk, column) to `partials` [NV, chunks, width].
+// Stage 2: one thread per column adds the chunks in order. No atomics: two runs are bitwise equal,
+// and the sum is one fp32 reduction of length n_rows in a fixed tree.
+constexpr int kColSumCols = 32, kColSumRowLanes = 8, kColSumChunkRows = 256;
+
+inline std::int64_t column_sum_chunks(std::int64_t n_rows) {
+  return std::max<std::int64_t>(1, (n_rows + kColSumChunkRows - 1) / kColSumChunkRows);
+}
+// fp32 partials column_sums needs for NV sums of `width` columns over n_rows rows.
+inline std::size_t column_sum_workspace_bytes(int nv, std::int64_t n_rows, int width) {
+  return sizeof(float) * std::size_t(nv) * std::size_t(column_sum_chunks(n_rows)) * std::size_t(width);
+}
+
+// F: a copyable functor with `__device__ void operator()(std::int64_t r, int c, float* v) const`
+// writing its NV values for element (r, c).
+template <int NV, class F>
+__global__ void column_partial_sum_kernel(F f, std::int64_t n_rows, int width, float* partials) {
+  __shared__ float lanes[NV][kColSumRowLanes][kColSumCols];
+  const int tx = threadIdx.x % kColSumCols, ty = threadIdx.x / kColSumCols;
+  const int c = blockIdx.x * kColSumCols + tx;
+  const std::int64_t r0 = std::int64_t(blockIdx.y) * kColSumChunkRows;
+  const std::int64_t r1 = r0 + kColSumChunkRows < n_rows ? r0 + kColSumChunkRows : n_rows;
+  float s[NV];
+  for (int v = 0; v < NV; ++v) s[v] = 0.0f;
+  if (c < width)
+    for (std::int64_t r = r0 + ty; r < r1; r += kColSumRowLanes) {
+      float t[NV];
+      f(r, c, t);
+      for (int v = 0; v < NV; ++v) s[v] += t[v];
+    }
+  for (int v = 0; v < NV; ++v) lanes[v][ty][tx] = s[v];
+  __syncthreads();
+  if (ty == 0 && c < width) {
+    const std::int64_t chunks = gridDim.y;
+    for (int v = 0; v < NV; ++v) {
+      float t = 0.0f;
+      for (int l = 0; l < kColSumRowLanes; ++l) t += lanes[v][l][tx];
+      partials[(v * chunks + blockIdx.y) * width + c] = t;
+    }
+  }
+}
+
+// out[c] = sum over chunks k of partials[k, c], stored once in T.
+template <class T>
+__global__ void column_sum_finish_kernel(const float* partials, std::int64_t chunks, int width, T* out) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= width) return;
+  float s = 0.0f;
+  for (std::int64_t k = 0; k < chunks; ++k) s += partials[k * width + c];
+  out[c] = Io<T>::store(s);  // rounds: the row reduction, T
+}
+
+// The terms of a plain column sum (a bias grad): the elements of a row-major matrix [n_rows, ld].
+template <class T>
+struct MatrixTerms {
+  const T* m;
+  std::int64_t ld;
+  __device__ void operator()(std::int64_t r, int c, float* v) const { v[0] = Io<T>::load(m[r * ld + c]); }
+};
+
+// Launches both stages; outs[v] ([width] in T) may be null to skip storing value v. `op` names the
+// caller in errors and in the cost declarations ("<op>_partial", "<op>_finish"); bytes_per_row is
+// what f reads per element (the caller knows its operands), flops_per_element likewise.
+template <class T, int NV, class F>
+void column_sums(const char* op, const F& f, std::int64_t n_rows, int width, T* const (&outs)[NV], void* workspace,
+                 std::size_t workspace_bytes, double bytes_per_element, double flops_per_element, cudaStream_t stream) {
+  const std::int64_t chunks = column_sum_chunks(n_rows);
+  require(chunks <= 65535, std::string(op) + ": " + std::to_string(n_rows) + " rows exceed the column sum's grid (" +
+                               std::to_string(65535LL * kColSumChunkRows) + " rows)");
+  require(workspace != nullptr && workspace_bytes >= column_sum_workspace_bytes(NV, n_rows, width),
+          std::string(op) + ": workspace of " + std::to_string(workspace_bytes) +
+              " bytes is null or smaller than the " + std::to_string(column_sum_workspace_bytes(NV, n_rows, width)) +
+              " bytes needed");
+  float* partials = static_cast<float*>(workspace);
+  const double partial_bytes = 4.0 * NV * chunks * width;
+  rt::declare_cost((std::string(op) + "_partial").c_str(), bytes_per_element * n_rows * width + partial_bytes,
+                   (flops_per_element + NV) * n_rows * width);
+  launch_kernel(column_partial_sum_kernel<NV, F>, dim3(ceil_div(width, kColSumCols), unsigned(chunks)),
+                dim3(kColSumCols * kColSumRowLanes), 0, stream, f, n_rows, width, partials);
+  for (int v = 0; v < NV; ++v) {
+    if (!outs[v]) continue;
+    rt::declare_cost((std::string(op) + "_finish").c_str(), 4.0 * chunks * width + sizeof(T) * double(width),
+                     double(chunks) * width);
+    const unsigned threads = elementwise_threads(width);
+    launch_kernel(column_sum_finish_kernel<T>, dim3(ceil_div(width, threads)), dim3(threads), 0, stream,
+                  partials + std::int64_t(v) * chunks * width, chunks, width, outs[v]);
+  }
+}
+
 }  // namespace twin::opt::TWIN_BACKEND

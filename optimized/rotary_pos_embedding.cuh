@@ -7,7 +7,13 @@
  * NormRows), one thread per rotated PAIR of channels, so each thread reads both inputs of its two
  * outputs before writing them and the in-place update needs no barrier. cos/sin are computed from
  * the fp32 angles in fp32 and stored in T, and each product and the sum are stored in T, as
- * torch's unfused ops do. */
+ * torch's unfused ops do.
+ *
+ * Backward (reference apply_rotary_pos_emb_backward): dt = dout cos + rotate_half^T(dout sin),
+ * rotate_half^T sending (y0, y1) of a pair back as (y1, -y0): for the pair (c0, c1)
+ * dt[c0] = dout[c0] cos[c0] + dout[c1] sin[c1], dt[c1] = dout[c1] cos[c1] - dout[c0] sin[c0],
+ * each product (mul's grad) and the sum stored in T; in place, one thread per pair, as the
+ * forward; channels past rot_dim pass dout through (untouched in place). */
 #pragma once
 
 #include "torch_norm.cuh"  // NormRows
@@ -63,6 +69,58 @@ inline void rotary_pos_emb_forward(DType dt, void* t, const float* freqs, const 
     const unsigned threads = elementwise_threads(total);
     launch_kernel(rotary_pos_emb_forward_kernel<T>, dim3(elementwise_blocks(total, threads)), dim3(threads), 0, stream,
                   static_cast<T*>(t), freqs, rows, rows_per_position, rot_dim, interleaved);
+  });
+}
+
+// ---- backward -----------------------------------------------------------------------------------
+// dt: the heads' gradient addressed by `rows`, in place (dout in, dt out).
+template <class T>
+__global__ void rotary_pos_emb_backward_kernel(T* dt, const float* freqs, NormRows rows, std::int64_t rows_per_position,
+                                               int rot_dim, bool interleaved) {
+  const int half = rot_dim / 2;
+  const std::int64_t total = rows.n_rows * half;
+  for (std::int64_t e = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t r = e / half;
+    const int i = static_cast<int>(e % half);
+    T* row = dt + rows.offset(r);                                // [hn]
+    const float* f = freqs + (r / rows_per_position) * rot_dim;  // [rot_dim]
+    const int c0 = interleaved ? 2 * i : i;                      // the pair (c0, c1)
+    const int c1 = interleaved ? 2 * i + 1 : i + half;
+    const float g0 = Io<T>::load(row[c0]), g1 = Io<T>::load(row[c1]);
+    const float cos0 = round_to<T>(cosf(f[c0])), sin0 = round_to<T>(sinf(f[c0]));  // the forward's cos_ / sin_
+    const float cos1 = round_to<T>(cosf(f[c1])), sin1 = round_to<T>(sinf(f[c1]));
+    const float d0 = round_to<T>(g0 * cos0) + round_to<T>(g1 * sin1);  // rounds: mul's grads of t and rotate_half(t)
+    const float d1 = round_to<T>(g1 * cos1) - round_to<T>(g0 * sin0);
+    row[c0] = Io<T>::store(d0);  // rounds: the grads' sum, T
+    row[c1] = Io<T>::store(d1);
+  }
+}
+
+// In place on the gradient of the rotated heads (layout and freqs as rotary_pos_emb_forward took them).
+inline void rotary_pos_emb_backward(DType dt, void* dout, const float* freqs, const NormRows& rows,
+                                    std::int64_t rows_per_position, int rot_dim, bool interleaved,
+                                    cudaStream_t stream) {
+  require(rot_dim > 0 && rot_dim % 2 == 0 && rot_dim <= rows.width,
+          "rotary_pos_emb_backward: rot_dim " + std::to_string(rot_dim) +
+              " must be even, > 0 and at most the head dim " + std::to_string(rows.width));
+  require(rows_per_position > 0, "rotary_pos_emb_backward: rows_per_position must be > 0");
+  require(rows.n_rows >= 0 && rows.rows_per_chunk > 0, "rotary_pos_emb_backward: bad row layout");
+  // counts: as the reference's backward: the mul's grads, then their sum, each stored in T.
+  rounding_store(dt, 2);
+  // cost: as the forward: the rotated channels read and written, the angles once; 3 FLOPs each.
+  rt::declare_cost("rotary_pos_emb_backward",
+                   double(dtype_size(dt)) * 2.0 * rows.n_rows * rot_dim +
+                       4.0 * (double(rows.n_rows) / rows_per_position) * (rot_dim / 2),
+                   3.0 * rows.n_rows * rot_dim);
+  require(dout && freqs, "rotary_pos_emb_backward: null tensor");
+  if (rows.n_rows == 0) return;
+  dispatch_dtype(dt, "rotary_pos_emb_backward", [&](auto tag) {
+    using T = decltype(tag);
+    const std::int64_t total = rows.n_rows * (rot_dim / 2);
+    const unsigned threads = elementwise_threads(total);
+    launch_kernel(rotary_pos_emb_backward_kernel<T>, dim3(elementwise_blocks(total, threads)), dim3(threads), 0, stream,
+                  static_cast<T*>(dout), freqs, rows, rows_per_position, rot_dim, interleaved);
   });
 }
 

@@ -17,6 +17,8 @@
 #include "optimized/activations.cuh"
 #include "optimized/dot_product_attention.cuh"
 #include "optimized/fused_bias_dropout.cuh"
+#include "optimized/linear.cuh"
+#include "optimized/mlp_backward.cuh"
 #include "optimized/rotary_pos_embedding.cuh"
 #include "optimized/runtime/collectives.h"
 #include "optimized/runtime/gemm.h"

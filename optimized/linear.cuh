@@ -1,0 +1,107 @@
+/* A Linear's backward GEMMs (reference Linear::backward; megatron/core/tensor_parallel/layers.py
+ * LinearWithGradAccumulationAndAsyncCommunication.backward at TP 1, no gradient accumulation
+ * fusion): from dy [rows, out], the gradient of the (biased) output,
+ *   dgrad:  dx [rows, in]  = dy @ W           fp32 accumulation over out, stored in T
+ *   wgrad:  dW [out, in]   = dy^T @ x         fp32 accumulation over rows, stored in the parameter dtype
+ *   bias:   db [out]       = dy.sum(dim=0)    fp32 accumulation over rows, stored in the parameter dtype
+ * (the parameter dtype is T: Megatron's main-grad-less path keeps param.grad in the param dtype,
+ * which is the activation dtype here, as in the reference).
+ *
+ * Design: both GEMMs go through the GEMM interface (runtime/gemm.h: cuBLASLt on the GPU, the
+ * simulator's fixed-order GEMM on the CPU), written as column-major products of the row-major
+ * tensors the way linear_uncounted (transformer_layer.cuh) writes the forward; cuBLASLt picks its
+ * algorithm per shape, and the simulator's order is fixed, so two runs of one shape are bitwise
+ * equal on either. The bias grad is a deterministic column sum (kernel_common.cuh column_sums). */
+#pragma once
+
+#include "kernel_common.cuh"
+#include "optimized/runtime/gemm.h"
+
+namespace twin::opt::TWIN_BACKEND {
+
+inline rt::Gemm& linear_gemm() { return rt::gemm(TWIN_SIM ? rt::Backend::Sim : rt::Backend::Cuda); }
+
+// dx[rows, in] = dy[rows, out] @ w[out, in]. Column-major: dx^T (in x rows) = W^T (in x out, w's
+// row-major storage read as is, ld in) * dy^T (out x rows, dy as is, ld out).
+inline void linear_backward_dgrad(DType dt, const void* dy, const void* w, void* dx, std::int64_t rows, std::int64_t in,
+                                  std::int64_t out, cudaStream_t stream) {
+  require(rows >= 0 && in > 0 && out > 0, "linear_backward_dgrad: bad shape rows=" + std::to_string(rows) +
+                                              " in=" + std::to_string(in) + " out=" + std::to_string(out));
+  require(dy && w && dx, "linear_backward_dgrad: null dy / w / dx");
+  // counts: as the reference: the GEMM's fp32 reduction over out, its output stored in T.
+  rounding_reduce(out);
+  rounding_store(dt);
+  if (rows == 0) return;
+  rt::GemmArgs g;
+  g.transa = rt::Op::N;
+  g.transb = rt::Op::N;
+  g.m = in;
+  g.n = rows;
+  g.k = out;
+  g.ab_dtype = g.cd_dtype = dt;
+  g.a = w;
+  g.lda = in;
+  g.b = dy;
+  g.ldb = out;
+  g.d = dx;
+  g.ldd = in;
+  g.c = dx;
+  g.ldc = in;
+  linear_gemm().run(g, stream);
+}
+
+// dw[out, in] = dy[rows, out]^T @ x[rows, in]. Column-major: dW^T (in x out) = X^T (in x rows,
+// x's storage as is, ld in) * dy (rows x out: dy's storage transposed, ld out). rows == 0 gives
+// dw = 0 (an empty sum).
+inline void linear_backward_wgrad(DType dt, const void* dy, const void* x, void* dw, std::int64_t rows, std::int64_t in,
+                                  std::int64_t out, cudaStream_t stream) {
+  require(rows >= 0 && in > 0 && out > 0, "linear_backward_wgrad: bad shape rows=" + std::to_string(rows) +
+                                              " in=" + std::to_string(in) + " out=" + std::to_string(out));
+  require(dy && x && dw, "linear_backward_wgrad: null dy / x / dw");
+  // counts: as the reference: the GEMM's fp32 reduction over the rows, stored in the param dtype.
+  rounding_reduce(rows);
+  rounding_store(dt);
+  rt::GemmArgs g;
+  g.transa = rt::Op::N;
+  g.transb = rt::Op::T;
+  g.m = in;
+  g.n = out;
+  g.k = rows;
+  g.ab_dtype = g.cd_dtype = dt;
+  g.a = x;
+  g.lda = in;
+  g.b = dy;
+  g.ldb = out;
+  g.d = dw;
+  g.ldd = in;
+  g.c = dw;
+  g.ldc = in;
+  if (rows > 0)
+    linear_gemm().run(g, stream);
+  else
+    linear_gemm().run_grouped({g}, stream);  // the grouped entry point allows k == 0 (D = 0)
+}
+
+// Workspace linear_backward_bias needs.
+inline std::size_t linear_backward_bias_workspace_bytes(std::int64_t rows, std::int64_t out) {
+  return column_sum_workspace_bytes(1, rows, static_cast<int>(out));
+}
+
+// db[out] = sum over rows of dy[rows, out], fp32 in a fixed order, stored in T.
+inline void linear_backward_bias(DType dt, const void* dy, void* db, std::int64_t rows, std::int64_t out,
+                                 void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  require(rows >= 0 && out > 0 && out <= (1LL << 30),
+          "linear_backward_bias: bad shape rows=" + std::to_string(rows) + " out=" + std::to_string(out));
+  require(dy && db, "linear_backward_bias: null dy / db");
+  // counts: as the reference: the fp32 reduction over the rows, stored in the param dtype.
+  rounding_reduce(rows);
+  rounding_store(dt);
+  dispatch_dtype(dt, "linear_backward_bias", [&](auto tag) {
+    using T = decltype(tag);
+    T* const outs[1] = {static_cast<T*>(db)};
+    column_sums<T, 1>("linear_backward_bias", MatrixTerms<T>{static_cast<const T*>(dy), out}, rows,
+                      static_cast<int>(out), outs, workspace, workspace_bytes, double(dtype_size(dt)), 0.0, stream);
+  });
+}
+
+}  // namespace twin::opt::TWIN_BACKEND

@@ -1,0 +1,115 @@
+/* The MLP half of the dense layer's backward at TP 1 (reference TransformerLayer::backward's
+ * mlp_bda, mlp and pre_mlp_layernorm steps; megatron/core/transformer/transformer_layer.py and
+ * mlp.py under autograd), from the gradient of the layer's output:
+ *   mlp_bda:            d residual = dout; d mlp = dropout's backward of dout; d fc2.bias = sum_rows d mlp
+ *   linear_fc2:         d act = d mlp @ W2; dW2 = d mlp^T act
+ *   activation (+GLU):  d fc1 = act'(fc1 + b1) ...; d fc1.bias = sum_rows d fc1
+ *   linear_fc1:         d ln2 = d fc1 @ W1; dW1 = d fc1^T ln2
+ *   pre_mlp_layernorm:  d hidden = norm backward(d ln2) + d residual (autograd's sum, stored in T)
+ * Each step is the op's launcher (counting its rounding points); nothing is synchronised, so the
+ * sequence can be captured into a graph like the forward. */
+#pragma once
+
+#include "optimized/activations.cuh"
+#include "optimized/fused_bias_dropout.cuh"
+#include "optimized/linear.cuh"
+#include "optimized/torch_norm.cuh"
+
+namespace twin::opt::TWIN_BACKEND {
+
+// out = a + b, stored in T (the gradient reaching a tensor used twice: autograd adds the two).
+template <class T>
+__global__ void grad_sum_kernel(const T* a, const T* b, T* out, std::int64_t n) {
+  for (std::int64_t e = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += std::int64_t(gridDim.x) * blockDim.x)
+    out[e] = Io<T>::store(Io<T>::load(a[e]) + Io<T>::load(b[e]));  // rounds: the sum, T
+}
+
+inline void grad_sum(DType dt, const void* a, const void* b, void* out, std::int64_t n, cudaStream_t stream) {
+  require(n >= 0 && a && b && out, "grad_sum: null tensor or negative size");
+  // counts: the sum stored in T (the larger of the two paths' counts is the caller's join).
+  rounding_store(dt);
+  rt::declare_cost("grad_sum", 3.0 * double(dtype_size(dt)) * n, double(n));
+  if (n == 0) return;
+  dispatch_dtype(dt, "grad_sum", [&](auto tag) {
+    using T = decltype(tag);
+    const unsigned threads = elementwise_threads(n);
+    launch_kernel(grad_sum_kernel<T>, dim3(elementwise_blocks(n, threads)), dim3(threads), 0, stream,
+                  static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(out), n);
+  });
+}
+
+struct MlpHalfBackward {
+  DType dt = DType::F32;
+  std::int64_t n = 0;  // tokens: s * b
+  int h = 0, ffn = 0;
+  bool glu = false, rms = false, zero_centered_gamma = false;
+  Act act = Act::Gelu;
+  double eps = 1e-5;
+  DropoutArgs drop;  // the forward's mlp_bda dropout
+  std::uint64_t element_base = 0;
+  // The forward's saved tensors.
+  const void* hidden = nullptr;   // [n, h] pre_mlp_layernorm's input
+  const void* ln2 = nullptr;      // [n, h] its output, linear_fc1's input
+  const void* fc1 = nullptr;      // [n, w] linear_fc1's GEMM output before its bias (w = glu ? 2 ffn : ffn)
+  const void* act_out = nullptr;  // [n, ffn] linear_fc2's input
+  // Parameters (biases null when the layer has none).
+  const void *ln2_w = nullptr, *fc1_w = nullptr, *fc1_b = nullptr, *fc2_w = nullptr;
+  bool fc2_bias = false;
+  // Gradients: dout in, the rest out (param grads null where the parameter is absent).
+  const void* dout = nullptr;  // [n, h]
+  void* dhidden = nullptr;     // [n, h]
+  void *d_ln2_w = nullptr, *d_ln2_b = nullptr, *d_fc1_w = nullptr, *d_fc1_b = nullptr, *d_fc2_w = nullptr,
+       *d_fc2_b = nullptr;
+  // Scratch: d mlp [n, h], d act [n, ffn], d fc1 [n, w], d ln2 [n, h] in dt; `workspace` as
+  // mlp_half_backward_workspace_bytes says.
+  void *d_mlp = nullptr, *d_act = nullptr, *d_fc1 = nullptr, *d_ln2 = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+};
+
+inline std::size_t mlp_half_backward_workspace_bytes(bool rms, std::int64_t n, int h, int ffn, bool glu) {
+  return std::max({norm_backward_workspace_bytes(rms, n, h), column_sum_workspace_bytes(1, n, h),
+                   column_sum_workspace_bytes(1, n, glu ? 2 * ffn : ffn)});
+}
+
+inline void mlp_half_backward(const MlpHalfBackward& a, cudaStream_t st) {
+  require(a.n >= 0 && a.h > 0 && a.ffn > 0, "mlp_half_backward: bad shape");
+  require(a.hidden && a.ln2 && a.fc1 && a.act_out && a.ln2_w && a.fc1_w && a.fc2_w && a.dout && a.dhidden &&
+              a.d_ln2_w && a.d_fc1_w && a.d_fc2_w && a.d_mlp && a.d_act && a.d_fc1 && a.d_ln2,
+          "mlp_half_backward: a required tensor is null");
+  require(!a.rms || !a.d_ln2_b, "mlp_half_backward: RMSNorm has no bias");
+  const int w = a.glu ? 2 * a.ffn : a.ffn;
+  const RoundingCount at_input = rounding_now();
+  // ---- mlp_bda: d residual = dout (used below); d mlp, d fc2.bias      // [n, h]
+  bias_dropout_add_backward(a.dt, a.dout, a.d_mlp, nullptr, nullptr, a.n, a.h, a.drop, a.element_base, nullptr, 0, st);
+  const RoundingCount at_fc2 = rounding_now();
+  if (a.fc2_bias) {
+    require(a.d_fc2_b != nullptr, "mlp_half_backward: fc2 has a bias but d_fc2_b is null");
+    linear_backward_bias(a.dt, a.d_mlp, a.d_fc2_b, a.n, a.h, a.workspace, a.workspace_bytes, st);
+    rounding_set(at_fc2);  // a leaf: the data path goes on from d mlp
+  }
+  // ---- linear_fc2                                                       // [n, ffn], [h, ffn]
+  linear_backward_wgrad(a.dt, a.d_mlp, a.act_out, a.d_fc2_w, a.n, a.ffn, a.h, st);
+  rounding_set(at_fc2);  // the weight grad is a leaf: the data path goes on from d mlp
+  linear_backward_dgrad(a.dt, a.d_mlp, a.fc2_w, a.d_act, a.n, a.ffn, a.h, st);
+  // ---- activation / GLU, fc1.bias                                       // [n, w]
+  bias_activation_backward(a.dt, a.fc1, a.fc1_b, a.d_act, a.d_fc1, a.n, a.ffn, a.act, a.glu, st);
+  const RoundingCount at_fc1 = rounding_now();
+  if (a.fc1_b) {
+    require(a.d_fc1_b != nullptr, "mlp_half_backward: fc1 has a bias but d_fc1_b is null");
+    linear_backward_bias(a.dt, a.d_fc1, a.d_fc1_b, a.n, w, a.workspace, a.workspace_bytes, st);
+    rounding_set(at_fc1);
+  }
+  // ---- linear_fc1                                                       // [n, h], [w, h]
+  linear_backward_wgrad(a.dt, a.d_fc1, a.ln2, a.d_fc1_w, a.n, a.h, w, st);
+  rounding_set(at_fc1);
+  linear_backward_dgrad(a.dt, a.d_fc1, a.fc1_w, a.d_ln2, a.n, a.h, w, st);
+  // ---- pre_mlp_layernorm, then the residual's gradient added             // [n, h]
+  norm_backward(a.rms, a.dt, a.d_ln2, a.hidden, a.dhidden, a.ln2_w, a.d_ln2_w, a.d_ln2_b, NormRows::dense(a.n, a.h),
+                a.eps, a.zero_centered_gamma, a.workspace, a.workspace_bytes, st);
+  rounding_join(at_input);  // the residual path: dout as it came in
+  grad_sum(a.dt, a.dhidden, a.dout, a.dhidden, a.n * a.h, st);
+}
+
+}  // namespace twin::opt::TWIN_BACKEND
