@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/reference/fd_check.h"
 #include "dense_test_util.h"
 #include "reference/rotary_pos_embedding.h"
 #include "reference/transformer_layer.h"
@@ -245,24 +246,10 @@ struct Tally {
     return ::testing::AssertionSuccess();
   }
   ++tally.compared;
-  const double fd = (plus.loss - minus.loss) / (2 * d), fd2 = (plus2.loss - minus2.loss) / d;
-  constexpr double kDepth = 1e3;  // operations deep of one forward (see the file comment)
-  const double u64 = std::numeric_limits<double>::epsilon() / 2;
-  const double tol = std::fabs(fd - fd2) + kDepth * u64 * (plus.magnitude / (d / 2) + std::fabs(analytic));
-  if (std::fabs(analytic - fd2) <= tol) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "case " << k.id << " (" << k.describe << "): d L / d " << name << "[" << i
-                                       << "]: analytic " << analytic << ", central difference " << fd2
-                                       << " (at d: " << fd << "), |diff| " << std::fabs(analytic - fd2)
-                                       << " > tolerance " << tol << "; rerun: TWIN_FD_CASE=" << k.id;
-}
-
-std::vector<std::uint64_t> case_ids() {
-  if (const char* one = std::getenv("TWIN_FD_CASE")) return {std::strtoull(one, nullptr, 10)};
-  std::uint64_t n = 100;
-  if (const char* count = std::getenv("TWIN_FD_CASES")) n = std::strtoull(count, nullptr, 10);
-  std::vector<std::uint64_t> ids(n);
-  for (std::uint64_t i = 0; i < n; ++i) ids[i] = i;
-  return ids;
+  const double depth = 1e3;  // operations deep of one forward (see the file comment)
+  return twin::test::central_difference_agrees(
+      analytic, {plus.loss, minus.loss, plus2.loss, minus2.loss, d}, plus.magnitude, depth,
+      "case " + std::to_string(k.id) + " (" + k.describe + "): d L / d " + name + "[" + std::to_string(i) + "]", k.id);
 }
 
 }  // namespace
@@ -270,7 +257,7 @@ std::vector<std::uint64_t> case_ids() {
 TEST(TransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
   Tally total;
   int cases = 0;
-  for (const std::uint64_t id : case_ids()) {
+  for (const std::uint64_t id : twin::test::fd_case_ids()) {
     const Case k = make_case(id);
     const Harness hx(k);
     const TransformerLayerGrads grads = hx.grads();

@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/reference/fd_check.h"
 #include "reference/retro/decoder_layer_spec.h"
 #include "reference/retro/decoder_spec.h"
 #include "reference/retro/encoder_spec.h"
@@ -301,24 +302,10 @@ Tensor with_element(const Tensor& t, std::int64_t i, double v) {
   };
   const Run plus = eval(theta + d), minus = eval(theta - d);
   const Run plus2 = eval(theta + d / 2), minus2 = eval(theta - d / 2);
-  const double fd = (plus.loss - minus.loss) / (2 * d), fd2 = (plus2.loss - minus2.loss) / d;
   const double depth = 1e3 * k.layers;  // operations deep of one forward (see the file comment)
-  const double u64 = std::numeric_limits<double>::epsilon() / 2;
-  const double tol = std::fabs(fd - fd2) + depth * u64 * (plus.magnitude / (d / 2) + std::fabs(analytic));
-  if (std::fabs(analytic - fd2) <= tol) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "case " << k.id << " (" << k.describe << "): d L / d " << name << "[" << i
-                                       << "]: analytic " << analytic << ", central difference " << fd2
-                                       << " (at d: " << fd << "), |diff| " << std::fabs(analytic - fd2)
-                                       << " > tolerance " << tol << "; rerun: TWIN_FD_CASE=" << k.id;
-}
-
-std::vector<std::uint64_t> case_ids() {
-  if (const char* one = std::getenv("TWIN_FD_CASE")) return {std::strtoull(one, nullptr, 10)};
-  std::uint64_t n = 100;
-  if (const char* count = std::getenv("TWIN_FD_CASES")) n = std::strtoull(count, nullptr, 10);
-  std::vector<std::uint64_t> ids(n);
-  for (std::uint64_t i = 0; i < n; ++i) ids[i] = i;
-  return ids;
+  return twin::test::central_difference_agrees(
+      analytic, {plus.loss, minus.loss, plus2.loss, minus2.loss, d}, plus.magnitude, depth,
+      "case " + std::to_string(k.id) + " (" + k.describe + "): d L / d " + name + "[" + std::to_string(i) + "]", k.id);
 }
 
 std::vector<double> values(const Tensor& t) { return t.to_f64(); }
@@ -328,7 +315,7 @@ std::vector<double> values(const Mat& m) { return std::vector<double>(m.data(), 
 
 TEST(RetroBackward, MatchesCentralDifferencesInExactMode) {
   int cases = 0, probes = 0;
-  for (const std::uint64_t id : case_ids()) {
+  for (const std::uint64_t id : twin::test::fd_case_ids()) {
     const Case k = make_case(id);
     const Harness hx(k);
     const Grads grads = hx.grads();
