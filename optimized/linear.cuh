@@ -1,6 +1,7 @@
-/* A Linear's backward GEMMs (reference Linear::backward; megatron/core/tensor_parallel/layers.py
- * LinearWithGradAccumulationAndAsyncCommunication.backward at TP 1, no gradient accumulation
- * fusion): from dy [rows, out], the gradient of the (biased) output,
+/* A Linear's forward and backward GEMMs (reference Linear; megatron/core/tensor_parallel/layers.py,
+ * LinearWithGradAccumulationAndAsyncCommunication.backward at TP 1, no gradient accumulation fusion).
+ *   forward: y [rows, out]  = x @ W^T (+ bias)  fp32 accumulation over in, stored in T
+ * From dy [rows, out], the gradient of the (biased) output,
  *   dgrad:  dx [rows, in]  = dy @ W           fp32 accumulation over out, stored in T
  *   wgrad:  dW [out, in]   = dy^T @ x         fp32 accumulation over rows, stored in the parameter dtype
  *   bias:   db [out]       = dy.sum(dim=0)    fp32 accumulation over rows, stored in the parameter dtype
@@ -9,7 +10,7 @@
  *
  * Design: both GEMMs go through the GEMM interface (runtime/gemm.h: cuBLASLt on the GPU, the
  * simulator's fixed-order GEMM on the CPU), written as column-major products of the row-major
- * tensors the way linear_uncounted (transformer_layer.cuh) writes the forward; cuBLASLt picks its
+ * tensors (linear_gemm_args); cuBLASLt picks its
  * algorithm per shape, and the simulator's order is fixed, so two runs of one shape are bitwise
  * equal on either. The bias grad is a deterministic column sum (kernel_common.cuh column_sums). */
 #pragma once
@@ -19,7 +20,55 @@
 
 namespace twin::opt::TWIN_BACKEND {
 
-inline rt::Gemm& linear_gemm() { return rt::gemm(TWIN_SIM ? rt::Backend::Sim : rt::Backend::Cuda); }
+inline rt::Backend this_backend() { return TWIN_SIM ? rt::Backend::Sim : rt::Backend::Cuda; }
+inline rt::Gemm& linear_gemm() { return rt::gemm(this_backend()); }
+
+// D[m, n] = op(A) op(B) in dtype dt, column-major, D written in place of C (beta 0): every Linear
+// GEMM here, the row-major tensors read as their column-major transposes.
+inline rt::GemmArgs linear_gemm_args(DType dt, rt::Op transa, const void* a, std::int64_t lda, rt::Op transb,
+                                     const void* b, std::int64_t ldb, void* d, std::int64_t m, std::int64_t n,
+                                     std::int64_t k) {
+  rt::GemmArgs g;
+  g.transa = transa;
+  g.transb = transb;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.ab_dtype = g.cd_dtype = dt;
+  g.a = a;
+  g.lda = lda;
+  g.b = b;
+  g.ldb = ldb;
+  g.d = d;
+  g.ldd = m;
+  g.c = d;
+  g.ldc = m;
+  return g;
+}
+
+// y[rows, out] = x[rows, in] @ w[out, in]^T (+ bias via the epilogue): torch's Linear on
+// row-major tensors as a column-major cuBLASLt GEMM (y^T = W x^T), counting nothing (the caller
+// counts).
+inline void linear_uncounted(DType dt, const void* x, const void* w, const void* bias, void* y, std::int64_t rows,
+                             std::int64_t in, std::int64_t out, cudaStream_t stream) {
+  rt::GemmArgs g = linear_gemm_args(dt, rt::Op::T, w, in, rt::Op::N, x, in, y, out, rows, in);
+  if (bias) {
+    g.epilogue = rt::Epilogue::Bias;
+    g.bias = bias;
+    g.bias_dtype = dt;
+  }
+  linear_gemm().run(g, stream);
+}
+
+// linear_uncounted with its rounding points counted.
+inline void linear_forward(DType dt, const void* x, const void* w, const void* bias, void* y, std::int64_t rows,
+                           std::int64_t in, std::int64_t out, cudaStream_t stream) {
+  linear_uncounted(dt, x, w, bias, y, rows, in, out, stream);
+  // counts: Megatron stores the GEMM output and then the biased sum; an epilogue storing once
+  // differs from that by at most the one rounding counted for the bias.
+  rounding_reduce(in);
+  rounding_store(dt, bias ? 2 : 1);
+}
 
 // dx[rows, in] = dy[rows, out] @ w[out, in]. Column-major: dx^T (in x rows) = W^T (in x out, w's
 // row-major storage read as is, ld in) * dy^T (out x rows, dy as is, ld out).
@@ -32,22 +81,7 @@ inline void linear_backward_dgrad(DType dt, const void* dy, const void* w, void*
   rounding_reduce(out);
   rounding_store(dt);
   if (rows == 0) return;
-  rt::GemmArgs g;
-  g.transa = rt::Op::N;
-  g.transb = rt::Op::N;
-  g.m = in;
-  g.n = rows;
-  g.k = out;
-  g.ab_dtype = g.cd_dtype = dt;
-  g.a = w;
-  g.lda = in;
-  g.b = dy;
-  g.ldb = out;
-  g.d = dx;
-  g.ldd = in;
-  g.c = dx;
-  g.ldc = in;
-  linear_gemm().run(g, stream);
+  linear_gemm().run(linear_gemm_args(dt, rt::Op::N, w, in, rt::Op::N, dy, out, dx, in, rows, out), stream);
 }
 
 // dw[out, in] = dy[rows, out]^T @ x[rows, in]. Column-major: dW^T (in x out) = X^T (in x rows,
@@ -61,21 +95,7 @@ inline void linear_backward_wgrad(DType dt, const void* dy, const void* x, void*
   // counts: as the reference: the GEMM's fp32 reduction over the rows, stored in the param dtype.
   rounding_reduce(rows);
   rounding_store(dt);
-  rt::GemmArgs g;
-  g.transa = rt::Op::N;
-  g.transb = rt::Op::T;
-  g.m = in;
-  g.n = out;
-  g.k = rows;
-  g.ab_dtype = g.cd_dtype = dt;
-  g.a = x;
-  g.lda = in;
-  g.b = dy;
-  g.ldb = out;
-  g.d = dw;
-  g.ldd = in;
-  g.c = dw;
-  g.ldc = in;
+  const rt::GemmArgs g = linear_gemm_args(dt, rt::Op::N, x, in, rt::Op::T, dy, out, dw, in, out, rows);
   if (rows > 0)
     linear_gemm().run(g, stream);
   else

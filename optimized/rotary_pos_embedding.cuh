@@ -20,24 +20,44 @@
 
 namespace twin::opt::TWIN_BACKEND {
 
-// t: heads addressed by `rows` (width = head dim), freqs: [s, rot_dim] fp32 angles;
-// position of row r = r / rows_per_position.
+// Element e of the pairs: row r = e / (rot_dim / 2) of the heads addressed by `rows` (width = head
+// dim), its pair of channels (c0, c1) (interleaved: adjacent; else half apart) and the forward's
+// cos_ / sin_ of each, from freqs [s, rot_dim] fp32 angles at position r / rows_per_position.
+template <class T>
+struct RopePair {
+  T* row;  // [hn]
+  int c0, c1;
+  float cos0, sin0, cos1, sin1;
+};
+template <class T>
+__device__ inline RopePair<T> rope_pair(T* t, const float* freqs, const NormRows& rows, std::int64_t rows_per_position,
+                                        int rot_dim, bool interleaved, std::int64_t e) {
+  const int half = rot_dim / 2;
+  const std::int64_t r = e / half;
+  const int i = static_cast<int>(e % half);
+  const float* f = freqs + (r / rows_per_position) * rot_dim;  // [rot_dim]
+  RopePair<T> p;
+  p.row = t + rows.offset(r);
+  p.c0 = interleaved ? 2 * i : i;
+  p.c1 = interleaved ? 2 * i + 1 : i + half;
+  p.cos0 = round_to<T>(cosf(f[p.c0]));  // rounds: cos/sin .to(t.dtype)
+  p.sin0 = round_to<T>(sinf(f[p.c0]));
+  p.cos1 = round_to<T>(cosf(f[p.c1]));
+  p.sin1 = round_to<T>(sinf(f[p.c1]));
+  return p;
+}
+
 template <class T>
 __global__ void rotary_pos_emb_forward_kernel(T* t, const float* freqs, NormRows rows, std::int64_t rows_per_position,
                                               int rot_dim, bool interleaved) {
-  const int half = rot_dim / 2;
-  const std::int64_t total = rows.n_rows * half;
+  const std::int64_t total = rows.n_rows * (rot_dim / 2);
   for (std::int64_t e = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t r = e / half;
-    const int i = static_cast<int>(e % half);
-    T* row = t + rows.offset(r);                                 // [hn]
-    const float* f = freqs + (r / rows_per_position) * rot_dim;  // [rot_dim]
-    const int c0 = interleaved ? 2 * i : i;                      // the pair (c0, c1)
-    const int c1 = interleaved ? 2 * i + 1 : i + half;
+    const RopePair<T> q = rope_pair(t, freqs, rows, rows_per_position, rot_dim, interleaved, e);
+    T* row = q.row;
+    const int c0 = q.c0, c1 = q.c1;
     const float x0 = Io<T>::load(row[c0]), x1 = Io<T>::load(row[c1]);
-    const float cos0 = round_to<T>(cosf(f[c0])), sin0 = round_to<T>(sinf(f[c0]));  // rounds: cos/sin .to(t.dtype)
-    const float cos1 = round_to<T>(cosf(f[c1])), sin1 = round_to<T>(sinf(f[c1]));
+    const float cos0 = q.cos0, sin0 = q.sin0, cos1 = q.cos1, sin1 = q.sin1;
     // rotate_half(t)[c0] = -x1, rotate_half(t)[c1] = x0
     const float y0 = round_to<T>(x0 * cos0) + round_to<T>(-x1 * sin0);  // rounds: t * cos_, rotate_half(t) * sin_
     const float y1 = round_to<T>(x1 * cos1) + round_to<T>(x0 * sin1);
@@ -77,19 +97,14 @@ inline void rotary_pos_emb_forward(DType dt, void* t, const float* freqs, const 
 template <class T>
 __global__ void rotary_pos_emb_backward_kernel(T* dt, const float* freqs, NormRows rows, std::int64_t rows_per_position,
                                                int rot_dim, bool interleaved) {
-  const int half = rot_dim / 2;
-  const std::int64_t total = rows.n_rows * half;
+  const std::int64_t total = rows.n_rows * (rot_dim / 2);
   for (std::int64_t e = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t r = e / half;
-    const int i = static_cast<int>(e % half);
-    T* row = dt + rows.offset(r);                                // [hn]
-    const float* f = freqs + (r / rows_per_position) * rot_dim;  // [rot_dim]
-    const int c0 = interleaved ? 2 * i : i;                      // the pair (c0, c1)
-    const int c1 = interleaved ? 2 * i + 1 : i + half;
+    const RopePair<T> q = rope_pair(dt, freqs, rows, rows_per_position, rot_dim, interleaved, e);
+    T* row = q.row;
+    const int c0 = q.c0, c1 = q.c1;
     const float g0 = Io<T>::load(row[c0]), g1 = Io<T>::load(row[c1]);
-    const float cos0 = round_to<T>(cosf(f[c0])), sin0 = round_to<T>(sinf(f[c0]));  // the forward's cos_ / sin_
-    const float cos1 = round_to<T>(cosf(f[c1])), sin1 = round_to<T>(sinf(f[c1]));
+    const float cos0 = q.cos0, sin0 = q.sin0, cos1 = q.cos1, sin1 = q.sin1;
     const float d0 = round_to<T>(g0 * cos0) + round_to<T>(g1 * sin1);  // rounds: mul's grads of t and rotate_half(t)
     const float d1 = round_to<T>(g1 * cos1) - round_to<T>(g0 * sin0);
     row[c0] = Io<T>::store(d0);  // rounds: the grads' sum, T

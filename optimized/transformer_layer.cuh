@@ -27,46 +27,6 @@
 
 namespace twin::opt::TWIN_BACKEND {
 
-inline rt::Backend this_backend() { return TWIN_SIM ? rt::Backend::Sim : rt::Backend::Cuda; }
-
-// y[rows, out] = x[rows, in] @ w[out, in]^T (+ bias via the epilogue): torch's Linear on
-// row-major tensors as a column-major cuBLASLt GEMM (see runtime/gemm.h), counting nothing (the
-// caller counts).
-inline void linear_uncounted(DType dt, const void* x, const void* w, const void* bias, void* y, std::int64_t rows,
-                             std::int64_t in, std::int64_t out, cudaStream_t stream) {
-  rt::GemmArgs g;
-  g.transa = rt::Op::T;
-  g.transb = rt::Op::N;
-  g.m = out;
-  g.n = rows;
-  g.k = in;
-  g.ab_dtype = g.cd_dtype = dt;
-  g.a = w;
-  g.lda = in;
-  g.b = x;
-  g.ldb = in;
-  g.d = y;
-  g.ldd = out;
-  g.c = y;
-  g.ldc = out;
-  if (bias) {
-    g.epilogue = rt::Epilogue::Bias;
-    g.bias = bias;
-    g.bias_dtype = dt;
-  }
-  rt::gemm(this_backend()).run(g, stream);
-}
-
-// linear_uncounted with its rounding points counted.
-inline void linear_forward(DType dt, const void* x, const void* w, const void* bias, void* y, std::int64_t rows,
-                           std::int64_t in, std::int64_t out, cudaStream_t stream) {
-  linear_uncounted(dt, x, w, bias, y, rows, in, out, stream);
-  // counts: Megatron stores the GEMM output and then the biased sum; an epilogue storing once
-  // differs from that by at most the one rounding counted for the bias.
-  rounding_reduce(in);
-  rounding_store(dt, bias ? 2 : 1);
-}
-
 // A row-parallel linear (linear_proj, fc2): y = x[s, b, in_local] @ w[h, in_local]^T summed over
 // the tensor-parallel ranks: each rank's product goes to `partial` [s, b, h], then all-reduced
 // into y [s, b, h], or with sequence parallelism reduce-scattered into this rank's y [s_local, b, h].
