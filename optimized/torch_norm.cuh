@@ -48,6 +48,32 @@ __device__ inline float row_sum(float v, float* scratch) {
   return block_sum(v, scratch);
 }
 
+// A row's statistics in fp32 over its lanes, the forward's and the backward's alike (the backward
+// recomputes them): LayerNorm's mean and rstd = 1 / sqrt(var + eps) (biased variance), RMSNorm's
+// rstd = 1 / sqrt(mean(x^2) + eps).
+template <class T, bool WARP_ROW>
+__device__ inline void layernorm_row_stats(const T* xr, int n, int lane, int lanes, float eps, float* scratch,
+                                           float& mean, float& rstd) {
+  float s = 0.0f;
+  for (int c = lane; c < n; c += lanes) s += Io<T>::load(xr[c]);
+  mean = row_sum<WARP_ROW>(s, scratch) / static_cast<float>(n);
+  float v = 0.0f;
+  for (int c = lane; c < n; c += lanes) {
+    const float d = Io<T>::load(xr[c]) - mean;
+    v += d * d;
+  }
+  rstd = 1.0f / sqrtf(row_sum<WARP_ROW>(v, scratch) / static_cast<float>(n) + eps);
+}
+template <class T, bool WARP_ROW>
+__device__ inline float rmsnorm_row_rstd(const T* xr, int n, int lane, int lanes, float eps, float* scratch) {
+  float ss = 0.0f;
+  for (int c = lane; c < n; c += lanes) {
+    const float a = Io<T>::load(xr[c]);
+    ss += a * a;
+  }
+  return 1.0f / sqrtf(row_sum<WARP_ROW>(ss, scratch) / static_cast<float>(n) + eps);
+}
+
 template <class T, bool WARP_ROW>
 __global__ void layernorm_forward_kernel(const T* x, T* y, const T* weight, const T* bias, NormRows rows, float eps,
                                          bool zero_centered_gamma) {
@@ -59,16 +85,8 @@ __global__ void layernorm_forward_kernel(const T* x, T* y, const T* weight, cons
   const T* xr = x + rows.offset(r);          // [width]
   T* yr = y + rows.offset(r);                // [width]
   const int n = rows.width;
-  float s = 0.0f;
-  for (int c = lane; c < n; c += lanes) s += Io<T>::load(xr[c]);
-  const float mean = row_sum<WARP_ROW>(s, scratch) / static_cast<float>(n);
-  float v = 0.0f;
-  for (int c = lane; c < n; c += lanes) {
-    const float d = Io<T>::load(xr[c]) - mean;
-    v += d * d;
-  }
-  const float var = row_sum<WARP_ROW>(v, scratch) / static_cast<float>(n);
-  const float rstd = 1.0f / sqrtf(var + eps);
+  float mean, rstd;
+  layernorm_row_stats<T, WARP_ROW>(xr, n, lane, lanes, eps, scratch, mean, rstd);
   for (int c = lane; c < n; c += lanes) {
     const float g = Io<T>::load(weight[c]) + (zero_centered_gamma ? 1.0f : 0.0f);
     const float b = bias ? Io<T>::load(bias[c]) : 0.0f;
@@ -87,12 +105,7 @@ __global__ void rmsnorm_forward_kernel(const T* x, T* y, const T* weight, NormRo
   const T* xr = x + rows.offset(r);  // [width]
   T* yr = y + rows.offset(r);        // [width]
   const int n = rows.width;
-  float ss = 0.0f;
-  for (int c = lane; c < n; c += lanes) {
-    const float a = Io<T>::load(xr[c]);
-    ss += a * a;
-  }
-  const float rstd = 1.0f / sqrtf(row_sum<WARP_ROW>(ss, scratch) / static_cast<float>(n) + eps);
+  const float rstd = rmsnorm_row_rstd<T, WARP_ROW>(xr, n, lane, lanes, eps, scratch);
   for (int c = lane; c < n; c += lanes) {
     const float g = Io<T>::load(weight[c]) + (zero_centered_gamma ? 1.0f : 0.0f);
     const float xhat = round_to<T>(Io<T>::load(xr[c]) * rstd);  // rounds: x * rstd, T (torch rms_norm)
@@ -164,17 +177,8 @@ __global__ void layernorm_backward_kernel(const T* dy, const T* x, T* dx, const 
   const T* dyr = dy + rows.offset(r);        // [width]
   T* dxr = dx + rows.offset(r);              // [width]
   const int n = rows.width;
-  // The forward's statistics, by the forward's code.
-  float s = 0.0f;
-  for (int c = lane; c < n; c += lanes) s += Io<T>::load(xr[c]);
-  const float mean = row_sum<WARP_ROW>(s, scratch) / static_cast<float>(n);
-  float v = 0.0f;
-  for (int c = lane; c < n; c += lanes) {
-    const float d = Io<T>::load(xr[c]) - mean;
-    v += d * d;
-  }
-  const float var = row_sum<WARP_ROW>(v, scratch) / static_cast<float>(n);
-  const float rstd = 1.0f / sqrtf(var + eps);
+  float mean, rstd;  // the forward's statistics, by the forward's code
+  layernorm_row_stats<T, WARP_ROW>(xr, n, lane, lanes, eps, scratch, mean, rstd);
   // mean(dxhat) and mean(dxhat xhat) over the row
   float s1 = 0.0f, s2 = 0.0f;
   for (int c = lane; c < n; c += lanes) {
@@ -208,12 +212,7 @@ __global__ void rmsnorm_backward_kernel(const T* dy, const T* x, T* dx, const T*
   const T* dyr = dy + rows.offset(r);  // [width]
   T* dxr = dx + rows.offset(r);        // [width]
   const int n = rows.width;
-  float ss = 0.0f;
-  for (int c = lane; c < n; c += lanes) {
-    const float a = Io<T>::load(xr[c]);
-    ss += a * a;
-  }
-  const float rstd = 1.0f / sqrtf(row_sum<WARP_ROW>(ss, scratch) / static_cast<float>(n) + eps);
+  const float rstd = rmsnorm_row_rstd<T, WARP_ROW>(xr, n, lane, lanes, eps, scratch);
   float s = 0.0f;
   for (int c = lane; c < n; c += lanes) {
     const float g = Io<T>::load(weight[c]) + (zero_centered_gamma ? 1.0f : 0.0f);
