@@ -56,12 +56,8 @@ struct Case {
   std::string describe;  // the config in words, printed with failures
 };
 
-Tensor f64_tensor(std::mt19937_64& g, Shape shape, double scale) {
-  std::normal_distribution<double> n(0.0, scale);
-  std::vector<double> v(static_cast<std::size_t>(shape_numel(shape)));
-  for (double& x : v) x = n(g);
-  return Tensor::from_doubles(DType::F64, std::move(shape), v);
-}
+using twin::test::f64_tensor;
+using twin::test::with_element;
 
 Case make_case(std::uint64_t id) {
   std::mt19937_64 g(id * 0x9E3779B97F4A7C15ull + 1);
@@ -216,53 +212,39 @@ std::vector<int> kink_sides(const TransformerConfig& c, const Mat& a) {
   return sides;
 }
 
-Tensor with_element(const Tensor& t, std::int64_t i, double v) {
-  std::vector<double> d = t.to_f64();
-  d[static_cast<std::size_t>(i)] = v;
-  return Tensor::from_doubles(DType::F64, t.shape(), d);
-}
-
-struct Tally {
-  int compared = 0, excluded = 0;
-};
-
 // Compares one coordinate; returns false (with a message) on a mismatch.
 ::testing::AssertionResult probe(const Case& k, const Harness& hx, const std::string& name, std::int64_t i,
-                                 double analytic, Tally& tally) {
+                                 double analytic, twin::test::FdTally& tally) {
   const bool is_input = name == "input.hidden_states";
   const Tensor& base = is_input ? k.hidden_states : k.params.at(name.substr(6));
-  const double theta = base.at_f64(i);
-  const double d = 1e-4 * std::max(1.0, std::fabs(theta));
-  auto eval = [&](double v) {
+  auto run = [&](double v) {
     if (is_input) return hx.run(k.params, with_element(base, i, v));
     auto p = k.params;
     p[name.substr(6)] = with_element(base, i, v);
     return hx.run(p, k.hidden_states);
   };
-  const Run plus = eval(theta + d), minus = eval(theta - d);
-  const Run plus2 = eval(theta + d / 2), minus2 = eval(theta - d / 2);
-  if (kink_sides(k.config, plus.activation_input) != kink_sides(k.config, minus.activation_input)) {
-    ++tally.excluded;  // a kink lies between theta - d and theta + d: not differentiable there
-    return ::testing::AssertionSuccess();
-  }
-  ++tally.compared;
+  // A kink between theta - d and theta + d: not differentiable there.
+  auto kink = [&](const Run& plus, const Run& minus, const Run&, const Run&) {
+    return kink_sides(k.config, plus.activation_input) != kink_sides(k.config, minus.activation_input);
+  };
   const double depth = 1e3;  // operations deep of one forward (see the file comment)
-  return twin::test::central_difference_agrees(
-      analytic, {plus.loss, minus.loss, plus2.loss, minus2.loss, d}, plus.magnitude, depth,
-      "case " + std::to_string(k.id) + " (" + k.describe + "): d L / d " + name + "[" + std::to_string(i) + "]", k.id);
+  return twin::test::probe_coordinate(
+      base.at_f64(i), analytic, run, kink, depth,
+      "case " + std::to_string(k.id) + " (" + k.describe + "): d L / d " + name + "[" + std::to_string(i) + "]", k.id,
+      tally);
 }
 
 }  // namespace
 
 TEST(TransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
-  Tally total;
+  twin::test::FdTally total;
   int cases = 0;
   for (const std::uint64_t id : twin::test::fd_case_ids()) {
     const Case k = make_case(id);
     const Harness hx(k);
     const TransformerLayerGrads grads = hx.grads();
     std::mt19937_64 g(id + 7);
-    Tally tally;
+    twin::test::FdTally tally;
     // Every parameter the layer owns has a gradient, and nothing else does.
     std::map<std::string, const ParamGrad*> by_key;
     for (const ParamGrad& p : grads.params) by_key[p.name] = &p;
@@ -276,15 +258,7 @@ TEST(TransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
       targets.emplace_back("param." + key, std::vector<double>(p.value.data(), p.value.data() + p.value.size()));
     }
     for (const auto& [name, analytic] : targets) {
-      std::vector<std::int64_t> coords;
-      std::int64_t largest = 0;
-      for (std::size_t i = 0; i < analytic.size(); ++i)
-        if (std::fabs(analytic[i]) > std::fabs(analytic[static_cast<std::size_t>(largest)]))
-          largest = static_cast<std::int64_t>(i);
-      coords.push_back(largest);
-      std::uniform_int_distribution<std::int64_t> u(0, static_cast<std::int64_t>(analytic.size()) - 1);
-      for (int j = 0; j < 3; ++j) coords.push_back(u(g));
-      for (const std::int64_t i : coords)
+      for (const std::int64_t i : twin::test::probe_coords(analytic, g, 3))
         ASSERT_TRUE(probe(k, hx, name, i, analytic[static_cast<std::size_t>(i)], tally));
     }
     EXPECT_GT(tally.compared, 0) << "case " << id << " (" << k.describe << "): every probe was excluded";

@@ -58,12 +58,8 @@ struct Case {
   std::string describe;
 };
 
-Tensor f64_tensor(std::mt19937_64& g, Shape shape, double scale) {
-  std::normal_distribution<double> n(0.0, scale);
-  std::vector<double> v(static_cast<std::size_t>(shape_numel(shape)));
-  for (double& x : v) x = n(g);
-  return Tensor::from_doubles(DType::F64, std::move(shape), v);
-}
+using twin::test::f64_tensor;
+using twin::test::with_element;
 
 Case make_case(std::uint64_t id) {
   std::mt19937_64 g(id * 0x9E3779B97F4A7C15ull + 3);
@@ -223,50 +219,36 @@ class Harness {
   LayerInputs in_;
 };
 
-Tensor with_element(const Tensor& t, std::int64_t i, double v) {
-  std::vector<double> d = t.to_f64();
-  d[static_cast<std::size_t>(i)] = v;
-  return Tensor::from_doubles(DType::F64, t.shape(), d);
-}
-
 bool same_routing(const FwdRun& a, const FwdRun& b) {
   return a.selected == b.selected && a.routing_map == b.routing_map && a.aux_scores_grad == b.aux_scores_grad;
 }
 
-struct Tally {
-  int compared = 0, excluded = 0;
-};
-
 ::testing::AssertionResult probe(const Case& k, const Harness& hx, const FwdRun& base_run, const std::string& name,
-                                 std::int64_t i, double analytic, Tally& tally) {
+                                 std::int64_t i, double analytic, twin::test::FdTally& tally) {
   const bool is_input = name == "input.hidden_states";
   const Tensor& base = is_input ? k.hidden_states : k.params.at(name.substr(6));
-  const double theta = base.at_f64(i);
-  const double d = 1e-4 * std::max(1.0, std::fabs(theta));
-  auto eval = [&](double v) {
+  auto run = [&](double v) {
     if (is_input) return hx.run(k.params, with_element(base, i, v));
     auto p = k.params;
     p[name.substr(6)] = with_element(base, i, v);
     return hx.run(p, k.hidden_states);
   };
-  const FwdRun plus = eval(theta + d), minus = eval(theta - d);
-  const FwdRun plus2 = eval(theta + d / 2), minus2 = eval(theta - d / 2);
-  for (const FwdRun* r : {&plus, &minus, &plus2, &minus2})
-    if (!same_routing(*r, base_run)) {
-      ++tally.excluded;  // the routing changes within the step: L is not differentiable there
-      return ::testing::AssertionSuccess();
-    }
-  ++tally.compared;
+  // The routing changes within the step: L is not differentiable there.
+  auto rerouted = [&](const FwdRun& a, const FwdRun& b, const FwdRun& c, const FwdRun& e) {
+    return !same_routing(a, base_run) || !same_routing(b, base_run) || !same_routing(c, base_run) ||
+           !same_routing(e, base_run);
+  };
   const double depth = 1e3;  // operations deep of one forward (see the file comment)
-  return twin::test::central_difference_agrees(
-      analytic, {plus.loss, minus.loss, plus2.loss, minus2.loss, d}, plus.magnitude, depth,
-      "case " + std::to_string(k.id) + " (" + k.describe + "): d L / d " + name + "[" + std::to_string(i) + "]", k.id);
+  return twin::test::probe_coordinate(
+      base.at_f64(i), analytic, run, rerouted, depth,
+      "case " + std::to_string(k.id) + " (" + k.describe + "): d L / d " + name + "[" + std::to_string(i) + "]", k.id,
+      tally);
 }
 
 }  // namespace
 
 TEST(MoETransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
-  Tally total;
+  twin::test::FdTally total;
   int cases = 0;
   for (const std::uint64_t id : twin::test::fd_case_ids()) {
     const Case k = make_case(id);
@@ -283,7 +265,7 @@ TEST(MoETransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
           << "case " << id << " (" << k.describe << ")";
     }
     std::mt19937_64 g(id + 11);
-    Tally tally;
+    twin::test::FdTally tally;
     // Every parameter has a gradient (the expert bias is a buffer: none), and nothing else does.
     std::map<std::string, const ParamGrad*> by_key;
     for (const ParamGrad& p : grads.params) by_key[p.name] = &p;
@@ -299,17 +281,9 @@ TEST(MoETransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
       targets.emplace_back("param." + key, std::vector<double>(p.value.data(), p.value.data() + p.value.size()));
     }
     for (const auto& [name, analytic] : targets) {
-      std::vector<std::int64_t> coords;
-      std::int64_t largest = 0;
-      for (std::size_t i = 0; i < analytic.size(); ++i)
-        if (std::fabs(analytic[i]) > std::fabs(analytic[static_cast<std::size_t>(largest)]))
-          largest = static_cast<std::int64_t>(i);
-      coords.push_back(largest);
-      std::uniform_int_distribution<std::int64_t> u(0, static_cast<std::int64_t>(analytic.size()) - 1);
       // The router and the input, whose gradients carry every routing and loss term, get more probes.
       const bool router = name == "param.mlp.router.weight" || name == "input.hidden_states";
-      for (int j = 0; j < (router ? 4 : 1); ++j) coords.push_back(u(g));
-      for (const std::int64_t i : coords)
+      for (const std::int64_t i : twin::test::probe_coords(analytic, g, router ? 4 : 1))
         ASSERT_TRUE(probe(k, hx, base_run, name, i, analytic[static_cast<std::size_t>(i)], tally));
     }
     EXPECT_GT(tally.compared, 0) << "case " << id << " (" << k.describe << "): every probe was excluded";

@@ -67,12 +67,8 @@ struct Case {
 
 Precision exact() { return Precision{ComputeMode::Exact, DType::F32}; }
 
-Tensor f64_tensor(std::mt19937_64& g, Shape shape, double scale) {
-  std::normal_distribution<double> n(0.0, scale);
-  std::vector<double> v(static_cast<std::size_t>(shape_numel(shape)));
-  for (double& x : v) x = n(g);
-  return Tensor::from_doubles(DType::F64, std::move(shape), v);
-}
+using twin::test::f64_tensor;
+using twin::test::with_element;
 
 Case make_case(std::uint64_t id) {
   std::mt19937_64 g(id * 0x9E3779B97F4A7C15ull + 11);
@@ -281,31 +277,23 @@ class Harness {
   LayerInputs in_;
 };
 
-Tensor with_element(const Tensor& t, std::int64_t i, double v) {
-  std::vector<double> d = t.to_f64();
-  d[static_cast<std::size_t>(i)] = v;
-  return Tensor::from_doubles(DType::F64, t.shape(), d);
-}
-
 ::testing::AssertionResult probe(const Case& k, const Harness& hx, const std::string& name, std::int64_t i,
-                                 double analytic) {
+                                 double analytic, twin::test::FdTally& tally) {
   const bool is_hidden = name == "input.hidden_states", is_context = name == "input.context";
   const Tensor& base = is_hidden ? k.hidden_states : is_context ? k.context : k.params.at(name.substr(6));
-  const double theta = base.at_f64(i);
-  const double d = 1e-4 * std::max(1.0, std::fabs(theta));
-  auto eval = [&](double v) {
+  auto run = [&](double v) {
     if (is_hidden) return hx.run(k.params, with_element(base, i, v), k.context);
     if (is_context) return hx.run(k.params, k.hidden_states, with_element(base, i, v));
     auto p = k.params;
     p[name.substr(6)] = with_element(base, i, v);
     return hx.run(p, k.hidden_states, k.context);
   };
-  const Run plus = eval(theta + d), minus = eval(theta - d);
-  const Run plus2 = eval(theta + d / 2), minus2 = eval(theta - d / 2);
+  auto smooth = [](const Run&, const Run&, const Run&, const Run&) { return false; };  // no kinks drawn
   const double depth = 1e3 * k.layers;  // operations deep of one forward (see the file comment)
-  return twin::test::central_difference_agrees(
-      analytic, {plus.loss, minus.loss, plus2.loss, minus2.loss, d}, plus.magnitude, depth,
-      "case " + std::to_string(k.id) + " (" + k.describe + "): d L / d " + name + "[" + std::to_string(i) + "]", k.id);
+  return twin::test::probe_coordinate(
+      base.at_f64(i), analytic, run, smooth, depth,
+      "case " + std::to_string(k.id) + " (" + k.describe + "): d L / d " + name + "[" + std::to_string(i) + "]", k.id,
+      tally);
 }
 
 std::vector<double> values(const Tensor& t) { return t.to_f64(); }
@@ -314,7 +302,8 @@ std::vector<double> values(const Mat& m) { return std::vector<double>(m.data(), 
 }  // namespace
 
 TEST(RetroBackward, MatchesCentralDifferencesInExactMode) {
-  int cases = 0, probes = 0;
+  int cases = 0;
+  twin::test::FdTally tally;
   for (const std::uint64_t id : twin::test::fd_case_ids()) {
     const Case k = make_case(id);
     const Harness hx(k);
@@ -340,19 +329,12 @@ TEST(RetroBackward, MatchesCentralDifferencesInExactMode) {
     keys.resize(std::min<std::size_t>(keys.size(), 6));
     for (const std::string& key : keys) targets.emplace_back("param." + key, values(by_key[key]->value));
     for (const auto& [name, analytic] : targets) {
-      std::int64_t largest = 0;
-      for (std::size_t i = 0; i < analytic.size(); ++i)
-        if (std::fabs(analytic[i]) > std::fabs(analytic[static_cast<std::size_t>(largest)]))
-          largest = static_cast<std::int64_t>(i);
-      std::uniform_int_distribution<std::int64_t> u(0, static_cast<std::int64_t>(analytic.size()) - 1);
-      for (const std::int64_t i : {largest, u(g)}) {
-        ASSERT_TRUE(probe(k, hx, name, i, analytic[static_cast<std::size_t>(i)]));
-        ++probes;
-      }
+      for (const std::int64_t i : twin::test::probe_coords(analytic, g, 1))
+        ASSERT_TRUE(probe(k, hx, name, i, analytic[static_cast<std::size_t>(i)], tally));
     }
     ++cases;
   }
-  std::cout << cases << " cases, " << probes << " probes compared\n";
+  std::cout << cases << " cases, " << tally.compared << " probes compared\n";
 }
 
 // Bad gradients are clear errors: a grad_output or grad_context of another shape than the forward's
