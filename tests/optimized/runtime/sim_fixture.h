@@ -1,11 +1,16 @@
 // sim_fixture.h: a gtest fixture for simulator tests: blocks run on 4 workers (so blocks really
 // run in parallel), the resume order stays whatever CUDASIM_ORDER says, options are restored after.
+// Also launch_error / EXPECT_HAS for the tests of the simulator's error reports.
 #pragma once
 
+#include "cuda_compat.h"  // cudasim::KernelError
 #include "optimized/runtime/cudasim_options.h"
 #include "optimized/runtime/device.h"
 
 #include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
 
 class SimTest : public ::testing::Test {
  protected:
@@ -26,3 +31,19 @@ class SimTest : public ::testing::Test {
  private:
   cudasim::Options saved_;
 };
+
+// Runs `launch`, expects a cudasim::KernelError, returns its message.
+template <class F>
+std::string launch_error(F launch) {
+  try {
+    launch();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(dynamic_cast<const cudasim::KernelError*>(&e), nullptr) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "the launch did not fail";
+  return "";
+}
+
+#define EXPECT_HAS(msg, part) \
+  EXPECT_NE((msg).find(part), std::string::npos) << "missing '" << (part) << "' in: " << (msg)

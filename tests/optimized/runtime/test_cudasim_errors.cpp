@@ -15,22 +15,6 @@ std::string marked(const std::string& marker) {
   return "negative_kernels.cuh:" + std::to_string(twin::testing::marked_line(negative::source_file(), marker));
 }
 
-// Runs `launch`, expects a KernelError, returns its message.
-template <class F>
-std::string launch_error(F launch) {
-  try {
-    launch();
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(dynamic_cast<const cudasim::KernelError*>(&e), nullptr) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "the launch did not fail";
-  return "";
-}
-
-#define EXPECT_HAS(msg, part) \
-  EXPECT_NE((msg).find(part), std::string::npos) << "missing '" << (part) << "' in: " << (msg)
-
 }  // namespace
 
 TEST_F(SimTest, ThreadReturningBeforeABarrierIsReported) {

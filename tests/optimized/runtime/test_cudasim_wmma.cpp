@@ -28,21 +28,6 @@ std::string marked(const std::string& marker) {
   return "wmma_kernels.cuh:" + std::to_string(twin::testing::marked_line(wmma_kernels::source_file(), marker));
 }
 
-template <class F>
-std::string launch_error(F launch) {
-  try {
-    launch();
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(dynamic_cast<const cudasim::KernelError*>(&e), nullptr) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "the launch did not fail";
-  return "";
-}
-
-#define EXPECT_HAS(msg, part) \
-  EXPECT_NE((msg).find(part), std::string::npos) << "missing '" << (part) << "' in: " << (msg)
-
 }  // namespace
 
 TEST_F(WmmaSimTest, DivergedWarpIsReportedWithBothCallSites) {
