@@ -9,6 +9,7 @@
 #include "parity/fixture_kinds.h"
 #include "parity/golden.h"
 #include "tests/reference/retro/retro_test_util.h"
+#include "tests/parity/wrong_gradient.h"
 
 using namespace twin;
 
@@ -46,21 +47,7 @@ TEST(RetroFixtures, EveryOutputAndTapWithinTolerance) {
 TEST(RetroFixtures, AWrongGradientFailsAlone) {
   const Fixture f = load_fixture(test::fixture_dir() + "retro_first_layer_divisible.safetensors");
   const TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f, RunMode{});
-  ASSERT_TRUE(run.backward);
-  for (const auto& [name, grad] : parity::grads_of(f)) {
-    SCOPED_TRACE(name);
-    parity::Expected expected = parity::expected_of(f);
-    for (auto [n, t] : parity::grads_of(f)) {
-      if (n == name) {
-        std::vector<double> v = t.to_f64();
-        for (double& x : v) x *= 1.01;
-        t = Tensor::from_doubles(t.dtype(), t.shape(), v);
-      }
-      expected.emplace_back(n, t);
-    }
-    for (const auto& c : parity::compare_record(run.record, expected, "reference"))
-      EXPECT_EQ(c.pass, c.name != name) << c.name << ": " << c.tol.reason;
-  }
+  twin::test::expect_each_wrong_gradient_fails_alone(f, run, "reference");
 }
 
 // An isolated run compares the forward only and says so (the golden has no intermediate
