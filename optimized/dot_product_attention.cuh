@@ -106,31 +106,61 @@ struct AttnParams {
   const std::uint8_t* mask_ptr = nullptr;  // [mask_b, mask_h, sq, sk], nonzero = masked
   int mask_b = 1, mask_h = 1;
   DropoutArgs drop;  // attention dropout over the flat [b, np_total, sq, sk] probabilities
+  // [b, np_local, sq, 2]: each row's online max m and sum l of exp(s - m) after pass 1 (what pass 2
+  // divides by), written by the forward when not null, for a backward that recomputes the
+  // probabilities from them. Null: not saved (the forward's output is the same either way).
+  float* softmax_stats = nullptr;
 };
+
+// Whether the score of query row i and key j (batch bi, global head h_global) is masked.
+__device__ inline bool attn_masked(const AttnParams& p, int bi, int h_global, int i, int j) {
+  if (p.mask == MaskMode::Causal) return j > i;
+  if (p.mask == MaskMode::Explicit) {
+    const std::int64_t mb = p.mask_b == 1 ? 0 : bi, mh = p.mask_h == 1 ? 0 : h_global;
+    return p.mask_ptr[((mb * p.mask_h + mh) * p.sq + i) * std::int64_t(p.sk) + j] != 0;
+  }
+  return false;
+}
 
 // The score of query row i and key j from their fp32-accumulated dot product q . k: Megatron's
 // baddbmm output (alpha inside) stored in T, the layer-scaling coefficient, the mask.
 template <class T>
 __device__ inline float attn_score_from_dot(float dot, const AttnParams& p, int bi, int h_global, int i, int j,
                                             float fill) {
-  float s = round_to<T>(p.alpha * dot);  // rounds: baddbmm output (alpha inside), T
-  if (p.coeff != 0.0f) s = s * p.coeff;  // rounds: input * scale, fp32
-  bool masked = false;
-  if (p.mask == MaskMode::Causal) {
-    masked = j > i;
-  } else if (p.mask == MaskMode::Explicit) {
-    const std::int64_t mb = p.mask_b == 1 ? 0 : bi, mh = p.mask_h == 1 ? 0 : h_global;
-    masked = p.mask_ptr[((mb * p.mask_h + mh) * p.sq + i) * std::int64_t(p.sk) + j] != 0;
-  }
-  return masked ? fill : s;  // masked_fill_(mask, -10000.0)
+  float s = round_to<T>(p.alpha * dot);                  // rounds: baddbmm output (alpha inside), T
+  if (p.coeff != 0.0f) s = s * p.coeff;                  // rounds: input * scale, fp32
+  return attn_masked(p, bi, h_global, i, j) ? fill : s;  // masked_fill_(mask, -10000.0)
+}
+
+// a . b over hn values of shared memory, accumulated in fp32 in column order: one instruction
+// sequence for every score (forward and backward) and every d probs = d context . v.
+__device__ inline float attn_dot(const float* a, const float* b, int hn) {
+  float dot = 0.0f;
+  for (int c = 0; c < hn; ++c) dot += a[c] * b[c];
+  return dot;
 }
 
 template <class T>
 __device__ inline float attn_score(const float* q, const float* k, int hn, const AttnParams& p, int bi, int h_global,
                                    int i, int j, float fill) {
-  float dot = 0.0f;
-  for (int c = 0; c < hn; ++c) dot += q[c] * k[c];
-  return attn_score_from_dot<T>(dot, p, bi, h_global, i, j, fill);
+  return attn_score_from_dot<T>(attn_dot(q, k, hn), p, bi, h_global, i, j, fill);
+}
+
+// The softmax's own output for score s of a row with online max m and sum l (fp32).
+__device__ inline float attn_softmax_out(float s, float m, float l) { return expf(s - m) / l; }
+
+// The dropout element of (batch bi, global head h_global, i, j) in the flat [b, np_total, sq, sk]
+// probabilities.
+__device__ inline std::uint64_t attn_dropout_element(const AttnParams& p, int bi, int h_global, int i, int j) {
+  return ((std::uint64_t(bi) * p.np_total + h_global) * p.sq + i) * std::uint64_t(p.sk) + j;
+}
+
+// The row's statistics after pass 1, saved for the backward when asked for.
+__device__ inline void attn_save_stats(const AttnParams& p, int bi, int h, int i, float m, float l) {
+  if (!p.softmax_stats) return;
+  float* st = p.softmax_stats + ((std::int64_t(bi) * p.np_local + h) * p.sq + i) * 2;
+  st[0] = m;
+  st[1] = l;
 }
 
 template <class T>
@@ -194,6 +224,10 @@ __global__ void dot_product_attention_forward_kernel(AttnOperands op, T* context
       m[r] = m_new;
     }
   }
+  for (int r = 0; r < kAttnRowsPerWarp; ++r) {
+    const int i = q0 + warp * kAttnRowsPerWarp + r;
+    if (i < p.sq && lane == 0) attn_save_stats(p, bi, h, i, m[r], l[r]);
+  }
   // ---- pass 2: probabilities in T, dropout, p @ v
   float acc[kAttnRowsPerWarp][kAttnMaxChunks];
   for (int r = 0; r < kAttnRowsPerWarp; ++r)
@@ -213,9 +247,9 @@ __global__ void dot_product_attention_forward_kernel(AttnOperands op, T* context
       const int j = k0 + lane;
       float pr = 0.0f;
       if (in_row(i, j)) {
-        pr = round_to<T>(expf(score(r, i, j) - m[r]) / l[r]);  // rounds: softmax output (fp32), probs.to(T)
+        pr = round_to<T>(attn_softmax_out(score(r, i, j), m[r], l[r]));  // rounds: softmax output (fp32), probs.to(T)
         if (p.drop.active) {
-          const std::uint64_t e = ((std::uint64_t(bi) * p.np_total + h_global) * p.sq + i) * std::uint64_t(p.sk) + j;
+          const std::uint64_t e = attn_dropout_element(p, bi, h_global, i, j);
           pr =
               philox_keep(p.drop.seed, p.drop.offset, e, p.drop.threshold) ? dropout_scaled<T>(pr, p.drop.scale) : 0.0f;
         }
@@ -370,6 +404,8 @@ __global__ void dot_product_attention_forward_wmma_kernel(AttnOperands op, T* co
     }
     __syncwarp();  // s_w is rewritten by the next tile
   }
+  if (warp_rows && lane == 0)
+    for (int r = 0; r < 16 && w0 + r < p.sq; ++r) attn_save_stats(p, bi, h, w0 + r, m[r], l[r]);
 
   // ---- pass 2: the same scores again, probabilities in T, dropout, P V on tensor cores
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> o[NT];
@@ -388,9 +424,9 @@ __global__ void dot_product_attention_forward_wmma_kernel(AttnOperands op, T* co
         float pr = 0.0f;  // rows past sq and keys outside the row: zero probability
         if (i < p.sq && in_row(i, j)) {
           const float s = attn_score_from_dot<T>(s_w[r * kTcBK + jj], p, bi, h_global, i, j, fill);
-          pr = round_to<T>(expf(s - m[r]) / l[r]);  // rounds: softmax output (fp32), probs.to(T)
+          pr = round_to<T>(attn_softmax_out(s, m[r], l[r]));  // rounds: softmax output (fp32), probs.to(T)
           if (p.drop.active) {
-            const std::uint64_t e = ((std::uint64_t(bi) * p.np_total + h_global) * p.sq + i) * std::uint64_t(p.sk) + j;
+            const std::uint64_t e = attn_dropout_element(p, bi, h_global, i, j);
             pr = philox_keep(p.drop.seed, p.drop.offset, e, p.drop.threshold) ? dropout_scaled<T>(pr, p.drop.scale)
                                                                               : 0.0f;
           }
