@@ -511,8 +511,11 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
   const ref::Mat km = ref::to_mat(kt, std::int64_t(c.sk) * c.b * c.ng, c.hn, "k");
   const ref::Mat vm = ref::to_mat(vt, std::int64_t(c.sk) * c.b * c.ng, c.hn, "v");
   const ref::Mat dm = ref::to_mat(dctx, std::int64_t(c.sq) * c.b, std::int64_t(c.np) * c.hn, "dcontext");
-  const ref::CoreAttentionGrads g =
-      dpa.backward(dm, qm, km, vm, c.sq, c.sk, c.b, mask.defined() ? &mask : nullptr, training, ref::DropoutRng{99, 3});
+  ref::CoreAttentionGrads g;
+  const RoundingCount ref_count = counted([&] {
+    g = dpa.backward(dm, qm, km, vm, c.sq, c.sk, c.b, mask.defined() ? &mask : nullptr, training,
+                     ref::DropoutRng{99, 3});
+  });
 
   // ---- the twin
   k::AttnParams p;
@@ -607,6 +610,8 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
                                       ws.get(), ws_bytes, nullptr);
   };
   const RoundingCount bwd_count = counted(backward);
+  EXPECT_TRUE(bwd_count == ref_count) << id << ": the launcher counts " << bwd_count.describe()
+                                      << ", the reference's backward " << ref_count.describe();
   Tensor dq, dk, dv, dq2, dk2, dv2;
   download(dq, dk, dv);
   backward();
