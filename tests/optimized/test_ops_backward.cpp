@@ -14,19 +14,24 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <fmt/format.h>
 #include <functional>
 #include <random>
 
+#include "core/config.h"
 #include "core/rounding.h"
 #include "optimized/activations.cuh"
+#include "optimized/dot_product_attention.cuh"
 #include "optimized/fused_bias_dropout.cuh"
 #include "optimized/linear.cuh"
 #include "optimized/rotary_pos_embedding.cuh"
 #include "optimized/torch_norm.cuh"
 #include "parity/bounds.h"
 #include "reference/activations.h"
+#include "reference/dot_product_attention.h"
 #include "reference/fused_bias_dropout.h"
 #include "reference/linear.h"
 #include "reference/rotary_pos_embedding.h"
@@ -413,6 +418,430 @@ TEST(OptimizedBackward, LinearGradsMatchReference) {
     }
 }
 
+// ---- dot_product_attention.cuh ----------------------------------------------------------------
+namespace {
+// One core-attention backward case: q [sq, b, np, hn], k / v [sk, b, ng, hn], d context
+// [sq, b, np * hn]. Self attention (sq == sk) reads q / k / v from a fused linear_qkv buffer and
+// writes the grads into a d_qkv buffer of that layout (AttnOperands / AttnGradOperands::from_qkv);
+// sq != sk uses separate dense buffers.
+struct AttnBwdCase {
+  DType dt;
+  int sq, sk, b, np, ng, hn;
+  std::string mask;  // none | causal | padding | arbitrary (row 0 fully masked)
+  double dropout;
+  bool coeff;        // apply_query_key_layer_scaling (layer 3: coeff 3)
+  bool sm32 = true;  // attention_softmax_in_fp32
+  std::string id() const {
+    return fmt::format(
+        "attention_backward(dtype={},sq={},sk={},b={},np={},ng={},hn={},mask={},drop={},coeff={},sm32={})", dt_name(dt),
+        sq, sk, b, np, ng, hn, mask, dropout, int(coeff), int(sm32));
+  }
+};
+
+// The largest share of its bound any compared grad used, over the cases run (printed by the tests).
+struct AttnBwdShare {
+  int cases = 0;
+  double max_share = 0.0;
+  std::string worst;
+  void note(const Comparison& c) {
+    if (c.share_used > max_share) max_share = c.share_used, worst = c.name;
+  }
+  void print(const char* what, double seconds) const {
+    std::printf("[ attention backward ] %s: %d cases in %.1f s, max share of bound used %.3g (%s)\n", what, cases,
+                seconds, max_share, worst.c_str());
+  }
+};
+
+// A tensor's (poisoned) device buffer: 0xFF bytes are NaN in fp32, bf16 and fp16, so an element
+// a kernel leaves unwritten fails the comparison.
+rt::DeviceBuffer poisoned(std::size_t bytes) {
+  rt::DeviceBuffer b(sim(), std::max<std::size_t>(bytes, 1));
+  const std::vector<unsigned char> ff(std::max<std::size_t>(bytes, 1), 0xFF);
+  b.upload(ff.data(), ff.size());
+  return b;
+}
+
+void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
+  const std::string id = c.id();
+  if (!selected(id)) return;
+  ++share.cases;
+  const int hpg = c.np / c.ng;
+  const std::size_t es = dtype_size(c.dt);
+  const std::uint64_t seed = std::uint64_t(c.sq) * 7919 + c.sk * 131 + c.np * 17 + c.ng * 5 + c.hn;
+  const Tensor q = random_tensor(c.dt, {c.sq, c.b, c.np, c.hn}, -1.5, 1.5, seed);
+  const Tensor kt = random_tensor(c.dt, {c.sk, c.b, c.ng, c.hn}, -1.5, 1.5, seed + 1);
+  const Tensor vt = random_tensor(c.dt, {c.sk, c.b, c.ng, c.hn}, -1.5, 1.5, seed + 2);
+  const Tensor dctx = random_tensor(c.dt, {c.sq, c.b, std::int64_t(c.np) * c.hn}, -1, 1, seed + 3);
+  const bool causal = c.mask == "causal" && c.sq > 1;  // Megatron: no causal mask for one query
+  std::vector<bool> mv;
+  Tensor mask;
+  if (c.mask == "padding" || c.mask == "arbitrary") {
+    std::mt19937_64 rng(seed + 4);
+    mv.resize(std::size_t(c.b) * c.sq * c.sk);
+    for (int bi = 0; bi < c.b; ++bi) {
+      const int len = 1 + int(rng() % c.sk);
+      for (int i = 0; i < c.sq; ++i)
+        for (int j = 0; j < c.sk; ++j)
+          mv[(std::size_t(bi) * c.sq + i) * c.sk + j] = c.mask == "padding" ? j >= len : (i == 0 || rng() % 10 < 3);
+    }
+    mask = Tensor::from_vector<bool>({c.b, 1, c.sq, c.sk}, mv);
+  }
+  auto masked = [&](int bi, int i, int j) {
+    if (causal) return j > i;
+    return !mv.empty() && mv[(std::size_t(bi) * c.sq + i) * c.sk + j];
+  };
+
+  // ---- the reference
+  TransformerConfig cfg;
+  cfg.hidden_size = c.np * c.hn;
+  cfg.num_attention_heads = c.np;
+  cfg.num_query_groups = c.ng;
+  cfg.kv_channels = c.hn;
+  cfg.bf16 = c.dt == DType::BF16;
+  cfg.fp16 = c.dt == DType::F16;
+  cfg.attention_dropout = c.dropout;
+  cfg.attention_softmax_in_fp32 = c.sm32;
+  cfg.apply_query_key_layer_scaling = c.coeff;
+  const ref::AttnMaskType mt = c.mask == "causal" ? ref::AttnMaskType::causal
+                               : c.mask == "none" ? ref::AttnMaskType::no_mask
+                                                  : ref::AttnMaskType::padding;
+  ref::DotProductAttention dpa(cfg, 3, mt, prec(c.dt));
+  const bool training = c.dropout > 0;
+  const ref::Mat qm = ref::to_mat(q, std::int64_t(c.sq) * c.b * c.np, c.hn, "q");
+  const ref::Mat km = ref::to_mat(kt, std::int64_t(c.sk) * c.b * c.ng, c.hn, "k");
+  const ref::Mat vm = ref::to_mat(vt, std::int64_t(c.sk) * c.b * c.ng, c.hn, "v");
+  const ref::Mat dm = ref::to_mat(dctx, std::int64_t(c.sq) * c.b, std::int64_t(c.np) * c.hn, "dcontext");
+  ref::CoreAttentionGrads g;
+  const RoundingCount ref_count = counted([&] {
+    g = dpa.backward(dm, qm, km, vm, c.sq, c.sk, c.b, mask.defined() ? &mask : nullptr, training,
+                     ref::DropoutRng{99, 3});
+  });
+
+  // ---- the twin
+  k::AttnParams p;
+  p.sq = c.sq;
+  p.sk = c.sk;
+  p.b = c.b;
+  p.np_local = p.np_total = c.np;
+  p.hn = c.hn;
+  p.alpha = static_cast<float>(dpa.softmax_scale);
+  p.coeff = dpa.coeff ? static_cast<float>(*dpa.coeff) : 0.0f;
+  p.softmax_fp32 = c.sm32 || c.coeff;  // TransformerConfig: layer scaling turns the fp32 softmax on
+  rt::DeviceBuffer dmask = mask.defined() ? to_device(mask) : rt::DeviceBuffer();
+  p.mask = mask.defined() ? k::MaskMode::Explicit : causal ? k::MaskMode::Causal : k::MaskMode::None;
+  p.mask_ptr = static_cast<const std::uint8_t*>(dmask.get());
+  p.mask_b = c.b;
+  p.drop = k::DropoutArgs::make(c.dropout, training, 99, 3);
+
+  const bool fused = c.sq == c.sk;
+  const int gs = (hpg + 2) * c.hn, ld = c.ng * gs;
+  const std::int64_t tokens_q = std::int64_t(c.sq) * c.b;
+  rt::DeviceBuffer d_q, d_k, d_v, g_q, g_k, g_v, d_qkv, g_qkv;
+  k::AttnOperands ops;
+  k::AttnGradOperands grads;
+  const k::QkvLayout lay{ld, gs, hpg};
+  if (fused) {  // q / k / v of token t, group gg at t * ld + gg * gs + (head, hpg, hpg + 1) * hn
+    Tensor qkv = Tensor::empty(c.dt, {c.sq, c.b, ld});
+    for (std::int64_t t = 0; t < tokens_q; ++t)
+      for (int gg = 0; gg < c.ng; ++gg) {
+        std::byte* row = qkv.raw_mut() + (t * ld + std::int64_t(gg) * gs) * es;
+        for (int jh = 0; jh < hpg; ++jh)
+          std::memcpy(row + std::size_t(jh) * c.hn * es, q.raw() + ((t * c.np + gg * hpg + jh) * c.hn) * es, c.hn * es);
+        std::memcpy(row + std::size_t(hpg) * c.hn * es, kt.raw() + ((t * c.ng + gg) * c.hn) * es, c.hn * es);
+        std::memcpy(row + std::size_t(hpg + 1) * c.hn * es, vt.raw() + ((t * c.ng + gg) * c.hn) * es, c.hn * es);
+      }
+    d_qkv = to_device(qkv);
+    g_qkv = poisoned(qkv.nbytes());
+    ops = k::AttnOperands::from_qkv(d_qkv.get(), lay, c.b, c.hn, es);
+    grads = k::AttnGradOperands::from_qkv(g_qkv.get(), lay, c.hn, es);
+  } else {
+    d_q = to_device(q);
+    d_k = to_device(kt);
+    d_v = to_device(vt);
+    g_q = poisoned(q.nbytes());
+    g_k = poisoned(kt.nbytes());
+    g_v = poisoned(vt.nbytes());
+    ops.q = d_q.get();
+    ops.k = d_k.get();
+    ops.v = d_v.get();
+    ops.q_tok = std::int64_t(c.b) * c.np * c.hn;
+    ops.q_batch = std::int64_t(c.np) * c.hn;
+    ops.q_group = std::int64_t(hpg) * c.hn;
+    ops.q_head = c.hn;
+    ops.hpg = hpg;
+    ops.kv_tok = std::int64_t(c.b) * c.ng * c.hn;
+    ops.kv_batch = std::int64_t(c.ng) * c.hn;
+    ops.kv_group = c.hn;
+    grads.dq = g_q.get();
+    grads.dk = g_k.get();
+    grads.dv = g_v.get();
+  }
+  // The grads back as [sq, b, np, hn] and [sk, b, ng, hn].
+  auto download = [&](Tensor& dq, Tensor& dk, Tensor& dv) {
+    dq = Tensor::empty(c.dt, {c.sq, c.b, c.np, c.hn});
+    dk = Tensor::empty(c.dt, {c.sk, c.b, c.ng, c.hn});
+    dv = Tensor::empty(c.dt, {c.sk, c.b, c.ng, c.hn});
+    if (!fused) {
+      dq = from_device(g_q, c.dt, dq.shape());
+      dk = from_device(g_k, c.dt, dk.shape());
+      dv = from_device(g_v, c.dt, dv.shape());
+      return;
+    }
+    const Tensor all = from_device(g_qkv, c.dt, {c.sq, c.b, ld});
+    for (std::int64_t t = 0; t < tokens_q; ++t)
+      for (int gg = 0; gg < c.ng; ++gg) {
+        const std::byte* row = all.raw() + (t * ld + std::int64_t(gg) * gs) * es;
+        for (int jh = 0; jh < hpg; ++jh)
+          std::memcpy(dq.raw_mut() + ((t * c.np + gg * hpg + jh) * c.hn) * es, row + std::size_t(jh) * c.hn * es,
+                      c.hn * es);
+        std::memcpy(dk.raw_mut() + ((t * c.ng + gg) * c.hn) * es, row + std::size_t(hpg) * c.hn * es, c.hn * es);
+        std::memcpy(dv.raw_mut() + ((t * c.ng + gg) * c.hn) * es, row + std::size_t(hpg + 1) * c.hn * es, c.hn * es);
+      }
+  };
+  auto d_dctx = to_device(dctx);
+  rt::DeviceBuffer d_ctx(sim(), dctx.nbytes()), d_stats(sim(), sizeof(float) * 2 * tokens_q * c.np);
+  p.softmax_stats = static_cast<float*>(d_stats.get());
+  const std::size_t ws_bytes = k::dot_product_attention_backward_workspace_bytes(p);
+  rt::DeviceBuffer ws(sim(), ws_bytes);
+  const RoundingCount fwd_count =
+      counted([&] { k::dot_product_attention_forward(c.dt, ops, d_ctx.get(), p, nullptr); });
+  auto backward = [&] {
+    k::dot_product_attention_backward(c.dt, ops, d_dctx.get(), grads, static_cast<const float*>(d_stats.get()), p,
+                                      ws.get(), ws_bytes, nullptr);
+  };
+  const RoundingCount bwd_count = counted(backward);
+  EXPECT_TRUE(bwd_count == ref_count) << id << ": the launcher counts " << bwd_count.describe()
+                                      << ", the reference's backward " << ref_count.describe();
+  Tensor dq, dk, dv, dq2, dk2, dv2;
+  download(dq, dk, dv);
+  backward();
+  download(dq2, dk2, dv2);
+  EXPECT_TRUE(same_bits(dq, dq2)) << id << ": dq differs between two runs";
+  EXPECT_TRUE(same_bits(dk, dk2)) << id << ": dk differs between two runs";
+  EXPECT_TRUE(same_bits(dv, dv2)) << id << ": dv differs between two runs";
+
+  // ---- the bound. The grads pass through the forward's rounding points (the probabilities are
+  // recomputed as the forward rounded them) and the backward's: both launchers' counts. Magnitudes
+  // (the terms before they cancel, in double): with y the softmax, A_ij = sum_c |dctx_ic| |v_jc| / (1
+  // - p) what d probs_ij sums and S_i = sum_j y_ij A_ij what D_i does, a d score's error follows
+  // T_ij = y_ij (A_ij + 2 S_i) (0 where masked: exactly 0 in both); dq follows scale sum_j T_ij |k_j|,
+  // dk scale sum_{h, i} T_ij |q_i| over the group's heads, dv sum_{h, i} y_ij / (1 - p) |dctx_i|
+  // (scale: the scores' whole scale, alpha coeff). A score apart by ds moves y_ij by ds directly and
+  // by up to ds more through the row's sum: a score stored in T one ulp apart (2u |s|), after an fp32
+  // dot q . k in another order (2 gamma_hn(fp32) scale sum_c |q_c k_c|), so 2 (2u max|s| + 2
+  // gamma_hn max scale sum|q k|) of each magnitude more.
+  const double scale = dpa.softmax_scale * (dpa.coeff ? *dpa.coeff : 1.0);
+  const double drop_scale = training ? 1.0 / (1.0 - c.dropout) : 1.0;
+  ref::Mat mq = ref::Mat::Zero(qm.rows(), c.hn), mk = ref::Mat::Zero(km.rows(), c.hn), mvv = mk;
+  double max_score = 0.0, max_score_terms = 0.0;
+  std::vector<double> s(c.sk), y(c.sk), a(c.sk);
+  for (int bi = 0; bi < c.b; ++bi)
+    for (int h = 0; h < c.np; ++h) {
+      const int gq = h / hpg;
+      for (int i = 0; i < c.sq; ++i) {
+        const Eigen::Index qi = (std::int64_t(i) * c.b + bi) * c.np + h;
+        const auto dci = dm.row(std::int64_t(i) * c.b + bi).segment(std::int64_t(h) * c.hn, c.hn);
+        double mx = -1e300;
+        for (int j = 0; j < c.sk; ++j) {
+          const Eigen::Index kj = (std::int64_t(j) * c.b + bi) * c.ng + gq;
+          s[j] = masked(bi, i, j) ? -10000.0 : scale * qm.row(qi).dot(km.row(kj));
+          if (!masked(bi, i, j)) {
+            max_score = std::max(max_score, std::fabs(s[j]));
+            max_score_terms = std::max(max_score_terms, scale * qm.row(qi).cwiseAbs().dot(km.row(kj).cwiseAbs()));
+          }
+          mx = std::max(mx, s[j]);
+          a[j] = drop_scale * (dci.cwiseAbs().dot(vm.row(kj).cwiseAbs()));
+        }
+        double sum = 0.0, srow = 0.0;
+        for (int j = 0; j < c.sk; ++j) sum += (y[j] = std::exp(s[j] - mx));
+        for (int j = 0; j < c.sk; ++j) srow += (y[j] /= sum) * a[j];
+        for (int j = 0; j < c.sk; ++j) {
+          const Eigen::Index kj = (std::int64_t(j) * c.b + bi) * c.ng + gq;
+          const double t = masked(bi, i, j) ? 0.0 : y[j] * (a[j] + 2.0 * srow);
+          mq.row(qi) += scale * t * km.row(kj).cwiseAbs();
+          mk.row(kj) += scale * t * qm.row(qi).cwiseAbs();
+          mvv.row(kj) += y[j] * drop_scale * dci.cwiseAbs();
+        }
+      }
+    }
+  RoundingCount count = fwd_count;
+  count.bf16 += bwd_count.bf16;
+  count.fp16 += bwd_count.fp16;
+  count.fp32 += bwd_count.fp32;
+  count.reduction += bwd_count.reduction;
+  auto bound = [&](double magnitude) {
+    Tolerance t = counted_bound(c.dt, count, magnitude);
+    const double score_apart = 2.0 * unit_roundoff(c.dt) * max_score +
+                               2.0 * parity::gamma_n(c.hn, unit_roundoff(DType::F32)) * max_score_terms;
+    t.atol += 2.0 * score_apart * magnitude;
+    t.reason += fmt::format(" + scores apart 2 x (2u x max|score| {:.3g} + 2 gamma_hn x {:.3g}) x magnitude", max_score,
+                            max_score_terms);
+    return t;
+  };
+  const ref::Precision pr = prec(c.dt);
+  const Comparison cq = compare(id + " dq", dq, pr.to_tensor(g.query, dq.shape()), bound(mq.maxCoeff()));
+  const Comparison ck = compare(id + " dk", dk, pr.to_tensor(g.key, dk.shape()), bound(mk.maxCoeff()));
+  const Comparison cv = compare(id + " dv", dv, pr.to_tensor(g.value, dv.shape()), bound(mvv.maxCoeff()));
+  for (const Comparison* cmp : {&cq, &ck, &cv}) {
+    expect_pass(*cmp, id);
+    share.note(*cmp);
+  }
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+TEST(OptimizedBackward, AttentionMatchesReference) {
+  // sq, sk, b, ng, hn: tiny; hn 64 with sq not a multiple of the query tile (16) and several key
+  // tiles; a head dim off the warp width (40); sq != sk (no causal mask there).
+  const std::tuple<int, int, int, int, int> shapes[] = {
+      {5, 5, 2, 2, 8}, {37, 37, 1, 1, 64}, {20, 20, 2, 1, 40}, {7, 45, 2, 1, 24}};
+  AttnBwdShare share;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (DType dt : kDtypes)
+    for (const char* mask : {"none", "causal", "padding"})
+      for (int hpg : {1, 2})
+        for (double drop : {0.0, 0.1})
+          for (bool coeff : {false, true})
+            for (auto [sq, sk, b, ng, hn] : shapes) {
+              if (std::string(mask) == "causal" && sq != sk) continue;
+              run_attention_backward_case({dt, sq, sk, b, ng * hpg, ng, hn, mask, drop, coeff}, share);
+            }
+  share.print("masks x GQA x dropout x coeff x shapes", seconds_since(t0));
+}
+
+// The softmax in the activation dtype (attention_softmax_in_fp32 off, 16-bit only: y and the
+// probabilities are one T value, d scores stored in T), fully masked rows (an arbitrary mask masks
+// row 0: uniform probabilities that reach dv, zero d scores), head dims up to 256 and 1, three heads
+// per group.
+TEST(OptimizedBackward, AttentionSoftmaxInActivationDtypeAndEdgesMatchReference) {
+  AttnBwdShare share;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (DType dt : {DType::BF16, DType::F16})
+    for (const char* mask : {"none", "causal", "arbitrary"})
+      for (double drop : {0.0, 0.1}) {
+        AttnBwdCase c{dt, 20, 20, 2, 4, 2, 40, mask, drop, false};
+        c.sm32 = false;
+        run_attention_backward_case(c, share);
+      }
+  for (DType dt : kDtypes)
+    for (int hn : {1, 33, 128, 256})
+      run_attention_backward_case({dt, 18, 18, 1, 2, 1, hn, "arbitrary", 0.1, true}, share);
+  for (DType dt : kDtypes) run_attention_backward_case({dt, 19, 19, 2, 6, 2, 16, "causal", 0.1, false}, share);
+  share.print("softmax in T, head dims, fully masked rows", seconds_since(t0));
+}
+
+TEST(OptimizedBackward, AttentionMatchesReferenceOnRandomShapes) {
+  // Fixed seed: the same cases each run. Partial query / key tiles, head dims across the 32-column
+  // chunks (1..256), every mask, GQA up to 3 heads per group, sq != sk without a causal mask.
+  std::mt19937_64 rng(20261204);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const char* masks[] = {"none", "causal", "padding", "arbitrary"};
+  AttnBwdShare share;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int n = 0; n < 100; ++n) {
+    const DType dt = kDtypes[pick(0, 2)];
+    const std::string mask = masks[pick(0, 3)];
+    const int ng = pick(1, 2), hpg = pick(1, 3), b = pick(1, 2);
+    const int hn = pick(0, 3) == 0 ? pick(100, 256) : pick(1, 72);
+    const int sq = pick(1, 40), sk = mask == "causal" || pick(0, 1) ? sq : pick(1, 40);
+    const double drop = pick(0, 1) ? 0.1 : 0.0;
+    const bool coeff = pick(0, 3) == 0;
+    AttnBwdCase c{dt, sq, sk, b, ng * hpg, ng, hn, mask, drop, coeff};
+    c.sm32 = coeff || pick(0, 2) != 0;
+    run_attention_backward_case(c, share);
+  }
+  share.print("random shapes", seconds_since(t0));
+}
+
+// The forward's softmax statistics are an extra output only: the context has the same bits with
+// and without them, on the CUDA-core kernel (fp32) and the tensor-core one (bf16 / fp16); every row
+// gets its m and l (l >= 1: the row's largest score adds exp(0)).
+TEST(OptimizedBackward, AttentionSoftmaxStatsLeaveForwardBitsUnchanged) {
+  for (DType dt : kDtypes)
+    for (const char* mask : {"none", "causal", "arbitrary"}) {
+      const int s = 37, b = 2, np = 4, ng = 2, hn = 40, hpg = np / ng, gs = (hpg + 2) * hn, ld = ng * gs;
+      const std::string id = fmt::format("attention_softmax_stats(dtype={},mask={})", dt_name(dt), mask);
+      if (!selected(id)) continue;
+      const Tensor qkv = random_tensor(dt, {s, b, ld}, -1.5, 1.5, 77);
+      std::vector<bool> mv(std::size_t(b) * s * s);
+      std::mt19937_64 rng(5);
+      for (std::size_t e = 0; e < mv.size(); ++e) mv[e] = e % s == 0 ? false : (e / s) % s == 0 || rng() % 10 < 3;
+      const Tensor mask_t = Tensor::from_vector<bool>({b, 1, s, s}, mv);
+      auto d_qkv = to_device(qkv), d_mask = to_device(mask_t);
+      rt::DeviceBuffer ctx_a(sim(), std::size_t(s) * b * np * hn * dtype_size(dt)),
+          ctx_b(sim(), std::size_t(s) * b * np * hn * dtype_size(dt));
+      rt::DeviceBuffer stats = poisoned(sizeof(float) * 2 * std::size_t(b) * np * s);
+      k::AttnParams p;
+      p.sq = p.sk = s;
+      p.b = b;
+      p.np_local = p.np_total = np;
+      p.hn = hn;
+      p.alpha = 0.15f;
+      p.mask = std::string(mask) == "none"     ? k::MaskMode::None
+               : std::string(mask) == "causal" ? k::MaskMode::Causal
+                                               : k::MaskMode::Explicit;
+      p.mask_ptr = static_cast<const std::uint8_t*>(d_mask.get());
+      p.mask_b = b;
+      p.drop = k::DropoutArgs::make(0.1, true, 5, 6);
+      k::dot_product_attention_forward(dt, d_qkv.get(), k::QkvLayout{ld, gs, hpg}, ctx_a.get(), p, nullptr);
+      p.softmax_stats = static_cast<float*>(stats.get());
+      k::dot_product_attention_forward(dt, d_qkv.get(), k::QkvLayout{ld, gs, hpg}, ctx_b.get(), p, nullptr);
+      const Shape shape{s, b, std::int64_t(np) * hn};
+      EXPECT_TRUE(same_bits(from_device(ctx_a, dt, shape), from_device(ctx_b, dt, shape))) << id;
+      const Tensor st = from_device(stats, DType::F32, {b, np, s, 2});
+      for (std::int64_t r = 0; r < std::int64_t(b) * np * s; ++r) {
+        const float m = st.data<float>()[2 * r], l = st.data<float>()[2 * r + 1];
+        EXPECT_TRUE(std::isfinite(m) && std::isfinite(l) && l >= 1.0f)
+            << id << ": row " << r << " m " << m << " l " << l;
+      }
+    }
+}
+
+TEST(OptimizedBackward, AttentionRejectsBadArguments) {
+  k::AttnParams p;
+  p.sq = p.sk = 4;
+  p.b = 1;
+  p.np_local = p.np_total = 2;
+  p.hn = 8;
+  const k::QkvLayout lay{2 * 3 * 8, 3 * 8, 1};
+  rt::DeviceBuffer qkv(sim(), 4096), dctx(sim(), 4096), dqkv(sim(), 4096), stats(sim(), 4096);
+  const std::size_t ws_bytes = k::dot_product_attention_backward_workspace_bytes(p);
+  rt::DeviceBuffer ws(sim(), ws_bytes);
+  const float* st = static_cast<const float*>(stats.get());
+  // The message of a rejected call (empty when it is accepted).
+  auto message = [&](const k::AttnParams& pp, const void* q, void* dq, const float* sts, std::size_t bytes,
+                     DType dt = DType::F32) -> std::string {
+    try {
+      k::dot_product_attention_backward(dt, q, lay, dctx.get(), dq, sts, pp, ws.get(), bytes, nullptr);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(message(p, qkv.get(), dqkv.get(), st, ws_bytes), "");
+  EXPECT_NE(message(p, qkv.get(), dqkv.get(), nullptr, ws_bytes).find("softmax_stats"), std::string::npos);
+  EXPECT_NE(message(p, qkv.get(), qkv.get(), st, ws_bytes).find("alias"), std::string::npos);
+  EXPECT_NE(message(p, qkv.get(), dqkv.get(), st, ws_bytes - 4).find("workspace"), std::string::npos);
+  k::AttnParams bad = p;
+  bad.hn = 300;
+  EXPECT_NE(message(bad, qkv.get(), dqkv.get(), st, ws_bytes).find("head dim 300"), std::string::npos);
+  bad = p;
+  bad.mask = k::MaskMode::Causal;
+  bad.sk = 5;
+  EXPECT_NE(message(bad, qkv.get(), dqkv.get(), st, ws_bytes).find("causal"), std::string::npos);
+  bad = p;
+  bad.coeff = 2.0f;
+  bad.softmax_fp32 = false;
+  EXPECT_NE(message(bad, qkv.get(), dqkv.get(), st, ws_bytes, DType::BF16).find("fp32"), std::string::npos);
+  bad = p;
+  bad.mask = k::MaskMode::Explicit;
+  EXPECT_NE(message(bad, qkv.get(), dqkv.get(), st, ws_bytes).find("mask"), std::string::npos);
+  EXPECT_NE(message(p, qkv.get(), dqkv.get(), st, ws_bytes, DType::I64).find("dtype"), std::string::npos);
+}
+
 // ---- cost declarations ----------------------------------------------------------------------
 // Every simulated kernel launch of the backward launchers is matched by one cost declaration
 // (GEMMs declare through the GEMM interface and are no kernel launch): a launcher without one
@@ -438,6 +867,21 @@ TEST(OptimizedBackward, EveryKernelLaunchIsDeclared) {
   k::linear_backward_dgrad(dt, dy.get(), w.get(), dx.get(), n, h, f, nullptr);
   k::linear_backward_wgrad(dt, dy.get(), x.get(), dw.get(), n, h, f, nullptr);
   k::linear_backward_bias(dt, dy.get(), db.get(), n, f, ws.get(), ws_bytes, nullptr);
+  {  // attention: the forward (saving its statistics) and both backward kernels
+    k::AttnParams p;
+    p.sq = p.sk = 20;
+    p.b = 2;
+    p.np_local = p.np_total = 2;
+    p.hn = 8;
+    p.mask = k::MaskMode::Causal;
+    const k::QkvLayout lay{p.np_local * 3 * p.hn, 3 * p.hn, 1};
+    rt::DeviceBuffer stats(sim(), sizeof(float) * 2 * p.b * p.np_local * p.sq),
+        aws(sim(), k::dot_product_attention_backward_workspace_bytes(p));
+    p.softmax_stats = static_cast<float*>(stats.get());
+    k::dot_product_attention_forward(dt, x.get(), lay, dy.get(), p, nullptr);
+    k::dot_product_attention_backward(dt, x.get(), lay, dy.get(), dx.get(), p.softmax_stats, p, aws.get(),
+                                      k::dot_product_attention_backward_workspace_bytes(p), nullptr);
+  }
   int launched = 0, declared = 0;
   std::string names;
   for (const auto& [name, count] : scope.kernel_launches()) {
