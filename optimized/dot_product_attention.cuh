@@ -55,20 +55,20 @@
  *      when the softmax runs in fp32 for a 16-bit T, else T), accumulated in fp32 (warp sums per key
  *      tile, tiles in order) and written to the workspace. Pass 2: the pairs again (the same bits),
  *      d scores with the reference's rounding sequence (attn_dscore: softmax backward output,
- *      masked -> 0, * coeff in fp32, .float()'s backward store), dq_i = alpha sum_j dscores_ij k_j in
- *      fp32 registers, stored once in T.
+ *      masked -> 0, * coeff in fp32, .float()'s backward store), the bmm sum_j dscores_ij k_j in fp32
+ *      registers rounded to T, then dq_i = alpha times it stored in T (torch's grad.bmm(k).mul_(alpha)).
  *   2. dk, dv (one block per key tile of one (batch, query group)): for each of the group's heads in
  *      order, the query rows that see the tile (causal: from the tile's first key on), pairs
- *      recomputed from m, l and D into shared memory, dv_j = sum_i p_ij dctx_i and dk_j = alpha
+ *      recomputed from m, l and D into shared memory, dv_j = sum_i p_ij dctx_i and the bmm
  *      sum_i dscores_ij q_i in fp32 registers (rows in order), rounded per head to T (the reference's
- *      per-head bmm outputs), then summed over the group's heads in head order in fp32 and stored
- *      once in T (repeat_interleave's backward; exact for one head per group).
- * Fully masked rows (explicit masks) keep Megatron's uniform probabilities: they add to dv, and their
- * d scores are zero. The rounding points are the reference's, and the launcher counts them as the
- * reference's backward does; two steps take one fp32 rounding more than the reference's one rounding
- * of a double value (y (dy - D), and alpha * acc before the store). Cost (attention_backward_cost):
- * kernel 1 reads K and V twice per query tile, kernel 2 q and d context once per key tile and head;
- * each pair's q k^T and dctx v^T are computed three times in all (twice in kernel 1, once in 2). */
+ *      per-head bmm outputs; dk_j = alpha times the latter, rounded to T), then summed over the group's heads in head
+ * order in fp32 and stored once in T (repeat_interleave's backward; exact for one head per group). Fully masked rows
+ * (explicit masks) keep Megatron's uniform probabilities: they add to dv, and their d scores are zero. The rounding
+ * points are the reference's, and the launcher counts them as the reference's backward does; two steps take one fp32
+ * rounding more than the reference's one rounding of a double value (y (dy - D), and the product with alpha before its
+ * store). Cost (attention_backward_cost): kernel 1 reads K and V twice per query tile, kernel 2 q and d context once
+ * per key tile and head; each pair's q k^T and dctx v^T are computed three times in all (twice in kernel 1, once in 2).
+ */
 #pragma once
 
 #include <type_traits>
@@ -667,7 +667,7 @@ __device__ inline float attn_dscore(float y, float dprob, float dsum, bool maske
 // forward's layout (4 warps x 4 rows, key tiles of kAttnBK keys, one per lane). Pass 1 accumulates
 // D_i = sum_j dprobs_ij y_ij (warp sums per tile, tiles in order) and writes it to `dsum`
 // [b, np_local, sq]; pass 2 recomputes the pairs (the same bits), d scores with D, and dq_i += d
-// scores_ij k_j in fp32 registers; dq = alpha acc stored once in T.
+// scores_ij k_j in fp32 registers; dq = alpha round_T(acc) stored in T (the bmm, then mul_(alpha)).
 template <class T>
 __global__ void dot_product_attention_backward_dq_kernel(AttnOperands op, const T* dcontext, T* dq, const float* stats,
                                                          float* dsum, AttnParams p) {
@@ -780,7 +780,8 @@ __global__ void dot_product_attention_backward_dq_kernel(AttnOperands op, const 
     if (i >= p.sq) break;
     for (int cc = 0; cc < kAttnMaxChunks; ++cc) {
       const int c = cc * 32 + lane;
-      if (c < hn) dq_base[i * op.q_tok + c] = Io<T>::store(p.alpha * acc[r][cc]);  // rounds: dq = alpha (ds k), T
+      // rounds: the bmm ds k, T; dq = its product with alpha, T (torch's grad.bmm(k).mul_(alpha))
+      if (c < hn) dq_base[i * op.q_tok + c] = Io<T>::store(p.alpha * round_to<T>(acc[r][cc]));
     }
   }
 }
@@ -794,10 +795,10 @@ inline std::size_t attention_backward_dq_smem_bytes(int hn) {
 // first key on when causal) in steps of kAttnBwdBQ: the block computes the step's BQ x BK pairs
 // (probability after dropout, d score, from the saved m, l, D) into shared memory, then warp w
 // accumulates dv_j += prob_ij dctx_i and dk_j += dscore_ij q_i for its kAttnBwdBK / 4 keys (lane: the
-// columns lane + 32 c), rows in order. After a head, its dk = alpha acc and dv are rounded to T (the
-// reference's per-head bmm outputs) and added to the group's fp32 sums in head order; the sums are
-// stored once in T (repeat_interleave's backward; exact for one head per group). NC: 32-column chunks
-// of the head dim held in registers (hn <= 32 NC).
+// columns lane + 32 c), rows in order. After a head, its dk = alpha round_T(acc) and dv are rounded to T (the
+// reference's per-head bmm outputs, dk's then times alpha) and added to the group's fp32 sums in head order; the sums
+// are stored once in T (repeat_interleave's backward; exact for one head per group). NC: 32-column chunks of the head
+// dim held in registers (hn <= 32 NC).
 constexpr int kAttnBwdBK = 16;  // keys per block of the dk / dv kernel
 constexpr int kAttnBwdBQ = 16;  // query rows per step
 constexpr int kAttnBwdKeysPerWarp = kAttnBwdBK / kAttnWarps;
@@ -889,8 +890,9 @@ __global__ void dot_product_attention_backward_dkv_kernel(AttnOperands op, const
     }
     for (int kk = 0; kk < kAttnBwdKeysPerWarp; ++kk)
       for (int cc = 0; cc < NC; ++cc) {
-        sum_k[kk][cc] += round_to<T>(p.alpha * acc_k[kk][cc]);  // rounds: this head's dk, T; the group's sum
-        sum_v[kk][cc] += round_to<T>(acc_v[kk][cc]);            // rounds: this head's dv, T; the group's sum
+        // rounds: this head's bmm ds^T q, T; its product with alpha, T; then the group's sum
+        sum_k[kk][cc] += round_to<T>(p.alpha * round_to<T>(acc_k[kk][cc]));
+        sum_v[kk][cc] += round_to<T>(acc_v[kk][cc]);  // rounds: this head's dv, T; the group's sum
       }
   }
   T* dk_base = dk + kv_at;
@@ -1006,7 +1008,7 @@ inline void dot_product_attention_backward(DType dt, const AttnOperands& ops, co
     if (p.coeff != 0.0f) rounding_store(DType::F32);
   }
   rounding_reduce(std::max(p.sq, p.sk));
-  rounding_store(dt);
+  rounding_store(dt, 2);  // the bmm outputs; dq and dk's product with alpha (dv's path has one store)
   if (ops.hpg > 1) rounding_store(dt);
   {
     // cost: attention_backward_cost, one declaration per kernel.

@@ -456,9 +456,11 @@ CoreAttentionGrads DotProductAttention::backward(const Mat& dcontext, const Mat&
           dscores(i, j) = d;
         }
       }
-      // baddbmm(q, k^T, alpha)'s backward
-      const Mat dq = p_.act(softmax_scale * (dscores * k));              // rounds: [sq, hn], activation dtype
-      const Mat dk = p_.act(softmax_scale * (dscores.transpose() * q));  // rounds: [sk, hn]
+      // baddbmm(q, k^T, alpha)'s backward, torch's formula grad.bmm(k).mul_(alpha): the bmm stored,
+      // then the product with alpha stored (torch 1.13's CPU kernel also takes alpha in the
+      // activation dtype, CUDA in fp32: within that second store's u).
+      const Mat dq = p_.act(softmax_scale * p_.act(dscores * k));              // rounds: bmm, * alpha; [sq, hn]
+      const Mat dk = p_.act(softmax_scale * p_.act(dscores.transpose() * q));  // rounds: bmm, * alpha; [sk, hn]
       for (int i = 0; i < sq; ++i) g.query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h) = dq.row(i);
       for (int j = 0; j < sk; ++j) {  // repeat_interleave's backward: the group's heads summed
         g.key.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + kv) += dk.row(j);
@@ -478,8 +480,8 @@ CoreAttentionGrads DotProductAttention::backward(const Mat& dcontext, const Mat&
     if (coeff) p_.count_f32();
   }
   p_.count_reduce(std::max(sq, sk));  // dscores k, dscores^T q, probs^T dctx
-  p_.count_act();
-  if (group > 1) {  // the GQA sum over the group's heads, stored
+  p_.count_act(2);                    // the bmm outputs; dq and dk's * alpha (dv's path has one store)
+  if (group > 1) {                    // the GQA sum over the group's heads, stored
     p_.act_inplace(g.key);
     p_.act_inplace(g.value);
     p_.count_act();

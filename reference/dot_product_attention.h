@@ -16,7 +16,8 @@
 // Backward (autograd through the same ops): d probs = d context v^T, d v = probs^T d context;
 // dropout's mask regenerated from the stream; softmax backward y (dy - sum(dy y)) on the softmax's
 // own output (fp32 under attention_softmax_in_fp32); masked scores get no gradient; d q = alpha
-// d scores k, d k = alpha d scores^T q; GQA sums the heads of a group into their key / value.
+// (d scores k), d k = alpha (d scores^T q), each bmm stored before the product with alpha (torch's
+// baddbmm backward: grad.bmm(...).mul_(alpha)); GQA sums the heads of a group into their key / value.
 // The probabilities are recomputed from q and k as the forward rounded them (no [b, np, sq, sk]
 // tensor is saved); the saved activations are q, k, v (CoreAttentionSaved in attention.h).
 #pragma once

@@ -196,8 +196,9 @@ void crosscheck(const Case& k, DType dt, std::uint64_t seed) {
     // rounds: bitwise equal in bf16. (torch 1.13's CPU bf16 LayerNorm keeps mean / rstd in bf16
     // with a reduced-precision accumulation the reference does not reproduce: ~1 ulp on about
     // half of the elements, inside the bound above.)
-    if (dt == DType::BF16 && k.rms && (name == "input_layernorm" || name == "self_attention.linear_qkv.0"))
+    if (dt == DType::BF16 && k.rms && (name == "input_layernorm" || name == "self_attention.linear_qkv.0")) {
       EXPECT_EQ(share, 1.0);
+    }
   }
 }
 

@@ -21,7 +21,9 @@ TEST(RetroDecoderLayerSpec, FamiliesAndModules) {
     EXPECT_EQ(cross->encoder != nullptr, with_encoder);
     EXPECT_EQ(cross->attn.core_attention.attn_mask_type, AttnMaskType::padding);
     EXPECT_EQ(cross->attn.core_attention.layer_number, 6);
-    if (with_encoder) EXPECT_EQ(cross->encoder->layers.size(), 2u);
+    if (with_encoder) {
+      EXPECT_EQ(cross->encoder->layers.size(), 2u);
+    }
   }
 }
 
@@ -52,7 +54,9 @@ TEST(RetroDecoderBlockSpec, LayersOwningTheEncoder) {
     const auto* cross = dynamic_cast<const RetroDecoderCrossAttention*>(block.layers[i]->cross_attention.get());
     const int n = i + 1;
     EXPECT_EQ(cross != nullptr, n == 6 || n == 9 || n == 12) << n;
-    if (cross) EXPECT_EQ(cross->encoder != nullptr, n == 6) << n;
+    if (cross) {
+      EXPECT_EQ(cross->encoder != nullptr, n == 6) << n;
+    }
     EXPECT_EQ(block.layers[i]->layer_number, n);
   }
   c.pipeline_model_parallel_size = 2;
