@@ -157,7 +157,13 @@ TEST(DenseLayerFixture, TheGradientStatusIsReported) {
   const Fixture retro = load_fixture((fixture_dir() / "retro_later_layer_divisible.safetensors").string());
   compare_fixture(find_fixture_handler(retro.kind, TwinKind::Reference), retro, TwinKind::Reference, RunMode{}, &grads);
   EXPECT_EQ(grads, "compared");
-  // A twin without a backward for the kind says so.
+  // The optimized twin's dense backward (tp 1): compared, or the configuration it does not cover named.
   compare_fixture(find_fixture_handler(dense.kind, TwinKind::Optimized), dense, TwinKind::Optimized, RunMode{}, &grads);
-  EXPECT_EQ(grads, "not compared: the optimized twin has no backward for fixture kind 'dense_layer'");
+  EXPECT_EQ(grads, "compared");
+  const Fixture qkln = load_fixture((fixture_dir() / "dense_rms_mha_swiglu_qkln.safetensors").string());
+  compare_fixture(find_fixture_handler(qkln.kind, TwinKind::Optimized), qkln, TwinKind::Optimized, RunMode{}, &grads);
+  EXPECT_EQ(grads.rfind("not compared: the optimized twin's backward does not cover qk_layernorm", 0), 0u) << grads;
+  // A twin without a backward for the kind says so.
+  compare_fixture(find_fixture_handler(moe.kind, TwinKind::Optimized), moe, TwinKind::Optimized, RunMode{}, &grads);
+  EXPECT_EQ(grads, "not compared: the optimized twin has no backward for fixture kind 'moe_layer'");
 }
