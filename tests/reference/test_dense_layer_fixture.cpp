@@ -121,23 +121,26 @@ TEST(DenseLayerFixture, AWrongParameterFails) {
 // Each gradient's counted bound is tight enough to catch a 1% error in it alone: one grad.* tensor
 // of the golden scaled by 1.01 fails that row and no other (fp32 goldens: a few 2^-24 per rounding
 // point, far below 1e-2).
+// Both twins: the optimized twin's gradients carry its own counts and magnitudes.
 TEST(DenseLayerFixture, AWrongGradientFailsAlone) {
   const Fixture f = load_fixture((fixture_dir() / "dense_ln_mha_gelu_bias.safetensors").string());
-  const TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f, RunMode{});
-  ASSERT_TRUE(run.backward);
-  for (const auto& [name, grad] : parity::grads_of(f)) {
-    SCOPED_TRACE(name);
-    parity::Expected expected = parity::expected_of(f);
-    for (auto [n, t] : parity::grads_of(f)) {
-      if (n == name) {
-        std::vector<double> v = t.to_f64();
-        for (double& x : v) x *= 1.01;
-        t = Tensor::from_doubles(t.dtype(), t.shape(), v);
+  for (const TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) {
+    const TwinRun run = find_fixture_handler(f.kind, twin)(f, RunMode{});
+    ASSERT_TRUE(run.backward) << twin_kind_name(twin);
+    for (const auto& [name, grad] : parity::grads_of(f)) {
+      SCOPED_TRACE(std::string(twin_kind_name(twin)) + " " + name);
+      parity::Expected expected = parity::expected_of(f);
+      for (auto [n, t] : parity::grads_of(f)) {
+        if (n == name) {
+          std::vector<double> v = t.to_f64();
+          for (double& x : v) x *= 1.01;
+          t = Tensor::from_doubles(t.dtype(), t.shape(), v);
+        }
+        expected.emplace_back(n, t);
       }
-      expected.emplace_back(n, t);
+      for (const auto& c : parity::compare_record(run.record, expected, twin_kind_name(twin)))
+        EXPECT_EQ(c.pass, c.name != name) << c.name << ": " << c.tol.reason;
     }
-    for (const auto& c : parity::compare_record(run.record, expected, "reference"))
-      EXPECT_EQ(c.pass, c.name != name) << c.name << ": " << c.tol.reason;
   }
 }
 
