@@ -87,9 +87,12 @@ class DenseTransformerLayer {
   std::optional<std::string> backward_unsupported() const;
   // The gradients of the last forward (run with keep_for_backward) for grad_output [s, b, h] (its
   // shape and dtype): the input's and every parameter's. Rounding points are counted on from the
-  // running count (a gradient depends on every forward activation it reads). std::logic_error when
-  // unsupported or when the last forward kept nothing.
-  LayerGradients backward(const Tensor& grad_output);
+  // running count (a gradient depends on every forward activation it reads). with_magnitudes: each
+  // parameter grad's magnitude (ParamGradient), computed on the host from the gradients and
+  // activations the run leaves in its buffers (a host pass of O(tokens x in x out) per linear, for
+  // comparisons with a counted bound; else -1). std::logic_error when unsupported or when the last
+  // forward kept nothing.
+  LayerGradients backward(const Tensor& grad_output, bool with_magnitudes = false);
 
   // Device time of one forward (ms), averaged over `iters` replays of the layer captured by the
   // last forward() call with use_graph (tp == 1): the kernels and GEMMs only, no host copies.

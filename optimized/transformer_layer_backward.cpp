@@ -144,7 +144,7 @@ void DenseTransformerLayer::Impl::ensure_grad_buffers(const RankPlan& p, rt::Bac
 }
 
 // ---- running it ----------------------------------------------------------------------------------
-LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output) {
+LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool with_magnitudes) {
   if (const auto why = backward_unsupported()) throw std::logic_error("optimized dense layer: no backward for " + *why);
   Impl& m = *impl_;
   if (!m.kept)
@@ -170,13 +170,16 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output) {
   m.dev->copy(out.hidden_states.raw_mut(), g.dx, out.hidden_states.nbytes(), rt::CopyKind::DeviceToHost, st);
   R.stream->synchronize();
 
-  // The magnitudes: each op's output gradient and input as the run left them.
+  // The magnitudes (when asked): each op's output gradient and input as the run left them.
   rt::Device& dev = *m.dev;
   const std::int64_t h = m.h, w = (p.glu ? 2 : 1) * std::int64_t(m.ffn), cw = std::int64_t(m.np) * m.hn,
                      qw = p.qkv_width();
   auto abs_of = [&](const void* ptr, std::int64_t cols) { return abs_values(dev, ptr, m.dt, n, cols, st); };
-  const auto d_ln1 = abs_of(g.d_ln1, h), d_qkv = abs_of(g.d_qkv, qw), d_proj = abs_of(g.d_proj, h),
-             d_ln2 = abs_of(g.d_ln2, h), d_fc1 = abs_of(g.d_fc1, w), d_mlp = abs_of(g.d_mlp, h);
+  auto abs_if = [&](const void* ptr, std::int64_t cols) {
+    return with_magnitudes ? abs_of(ptr, cols) : std::vector<double>();
+  };
+  const auto d_ln1 = abs_if(g.d_ln1, h), d_qkv = abs_if(g.d_qkv, qw), d_proj = abs_if(g.d_proj, h),
+             d_ln2 = abs_if(g.d_ln2, h), d_fc1 = abs_if(g.d_fc1, w), d_mlp = abs_if(g.d_mlp, h);
   auto norm_magnitude = [&](const std::vector<double>& dy, const void* x) {
     return norm_weight_magnitude(dy, download(dev, x, m.dt, n, h, st), n, h, p.rms, p.eps);
   };
@@ -206,7 +209,7 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output) {
     pg.value = Tensor::empty(m.dt, m.full.at(key).shape());
     dev.copy(pg.value.raw_mut(), g.*s->slot, pg.value.nbytes(), rt::CopyKind::DeviceToHost, st);
     R.stream->synchronize();
-    pg.magnitude = magnitude(key);
+    if (with_magnitudes) pg.magnitude = magnitude(key);
     out.params.push_back(std::move(pg));
   }
   return out;

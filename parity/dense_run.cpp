@@ -156,7 +156,7 @@ TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode) {
   }
   // The gradients follow the forward entries, the backward's rounding points counted on from the
   // forward's (as the reference's handler records them).
-  const opt::LayerGradients grads = layer.backward(f.tensor("grad_in.output"));
+  const opt::LayerGradients grads = layer.backward(f.tensor("grad_in.output"), /*with_magnitudes=*/true);
   for (const opt::ParamGradient& g : grads.params)
     run.record.add(Role::Grad, "param." + g.name, g.value).magnitude = g.magnitude;
   run.record.add(Role::Grad, "input.hidden_states", grads.hidden_states);
