@@ -12,7 +12,7 @@
 #include "optimized/activations.cuh"            // Act (the same enum values in both backends)
 #include "optimized/dot_product_attention.cuh"  // MaskMode
 #include "optimized/runtime/collectives.h"
-#include "optimized/transformer_layer_plan.h"
+#include "optimized/transformer_layer_impl.h"
 
 namespace twin::opt {
 
@@ -121,33 +121,6 @@ std::vector<std::string> dense_layer_param_keys(const TransformerConfig& c) {
   if (c.add_bias_linear) k.push_back("mlp.linear_fc2.bias");
   return k;
 }
-
-struct DenseTransformerLayer::Impl {
-  rt::Device* dev = nullptr;
-  DType dt = DType::F32;
-  int h = 0, np = 0, ng = 0, hn = 0, ffn = 0;
-  std::map<std::string, Tensor> full;  // host copies of the full params (taps of the biases)
-
-  struct Rank {
-    std::vector<rt::DeviceBuffer> weights;
-    std::vector<rt::DeviceBuffer> acts;  // activation buffers for the current (s, b)
-    std::optional<rt::Stream> stream;
-    RankPlan plan;
-    std::optional<rt::Graph> graph;
-  };
-  std::vector<Rank> ranks;
-  std::vector<std::unique_ptr<rt::Communicator>> comms;
-  int cur_s = -1, cur_b = -1, cur_rot = -1;
-  bool cur_mask = false;
-  rt::DeviceBuffer freqs, mask;
-  std::vector<rt::DeviceBuffer> inputs;  // per rank [s_local, b, h]
-
-  const void* upload(Rank& r, const Tensor& t) {
-    r.weights.emplace_back(*dev, t.nbytes());
-    r.weights.back().upload(t.raw(), t.nbytes());
-    return r.weights.back().get();
-  }
-};
 
 DenseTransformerLayer::~DenseTransformerLayer() = default;
 
@@ -309,6 +282,8 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
                      std::to_string(tp) + " with sequence parallelism");
   if (fo.use_graph && (tp != 1 || fo.record_taps))
     throw std::invalid_argument("optimized dense layer: graph replay is for tp = 1 without taps");
+  if (fo.keep_for_backward && tp != 1)
+    throw std::invalid_argument("optimized dense layer: keep_for_backward is for tp = 1 (the backward's scope)");
   int mask_b = 1, mask_h = 1;
   if (attention_mask) {
     const Shape& ms = attention_mask->shape();
@@ -382,6 +357,12 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     m.mask.upload(attention_mask->raw(), attention_mask->nbytes());  // BOOL is one byte per element
   }
   if (rot) m.freqs.upload(rotary_pos_emb->raw(), rotary_pos_emb->nbytes());  // [s, 1, 1, rot] == [s, rot]
+  // The softmax statistics the backward reads: [b, np, s, 2] fp32, kept only when asked.
+  const std::size_t stats_bytes = sizeof(float) * 2 * std::size_t(b) * m.np * s;
+  if (fo.keep_for_backward && m.softmax_stats.bytes() != stats_bytes)
+    m.softmax_stats = rt::DeviceBuffer(*m.dev, stats_bytes);
+  float* const stats = fo.keep_for_backward ? static_cast<float*>(m.softmax_stats.get()) : nullptr;
+  m.kept = false;  // set again once this forward has run
 
   const int mask_mode = attention_mask                                   ? static_cast<int>(sim::MaskMode::Explicit)
                         : (options_.attn_mask_type == "causal" && s > 1) ? static_cast<int>(sim::MaskMode::Causal)
@@ -391,7 +372,8 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     RankPlan& p = m.ranks[r].plan;
     // graphs bake these values in: a change re-records
     const bool changed = p.training != fo.training || p.seed != fo.seed || p.offset_attention != fo.offset ||
-                         p.mask_mode != mask_mode || p.mask_b != mask_b || p.mask_h != mask_h;
+                         p.mask_mode != mask_mode || p.mask_b != mask_b || p.mask_h != mask_h ||
+                         p.softmax_stats != stats;
     if (changed) m.ranks[r].graph.reset();
     p.training = fo.training;
     p.seed = fo.seed;
@@ -401,6 +383,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     p.mask_mode = mask_mode;
     p.mask_b = mask_b;
     p.mask_h = mask_h;
+    p.softmax_stats = stats;
     p.mask = attention_mask ? static_cast<const std::uint8_t*>(m.mask.get()) : nullptr;
     p.rot_dim = rot;
     p.rope_interleaved = config_.rotary_interleaved;
@@ -569,6 +552,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     RecordEntry& e = result.record.add(Role::Tap, first.name, gather_shards(shards, first.layout));
     e.rounding = rounding;
   }
+  m.kept = fo.keep_for_backward;
   result.hidden_states = out;
   return result;
 }

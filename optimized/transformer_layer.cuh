@@ -15,6 +15,7 @@
 #pragma once
 
 #include "optimized/activations.cuh"
+#include "optimized/attention_backward.cuh"
 #include "optimized/dot_product_attention.cuh"
 #include "optimized/fused_bias_dropout.cuh"
 #include "optimized/linear.cuh"
@@ -43,6 +44,27 @@ inline void row_parallel_linear_forward(const RankPlan& p, const void* x, const 
     p.comm->reduce_scatter(partial, y, std::size_t(n_local) * p.h, p.dt, st);
   else
     p.comm->all_reduce(partial, y, std::size_t(n_full) * p.h, p.dt, st);
+}
+
+// The core attention's parameters of this rank (the forward's and the backward's).
+inline AttnParams attention_params(const RankPlan& p) {
+  AttnParams ap;
+  ap.sq = ap.sk = p.s;
+  ap.b = p.b;
+  ap.np_local = p.np_local();
+  ap.np_total = p.np;
+  ap.head_offset = p.rank * p.np_local();
+  ap.hn = p.hn;
+  ap.alpha = p.alpha;
+  ap.coeff = p.coeff;
+  ap.softmax_fp32 = p.softmax_fp32;
+  ap.mask = static_cast<MaskMode>(p.mask_mode);
+  ap.mask_ptr = p.mask;
+  ap.mask_b = p.mask_b;
+  ap.mask_h = p.mask_h;
+  ap.drop = DropoutArgs::make(p.attention_dropout, p.training, p.seed, p.offset_attention);
+  ap.softmax_stats = p.softmax_stats;
+  return ap;
 }
 
 // The attention half of the layer, through pre_mlp_layernorm (and its SP all-gather): the part
@@ -94,21 +116,7 @@ inline void attention_forward_impl(const RankPlan& p, cudaStream_t st) {
   }
 
   // ---- core_attention                                    // [s, b, np_l * hn]
-  AttnParams ap;
-  ap.sq = ap.sk = p.s;
-  ap.b = p.b;
-  ap.np_local = p.np_local();
-  ap.np_total = p.np;
-  ap.head_offset = p.rank * p.np_local();
-  ap.hn = hn;
-  ap.alpha = p.alpha;
-  ap.coeff = p.coeff;
-  ap.softmax_fp32 = p.softmax_fp32;
-  ap.mask = static_cast<MaskMode>(p.mask_mode);
-  ap.mask_ptr = p.mask;
-  ap.mask_b = p.mask_b;
-  ap.mask_h = p.mask_h;
-  ap.drop = DropoutArgs::make(p.attention_dropout, p.training, p.seed, p.offset_attention);
+  const AttnParams ap = attention_params(p);
   dot_product_attention_forward(dt, p.qkv, QkvLayout{qw, gs, hpg}, p.ctx, ap, st);
   tap(TapPoint::CoreAttention);
 
@@ -155,6 +163,109 @@ inline void dense_mlp_forward_impl(const RankPlan& p, cudaStream_t st) {
 inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
   attention_forward_impl(p, st);
   dense_mlp_forward_impl(p, st);
+}
+
+// ---- backward (tp 1) -----------------------------------------------------------------------------
+// The dense layer's backward: mlp_half_backward from the output's gradient to d h1, then
+// attention_half_backward from d h1 to the input's gradient, each on the forward's kept buffers
+// (x, ln1, qkv after RoPE, ctx, h1, ln2, fc1 before its bias, act_out; the softmax statistics).
+
+inline MlpHalfBackward mlp_half_backward_args(const RankPlan& p, const RankGrads& g) {
+  MlpHalfBackward m;
+  m.dt = p.dt;
+  m.n = std::int64_t(p.s) * p.b;
+  m.h = p.h;
+  m.ffn = p.ffn;
+  m.glu = p.glu;
+  m.rms = p.rms;
+  m.zero_centered_gamma = p.zero_centered_gamma;
+  m.act = static_cast<Act>(p.act);
+  m.eps = p.eps;
+  m.drop = DropoutArgs::make(p.hidden_dropout, p.training, p.seed, p.offset_mlp_bda);
+  m.hidden = p.h1;
+  m.ln2 = p.ln2;
+  m.fc1 = p.fc1;
+  m.act_out = p.act_out;
+  m.ln2_w = p.ln2_w;
+  m.fc1_w = p.fc1_w;
+  m.fc1_b = p.fc1_b;
+  m.fc2_w = p.fc2_w;
+  m.fc2_bias = p.fc2_b != nullptr;
+  m.dout = g.dout;
+  m.dhidden = g.dh1;
+  m.d_ln2_w = g.ln2_w;
+  m.d_ln2_b = g.ln2_b;
+  m.d_fc1_w = g.fc1_w;
+  m.d_fc1_b = g.fc1_b;
+  m.d_fc2_w = g.fc2_w;
+  m.d_fc2_b = g.fc2_b;
+  m.d_mlp = g.d_mlp;
+  m.d_act = g.d_act;
+  m.d_fc1 = g.d_fc1;
+  m.d_ln2 = g.d_ln2;
+  m.workspace = g.workspace;
+  m.workspace_bytes = g.workspace_bytes;
+  return m;
+}
+
+inline AttentionHalfBackward attention_half_backward_args(const RankPlan& p, const RankGrads& g) {
+  AttentionHalfBackward a;
+  a.dt = p.dt;
+  a.s = p.s;
+  a.b = p.b;
+  a.h = p.h;
+  a.np = p.np;
+  a.ng = p.ng;
+  a.hn = p.hn;
+  a.rms = p.rms;
+  a.zero_centered_gamma = p.zero_centered_gamma;
+  a.eps = p.eps;
+  a.rot_dim = p.rot_dim;
+  a.rope_interleaved = p.rope_interleaved;
+  a.freqs = p.freqs;
+  a.attn = attention_params(p);
+  a.drop = DropoutArgs::make(p.hidden_dropout, p.training, p.seed, p.offset_self_attn_bda);
+  a.qk_layernorm = p.qk_layernorm;
+  a.post_ln_residual = p.post_ln_residual;
+  a.tp = p.tp;
+  a.sp = p.sp;
+  a.x = p.x;
+  a.ln1 = p.ln1;
+  a.qkv = p.qkv;
+  a.ctx = p.ctx;
+  a.softmax_stats = p.softmax_stats;
+  a.ln1_w = p.ln1_w;
+  a.qkv_w = p.qkv_w;
+  a.qkv_b = p.qkv_b;
+  a.proj_w = p.proj_w;
+  a.proj_bias = p.proj_b != nullptr;
+  a.dh1 = g.dh1;
+  a.dx = g.dx;
+  a.d_ln1_w = g.ln1_w;
+  a.d_ln1_b = g.ln1_b;
+  a.d_qkv_w = g.qkv_w;
+  a.d_qkv_b = g.qkv_b;
+  a.d_proj_w = g.proj_w;
+  a.d_proj_b = g.proj_b;
+  a.d_proj = g.d_proj;
+  a.d_ctx = g.d_ctx;
+  a.d_qkv = g.d_qkv;
+  a.d_ln1 = g.d_ln1;
+  a.workspace = g.workspace;
+  a.workspace_bytes = g.workspace_bytes;
+  return a;
+}
+
+inline std::size_t rank_backward_workspace_bytes_impl(const RankPlan& p) {
+  const RankGrads none;
+  return std::max(mlp_half_backward_workspace_bytes(p.rms, std::int64_t(p.s) * p.b, p.h, p.ffn, p.glu),
+                  attention_half_backward_workspace_bytes(attention_half_backward_args(p, none)));
+}
+
+inline void rank_backward_impl(const RankPlan& p, const RankGrads& g, cudaStream_t st) {
+  require(p.tp == 1 && !p.sp, "rank_backward: tp 1 without sequence parallelism only");
+  mlp_half_backward(mlp_half_backward_args(p, g), st);
+  attention_half_backward(attention_half_backward_args(p, g), st);
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

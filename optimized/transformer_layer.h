@@ -12,6 +12,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,19 +36,36 @@ struct LayerOptions {
 };
 
 struct ForwardOptions {
-  bool training = false;     // dropout active (hidden_dropout, attention_dropout of the config)
-  std::uint64_t seed = 0;    // Philox key of every dropout call of this forward
-  std::uint64_t offset = 0;  // base Philox offset; the calls use offset + 0 (attention), + 1
-                             // (self_attn_bda), + 4 (mlp_bda), as the reference layer does
-  bool record_taps = false;  // download each submodule output under its module path, with the
-                             // rounding points counted before it (in a CountRoundings scope); at
-                             // tp > 1 the ranks' shards gathered into the full tensor, in rank order
-  bool use_graph = false;    // capture the forward into a CUDA graph once, then replay it
+  bool training = false;           // dropout active (hidden_dropout, attention_dropout of the config)
+  std::uint64_t seed = 0;          // Philox key of every dropout call of this forward
+  std::uint64_t offset = 0;        // base Philox offset; the calls use offset + 0 (attention), + 1
+                                   // (self_attn_bda), + 4 (mlp_bda), as the reference layer does
+  bool record_taps = false;        // download each submodule output under its module path, with the
+                                   // rounding points counted before it (in a CountRoundings scope); at
+                                   // tp > 1 the ranks' shards gathered into the full tensor, in rank order
+  bool use_graph = false;          // capture the forward into a CUDA graph once, then replay it
+  bool keep_for_backward = false;  // keep what backward() reads (the attention's softmax statistics;
+                                   // the activations stay in the layer's buffers anyway); tp = 1
 };
 
 struct LayerOutput {
   Tensor hidden_states;  // [s, b, h] in the params dtype (SP: the ranks' slices gathered)
   Record record;         // taps, when record_taps
+};
+
+// One parameter's gradient under its Megatron state-dict key, with the magnitude its rounding
+// error scales with (RecordEntry::magnitude: a weight's max_ij sum_rows |dy_i x_j|, a bias's
+// max_i sum_rows |dy_i|, a norm's max_i sum_rows |dy_i x_hat_i| / |dy_i|: the sums the gradient
+// is an fp32 accumulation of, as the reference's ParamGrad names them).
+struct ParamGradient {
+  std::string name;
+  Tensor value;
+  double magnitude = -1.0;
+};
+
+struct LayerGradients {
+  Tensor hidden_states;               // d input [s, b, h] in the params dtype
+  std::vector<ParamGradient> params;  // every parameter of the layer
 };
 
 class DenseTransformerLayer {
@@ -64,6 +82,17 @@ class DenseTransformerLayer {
   // rotary_pos_emb [s, 1, 1, rot_dim] fp32 angles or null (required with RoPE).
   LayerOutput forward(const Tensor& hidden_states, const Tensor* attention_mask, const Tensor* rotary_pos_emb,
                       const ForwardOptions& options = {});
+
+  // Why backward() does not cover this layer (tp > 1, sequence parallelism, qk_layernorm), or none.
+  std::optional<std::string> backward_unsupported() const;
+  // The gradients of the last forward (run with keep_for_backward) for grad_output [s, b, h] (its
+  // shape and dtype): the input's and every parameter's. Rounding points are counted on from the
+  // running count (a gradient depends on every forward activation it reads). with_magnitudes: each
+  // parameter grad's magnitude (ParamGradient), computed on the host from the gradients and
+  // activations the run leaves in its buffers (a host pass of O(tokens x in x out) per linear, for
+  // comparisons with a counted bound; else -1). std::logic_error when unsupported or when the last
+  // forward kept nothing.
+  LayerGradients backward(const Tensor& grad_output, bool with_magnitudes = false);
 
   // Device time of one forward (ms), averaged over `iters` replays of the layer captured by the
   // last forward() call with use_graph (tp == 1): the kernels and GEMMs only, no host copies.

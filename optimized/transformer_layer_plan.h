@@ -4,6 +4,7 @@
 // once for the simulator and once by nvcc).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 
@@ -99,18 +100,48 @@ struct RankPlan {
   void* fc2_partial = nullptr;         // [s, b, h]
   void* fc2 = nullptr;                 // [s_local, b, h]
   void* out = nullptr;                 // [s_local, b, h]
+  float* softmax_stats = nullptr;      // [b, np_local, s, 2] the attention's row max and sum, kept for
+                                       // the backward (null: not kept)
 
   rt::Communicator* comm = nullptr;      // tp > 1
   std::function<void(TapPoint)> on_tap;  // null: no taps (required for graph capture)
 };
 
+// The dense layer's backward at tp 1 (transformer_layer.cuh rank_backward_impl), after a forward
+// that kept its softmax statistics: the gradient of the layer's output in, the gradients of its
+// input and of every parameter out (named as RankPlan's weights; null where the parameter is
+// absent), all [s, b, ...] in the params dtype. The scratch gradients between the ops stay
+// readable after the run (the host reads them for the parameter grads' magnitudes).
+struct RankGrads {
+  const void* dout = nullptr;  // [s, b, h]
+  void* dx = nullptr;          // [s, b, h]
+  void *ln1_w = nullptr, *ln1_b = nullptr, *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr, *proj_b = nullptr;
+  void *ln2_w = nullptr, *ln2_b = nullptr, *fc1_w = nullptr, *fc1_b = nullptr, *fc2_w = nullptr, *fc2_b = nullptr;
+  // scratch
+  void* dh1 = nullptr;     // [s, b, h] d h1, the attention half's output
+  void* d_mlp = nullptr;   // [s, b, h] d linear_fc2 output
+  void* d_act = nullptr;   // [s, b, ffn]
+  void* d_fc1 = nullptr;   // [s, b, (glu ? 2 : 1) * ffn] d linear_fc1 output
+  void* d_ln2 = nullptr;   // [s, b, h]
+  void* d_proj = nullptr;  // [s, b, h] d linear_proj output
+  void* d_ctx = nullptr;   // [s, b, np * hn]
+  void* d_qkv = nullptr;   // [s, b, qkv_width] d linear_qkv output (after RoPE's backward)
+  void* d_ln1 = nullptr;   // [s, b, h]
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+};
+
 namespace sim {
 void rank_forward(const RankPlan& p, cudaStream_t stream);
-}
+void rank_backward(const RankPlan& p, const RankGrads& g, cudaStream_t stream);
+std::size_t rank_backward_workspace_bytes(const RankPlan& p);
+}  // namespace sim
 #if TWIN_HAVE_CUDA
 namespace cuda {
 void rank_forward(const RankPlan& p, cudaStream_t stream);
-}
+void rank_backward(const RankPlan& p, const RankGrads& g, cudaStream_t stream);
+std::size_t rank_backward_workspace_bytes(const RankPlan& p);
+}  // namespace cuda
 #endif
 
 }  // namespace twin::opt

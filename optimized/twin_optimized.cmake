@@ -2,6 +2,7 @@
 # when nvcc exists, for the GPU (the same .cuh sources compiled by nvcc in transformer_layer_cuda.cu).
 add_library(twin_optimized STATIC
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_backward.cpp
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_sim.cpp
   ${CMAKE_CURRENT_LIST_DIR}/moe/moe_transformer_layer.cpp
   ${CMAKE_CURRENT_LIST_DIR}/moe/moe_transformer_layer_sim.cpp)

@@ -135,9 +135,13 @@ TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode) {
     if (std::find(keys.begin(), keys.end(), k) == keys.end())
       throw FixtureError(f.path + ": parameter '" + k + "' is not one the dense layer owns");
   opt::DenseTransformerLayer layer(cfg, params, lo);
+  // The backward runs where the golden has gradients and the layer's backward covers them.
+  const std::optional<std::string> no_backward =
+      no_backward_reason(f, mode, layer.backward_unsupported(), TwinKind::Optimized);
   opt::ForwardOptions fo;
   fo.training = f.training;  // the fixtures' dropout probabilities are 0
   fo.record_taps = true;
+  fo.keep_for_backward = !no_backward;
   const Tensor* rope = optional_input(f, "rotary_pos_emb");
   if (cfg.position_embedding_type == "rope" && !rope)
     throw FixtureError(f.path + ": position_embedding_type is rope but input.rotary_pos_emb is missing");
@@ -146,6 +150,17 @@ TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode) {
   auto out = layer.forward(input(f, "hidden_states", 3), optional_input(f, "attention_mask"), rope, fo);
   run.record = std::move(out.record);
   run.record.add(Role::Output, "hidden_states", out.hidden_states);
+  if (no_backward) {
+    run.no_backward_reason = *no_backward;
+    return run;
+  }
+  // The gradients follow the forward entries, the backward's rounding points counted on from the
+  // forward's (as the reference's handler records them).
+  const opt::LayerGradients grads = layer.backward(f.tensor("grad_in.output"), /*with_magnitudes=*/true);
+  for (const opt::ParamGradient& g : grads.params)
+    run.record.add(Role::Grad, "param." + g.name, g.value).magnitude = g.magnitude;
+  run.record.add(Role::Grad, "input.hidden_states", grads.hidden_states);
+  run.backward = true;
   return run;
 }
 

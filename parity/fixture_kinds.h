@@ -88,6 +88,12 @@ const Tensor& input(const Fixture& f, const std::string& name, int rank = -1);
 // by key; null for every other key. The lookup refers to f.
 std::function<const Tensor*(const std::string& key)> golden_substitutes(const Fixture& f);
 
+// Why a golden's gradients are not compared (parity/reference_handlers.cpp): std::nullopt when they
+// are, "" when it has none; else the reason: the activation kinks' rule, what the twin's backward
+// does not cover (`unsupported`, named for `twin`), an isolated run.
+std::optional<std::string> no_backward_reason(const Fixture& f, const RunMode& mode,
+                                              const std::optional<std::string>& unsupported, TwinKind twin);
+
 // The handlers of each twin (parity/reference_handlers.cpp, parity/table_handlers.cpp,
 // parity/dense_run.cpp).
 TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode);

@@ -20,9 +20,42 @@
 
 namespace twin::parity {
 
+using namespace twin::reference;
+
 namespace {
 
-using namespace twin::reference;
+// relu / squared_relu / the GLU clamps have kinks where the gradient jumps; in bf16 / fp16 two
+// correct implementations put a pre-activation on different sides of a kink often enough that a
+// counted rounding bound does not hold there (seen against live Megatron: relu + clamp 1.0 in
+// bf16). Until the comparison can exclude elements whose pre-activation lies within rounding of
+// a kink, those gradients are reported as not compared rather than failed or passed.
+std::optional<std::string> activation_kinks(const TransformerConfig& cfg, const Precision& p) {
+  const bool kinks = cfg.activation_func == "relu" || cfg.activation_func == "squared_relu" ||
+                     (cfg.gated_linear_unit && cfg.activation_func_clamp_value);
+  if (!kinks || p.params_dtype == DType::F32) return std::nullopt;
+  return "a " + std::string(twin::dtype_name(p.params_dtype)) +
+         " layer with activation kinks (relu, squared_relu or the GLU clamp): its gradients jump where roundings move "
+         "a pre-activation across a kink, which the rounding bound does not cover yet";
+}
+
+}  // namespace
+
+std::optional<std::string> no_backward_reason(const Fixture& f, const RunMode& mode,
+                                              const std::optional<std::string>& unsupported, TwinKind twin) {
+  if (!f.has("grad_in.output")) return std::string();
+  if (const auto why = activation_kinks(f.config, Precision::from_config(f.config))) return why;
+  if (unsupported)
+    return std::string(twin == TwinKind::Reference ? "the reference's" : "the optimized twin's") +
+           " backward does not cover " + *unsupported + " yet";
+  // Isolation restarts each module from the golden's own input to it; the golden records no
+  // intermediate gradients for a module's backward to restart from, so gradients are compared end to
+  // end only.
+  if (mode.isolate)
+    return std::string("an isolated run compares the forward only (the golden has no intermediate gradients)");
+  return std::nullopt;
+}
+
+namespace {
 
 LayerInputs layer_inputs(const Fixture& f) {
   LayerInputs in;
@@ -57,39 +90,11 @@ void add_grads(TwinRun& run, const Precision& p, const ParamGrads& params, const
   run.backward = true;
 }
 
-// relu / squared_relu / the GLU clamps have kinks where the gradient jumps; in bf16 / fp16 two
-// correct implementations put a pre-activation on different sides of a kink often enough that a
-// counted rounding bound does not hold there (seen against live Megatron: relu + clamp 1.0 in
-// bf16). Until the comparison can exclude elements whose pre-activation lies within rounding of
-// a kink, those gradients are reported as not compared rather than failed or passed.
-std::optional<std::string> activation_kinks(const TransformerConfig& cfg, const Precision& p) {
-  const bool kinks = cfg.activation_func == "relu" || cfg.activation_func == "squared_relu" ||
-                     (cfg.gated_linear_unit && cfg.activation_func_clamp_value);
-  if (!kinks || p.params_dtype == DType::F32) return std::nullopt;
-  return "a " + std::string(twin::dtype_name(p.params_dtype)) +
-         " layer with activation kinks (relu, squared_relu or the GLU clamp): its gradients jump where roundings move "
-         "a pre-activation across a kink, which the rounding bound does not cover yet";
-}
-
-// Why a golden's gradients are not compared: std::nullopt when they are, "" when it has none.
-std::optional<std::string> no_backward_reason(const Fixture& f, const RunMode& mode,
-                                              const std::optional<std::string>& unsupported) {
-  if (!f.has("grad_in.output")) return std::string();
-  if (const auto why = activation_kinks(f.config, Precision::from_config(f.config))) return why;
-  if (unsupported) return "the reference's backward does not cover " + *unsupported + " yet";
-  // Isolation restarts each module from the golden's own input to it; the golden records no
-  // intermediate gradients for a module's backward to restart from, so gradients are compared end to
-  // end only.
-  if (mode.isolate)
-    return std::string("an isolated run compares the forward only (the golden has no intermediate gradients)");
-  return std::nullopt;
-}
-
 // Runs forward and, when the golden's gradients can be compared, backward on its grad_in.output:
 // the gradients follow the forward entries in the record (Role::Grad), the backward's rounding
 // points counted on from the forward's (a gradient depends on every forward activation it reads).
 TwinRun run_layer_with_backward(TransformerLayer& layer, const Fixture& f, const LayerInputs& in, const RunMode& mode) {
-  if (const auto why = no_backward_reason(f, mode, layer.backward_unsupported())) {
+  if (const auto why = no_backward_reason(f, mode, layer.backward_unsupported(), TwinKind::Reference)) {
     TwinRun run = run_layer(layer, f, in, mode);  // strict: every param.* key must be owned by the spec
     run.no_backward_reason = *why;
     return run;
@@ -176,7 +181,7 @@ TwinRun run_reference_retro_block(const Fixture& f, const RunMode& mode) {
   in.context = &input(f, "context", 3);
   in.context_mask = optional_input(f, "context_mask");
   TwinRun run;
-  const auto why = no_backward_reason(f, mode, block.backward_unsupported());
+  const auto why = no_backward_reason(f, mode, block.backward_unsupported(), TwinKind::Reference);
   const Substitutes substitutes = mode.isolate ? golden_substitutes(f) : nullptr;
   CountRoundings counting;
   TransformerBlockSaved saved;

@@ -124,10 +124,14 @@ TEST(DenseLayerFixture, AWrongParameterFails) {
 // Each gradient's counted bound is tight enough to catch a 1% error in it alone: one grad.* tensor
 // of the golden scaled by 1.01 fails that row and no other (fp32 goldens: a few 2^-24 per rounding
 // point, far below 1e-2).
+// Both twins: the optimized twin's gradients carry its own counts and magnitudes.
 TEST(DenseLayerFixture, AWrongGradientFailsAlone) {
   const Fixture f = load_fixture((fixture_dir() / "dense_ln_mha_gelu_bias.safetensors").string());
-  const TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f, RunMode{});
-  twin::test::expect_each_wrong_gradient_fails_alone(f, run, "reference");
+  for (const TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) {
+    SCOPED_TRACE(twin_kind_name(twin));
+    const TwinRun run = find_fixture_handler(f.kind, twin)(f, RunMode{});
+    twin::test::expect_each_wrong_gradient_fails_alone(f, run, twin_kind_name(twin));
+  }
 }
 
 // The report says what happened to the gradients: compared for dense goldens, and plainly not
@@ -146,7 +150,13 @@ TEST(DenseLayerFixture, TheGradientStatusIsReported) {
   const Fixture retro = load_fixture((fixture_dir() / "retro_later_layer_divisible.safetensors").string());
   compare_fixture(find_fixture_handler(retro.kind, TwinKind::Reference), retro, TwinKind::Reference, RunMode{}, &grads);
   EXPECT_EQ(grads, "compared");
-  // A twin without a backward for the kind says so.
+  // The optimized twin's dense backward (tp 1): compared, or the configuration it does not cover named.
   compare_fixture(find_fixture_handler(dense.kind, TwinKind::Optimized), dense, TwinKind::Optimized, RunMode{}, &grads);
-  EXPECT_EQ(grads, "not compared: the optimized twin has no backward for fixture kind 'dense_layer'");
+  EXPECT_EQ(grads, "compared");
+  const Fixture qkln = load_fixture((fixture_dir() / "dense_rms_mha_swiglu_qkln.safetensors").string());
+  compare_fixture(find_fixture_handler(qkln.kind, TwinKind::Optimized), qkln, TwinKind::Optimized, RunMode{}, &grads);
+  EXPECT_EQ(grads.rfind("not compared: the optimized twin's backward does not cover qk_layernorm", 0), 0u) << grads;
+  // A twin without a backward for the kind says so.
+  compare_fixture(find_fixture_handler(moe.kind, TwinKind::Optimized), moe, TwinKind::Optimized, RunMode{}, &grads);
+  EXPECT_EQ(grads, "not compared: the optimized twin has no backward for fixture kind 'moe_layer'");
 }

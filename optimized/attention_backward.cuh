@@ -1,0 +1,156 @@
+/* The attention half of the dense layer's backward at TP 1 (reference TransformerLayer::backward's
+ * self_attn_bda, self_attention and input_layernorm steps, SelfAttention::backward in
+ * reference/attention.cpp; megatron/core/transformer/transformer_layer.py and attention.py under
+ * autograd), from d h1, the gradient reaching the attention half's output (mlp_half_backward's
+ * dhidden):
+ *   self_attn_bda:    d residual = d h1; d proj = dropout's backward of d h1;
+ *                     d linear_proj.bias = sum_rows d proj
+ *   linear_proj:      d ctx = d proj @ Wproj; dWproj = d proj^T ctx
+ *   core_attention:   d q, d k, d v written into d qkv, the fused linear_qkv layout (the split's
+ *                     transpose is the layout itself: no copies), GQA's heads summed per group
+ *   RoPE:             rotary_pos_emb_backward on the q rows and the k rows of d qkv, addressed by
+ *                     NormRows as the forward rotated them (v passes through)
+ *   linear_qkv:       d qkv.bias = sum_rows d qkv; dWqkv = d qkv^T ln1; d ln1 = d qkv @ Wqkv
+ *   input_layernorm:  d x = norm backward(d ln1) + d residual (autograd's sum, stored in T)
+ * Each step is the op's launcher (counting its rounding points: the parameter grads are leaves,
+ * the data path goes on from where they branched; q and k are parallel branches through RoPE, as
+ * in the forward); nothing is synchronised, so the sequence can be captured into a graph.
+ *
+ * Not covered (attention_half_backward refuses them): qk_layernorm (the forward normalises q and
+ * k in place, so their pre-norm values, which the norm's backward reads, are not kept),
+ * apply_residual_connection_post_layernorm (the residual would be ln1: its gradient joins d ln1
+ * before the norm's backward), tensor parallelism and sequence parallelism (the row-parallel
+ * linear_proj's and column-parallel linear_qkv's collectives have no backward here yet). */
+#pragma once
+
+#include "optimized/dot_product_attention.cuh"
+#include "optimized/fused_bias_dropout.cuh"
+#include "optimized/linear.cuh"
+#include "optimized/mlp_backward.cuh"  // grad_sum
+#include "optimized/rotary_pos_embedding.cuh"
+#include "optimized/torch_norm.cuh"
+
+namespace twin::opt::TWIN_BACKEND {
+
+struct AttentionHalfBackward {
+  DType dt = DType::F32;
+  int s = 0, b = 0, h = 0;
+  int np = 0, ng = 0, hn = 0;
+  bool rms = false, zero_centered_gamma = false;
+  double eps = 1e-5;
+  int rot_dim = 0;  // 0: no RoPE
+  bool rope_interleaved = false;
+  const float* freqs = nullptr;  // [s, rot_dim] fp32 angles (with RoPE)
+  AttnParams attn;               // the forward's core attention (mask, scale, attention dropout)
+  DropoutArgs drop;              // the forward's self_attn_bda dropout
+  std::uint64_t element_base = 0;
+  // What the backward refuses (the layer's configuration, checked here so no caller forgets).
+  bool qk_layernorm = false, post_ln_residual = false, sp = false;
+  int tp = 1;
+  // The forward's saved tensors.
+  const void* x = nullptr;               // [n, h] input_layernorm's input (the layer's input)
+  const void* ln1 = nullptr;             // [n, h] its output, linear_qkv's input
+  const void* qkv = nullptr;             // [n, qw] linear_qkv's output after RoPE (core attention's q, k, v)
+  const void* ctx = nullptr;             // [n, np * hn] core attention's output, linear_proj's input
+  const float* softmax_stats = nullptr;  // [b, np, s, 2] the forward's row max and sum
+  // Parameters (biases null when the layer has none).
+  const void *ln1_w = nullptr, *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr;
+  bool proj_bias = false;
+  // Gradients: dh1 in, the rest out (param grads null where the parameter is absent).
+  const void* dh1 = nullptr;  // [n, h]
+  void* dx = nullptr;         // [n, h]
+  void *d_ln1_w = nullptr, *d_ln1_b = nullptr, *d_qkv_w = nullptr, *d_qkv_b = nullptr, *d_proj_w = nullptr,
+       *d_proj_b = nullptr;
+  // Scratch in dt: d proj [n, h], d ctx [n, np * hn], d qkv [n, qw], d ln1 [n, h]; `workspace` as
+  // attention_half_backward_workspace_bytes says.
+  void *d_proj = nullptr, *d_ctx = nullptr, *d_qkv = nullptr, *d_ln1 = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+
+  std::int64_t n() const { return std::int64_t(s) * b; }
+  int hpg() const { return np / ng; }
+  std::int64_t qkv_width() const { return std::int64_t(ng) * (hpg() + 2) * hn; }
+  QkvLayout layout() const { return QkvLayout{qkv_width(), std::int64_t(hpg() + 2) * hn, hpg()}; }
+};
+
+// What attention_half_backward does not support, or an empty string.
+inline std::string attention_half_backward_unsupported(bool qk_layernorm, bool post_ln_residual, int tp, bool sp) {
+  if (qk_layernorm) return "qk_layernorm (the forward normalises q and k in place: their pre-norm values are not kept)";
+  if (post_ln_residual) return "apply_residual_connection_post_layernorm";
+  if (tp != 1) return "tensor parallelism (tp " + std::to_string(tp) + " > 1)";
+  if (sp) return "sequence parallelism";
+  return {};
+}
+
+inline std::size_t attention_half_backward_workspace_bytes(const AttentionHalfBackward& a) {
+  return std::max({norm_backward_workspace_bytes(a.rms, a.n(), a.h), column_sum_workspace_bytes(1, a.n(), a.h),
+                   column_sum_workspace_bytes(1, a.n(), static_cast<int>(a.qkv_width())),
+                   dot_product_attention_backward_workspace_bytes(a.attn)});
+}
+
+inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t st) {
+  const std::string why = attention_half_backward_unsupported(a.qk_layernorm, a.post_ln_residual, a.tp, a.sp);
+  require(why.empty(), "attention_half_backward: not supported: " + why);
+  require(a.s > 0 && a.b > 0 && a.h > 0 && a.np > 0 && a.ng > 0 && a.np % a.ng == 0 && a.hn > 0,
+          "attention_half_backward: bad shape");
+  require(a.attn.sq == a.s && a.attn.sk == a.s && a.attn.b == a.b && a.attn.np_local == a.np && a.attn.hn == a.hn,
+          "attention_half_backward: the attention params' shape differs from the layer's");
+  require(a.x && a.ln1 && a.qkv && a.ctx && a.softmax_stats && a.ln1_w && a.qkv_w && a.proj_w && a.dh1 && a.dx &&
+              a.d_ln1_w && a.d_qkv_w && a.d_proj_w && a.d_proj && a.d_ctx && a.d_qkv && a.d_ln1,
+          "attention_half_backward: a required tensor is null");
+  require(!a.rms || !a.d_ln1_b, "attention_half_backward: RMSNorm has no bias");
+  require(a.rot_dim == 0 || a.freqs, "attention_half_backward: RoPE without its angles");
+  const DType dt = a.dt;
+  const std::int64_t n = a.n(), qw = a.qkv_width(), ctx_w = std::int64_t(a.np) * a.hn;
+  const std::size_t esz = dtype_size(dt);
+  const RoundingCount at_input = rounding_now();
+  // ---- self_attn_bda: d residual = dh1 (used below); d proj, d linear_proj.bias   // [n, h]
+  bias_dropout_add_backward(dt, a.dh1, a.d_proj, nullptr, nullptr, n, a.h, a.drop, a.element_base, nullptr, 0, st);
+  const RoundingCount at_proj = rounding_now();
+  if (a.proj_bias) {
+    require(a.d_proj_b != nullptr, "attention_half_backward: linear_proj has a bias but d_proj_b is null");
+    linear_backward_bias(dt, a.d_proj, a.d_proj_b, n, a.h, a.workspace, a.workspace_bytes, st);
+    rounding_set(at_proj);  // a leaf: the data path goes on from d proj
+  }
+  // ---- linear_proj                                                      // [n, np * hn], [h, np * hn]
+  linear_backward_wgrad(dt, a.d_proj, a.ctx, a.d_proj_w, n, ctx_w, a.h, st);
+  rounding_set(at_proj);
+  linear_backward_dgrad(dt, a.d_proj, a.proj_w, a.d_ctx, n, ctx_w, a.h, st);
+  // ---- core_attention: d q, d k, d v into d qkv (the fused layout)      // [n, qw]
+  const QkvLayout lay = a.layout();
+  dot_product_attention_backward(dt, a.qkv, lay, a.d_ctx, a.d_qkv, a.softmax_stats, a.attn, a.workspace,
+                                 a.workspace_bytes, st);
+  // ---- RoPE backward on the q rows and the k rows of d qkv, in place (v passes through)
+  if (a.rot_dim > 0) {
+    const int hpg = a.hpg();
+    const std::int64_t gs = std::int64_t(hpg + 2) * a.hn;
+    const NormRows q_rows{n * a.ng * hpg, a.hn, hpg, gs, a.hn};
+    const NormRows k_rows{n * a.ng, a.hn, 1, gs, 0};
+    void* dk_base = static_cast<char*>(a.d_qkv) + std::size_t(hpg) * a.hn * esz;
+    // d q and d k are parallel branches: neither inherits the other's rounding points.
+    const RoundingCount at_split = rounding_now();
+    rotary_pos_emb_backward(dt, a.d_qkv, a.freqs, q_rows, std::int64_t(a.b) * a.ng * hpg, a.rot_dim, a.rope_interleaved,
+                            st);
+    const RoundingCount query_path = rounding_now();
+    rounding_set(at_split);
+    rotary_pos_emb_backward(dt, dk_base, a.freqs, k_rows, std::int64_t(a.b) * a.ng, a.rot_dim, a.rope_interleaved, st);
+    rounding_join(query_path);
+  }
+  const RoundingCount at_qkv = rounding_now();
+  // ---- linear_qkv: bias, weight (leaves), then d ln1                    // [n, h], [qw, h]
+  if (a.qkv_b) {
+    require(a.d_qkv_b != nullptr, "attention_half_backward: linear_qkv has a bias but d_qkv_b is null");
+    linear_backward_bias(dt, a.d_qkv, a.d_qkv_b, n, qw, a.workspace, a.workspace_bytes, st);
+    rounding_set(at_qkv);
+  }
+  linear_backward_wgrad(dt, a.d_qkv, a.ln1, a.d_qkv_w, n, a.h, qw, st);
+  rounding_set(at_qkv);
+  linear_backward_dgrad(dt, a.d_qkv, a.qkv_w, a.d_ln1, n, a.h, qw, st);
+  // ---- input_layernorm, then the residual's gradient added             // [n, h]
+  norm_backward(a.rms, dt, a.d_ln1, a.x, a.dx, a.ln1_w, a.d_ln1_w, a.d_ln1_b, NormRows::dense(n, a.h), a.eps,
+                a.zero_centered_gamma, a.workspace, a.workspace_bytes, st);
+  rounding_join(at_input);  // the residual path: dh1 as it came in
+  grad_sum(dt, a.dx, a.dh1, a.dx, n * a.h, st);
+}
+
+}  // namespace twin::opt::TWIN_BACKEND

@@ -1,0 +1,184 @@
+// The optimized dense layer's backward at tp 1 (DenseTransformerLayer::backward: mlp_half_backward
+// then attention_half_backward on the forward's kept buffers) against the reference
+// TransformerLayer's forward and backward on the same inputs and output gradient, on the simulator,
+// every parameter's gradient and the input's under Megatron's state-dict keys.
+//
+// Bound: the whole-layer rule (parity::reference_error_bound): twice the reference's own max error
+// against its fp64 (Exact) run of the same forward and backward, plus one ulp of the gradient's
+// magnitude, plus the dtype's default. Each case runs the backward twice with bitwise equal results.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+
+#include "optimized/transformer_layer.h"
+#include "parity/bounds.h"
+#include "parity/dense_case.h"
+#include "reference/transformer_layer.h"
+#include "tests/optimized/sim_util.h"
+
+using namespace twin;
+using namespace twin::test;
+using parity::DenseCase;
+namespace ref = twin::reference;
+
+namespace {
+
+// The reference's gradients by name ("input.hidden_states", "param.<key>").
+std::map<std::string, Tensor> reference_grads(const parity::DenseInputs& in, const Tensor& dout,
+                                              ref::ComputeMode mode) {
+  TransformerConfig cfg = in.config;
+  cfg.tensor_model_parallel_size = 1;
+  cfg.sequence_parallel = false;
+  const ref::Precision p = ref::Precision::from_config(cfg, mode);
+  const ref::ModuleSpec spec =
+      ref::get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
+                                    ref::attn_mask_type_from_name(cfg.attn_mask_type));
+  ref::TransformerLayer layer(cfg, spec.submodules, 1, std::nullopt, p);
+  layer.load_state_dict(in.params);
+  layer.training = in.training;
+  layer.rng = ref::DropoutRng{in.dropout_seed, 0};
+  ref::LayerInputs li;
+  li.attention_mask = in.attention_mask.defined() ? &in.attention_mask : nullptr;
+  li.rotary_pos_emb = in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr;
+  ref::TransformerLayerSaved saved;
+  layer.forward(in.hidden_states, li, ref::Taps(), &saved);
+  const ref::TransformerLayerGrads g = layer.backward(dout, saved);
+  std::map<std::string, Tensor> out = {{"input.hidden_states", g.hidden_states}};
+  for (const ref::ParamGrad& pg : g.params) out["param." + pg.name] = p.to_tensor(pg.value, pg.shape);
+  return out;
+}
+
+opt::DenseTransformerLayer make_layer(const DenseCase& c, const parity::DenseInputs& in) {
+  opt::LayerOptions lo;
+  lo.tp = c.tp;
+  lo.sp = c.sp;
+  lo.attn_mask_type = in.config.attn_mask_type;
+  return opt::DenseTransformerLayer(in.config, in.params, lo);
+}
+
+void run_case(const DenseCase& c) {
+  const std::string id = parity::to_id(c);
+  const parity::DenseInputs in = parity::make_inputs(c);
+  const Tensor dout = random_tensor(c.dtype, {c.s, c.b, c.hidden}, -1, 1, 99);
+  const auto r = reference_grads(in, dout, ref::ComputeMode::FP32),
+             e = reference_grads(in, dout, ref::ComputeMode::Exact);
+
+  opt::DenseTransformerLayer layer = make_layer(c, in);
+  ASSERT_FALSE(layer.backward_unsupported().has_value()) << id << ": " << *layer.backward_unsupported();
+  opt::ForwardOptions fo;
+  fo.training = in.training;
+  fo.seed = in.dropout_seed;
+  fo.keep_for_backward = true;
+  layer.forward(in.hidden_states, in.attention_mask.defined() ? &in.attention_mask : nullptr,
+                in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, fo);
+  const opt::LayerGradients first = layer.backward(dout), again = layer.backward(dout);
+
+  std::vector<std::pair<std::string, const Tensor*>> got = {{"input.hidden_states", &first.hidden_states}};
+  for (const opt::ParamGradient& g : first.params) got.push_back({"param." + g.name, &g.value});
+  EXPECT_EQ(got.size(), r.size()) << id << ": the twins compute different sets of gradients";
+  double worst = 0.0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const auto& [name, t] = got[i];
+    const Tensor& t2 = i == 0 ? again.hidden_states : again.params[i - 1].value;
+    EXPECT_EQ(0, std::memcmp(t->raw(), t2.raw(), t->nbytes())) << id << " " << name << " differs between two runs";
+    ASSERT_TRUE(r.count(name) && e.count(name)) << id << ": the reference has no " << name;
+    const Tensor& expected = r.at(name);
+    const Comparison cmp = compare(
+        id + " " + name, *t, expected,
+        parity::reference_error_bound(c.dtype, parity::max_abs_diff(expected, e.at(name)), parity::max_abs(expected)));
+    worst = std::max(worst, cmp.share_used);
+    EXPECT_TRUE(cmp.pass) << cmp.name << ": max abs " << cmp.max_abs << " at " << cmp.worst_index_str() << " actual "
+                          << cmp.worst_actual << " expected " << cmp.worst_expected << " (" << cmp.tol.reason << ")";
+  }
+  std::printf("%s: %zu gradients, max share of bound %.3f\n", id.c_str(), got.size(), worst);
+}
+
+DenseCase base(DType dt) {
+  DenseCase c;
+  c.hidden = 16;
+  c.heads = 4;
+  c.groups = 2;
+  c.kv_channels = 8;
+  c.ffn = 32;
+  c.s = 8;
+  c.b = 2;
+  c.dtype = dt;
+  return c;
+}
+
+}  // namespace
+
+TEST(OptimizedBackward, DenseLayerMatchesReference) {
+  std::vector<DenseCase> cases;
+  {
+    DenseCase c = base(DType::F32);  // LayerNorm, gelu, biases, RoPE halves, causal
+    c.rope = parity::RopeKind::Half;
+    cases.push_back(c);
+  }
+  {
+    DenseCase c = base(DType::BF16);  // RMSNorm, SwiGLU, no biases, interleaved RoPE, dropout
+    c.rms = true;
+    c.act = "silu";
+    c.glu = true;
+    c.bias = false;
+    c.rope = parity::RopeKind::Interleaved;
+    c.dropout = 0.1;
+    cases.push_back(c);
+  }
+  {
+    DenseCase c = base(DType::F16);  // MHA, no mask, dropout
+    c.groups = 4;
+    c.mask = parity::MaskKind::None;
+    c.dropout = 0.1;
+    cases.push_back(c);
+  }
+  {
+    DenseCase c = base(DType::F32);  // an explicit padding mask, qkv bias only, partial RoPE, dropout
+    c.mask = parity::MaskKind::Padding;
+    c.bias = false;
+    c.qkv_bias = true;
+    c.rope = parity::RopeKind::Half;
+    c.rotary_percent = 0.5;
+    c.dropout = 0.1;
+    cases.push_back(c);
+  }
+  {
+    DenseCase c = base(DType::BF16);  // one query group, longer sequence (several key tiles)
+    c.groups = 1;
+    c.s = 40;
+    c.b = 1;
+    c.rope = parity::RopeKind::Half;
+    cases.push_back(c);
+  }
+  for (const DenseCase& c : cases)
+    if (selected(parity::to_id(c))) run_case(c);
+}
+
+// What the layer's backward refuses, each with its reason, and a backward without a kept forward.
+TEST(OptimizedBackward, DenseLayerBackwardSaysWhatItDoesNotCover) {
+  {
+    DenseCase c = base(DType::F32);
+    c.qk_layernorm = true;
+    const parity::DenseInputs in = parity::make_inputs(c);
+    auto why = make_layer(c, in).backward_unsupported();
+    ASSERT_TRUE(why.has_value());
+    EXPECT_NE(std::string::npos, why->find("qk_layernorm")) << *why;
+  }
+  {
+    DenseCase c = base(DType::F32);
+    c.tp = 2;
+    const parity::DenseInputs in = parity::make_inputs(c);
+    auto why = make_layer(c, in).backward_unsupported();
+    ASSERT_TRUE(why.has_value());
+    EXPECT_NE(std::string::npos, why->find("tensor parallelism")) << *why;
+  }
+  {
+    const DenseCase c = base(DType::F32);
+    const parity::DenseInputs in = parity::make_inputs(c);
+    opt::DenseTransformerLayer layer = make_layer(c, in);
+    layer.forward(in.hidden_states, nullptr, nullptr, {});
+    EXPECT_THROW(layer.backward(random_tensor(DType::F32, {c.s, c.b, c.hidden}, -1, 1, 1)), std::logic_error);
+  }
+}
