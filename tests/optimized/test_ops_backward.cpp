@@ -36,7 +36,7 @@
 #include "reference/linear.h"
 #include "reference/rotary_pos_embedding.h"
 #include "reference/torch_norm.h"
-#include "tests/optimized/sim_util.h"
+#include "tests/optimized/op_test_util.h"
 
 using namespace twin;
 using namespace twin::test;
@@ -45,16 +45,6 @@ namespace ref = twin::reference;
 using parity::max_abs;
 
 namespace {
-
-const DType kDtypes[] = {DType::F32, DType::BF16, DType::F16};
-
-ref::Precision prec(DType dt) { return ref::Precision{ref::ComputeMode::FP32, dt}; }
-
-void expect_pass(const Comparison& c, const std::string& id) {
-  EXPECT_TRUE(c.pass) << id << ": " << c.name << " max abs " << c.max_abs << " at " << c.worst_index_str() << " actual "
-                      << c.worst_actual << " expected " << c.worst_expected << " share " << c.share_used << " ("
-                      << c.tol.reason << ")" << c.message;
-}
 
 // The rounding points `launch` counts, from zero.
 RoundingCount counted(const std::function<void()>& launch) {

@@ -115,7 +115,9 @@ TEST(FixtureCommand, FailExits1AndMarksOnlyTheFirstOutOfTolerance) {
   EXPECT_EQ(count(r.out, ">>"), 1) << r.out;
   EXPECT_EQ(count(r.out, "<- first out of tolerance"), 1) << r.out;
   for (const auto& l : lines(r.out)) {
-    if (l.find(">>") != std::string::npos) EXPECT_NE(l.find("tap.second"), std::string::npos) << l;
+    if (l.find(">>") != std::string::npos) {
+      EXPECT_NE(l.find("tap.second"), std::string::npos) << l;
+    }
   }
   // The worst element of the first failure, and the shape mismatch of the next, are spelled out.
   EXPECT_NE(r.out.find("first out of tolerance: tap.second at [1]: actual 2.5, expected 2"), std::string::npos)

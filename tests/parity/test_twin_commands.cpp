@@ -84,8 +84,9 @@ TEST(TwinCase, Tp4IdPrintsEveryTapInTheReferenceOrderWithItsError) {
     EXPECT_NEAR(rows[i].max_abs, in_process.taps.rows[i].max_abs, 5e-4 * in_process.taps.rows[i].max_abs);
     EXPECT_GE(rows[i].share, 0.0);
     EXPECT_LE(rows[i].share, 1.0);
-    if (rows[i].name.size() > 2 && rows[i].name.substr(rows[i].name.size() - 2) == ".1")
+    if (rows[i].name.size() > 2 && rows[i].name.substr(rows[i].name.size() - 2) == ".1") {
       EXPECT_EQ(rows[i].max_abs, 0.0);
+    }
   }
   // A bf16 layer does not land bit for bit on the reference: the table shows nonzero errors.
   double largest = 0;
