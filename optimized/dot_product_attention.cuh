@@ -523,6 +523,23 @@ inline AttnCost attention_forward_cost(DType dt, const AttnParams& p, int bq) {
   return c;
 }
 
+// The preconditions the forward and backward launchers share: the shape, the heads, the mask.
+inline void attention_check_shapes(const std::string& op, const AttnOperands& ops, const AttnParams& p) {
+  require(p.hn > 0 && p.hn <= kAttnMaxHeadDim,
+          op + ": head dim " + std::to_string(p.hn) + " must be in [1, " + std::to_string(kAttnMaxHeadDim) + "]");
+  require(p.sq > 0 && p.sk > 0 && p.b > 0 && p.np_local > 0, op + ": empty shape");
+  require(ops.hpg > 0 && p.np_local % ops.hpg == 0, op + ": local heads " + std::to_string(p.np_local) +
+                                                        " not a multiple of heads per group " +
+                                                        std::to_string(ops.hpg));
+  require(p.mask != MaskMode::Causal || p.sq == p.sk,
+          op + ": causal mask needs sq == sk, got sq=" + std::to_string(p.sq) + " sk=" + std::to_string(p.sk));
+  require(p.mask != MaskMode::Explicit || p.mask_ptr, op + ": explicit mask without data");
+  require(
+      p.mask != MaskMode::Explicit || ((p.mask_b == 1 || p.mask_b == p.b) && (p.mask_h == 1 || p.mask_h == p.np_total)),
+      op + ": mask dims [" + std::to_string(p.mask_b) + ", " + std::to_string(p.mask_h) + "] must be 1 or [b, np]");
+  require(p.head_offset + p.np_local <= p.np_total, op + ": local heads exceed the layer's heads");
+}
+
 // q, k, v as laid out by `ops`, context: [sq, b, np_local * hn].
 inline void dot_product_attention_forward(DType dt, const AttnOperands& ops, void* context, const AttnParams& p,
                                           cudaStream_t stream) {
@@ -539,19 +556,7 @@ inline void dot_product_attention_forward(DType dt, const AttnOperands& ops, voi
   if (p.drop.active) rounding_store(dt);
   rounding_reduce(p.sk);
   rounding_store(dt);
-  require(p.hn > 0 && p.hn <= kAttnMaxHeadDim,
-          op + ": head dim " + std::to_string(p.hn) + " must be in [1, " + std::to_string(kAttnMaxHeadDim) + "]");
-  require(p.sq > 0 && p.sk > 0 && p.b > 0 && p.np_local > 0, op + ": empty shape");
-  require(ops.hpg > 0 && p.np_local % ops.hpg == 0, op + ": local heads " + std::to_string(p.np_local) +
-                                                        " not a multiple of heads per group " +
-                                                        std::to_string(ops.hpg));
-  require(p.mask != MaskMode::Causal || p.sq == p.sk,
-          op + ": causal mask needs sq == sk, got sq=" + std::to_string(p.sq) + " sk=" + std::to_string(p.sk));
-  require(p.mask != MaskMode::Explicit || p.mask_ptr, op + ": explicit mask without data");
-  require(
-      p.mask != MaskMode::Explicit || ((p.mask_b == 1 || p.mask_b == p.b) && (p.mask_h == 1 || p.mask_h == p.np_total)),
-      op + ": mask dims [" + std::to_string(p.mask_b) + ", " + std::to_string(p.mask_h) + "] must be 1 or [b, np]");
-  require(p.head_offset + p.np_local <= p.np_total, op + ": local heads exceed the layer's heads");
+  attention_check_shapes(op, ops, p);
   const bool tensor_cores = attention_wmma_supports(dt, p.hn);
   {
     // cost: attention_forward_cost of the kernel chosen (its query tile height).
@@ -972,19 +977,7 @@ inline void dot_product_attention_backward(DType dt, const AttnOperands& ops, co
   for (const void* in : inputs)
     require(in != grads.dq && in != grads.dk && in != grads.dv,
             op + ": dq / dk / dv must not alias q / k / v / dcontext (they are read after the grads are written)");
-  require(p.hn > 0 && p.hn <= kAttnMaxHeadDim,
-          op + ": head dim " + std::to_string(p.hn) + " must be in [1, " + std::to_string(kAttnMaxHeadDim) + "]");
-  require(p.sq > 0 && p.sk > 0 && p.b > 0 && p.np_local > 0, op + ": empty shape");
-  require(ops.hpg > 0 && p.np_local % ops.hpg == 0, op + ": local heads " + std::to_string(p.np_local) +
-                                                        " not a multiple of heads per group " +
-                                                        std::to_string(ops.hpg));
-  require(p.mask != MaskMode::Causal || p.sq == p.sk,
-          op + ": causal mask needs sq == sk, got sq=" + std::to_string(p.sq) + " sk=" + std::to_string(p.sk));
-  require(p.mask != MaskMode::Explicit || p.mask_ptr, op + ": explicit mask without data");
-  require(
-      p.mask != MaskMode::Explicit || ((p.mask_b == 1 || p.mask_b == p.b) && (p.mask_h == 1 || p.mask_h == p.np_total)),
-      op + ": mask dims [" + std::to_string(p.mask_b) + ", " + std::to_string(p.mask_h) + "] must be 1 or [b, np]");
-  require(p.head_offset + p.np_local <= p.np_total, op + ": local heads exceed the layer's heads");
+  attention_check_shapes(op, ops, p);
   require(p.coeff == 0.0f || p.softmax_fp32 || dt == DType::F32,
           op + ": the layer-scaling coefficient needs the softmax in fp32 (Megatron asserts it)");
   const std::size_t ws_need = dot_product_attention_backward_workspace_bytes(p);
