@@ -10,17 +10,19 @@
  *                     transpose is the layout itself: no copies), GQA's heads summed per group
  *   RoPE:             rotary_pos_emb_backward on the q rows and the k rows of d qkv, addressed by
  *                     NormRows as the forward rotated them (v passes through)
- *   linear_qkv:       d qkv.bias = sum_rows d qkv; dWqkv = d qkv^T ln1; d ln1 = d qkv @ Wqkv
+ *   q/k_layernorm:    norm backward of the q rows and of the k rows on the forward's pre-norm copy
+ *                     of linear_qkv's output, into d qkv_pre (v copied through); the weights' grads
+ *                     sum over every head's rows (one norm of width hn shared by the heads)
+ *   linear_qkv:       d qkv.bias = sum_rows d qkv; dWqkv = d qkv^T ln1; d ln1 = d qkv @ Wqkv (d qkv_pre
+ *                     in place of d qkv with qk-layernorm)
  *   input_layernorm:  d x = norm backward(d ln1) + d residual (autograd's sum, stored in T)
  * Each step is the op's launcher (counting its rounding points: the parameter grads are leaves,
  * the data path goes on from where they branched; q and k are parallel branches through RoPE, as
  * in the forward); nothing is synchronised, so the sequence can be captured into a graph.
  *
- * Not covered (attention_half_backward refuses them): qk_layernorm (the forward normalises q and
- * k in place, so their pre-norm values, which the norm's backward reads, are not kept),
- * apply_residual_connection_post_layernorm (the residual would be ln1: its gradient joins d ln1
- * before the norm's backward), tensor parallelism and sequence parallelism (the row-parallel
- * linear_proj's and column-parallel linear_qkv's collectives have no backward here yet). */
+ * Not covered (attention_half_backward refuses them): apply_residual_connection_post_layernorm (the residual would be
+ * ln1: its gradient joins d ln1 before the norm's backward), tensor parallelism and sequence parallelism (the
+ * row-parallel linear_proj's and column-parallel linear_qkv's collectives have no backward here yet). */
 #pragma once
 
 #include "optimized/dot_product_attention.cuh"
@@ -51,19 +53,22 @@ struct AttentionHalfBackward {
   const void* x = nullptr;               // [n, h] input_layernorm's input (the layer's input)
   const void* ln1 = nullptr;             // [n, h] its output, linear_qkv's input
   const void* qkv = nullptr;             // [n, qw] linear_qkv's output after RoPE (core attention's q, k, v)
+  const void* qkv_pre_norm = nullptr;    // [n, qw] linear_qkv's output before qk-layernorm (with it)
   const void* ctx = nullptr;             // [n, np * hn] core attention's output, linear_proj's input
   const float* softmax_stats = nullptr;  // [b, np, s, 2] the forward's row max and sum
   // Parameters (biases null when the layer has none).
   const void *ln1_w = nullptr, *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr;
+  const void *qln_w = nullptr, *qln_b = nullptr, *kln_w = nullptr, *kln_b = nullptr;  // with qk_layernorm
   bool proj_bias = false;
   // Gradients: dh1 in, the rest out (param grads null where the parameter is absent).
   const void* dh1 = nullptr;  // [n, h]
   void* dx = nullptr;         // [n, h]
   void *d_ln1_w = nullptr, *d_ln1_b = nullptr, *d_qkv_w = nullptr, *d_qkv_b = nullptr, *d_proj_w = nullptr,
        *d_proj_b = nullptr;
-  // Scratch in dt: d proj [n, h], d ctx [n, np * hn], d qkv [n, qw], d ln1 [n, h]; `workspace` as
-  // attention_half_backward_workspace_bytes says.
-  void *d_proj = nullptr, *d_ctx = nullptr, *d_qkv = nullptr, *d_ln1 = nullptr;
+  void *d_qln_w = nullptr, *d_qln_b = nullptr, *d_kln_w = nullptr, *d_kln_b = nullptr;  // with qk_layernorm
+  // Scratch in dt: d proj [n, h], d ctx [n, np * hn], d qkv [n, qw], d qkv_pre [n, qw] (with
+  // qk_layernorm), d ln1 [n, h]; `workspace` as attention_half_backward_workspace_bytes says.
+  void *d_proj = nullptr, *d_ctx = nullptr, *d_qkv = nullptr, *d_qkv_pre = nullptr, *d_ln1 = nullptr;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
 
@@ -71,11 +76,14 @@ struct AttentionHalfBackward {
   int hpg() const { return np / ng; }
   std::int64_t qkv_width() const { return std::int64_t(ng) * (hpg() + 2) * hn; }
   QkvLayout layout() const { return QkvLayout{qkv_width(), std::int64_t(hpg() + 2) * hn, hpg()}; }
+  // The q rows and the k rows of the fused layout, as the forward's qk-layernorm and RoPE address them.
+  NormRows q_rows() const { return NormRows{n() * ng * hpg(), hn, hpg(), std::int64_t(hpg() + 2) * hn, hn}; }
+  NormRows k_rows() const { return NormRows{n() * ng, hn, 1, std::int64_t(hpg() + 2) * hn, 0}; }
+  std::size_t k_offset_bytes() const { return std::size_t(hpg()) * hn * dtype_size(dt); }
 };
 
 // What attention_half_backward does not support, or an empty string.
-inline std::string attention_half_backward_unsupported(bool qk_layernorm, bool post_ln_residual, int tp, bool sp) {
-  if (qk_layernorm) return "qk_layernorm (the forward normalises q and k in place: their pre-norm values are not kept)";
+inline std::string attention_half_backward_unsupported(bool post_ln_residual, int tp, bool sp) {
   if (post_ln_residual) return "apply_residual_connection_post_layernorm";
   if (tp != 1) return "tensor parallelism (tp " + std::to_string(tp) + " > 1)";
   if (sp) return "sequence parallelism";
@@ -84,12 +92,14 @@ inline std::string attention_half_backward_unsupported(bool qk_layernorm, bool p
 
 inline std::size_t attention_half_backward_workspace_bytes(const AttentionHalfBackward& a) {
   return std::max({norm_backward_workspace_bytes(a.rms, a.n(), a.h), column_sum_workspace_bytes(1, a.n(), a.h),
+                   norm_backward_workspace_bytes(a.rms, a.q_rows().n_rows, a.hn),
+                   norm_backward_workspace_bytes(a.rms, a.k_rows().n_rows, a.hn),
                    column_sum_workspace_bytes(1, a.n(), static_cast<int>(a.qkv_width())),
                    dot_product_attention_backward_workspace_bytes(a.attn)});
 }
 
 inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t st) {
-  const std::string why = attention_half_backward_unsupported(a.qk_layernorm, a.post_ln_residual, a.tp, a.sp);
+  const std::string why = attention_half_backward_unsupported(a.post_ln_residual, a.tp, a.sp);
   require(why.empty(), "attention_half_backward: not supported: " + why);
   require(a.s > 0 && a.b > 0 && a.h > 0 && a.np > 0 && a.ng > 0 && a.np % a.ng == 0 && a.hn > 0,
           "attention_half_backward: bad shape");
@@ -100,9 +110,11 @@ inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t
           "attention_half_backward: a required tensor is null");
   require(!a.rms || !a.d_ln1_b, "attention_half_backward: RMSNorm has no bias");
   require(a.rot_dim == 0 || a.freqs, "attention_half_backward: RoPE without its angles");
+  require(!a.qk_layernorm || (a.qkv_pre_norm && a.qln_w && a.kln_w && a.d_qln_w && a.d_kln_w && a.d_qkv_pre &&
+                              (a.rms || (a.d_qln_b && a.d_kln_b))),
+          "attention_half_backward: qk_layernorm needs the pre-norm qkv, its weights and their grads");
   const DType dt = a.dt;
   const std::int64_t n = a.n(), qw = a.qkv_width(), ctx_w = std::int64_t(a.np) * a.hn;
-  const std::size_t esz = dtype_size(dt);
   const RoundingCount at_input = rounding_now();
   // ---- self_attn_bda: d residual = dh1 (used below); d proj, d linear_proj.bias   // [n, h]
   bias_dropout_add_backward(dt, a.dh1, a.d_proj, nullptr, nullptr, n, a.h, a.drop, a.element_base, nullptr, 0, st);
@@ -121,31 +133,49 @@ inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t
   dot_product_attention_backward(dt, a.qkv, lay, a.d_ctx, a.d_qkv, a.softmax_stats, a.attn, a.workspace,
                                  a.workspace_bytes, st);
   // ---- RoPE backward on the q rows and the k rows of d qkv, in place (v passes through)
+  // d q and d k are parallel branches through RoPE and qk-layernorm: neither inherits the other's
+  // rounding points.
+  const NormRows q_rows = a.q_rows(), k_rows = a.k_rows();
+  const std::size_t k_off = a.k_offset_bytes();
+  auto at = [](const void* base, std::size_t off) { return static_cast<const char*>(base) + off; };
+  const RoundingCount at_split = rounding_now();
+  RoundingCount query_path = at_split, key_path = at_split;
   if (a.rot_dim > 0) {
-    const int hpg = a.hpg();
-    const std::int64_t gs = std::int64_t(hpg + 2) * a.hn;
-    const NormRows q_rows{n * a.ng * hpg, a.hn, hpg, gs, a.hn};
-    const NormRows k_rows{n * a.ng, a.hn, 1, gs, 0};
-    void* dk_base = static_cast<char*>(a.d_qkv) + std::size_t(hpg) * a.hn * esz;
-    // d q and d k are parallel branches: neither inherits the other's rounding points.
-    const RoundingCount at_split = rounding_now();
-    rotary_pos_emb_backward(dt, a.d_qkv, a.freqs, q_rows, std::int64_t(a.b) * a.ng * hpg, a.rot_dim, a.rope_interleaved,
-                            st);
-    const RoundingCount query_path = rounding_now();
+    rotary_pos_emb_backward(dt, a.d_qkv, a.freqs, q_rows, std::int64_t(a.b) * a.ng * a.hpg(), a.rot_dim,
+                            a.rope_interleaved, st);
+    query_path = rounding_now();
     rounding_set(at_split);
-    rotary_pos_emb_backward(dt, dk_base, a.freqs, k_rows, std::int64_t(a.b) * a.ng, a.rot_dim, a.rope_interleaved, st);
-    rounding_join(query_path);
+    rotary_pos_emb_backward(dt, static_cast<char*>(a.d_qkv) + k_off, a.freqs, k_rows, std::int64_t(a.b) * a.ng,
+                            a.rot_dim, a.rope_interleaved, st);
+    key_path = rounding_now();
   }
+  // ---- q_layernorm / k_layernorm: their backward into d qkv_pre, v passing through  // [n, qw]
+  void* d_linear_qkv = a.d_qkv;  // the gradient of linear_qkv's output
+  if (a.qk_layernorm) {
+    copy_elements(dt, a.d_qkv, a.d_qkv_pre, n * qw, st);  // v's columns; q and k's are overwritten
+    rounding_set(query_path);
+    norm_backward(a.rms, dt, a.d_qkv, a.qkv_pre_norm, a.d_qkv_pre, a.qln_w, a.d_qln_w, a.d_qln_b, q_rows, a.eps,
+                  a.zero_centered_gamma, a.workspace, a.workspace_bytes, st);
+    query_path = rounding_now();
+    rounding_set(key_path);
+    norm_backward(a.rms, dt, at(a.d_qkv, k_off), at(a.qkv_pre_norm, k_off), static_cast<char*>(a.d_qkv_pre) + k_off,
+                  a.kln_w, a.d_kln_w, a.d_kln_b, k_rows, a.eps, a.zero_centered_gamma, a.workspace, a.workspace_bytes,
+                  st);
+    key_path = rounding_now();
+    d_linear_qkv = a.d_qkv_pre;
+  }
+  rounding_set(key_path);
+  rounding_join(query_path);
   const RoundingCount at_qkv = rounding_now();
   // ---- linear_qkv: bias, weight (leaves), then d ln1                    // [n, h], [qw, h]
   if (a.qkv_b) {
     require(a.d_qkv_b != nullptr, "attention_half_backward: linear_qkv has a bias but d_qkv_b is null");
-    linear_backward_bias(dt, a.d_qkv, a.d_qkv_b, n, qw, a.workspace, a.workspace_bytes, st);
+    linear_backward_bias(dt, d_linear_qkv, a.d_qkv_b, n, qw, a.workspace, a.workspace_bytes, st);
     rounding_set(at_qkv);
   }
-  linear_backward_wgrad(dt, a.d_qkv, a.ln1, a.d_qkv_w, n, a.h, qw, st);
+  linear_backward_wgrad(dt, d_linear_qkv, a.ln1, a.d_qkv_w, n, a.h, qw, st);
   rounding_set(at_qkv);
-  linear_backward_dgrad(dt, a.d_qkv, a.qkv_w, a.d_ln1, n, a.h, qw, st);
+  linear_backward_dgrad(dt, d_linear_qkv, a.qkv_w, a.d_ln1, n, a.h, qw, st);
   // ---- input_layernorm, then the residual's gradient added             // [n, h]
   norm_backward(a.rms, dt, a.d_ln1, a.x, a.dx, a.ln1_w, a.d_ln1_w, a.d_ln1_b, NormRows::dense(n, a.h), a.eps,
                 a.zero_centered_gamma, a.workspace, a.workspace_bytes, st);

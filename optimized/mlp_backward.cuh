@@ -39,6 +39,27 @@ inline void grad_sum(DType dt, const void* a, const void* b, void* out, std::int
   });
 }
 
+template <class T>
+__global__ void copy_elements_kernel(const T* src, T* dst, std::int64_t n) {
+  for (std::int64_t e = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += std::int64_t(gridDim.x) * blockDim.x)
+    dst[e] = src[e];
+}
+
+// dst = src, n elements of dt on the stream (a tensor the backward reads that the forward then
+// overwrites in place, or a gradient passing through unchanged). No rounding.
+inline void copy_elements(DType dt, const void* src, void* dst, std::int64_t n, cudaStream_t stream) {
+  require(n >= 0 && src && dst, "copy_elements: null tensor or negative size");
+  rt::declare_cost("copy_elements", 2.0 * double(dtype_size(dt)) * n, 0.0);
+  if (n == 0) return;
+  dispatch_dtype(dt, "copy_elements", [&](auto tag) {
+    using T = decltype(tag);
+    const unsigned threads = elementwise_threads(n);
+    launch_kernel(copy_elements_kernel<T>, dim3(elementwise_blocks(n, threads)), dim3(threads), 0, stream,
+                  static_cast<const T*>(src), static_cast<T*>(dst), n);
+  });
+}
+
 struct MlpHalfBackward {
   DType dt = DType::F32;
   std::int64_t n = 0;  // tokens: s * b

@@ -362,6 +362,12 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   if (fo.keep_for_backward && m.softmax_stats.bytes() != stats_bytes)
     m.softmax_stats = rt::DeviceBuffer(*m.dev, stats_bytes);
   float* const stats = fo.keep_for_backward ? static_cast<float*>(m.softmax_stats.get()) : nullptr;
+  // qk-layernorm works in place on linear_qkv's output: its backward reads a copy from before.
+  const bool keep_pre_norm = fo.keep_for_backward && config_.qk_layernorm;
+  const std::size_t pre_norm_bytes = std::size_t(s) * b * std::size_t(m.ranks.at(0).plan.qkv_width()) * es;
+  if (keep_pre_norm && m.qkv_pre_norm.bytes() != pre_norm_bytes)
+    m.qkv_pre_norm = rt::DeviceBuffer(*m.dev, pre_norm_bytes);
+  void* const pre_norm = keep_pre_norm ? m.qkv_pre_norm.get() : nullptr;
   m.kept = false;  // set again once this forward has run
 
   const int mask_mode = attention_mask                                   ? static_cast<int>(sim::MaskMode::Explicit)
@@ -373,7 +379,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     // graphs bake these values in: a change re-records
     const bool changed = p.training != fo.training || p.seed != fo.seed || p.offset_attention != fo.offset ||
                          p.mask_mode != mask_mode || p.mask_b != mask_b || p.mask_h != mask_h ||
-                         p.softmax_stats != stats;
+                         p.softmax_stats != stats || p.qkv_pre_norm != pre_norm;
     if (changed) m.ranks[r].graph.reset();
     p.training = fo.training;
     p.seed = fo.seed;
@@ -384,6 +390,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     p.mask_b = mask_b;
     p.mask_h = mask_h;
     p.softmax_stats = stats;
+    p.qkv_pre_norm = pre_norm;
     p.mask = attention_mask ? static_cast<const std::uint8_t*>(m.mask.get()) : nullptr;
     p.rot_dim = rot;
     p.rope_interleaved = config_.rotary_interleaved;

@@ -96,6 +96,7 @@ inline void attention_forward_impl(const RankPlan& p, cudaStream_t st) {
   void* k_base = qkv + std::size_t(hpg) * hn * esz;
   // q and k are parallel branches from linear_qkv: neither inherits the other's rounding points.
   if (p.qk_layernorm) {
+    if (p.qkv_pre_norm) copy_elements(dt, p.qkv, p.qkv_pre_norm, n_full * qw, st);  // the norms' backward reads it
     const RoundingCount at_split = rounding_now();
     norm_forward(p.rms, dt, qkv, qkv, p.qln_w, p.qln_b, q_rows, p.eps, p.zero_centered_gamma, st);
     const RoundingCount query_path = rounding_now();
@@ -232,6 +233,7 @@ inline AttentionHalfBackward attention_half_backward_args(const RankPlan& p, con
   a.x = p.x;
   a.ln1 = p.ln1;
   a.qkv = p.qkv;
+  a.qkv_pre_norm = p.qkv_pre_norm;
   a.ctx = p.ctx;
   a.softmax_stats = p.softmax_stats;
   a.ln1_w = p.ln1_w;
@@ -239,6 +241,10 @@ inline AttentionHalfBackward attention_half_backward_args(const RankPlan& p, con
   a.qkv_b = p.qkv_b;
   a.proj_w = p.proj_w;
   a.proj_bias = p.proj_b != nullptr;
+  a.qln_w = p.qln_w;
+  a.qln_b = p.qln_b;
+  a.kln_w = p.kln_w;
+  a.kln_b = p.kln_b;
   a.dh1 = g.dh1;
   a.dx = g.dx;
   a.d_ln1_w = g.ln1_w;
@@ -247,9 +253,14 @@ inline AttentionHalfBackward attention_half_backward_args(const RankPlan& p, con
   a.d_qkv_b = g.qkv_b;
   a.d_proj_w = g.proj_w;
   a.d_proj_b = g.proj_b;
+  a.d_qln_w = g.qln_w;
+  a.d_qln_b = g.qln_b;
+  a.d_kln_w = g.kln_w;
+  a.d_kln_b = g.kln_b;
   a.d_proj = g.d_proj;
   a.d_ctx = g.d_ctx;
   a.d_qkv = g.d_qkv;
+  a.d_qkv_pre = g.d_qkv_pre;
   a.d_ln1 = g.d_ln1;
   a.workspace = g.workspace;
   a.workspace_bytes = g.workspace_bytes;

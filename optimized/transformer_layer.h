@@ -83,7 +83,7 @@ class DenseTransformerLayer {
   LayerOutput forward(const Tensor& hidden_states, const Tensor* attention_mask, const Tensor* rotary_pos_emb,
                       const ForwardOptions& options = {});
 
-  // Why backward() does not cover this layer (tp > 1, sequence parallelism, qk_layernorm), or none.
+  // Why backward() does not cover this layer (tp > 1, sequence parallelism), or none.
   std::optional<std::string> backward_unsupported() const;
   // The gradients of the last forward (run with keep_for_backward) for grad_output [s, b, h] (its
   // shape and dtype): the input's and every parameter's. Rounding points are counted on from the

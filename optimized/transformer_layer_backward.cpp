@@ -26,6 +26,10 @@ constexpr GradSlot kGradSlots[] = {
     {"self_attention.linear_qkv.bias", &RankGrads::qkv_b},
     {"self_attention.linear_proj.weight", &RankGrads::proj_w},
     {"self_attention.linear_proj.bias", &RankGrads::proj_b},
+    {"self_attention.q_layernorm.weight", &RankGrads::qln_w},
+    {"self_attention.q_layernorm.bias", &RankGrads::qln_b},
+    {"self_attention.k_layernorm.weight", &RankGrads::kln_w},
+    {"self_attention.k_layernorm.bias", &RankGrads::kln_b},
     {"pre_mlp_layernorm.weight", &RankGrads::ln2_w},
     {"pre_mlp_layernorm.bias", &RankGrads::ln2_b},
     {"mlp.linear_fc1.weight", &RankGrads::fc1_w},
@@ -94,12 +98,28 @@ double norm_weight_magnitude(const std::vector<double>& dy, const Tensor& x, std
   return cols ? *std::max_element(acc.begin(), acc.end()) : 0.0;
 }
 
+// The q rows or the k rows ([rows, hn], heads in layout order) of a [n, qw] tensor in the fused
+// linear_qkv layout: token t, group g holds hpg q heads then k then v, each hn wide.
+std::vector<double> gather_heads(const std::vector<double>& full, std::int64_t n, const RankPlan& p, bool keys) {
+  const int hpg = p.hpg(), ng = p.ng_local();
+  const std::int64_t qw = p.qkv_width(), gs = std::int64_t(hpg + 2) * p.hn;
+  std::vector<double> out;
+  out.reserve(static_cast<std::size_t>(n * ng * (keys ? 1 : hpg) * p.hn));
+  for (std::int64_t t = 0; t < n; ++t)
+    for (int g = 0; g < ng; ++g)
+      for (int j = keys ? hpg : 0; j < (keys ? hpg + 1 : hpg); ++j) {
+        const double* head = full.data() + t * qw + g * gs + std::int64_t(j) * p.hn;
+        out.insert(out.end(), head, head + p.hn);
+      }
+  return out;
+}
+
 }  // namespace
 
 // ---- what it supports ----------------------------------------------------------------------------
 std::optional<std::string> DenseTransformerLayer::backward_unsupported() const {
   const RankPlan& p = impl_->ranks.at(0).plan;
-  const std::string why = sim::attention_half_backward_unsupported(p.qk_layernorm, p.post_ln_residual, p.tp, p.sp);
+  const std::string why = sim::attention_half_backward_unsupported(p.post_ln_residual, p.tp, p.sp);
   if (!why.empty()) return why;
   return std::nullopt;
 }
@@ -129,6 +149,7 @@ void DenseTransformerLayer::Impl::ensure_grad_buffers(const RankPlan& p, rt::Bac
   g.d_proj = buf(n * m.h * es);
   g.d_ctx = buf(n * std::size_t(m.np) * m.hn * es);
   g.d_qkv = buf(n * std::size_t(p.qkv_width()) * es);
+  g.d_qkv_pre = p.qk_layernorm ? buf(n * std::size_t(p.qkv_width()) * es) : nullptr;
   g.d_ln1 = buf(n * m.h * es);
 #if TWIN_HAVE_CUDA
   g.workspace_bytes =
@@ -178,18 +199,33 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   auto abs_if = [&](const void* ptr, std::int64_t cols) {
     return with_magnitudes ? abs_of(ptr, cols) : std::vector<double>();
   };
-  const auto d_ln1 = abs_if(g.d_ln1, h), d_qkv = abs_if(g.d_qkv, qw), d_proj = abs_if(g.d_proj, h),
+  // d_qkv: core attention's q, k, v gradient (the qk-norms' dy); d_lin: linear_qkv's output gradient.
+  const auto d_ln1 = abs_if(g.d_ln1, h), d_qkv = abs_if(g.d_qkv, qw),
+             d_lin = p.qk_layernorm ? abs_if(g.d_qkv_pre, qw) : d_qkv, d_proj = abs_if(g.d_proj, h),
              d_ln2 = abs_if(g.d_ln2, h), d_fc1 = abs_if(g.d_fc1, w), d_mlp = abs_if(g.d_mlp, h);
   auto norm_magnitude = [&](const std::vector<double>& dy, const void* x) {
     return norm_weight_magnitude(dy, download(dev, x, m.dt, n, h, st), n, h, p.rms, p.eps);
   };
+  // q_layernorm / k_layernorm: one norm of width hn over every q (k) head's rows.
+  auto qk_norm_magnitude = [&](bool keys, bool bias) {
+    const std::vector<double> dy = gather_heads(d_qkv, n, p, keys);
+    const std::int64_t rows = std::int64_t(dy.size()) / p.hn;
+    if (bias) return column_magnitude(dy, rows, p.hn);
+    const Tensor pre = download(dev, p.qkv_pre_norm, m.dt, n, qw, st);
+    const std::vector<double> x = gather_heads(pre.to_f64(), n, p, keys);
+    return norm_weight_magnitude(dy, Tensor::from_doubles(DType::F64, {rows, p.hn}, x), rows, p.hn, p.rms, p.eps);
+  };
   auto magnitude = [&](const std::string& key) -> double {
     if (key == "input_layernorm.weight") return norm_magnitude(d_ln1, p.x);
     if (key == "input_layernorm.bias") return column_magnitude(d_ln1, n, h);
-    if (key == "self_attention.linear_qkv.weight") return weight_magnitude(d_qkv, abs_of(p.ln1, h), n, qw, h);
-    if (key == "self_attention.linear_qkv.bias") return column_magnitude(d_qkv, n, qw);
+    if (key == "self_attention.linear_qkv.weight") return weight_magnitude(d_lin, abs_of(p.ln1, h), n, qw, h);
+    if (key == "self_attention.linear_qkv.bias") return column_magnitude(d_lin, n, qw);
     if (key == "self_attention.linear_proj.weight") return weight_magnitude(d_proj, abs_of(p.ctx, cw), n, h, cw);
     if (key == "self_attention.linear_proj.bias") return column_magnitude(d_proj, n, h);
+    if (key == "self_attention.q_layernorm.weight") return qk_norm_magnitude(false, false);
+    if (key == "self_attention.q_layernorm.bias") return qk_norm_magnitude(false, true);
+    if (key == "self_attention.k_layernorm.weight") return qk_norm_magnitude(true, false);
+    if (key == "self_attention.k_layernorm.bias") return qk_norm_magnitude(true, true);
     if (key == "pre_mlp_layernorm.weight") return norm_magnitude(d_ln2, p.h1);
     if (key == "pre_mlp_layernorm.bias") return column_magnitude(d_ln2, n, h);
     if (key == "mlp.linear_fc1.weight") return weight_magnitude(d_fc1, abs_of(p.ln2, h), n, w, h);

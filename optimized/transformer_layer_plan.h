@@ -102,6 +102,8 @@ struct RankPlan {
   void* out = nullptr;                 // [s_local, b, h]
   float* softmax_stats = nullptr;      // [b, np_local, s, 2] the attention's row max and sum, kept for
                                        // the backward (null: not kept)
+  void* qkv_pre_norm = nullptr;        // [s, b, qkv_width] linear_qkv's output before qk-layernorm
+                                       // (which works in place), kept for the norms' backward (null: not kept)
 
   rt::Communicator* comm = nullptr;      // tp > 1
   std::function<void(TapPoint)> on_tap;  // null: no taps (required for graph capture)
@@ -116,17 +118,19 @@ struct RankGrads {
   const void* dout = nullptr;  // [s, b, h]
   void* dx = nullptr;          // [s, b, h]
   void *ln1_w = nullptr, *ln1_b = nullptr, *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr, *proj_b = nullptr;
+  void *qln_w = nullptr, *qln_b = nullptr, *kln_w = nullptr, *kln_b = nullptr;  // qk-layernorm's
   void *ln2_w = nullptr, *ln2_b = nullptr, *fc1_w = nullptr, *fc1_b = nullptr, *fc2_w = nullptr, *fc2_b = nullptr;
   // scratch
-  void* dh1 = nullptr;     // [s, b, h] d h1, the attention half's output
-  void* d_mlp = nullptr;   // [s, b, h] d linear_fc2 output
-  void* d_act = nullptr;   // [s, b, ffn]
-  void* d_fc1 = nullptr;   // [s, b, (glu ? 2 : 1) * ffn] d linear_fc1 output
-  void* d_ln2 = nullptr;   // [s, b, h]
-  void* d_proj = nullptr;  // [s, b, h] d linear_proj output
-  void* d_ctx = nullptr;   // [s, b, np * hn]
-  void* d_qkv = nullptr;   // [s, b, qkv_width] d linear_qkv output (after RoPE's backward)
-  void* d_ln1 = nullptr;   // [s, b, h]
+  void* dh1 = nullptr;        // [s, b, h] d h1, the attention half's output
+  void* d_mlp = nullptr;      // [s, b, h] d linear_fc2 output
+  void* d_act = nullptr;      // [s, b, ffn]
+  void* d_fc1 = nullptr;      // [s, b, (glu ? 2 : 1) * ffn] d linear_fc1 output
+  void* d_ln2 = nullptr;      // [s, b, h]
+  void* d_proj = nullptr;     // [s, b, h] d linear_proj output
+  void* d_ctx = nullptr;      // [s, b, np * hn]
+  void* d_qkv = nullptr;      // [s, b, qkv_width] d of core attention's q, k, v (after RoPE's backward)
+  void* d_qkv_pre = nullptr;  // [s, b, qkv_width] d linear_qkv output (after qk-layernorm's backward)
+  void* d_ln1 = nullptr;      // [s, b, h]
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
 };

@@ -270,17 +270,16 @@ TEST(OptimizedBackward, AttentionHalfMatchesReference) {
 
 // What the attention half's backward refuses, each with its reason.
 TEST(OptimizedBackward, AttentionHalfRefusesWhatItDoesNotCover) {
-  EXPECT_EQ("", k::attention_half_backward_unsupported(false, false, 1, false));
-  EXPECT_NE(std::string::npos, k::attention_half_backward_unsupported(true, false, 1, false).find("qk_layernorm"));
-  EXPECT_NE(std::string::npos, k::attention_half_backward_unsupported(false, true, 1, false).find("post_layernorm"));
-  EXPECT_NE(std::string::npos, k::attention_half_backward_unsupported(false, false, 2, false).find("tensor"));
-  EXPECT_NE(std::string::npos, k::attention_half_backward_unsupported(false, false, 1, true).find("sequence"));
+  EXPECT_EQ("", k::attention_half_backward_unsupported(false, 1, false));
+  EXPECT_NE(std::string::npos, k::attention_half_backward_unsupported(true, 1, false).find("post_layernorm"));
+  EXPECT_NE(std::string::npos, k::attention_half_backward_unsupported(false, 2, false).find("tensor"));
+  EXPECT_NE(std::string::npos, k::attention_half_backward_unsupported(false, 1, true).find("sequence"));
   k::AttentionHalfBackward a;
-  a.qk_layernorm = true;
+  a.post_ln_residual = true;
   try {
     k::attention_half_backward(a, nullptr);
-    ADD_FAILURE() << "qk_layernorm was not refused";
+    ADD_FAILURE() << "apply_residual_connection_post_layernorm was not refused";
   } catch (const std::exception& e) {
-    EXPECT_NE(std::string::npos, std::string(e.what()).find("qk_layernorm")) << e.what();
+    EXPECT_NE(std::string::npos, std::string(e.what()).find("post_layernorm")) << e.what();
   }
 }
