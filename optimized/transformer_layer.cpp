@@ -368,7 +368,8 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   if (keep_pre_norm && m.qkv_pre_norm.bytes() != pre_norm_bytes)
     m.qkv_pre_norm = rt::DeviceBuffer(*m.dev, pre_norm_bytes);
   void* const pre_norm = keep_pre_norm ? m.qkv_pre_norm.get() : nullptr;
-  m.kept = false;  // set again once this forward has run
+  m.kept = false;            // set again once this forward has run
+  m.backward_graph.reset();  // captured against the buffers and plan of the forward before
 
   const int mask_mode = attention_mask                                   ? static_cast<int>(sim::MaskMode::Explicit)
                         : (options_.attn_mask_type == "causal" && s > 1) ? static_cast<int>(sim::MaskMode::Causal)

@@ -90,9 +90,11 @@ class DenseTransformerLayer {
   // running count (a gradient depends on every forward activation it reads). with_magnitudes: each
   // parameter grad's magnitude (ParamGradient), computed on the host from the gradients and
   // activations the run leaves in its buffers (a host pass of O(tokens x in x out) per linear, for
-  // comparisons with a counted bound; else -1). std::logic_error when unsupported or when the last
-  // forward kept nothing.
-  LayerGradients backward(const Tensor& grad_output, bool with_magnitudes = false);
+  // comparisons with a counted bound; else -1). use_graph: the first such call after a forward
+  // captures the backward's kernels and GEMMs into a CUDA graph and every later one replays it
+  // (rounding points are counted at the capture only). std::logic_error when unsupported or when the
+  // last forward kept nothing.
+  LayerGradients backward(const Tensor& grad_output, bool with_magnitudes = false, bool use_graph = false);
 
   // Device time of one forward (ms), averaged over `iters` replays of the layer captured by the
   // last forward() call with use_graph (tp == 1): the kernels and GEMMs only, no host copies.

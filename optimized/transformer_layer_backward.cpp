@@ -129,6 +129,7 @@ void DenseTransformerLayer::Impl::ensure_grad_buffers(const RankPlan& p, rt::Bac
   Impl& m = *this;
   if (m.grads_s == p.s && m.grads_b == p.b) return;
   m.grads_s = m.grads_b = -1;
+  m.backward_graph.reset();  // it wrote into the buffers released here
   m.grad_bufs.clear();
   m.grad_bufs.reserve(32);
   const std::size_t es = dtype_size(m.dt), n = std::size_t(p.s) * p.b;
@@ -165,7 +166,7 @@ void DenseTransformerLayer::Impl::ensure_grad_buffers(const RankPlan& p, rt::Bac
 }
 
 // ---- running it ----------------------------------------------------------------------------------
-LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool with_magnitudes) {
+LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool with_magnitudes, bool use_graph) {
   if (const auto why = backward_unsupported()) throw std::logic_error("optimized dense layer: no backward for " + *why);
   Impl& m = *impl_;
   if (!m.kept)
@@ -178,12 +179,22 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   const RankGrads& g = m.grads;
   const cudaStream_t st = R.stream->handle();
   m.dev->copy(const_cast<void*>(g.dout), grad_output.raw(), grad_output.nbytes(), rt::CopyKind::HostToDevice, st);
+  auto run = [&] {
 #if TWIN_HAVE_CUDA
-  if (options_.backend == rt::Backend::Cuda)
-    cuda::rank_backward(p, g, st);
-  else
+    if (options_.backend == rt::Backend::Cuda) return cuda::rank_backward(p, g, st);
 #endif
     sim::rank_backward(p, g, st);
+  };
+  if (use_graph) {
+    if (!m.backward_graph) {
+      R.stream->begin_capture();
+      run();
+      m.backward_graph.emplace(R.stream->end_capture());
+    }
+    m.backward_graph->launch(*R.stream);
+  } else {
+    run();
+  }
   R.stream->synchronize();
 
   LayerGradients out;

@@ -39,7 +39,8 @@ struct DenseTransformerLayer::Impl {
   // What backward() reads beyond the activation buffers: the softmax statistics (rank 0; tp = 1),
   // kept by the last forward when it was asked to (kept: for that forward's shape).
   rt::DeviceBuffer softmax_stats;
-  rt::DeviceBuffer qkv_pre_norm;  // linear_qkv's output before qk-layernorm, kept for its backward
+  rt::DeviceBuffer qkv_pre_norm;            // linear_qkv's output before qk-layernorm, kept for its backward
+  std::optional<rt::Graph> backward_graph;  // rank 0's backward, captured against the last forward's buffers
   bool kept = false;
   // The backward's buffers for the current (s, b): gradients and scratch (RankGrads points into them).
   std::vector<rt::DeviceBuffer> grad_bufs;
