@@ -2,15 +2,21 @@
 //   BM_ReferenceDenseLayerBackward/<config>  backward(grad_output, saved) alone, after one forward
 //                                             that saved the activations (the saved forward is not timed)
 //   BM_ReferenceDenseLayerForwardBackward/<config>  forward(..., &saved) and backward together
+//   BM_OptimizedDenseLayerBackward/<config>  the optimized twin's backward on the GPU when one is present
+//                                             (device time of a CUDA-graph replay; skipped with the
+//                                             reason otherwise), with the fraction of the device's
+//                                             dense peak (bench_transformer_layer.cpp's peaks)
 // Counter TFLOP/s: the backward's GEMM + attention FLOPs (twice the forward's: dgrad and wgrad of
 // each GEMM, d probs / d v and d q / d k of attention) per second. Configs as in
 // bench_transformer_layer.cpp's CPU set (parity/dense_case.h ids).
 #include <benchmark/benchmark.h>
 
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "optimized/transformer_layer.h"
 #include "parity/dense_case.h"
 #include "reference/transformer_layer.h"
 
@@ -36,6 +42,20 @@ const char* kConfigs[] = {
     "dense(h=256,a=8,g=2,d=32,ffn=512,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s="
     "64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=2)",
 };
+
+// The GPU configs: bench_transformer_layer.cpp's Llama-70B layer (its gpu0) and GPT-3-1.3B layer.
+const char* kGpuConfigs[] = {
+    "dense(h=8192,a=64,g=8,d=128,ffn=28672,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask="
+    "causal,s=4096,b=1,dtype=bf16,tp=1,sp=0,drop=0,seed=5)",
+    "dense(h=2048,a=16,g=16,d=128,ffn=8192,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,"
+    "s=2048,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=4)",
+};
+
+// H100/H200 SXM dense peaks (989 TFLOP/s bf16/fp16 tensor cores, 67 fp32), or TWIN_PEAK_TFLOPS.
+double peak_flops(DType dt) {
+  if (const char* p = std::getenv("TWIN_PEAK_TFLOPS")) return std::atof(p) * 1e12;
+  return dt == DType::F32 ? 66.9e12 : 989.4e12;
+}
 
 struct Setup {
   parity::DenseCase c;
@@ -81,6 +101,31 @@ void BM_ReferenceDenseLayerForwardBackward(benchmark::State& state, const char* 
   state.SetLabel(id);
 }
 
+void BM_OptimizedDenseLayerBackward(benchmark::State& state, const char* id) {
+  std::string why;
+  if (!rt::available(rt::Backend::Cuda, &why)) {
+    state.SkipWithError(("no GPU: " + why).c_str());
+    for (auto _ : state) {
+    }
+    return;
+  }
+  const parity::DenseCase c = parity::parse_case_id(id);
+  const parity::DenseInputs in = parity::make_inputs(c);
+  opt::LayerOptions lo;
+  lo.backend = rt::Backend::Cuda;
+  opt::DenseTransformerLayer layer(in.config, in.params, lo);
+  opt::ForwardOptions fo;
+  fo.keep_for_backward = true;
+  layer.forward(in.hidden_states, nullptr, in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, fo);
+  layer.backward(in.hidden_states, false, /*use_graph=*/true);  // any [s, b, h] gradient; captures
+  for (auto _ : state) state.SetIterationTime(layer.time_backward_ms(10) / 1e3);
+  const double flops = backward_flops(c);
+  state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["fraction_of_peak"] =
+      benchmark::Counter(flops / peak_flops(c.dtype), benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(id);
+}
+
 int register_all() {
   int i = 0;
   for (const char* id : kConfigs) {
@@ -91,6 +136,12 @@ int register_all() {
                                  BM_ReferenceDenseLayerForwardBackward, id)
         ->Unit(benchmark::kMillisecond);
   }
+  i = 0;
+  for (const char* id : kGpuConfigs)
+    benchmark::RegisterBenchmark(("BM_OptimizedDenseLayerBackward/gpu" + std::to_string(i++)).c_str(),
+                                 BM_OptimizedDenseLayerBackward, id)
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
   return 0;
 }
 const int registered = register_all();

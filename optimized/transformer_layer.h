@@ -100,6 +100,8 @@ class DenseTransformerLayer {
   // last forward() call with use_graph (tp == 1): the kernels and GEMMs only, no host copies.
   // Throws std::logic_error when no graph has been captured.
   double time_forward_ms(int iters);
+  // The same for the backward captured by the last backward() call with use_graph.
+  double time_backward_ms(int iters);
 
   const TransformerConfig& config() const { return config_; }
   const LayerOptions& options() const { return options_; }

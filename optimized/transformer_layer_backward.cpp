@@ -262,4 +262,18 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   return out;
 }
 
+// ---- timing it -----------------------------------------------------------------------------------
+double DenseTransformerLayer::time_backward_ms(int iters) {
+  Impl& m = *impl_;
+  Impl::Rank& R = m.ranks.at(0);
+  if (!m.backward_graph) throw std::logic_error("time_backward_ms: call backward() with use_graph first (tp = 1)");
+  rt::Event start(*m.dev), stop(*m.dev);
+  m.backward_graph->launch(*R.stream);  // warm
+  start.record(*R.stream);
+  for (int i = 0; i < iters; ++i) m.backward_graph->launch(*R.stream);
+  stop.record(*R.stream);
+  stop.synchronize();
+  return static_cast<double>(stop.elapsed_ms_since(start)) / std::max(1, iters);
+}
+
 }  // namespace twin::opt

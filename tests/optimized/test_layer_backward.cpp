@@ -278,3 +278,21 @@ TEST(OptimizedBackward, DenseLayerBackwardSaysWhatItDoesNotCover) {
     EXPECT_THROW(layer.backward(random_tensor(DType::F32, {c.s, c.b, c.hidden}, -1, 1, 1)), std::logic_error);
   }
 }
+
+// time_backward_ms replays the captured backward (here on the simulator's events) and refuses
+// before a backward with use_graph has captured one.
+TEST(OptimizedBackward, TimeBackwardNeedsACapturedGraph) {
+  const DenseCase c = base(DType::F32);
+  const parity::DenseInputs in = parity::make_inputs(c);
+  opt::DenseTransformerLayer layer = make_layer(c, in);
+  opt::ForwardOptions fo;
+  fo.keep_for_backward = true;
+  layer.forward(in.hidden_states, nullptr, nullptr, fo);
+  EXPECT_THROW(layer.time_backward_ms(1), std::logic_error);
+  const opt::LayerGradients g = layer.backward(in.hidden_states, false, true);
+  EXPECT_GE(layer.time_backward_ms(2), 0.0);
+  EXPECT_EQ(0, std::memcmp(g.hidden_states.raw(), layer.backward(in.hidden_states).hidden_states.raw(),
+                           g.hidden_states.nbytes()));
+  layer.forward(in.hidden_states, nullptr, nullptr, fo);  // a new forward drops the captured backward
+  EXPECT_THROW(layer.time_backward_ms(1), std::logic_error);
+}
