@@ -8,13 +8,15 @@
 //                                   manual time is the roofline time (counters flops, bytes,
 //                                   FLOP/B, roofline_us), so ci/bench stores it beside the
 //                                   measured suites and the dashboard shows it as a table.
-// The configurations: bench_reference_layers' dense shapes (small enough for the simulator), and
-// the MoE and Retro layers of goldens in fixtures/megatron-core (golden:<file>), run through the
-// optimized twin's fixture handlers.
+// The configurations: bench_reference_layers' dense shapes (small enough for the simulator), their
+// backward at tp 1 (backward:<id>: the backward's launches alone, after a forward that kept what it
+// reads), and the MoE and Retro layers of goldens in fixtures/megatron-core (golden:<file>), run
+// through the optimized twin's fixture handlers.
 #include <benchmark/benchmark.h>
 
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,6 +35,10 @@ const char* kCases[] = {
     "64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=1)",
     "dense(h=256,a=8,g=2,d=32,ffn=704,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,s="
     "64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=2)",
+    "backward:dense(h=256,a=8,g=8,d=32,ffn=1024,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=1,rope=none,rot=1,qkln=0,mask="
+    "causal,s=64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=1)",
+    "backward:dense(h=256,a=8,g=2,d=32,ffn=704,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=half,rot=1,qkln=1,mask="
+    "causal,s=64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=2)",
     "golden:moe_top2_shared_expert_swiglu.safetensors",
     "golden:moe_top2_capacity_probs_drop.safetensors",
     "golden:retro_first_layer_cmask.safetensors",
@@ -51,20 +57,27 @@ std::vector<rt::KernelCost> golden_costs(const std::string& file) {
   return out;
 }
 
-// One forward of the optimized layer on the simulator under a CostScope.
+// One forward (or backward) of the optimized layer on the simulator under a CostScope.
 std::vector<rt::KernelCost> layer_costs(const std::string& id) {
   if (id.rfind("golden:", 0) == 0) return golden_costs(id.substr(7));
-  const parity::DenseCase c = parity::parse_case_id(id);
+  const bool backward = id.rfind("backward:", 0) == 0;
+  const parity::DenseCase c = parity::parse_case_id(backward ? id.substr(9) : id);
   const parity::DenseInputs in = parity::make_inputs(c);
   opt::LayerOptions lo;
   lo.backend = rt::Backend::Sim;
   lo.attn_mask_type = in.config.attn_mask_type;
   opt::DenseTransformerLayer layer(in.config, in.params, lo);
-  rt::CostScope scope;
+  opt::ForwardOptions fo;
+  fo.keep_for_backward = backward;
+  std::optional<rt::CostScope> scope(std::in_place);
   layer.forward(in.hidden_states, in.attention_mask.defined() ? &in.attention_mask : nullptr,
-                in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, opt::ForwardOptions{});
-  std::vector<rt::KernelCost> out = scope.kernels();
-  out.push_back(scope.total());
+                in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, fo);
+  if (backward) {
+    scope.emplace();                   // the backward's launches alone
+    layer.backward(in.hidden_states);  // any [s, b, h] output gradient
+  }
+  std::vector<rt::KernelCost> out = scope->kernels();
+  out.push_back(scope->total());
   return out;
 }
 
