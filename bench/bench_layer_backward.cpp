@@ -5,7 +5,7 @@
 //   BM_OptimizedDenseLayerBackward/<config>  the optimized twin's backward on the GPU when one is present
 //                                             (device time of a CUDA-graph replay; skipped with the
 //                                             reason otherwise), with the fraction of the device's
-//                                             dense peak (bench_transformer_layer.cpp's peaks)
+//                                             dense peak (bench_util.h peak_flops)
 // Counter TFLOP/s: the backward's GEMM + attention FLOPs (twice the forward's: dgrad and wgrad of
 // each GEMM, d probs / d v and d q / d k of attention) per second. Configs as in
 // bench_transformer_layer.cpp's CPU set (parity/dense_case.h ids).
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "optimized/transformer_layer.h"
 #include "parity/dense_case.h"
 #include "reference/transformer_layer.h"
@@ -50,12 +51,6 @@ const char* kGpuConfigs[] = {
     "dense(h=2048,a=16,g=16,d=128,ffn=8192,norm=ln,act=gelu,glu=0,bias=1,qkv_bias=0,rope=none,rot=1,qkln=0,mask=causal,"
     "s=2048,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=4)",
 };
-
-// H100/H200 SXM dense peaks (989 TFLOP/s bf16/fp16 tensor cores, 67 fp32), or TWIN_PEAK_TFLOPS.
-double peak_flops(DType dt) {
-  if (const char* p = std::getenv("TWIN_PEAK_TFLOPS")) return std::atof(p) * 1e12;
-  return dt == DType::F32 ? 66.9e12 : 989.4e12;
-}
 
 struct Setup {
   parity::DenseCase c;
@@ -102,13 +97,7 @@ void BM_ReferenceDenseLayerForwardBackward(benchmark::State& state, const char* 
 }
 
 void BM_OptimizedDenseLayerBackward(benchmark::State& state, const char* id) {
-  std::string why;
-  if (!rt::available(rt::Backend::Cuda, &why)) {
-    state.SkipWithError(("no GPU: " + why).c_str());
-    for (auto _ : state) {
-    }
-    return;
-  }
+  if (bench::skip_without_gpu(state)) return;
   const parity::DenseCase c = parity::parse_case_id(id);
   const parity::DenseInputs in = parity::make_inputs(c);
   opt::LayerOptions lo;
@@ -122,7 +111,7 @@ void BM_OptimizedDenseLayerBackward(benchmark::State& state, const char* id) {
   const double flops = backward_flops(c);
   state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["fraction_of_peak"] =
-      benchmark::Counter(flops / peak_flops(c.dtype), benchmark::Counter::kIsIterationInvariantRate);
+      benchmark::Counter(flops / bench::peak_flops(c.dtype), benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(id);
 }
 

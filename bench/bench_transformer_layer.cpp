@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "bench/bench_util.h"
 #include "optimized/transformer_layer.h"
 #include "parity/dense_run.h"
 
@@ -26,11 +27,6 @@ double layer_flops(const parity::DenseCase& c) {
   double attn = 4.0 * c.b * c.heads * double(c.s) * c.s * d;
   if (c.mask == parity::MaskKind::Causal) attn /= 2.0;
   return gemm + attn;
-}
-
-double peak_flops(DType dt) {
-  if (const char* p = std::getenv("TWIN_PEAK_TFLOPS")) return std::atof(p) * 1e12;
-  return dt == DType::F32 ? 66.9e12 : 989.4e12;
 }
 
 const char* kCpuConfigs[] = {
@@ -61,13 +57,7 @@ void BM_ReferenceDenseLayer(benchmark::State& state, const char* id) {
 }
 
 void BM_OptimizedDenseLayer(benchmark::State& state, const char* id) {
-  std::string why;
-  if (!rt::available(rt::Backend::Cuda, &why)) {
-    state.SkipWithError(("no GPU: " + why).c_str());
-    for (auto _ : state) {
-    }
-    return;
-  }
+  if (bench::skip_without_gpu(state)) return;
   const parity::DenseCase c = parity::parse_case_id(id);
   const parity::DenseInputs in = parity::make_inputs(c);
   opt::LayerOptions lo;
@@ -80,7 +70,7 @@ void BM_OptimizedDenseLayer(benchmark::State& state, const char* id) {
   const double flops = layer_flops(c);
   state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["fraction_of_peak"] =
-      benchmark::Counter(flops / peak_flops(c.dtype), benchmark::Counter::kIsIterationInvariantRate);
+      benchmark::Counter(flops / bench::peak_flops(c.dtype), benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(id);
 }
 

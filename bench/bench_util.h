@@ -11,7 +11,11 @@
 
 #include <benchmark/benchmark.h>
 
+#include <cstdlib>
 #include <string>
+
+#include "core/dtype.h"
+#include "optimized/runtime/device.h"
 
 namespace twin::bench {
 
@@ -24,6 +28,23 @@ inline void set_cost_counters(benchmark::State& state, double flops, double byte
 
 inline std::string bench_name(const std::string& impl, const std::string& op, const std::string& id) {
   return impl + "/" + op + "/" + id;
+}
+
+// The device's dense peak for the dtype (H100/H200 SXM: 989 TFLOP/s bf16/fp16 tensor cores, 67
+// fp32), or TWIN_PEAK_TFLOPS.
+inline double peak_flops(DType dt) {
+  if (const char* p = std::getenv("TWIN_PEAK_TFLOPS")) return std::atof(p) * 1e12;
+  return dt == DType::F32 ? 66.9e12 : 989.4e12;
+}
+
+// A GPU benchmark without a usable device: skipped with the reason (true), its loop run empty.
+inline bool skip_without_gpu(benchmark::State& state) {
+  std::string why;
+  if (rt::available(rt::Backend::Cuda, &why)) return false;
+  state.SkipWithError(("no GPU: " + why).c_str());
+  for (auto _ : state) {
+  }
+  return true;
 }
 
 }  // namespace twin::bench
