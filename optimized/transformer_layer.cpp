@@ -566,16 +566,8 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
 }
 
 double DenseTransformerLayer::time_forward_ms(int iters) {
-  Impl& m = *impl_;
-  Impl::Rank& R = m.ranks.at(0);
-  if (!R.graph) throw std::logic_error("time_forward_ms: call forward() with use_graph first (tp = 1)");
-  rt::Event start(*m.dev), stop(*m.dev);
-  R.graph->launch(*R.stream);  // warm
-  start.record(*R.stream);
-  for (int i = 0; i < iters; ++i) R.graph->launch(*R.stream);
-  stop.record(*R.stream);
-  stop.synchronize();
-  return static_cast<double>(stop.elapsed_ms_since(start)) / std::max(1, iters);
+  return impl_->time_graph_ms(impl_->ranks.at(0).graph, iters,
+                              "time_forward_ms: call forward() with use_graph first (tp = 1)");
 }
 
 }  // namespace twin::opt

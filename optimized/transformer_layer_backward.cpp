@@ -255,25 +255,18 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
     pg.name = key;
     pg.value = Tensor::empty(m.dt, m.full.at(key).shape());
     dev.copy(pg.value.raw_mut(), g.*s->slot, pg.value.nbytes(), rt::CopyKind::DeviceToHost, st);
-    R.stream->synchronize();
-    if (with_magnitudes) pg.magnitude = magnitude(key);
     out.params.push_back(std::move(pg));
   }
+  R.stream->synchronize();  // one wait for every parameter's copy
+  if (with_magnitudes)
+    for (ParamGradient& pg : out.params) pg.magnitude = magnitude(pg.name);
   return out;
 }
 
 // ---- timing it -----------------------------------------------------------------------------------
 double DenseTransformerLayer::time_backward_ms(int iters) {
-  Impl& m = *impl_;
-  Impl::Rank& R = m.ranks.at(0);
-  if (!m.backward_graph) throw std::logic_error("time_backward_ms: call backward() with use_graph first (tp = 1)");
-  rt::Event start(*m.dev), stop(*m.dev);
-  m.backward_graph->launch(*R.stream);  // warm
-  start.record(*R.stream);
-  for (int i = 0; i < iters; ++i) m.backward_graph->launch(*R.stream);
-  stop.record(*R.stream);
-  stop.synchronize();
-  return static_cast<double>(stop.elapsed_ms_since(start)) / std::max(1, iters);
+  return impl_->time_graph_ms(impl_->backward_graph, iters,
+                              "time_backward_ms: call backward() with use_graph first (tp = 1)");
 }
 
 }  // namespace twin::opt

@@ -4,9 +4,11 @@
 // transformer_layer_backward.cpp.
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -53,6 +55,20 @@ struct DenseTransformerLayer::Impl {
     r.weights.emplace_back(*dev, t.nbytes());
     r.weights.back().upload(t.raw(), t.nbytes());
     return r.weights.back().get();
+  }
+
+  // Device time of one replay of `graph` on rank 0's stream (ms), averaged over `iters` after one
+  // warm replay; `what` names the call for the error when nothing was captured.
+  double time_graph_ms(std::optional<rt::Graph>& graph, int iters, const std::string& what) {
+    if (!graph) throw std::logic_error(what);
+    rt::Stream& s = *ranks.at(0).stream;
+    rt::Event start(*dev), stop(*dev);
+    graph->launch(s);  // warm
+    start.record(s);
+    for (int i = 0; i < iters; ++i) graph->launch(s);
+    stop.record(s);
+    stop.synchronize();
+    return static_cast<double>(stop.elapsed_ms_since(start)) / std::max(1, iters);
   }
 };
 

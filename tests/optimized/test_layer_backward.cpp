@@ -66,6 +66,16 @@ opt::DenseTransformerLayer make_layer(const DenseCase& c, const parity::DenseInp
   return opt::DenseTransformerLayer(in.config, in.params, lo);
 }
 
+// The layer's forward on the case's inputs (its dropout as drawn), keeping what backward() reads.
+void forward_kept(opt::DenseTransformerLayer& layer, const parity::DenseInputs& in) {
+  opt::ForwardOptions fo;
+  fo.training = in.training;
+  fo.seed = in.dropout_seed;
+  fo.keep_for_backward = true;
+  layer.forward(in.hidden_states, in.attention_mask.defined() ? &in.attention_mask : nullptr,
+                in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, fo);
+}
+
 void run_case(const DenseCase& c) {
   const std::string id = parity::to_id(c);
   const parity::DenseInputs in = parity::make_inputs(c);
@@ -75,12 +85,7 @@ void run_case(const DenseCase& c) {
 
   opt::DenseTransformerLayer layer = make_layer(c, in);
   ASSERT_FALSE(layer.backward_unsupported().has_value()) << id << ": " << *layer.backward_unsupported();
-  opt::ForwardOptions fo;
-  fo.training = in.training;
-  fo.seed = in.dropout_seed;
-  fo.keep_for_backward = true;
-  layer.forward(in.hidden_states, in.attention_mask.defined() ? &in.attention_mask : nullptr,
-                in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, fo);
+  forward_kept(layer, in);
   const opt::LayerGradients first = layer.backward(dout), again = layer.backward(dout);
 
   std::vector<std::pair<std::string, const Tensor*>> got = {{"input.hidden_states", &first.hidden_states}};
@@ -234,12 +239,7 @@ RC_GTEST_PROP(OptimizedBackwardProperty, GraphReplayIsBitwiseEqualToEager, ()) {
   const parity::DenseInputs in = parity::make_inputs(c);
   const Tensor dout = random_tensor(c.dtype, {c.s, c.b, c.hidden}, -1, 1, 99);
   opt::DenseTransformerLayer layer = make_layer(c, in);
-  opt::ForwardOptions fo;
-  fo.training = in.training;
-  fo.seed = in.dropout_seed;
-  fo.keep_for_backward = true;
-  layer.forward(in.hidden_states, in.attention_mask.defined() ? &in.attention_mask : nullptr,
-                in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, fo);
+  forward_kept(layer, in);
   // Two output gradients, so a replay that ran nothing (the buffers keeping the last run's values)
   // would show: the capture runs on dout2, the replay on dout.
   const Tensor dout2 = random_tensor(c.dtype, {c.s, c.b, c.hidden}, -1, 1, 98);
@@ -285,14 +285,12 @@ TEST(OptimizedBackward, TimeBackwardNeedsACapturedGraph) {
   const DenseCase c = base(DType::F32);
   const parity::DenseInputs in = parity::make_inputs(c);
   opt::DenseTransformerLayer layer = make_layer(c, in);
-  opt::ForwardOptions fo;
-  fo.keep_for_backward = true;
-  layer.forward(in.hidden_states, nullptr, nullptr, fo);
+  forward_kept(layer, in);
   EXPECT_THROW(layer.time_backward_ms(1), std::logic_error);
   const opt::LayerGradients g = layer.backward(in.hidden_states, false, true);
   EXPECT_GE(layer.time_backward_ms(2), 0.0);
   EXPECT_EQ(0, std::memcmp(g.hidden_states.raw(), layer.backward(in.hidden_states).hidden_states.raw(),
                            g.hidden_states.nbytes()));
-  layer.forward(in.hidden_states, nullptr, nullptr, fo);  // a new forward drops the captured backward
+  forward_kept(layer, in);  // a new forward drops the captured backward
   EXPECT_THROW(layer.time_backward_ms(1), std::logic_error);
 }
