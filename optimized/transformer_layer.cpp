@@ -357,17 +357,19 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     m.mask.upload(attention_mask->raw(), attention_mask->nbytes());  // BOOL is one byte per element
   }
   if (rot) m.freqs.upload(rotary_pos_emb->raw(), rotary_pos_emb->nbytes());  // [s, 1, 1, rot] == [s, rot]
-  // The softmax statistics the backward reads: [b, np, s, 2] fp32, kept only when asked.
-  const std::size_t stats_bytes = sizeof(float) * 2 * std::size_t(b) * m.np * s;
-  if (fo.keep_for_backward && m.softmax_stats.bytes() != stats_bytes)
-    m.softmax_stats = rt::DeviceBuffer(*m.dev, stats_bytes);
-  float* const stats = fo.keep_for_backward ? static_cast<float*>(m.softmax_stats.get()) : nullptr;
+  // What only the backward reads, kept when asked: `buf` sized to `bytes`, or null.
+  auto kept_buffer = [&](rt::DeviceBuffer& buf, std::size_t bytes, bool keep) -> void* {
+    if (!keep) return nullptr;
+    if (buf.bytes() != bytes) buf = rt::DeviceBuffer(*m.dev, bytes);
+    return buf.get();
+  };
+  // The softmax statistics: [b, np, s, 2] fp32.
+  float* const stats = static_cast<float*>(
+      kept_buffer(m.softmax_stats, sizeof(float) * 2 * std::size_t(b) * m.np * s, fo.keep_for_backward));
   // qk-layernorm works in place on linear_qkv's output: its backward reads a copy from before.
-  const bool keep_pre_norm = fo.keep_for_backward && config_.qk_layernorm;
-  const std::size_t pre_norm_bytes = std::size_t(s) * b * std::size_t(m.ranks.at(0).plan.qkv_width()) * es;
-  if (keep_pre_norm && m.qkv_pre_norm.bytes() != pre_norm_bytes)
-    m.qkv_pre_norm = rt::DeviceBuffer(*m.dev, pre_norm_bytes);
-  void* const pre_norm = keep_pre_norm ? m.qkv_pre_norm.get() : nullptr;
+  void* const pre_norm =
+      kept_buffer(m.qkv_pre_norm, std::size_t(s) * b * std::size_t(m.ranks.at(0).plan.qkv_width()) * es,
+                  fo.keep_for_backward && config_.qk_layernorm);
   m.kept = false;            // set again once this forward has run
   m.backward_graph.reset();  // captured against the buffers and plan of the forward before
 
