@@ -1,28 +1,34 @@
-/* The attention half of the dense layer's backward at TP 1 (reference TransformerLayer::backward's
- * self_attn_bda, self_attention and input_layernorm steps, SelfAttention::backward in
- * reference/attention.cpp; megatron/core/transformer/transformer_layer.py and attention.py under
- * autograd), from d h1, the gradient reaching the attention half's output (mlp_half_backward's
- * dhidden):
+/* The attention half of the dense layer's backward on one tensor-parallel rank (reference
+ * TransformerLayer::backward's self_attn_bda, self_attention and input_layernorm steps,
+ * SelfAttention::backward in reference/attention.cpp; megatron/core/transformer/transformer_layer.py,
+ * attention.py and tensor_parallel/layers.py under autograd), from d h1, the gradient reaching the
+ * attention half's output (mlp_half_backward's dhidden; n_local = the rank's rows: all n without
+ * SP, its sequence slice with it):
  *   self_attn_bda:    d residual = d h1; d proj = dropout's backward of d h1;
- *                     d linear_proj.bias = sum_rows d proj
- *   linear_proj:      d ctx = d proj @ Wproj; dWproj = d proj^T ctx
- *   core_attention:   d q, d k, d v written into d qkv, the fused linear_qkv layout (the split's
- *                     transpose is the layout itself: no copies), GQA's heads summed per group
+ *                     d linear_proj.bias = sum_rows d proj (with SP summed over the ranks)
+ *   linear_proj (row parallel): with SP d proj all-gathered to n rows; d ctx = d proj @ Wproj;
+ *                     dWproj = d proj^T ctx (this rank's heads' columns)
+ *   core_attention:   d q, d k, d v of this rank's heads written into d qkv, the fused linear_qkv
+ *                     layout (the split's transpose is the layout itself: no copies), GQA's heads
+ *                     summed per group
  *   RoPE:             rotary_pos_emb_backward on the q rows and the k rows of d qkv, addressed by
  *                     NormRows as the forward rotated them (v passes through)
  *   q/k_layernorm:    norm backward of the q rows and of the k rows on the forward's pre-norm copy
  *                     of linear_qkv's output, into d qkv_pre (v copied through); the weights' grads
- *                     sum over every head's rows (one norm of width hn shared by the heads)
- *   linear_qkv:       d qkv.bias = sum_rows d qkv; dWqkv = d qkv^T ln1; d ln1 = d qkv @ Wqkv (d qkv_pre
- *                     in place of d qkv with qk-layernorm)
- *   input_layernorm:  d x = norm backward(d ln1) + d residual (autograd's sum, stored in T)
+ *                     sum over every head's rows (one norm of width hn shared by the heads), at
+ *                     tp > 1 over the ranks' heads too (finalize_model_grads all-reduces them)
+ *   linear_qkv (column parallel): d qkv.bias = sum_rows d qkv; dWqkv = d qkv^T ln1; d ln1 =
+ *                     d qkv @ Wqkv (d qkv_pre in place of d qkv with qk-layernorm), each rank's
+ *                     partial summed over the ranks (all-reduce, or with SP reduce-scatter)
+ *   input_layernorm:  d x = norm backward(d ln1) + d residual (autograd's sum, stored in T); with
+ *                     SP the norm's parameter grads summed over the ranks
  * Each step is the op's launcher (counting its rounding points: the parameter grads are leaves,
- * the data path goes on from where they branched; q and k are parallel branches through RoPE, as
- * in the forward); nothing is synchronised, so the sequence can be captured into a graph.
+ * the data path goes on from where they branched and the end joins them all; q and k are parallel
+ * branches through RoPE, as in the forward); nothing is synchronised, so the sequence can be
+ * captured into a graph.
  *
- * Not covered (attention_half_backward refuses them): apply_residual_connection_post_layernorm (the residual would be
- * ln1: its gradient joins d ln1 before the norm's backward), tensor parallelism and sequence parallelism (the
- * row-parallel linear_proj's and column-parallel linear_qkv's collectives have no backward here yet). */
+ * Not covered (attention_half_backward refuses it): apply_residual_connection_post_layernorm (the
+ * residual would be ln1: its gradient joins d ln1 before the norm's backward). */
 #pragma once
 
 #include "optimized/dot_product_attention.cuh"
@@ -45,13 +51,12 @@ struct AttentionHalfBackward {
   const float* freqs = nullptr;  // [s, rot_dim] fp32 angles (with RoPE)
   AttnParams attn;               // the forward's core attention (mask, scale, attention dropout)
   DropoutArgs drop;              // the forward's self_attn_bda dropout
-  std::uint64_t element_base = 0;
-  // What the backward refuses (the layer's configuration, checked here so no caller forgets).
-  bool qk_layernorm = false, post_ln_residual = false, sp = false;
-  int tp = 1;
+  TensorParallel tp;             // np and ng are this rank's heads and groups
+  bool qk_layernorm = false;
+  bool post_ln_residual = false;  // refused (checked here so no caller forgets)
   // The forward's saved tensors.
-  const void* x = nullptr;               // [n, h] input_layernorm's input (the layer's input)
-  const void* ln1 = nullptr;             // [n, h] its output, linear_qkv's input
+  const void* x = nullptr;               // [n_local, h] input_layernorm's input (the layer's input)
+  const void* ln1 = nullptr;             // [n, h] its output (with SP all-gathered), linear_qkv's input
   const void* qkv = nullptr;             // [n, qw] linear_qkv's output after RoPE (core attention's q, k, v)
   const void* qkv_pre_norm = nullptr;    // [n, qw] linear_qkv's output before qk-layernorm (with it)
   const void* ctx = nullptr;             // [n, np * hn] core attention's output, linear_proj's input
@@ -61,18 +66,21 @@ struct AttentionHalfBackward {
   const void *qln_w = nullptr, *qln_b = nullptr, *kln_w = nullptr, *kln_b = nullptr;  // with qk_layernorm
   bool proj_bias = false;
   // Gradients: dh1 in, the rest out (param grads null where the parameter is absent).
-  const void* dh1 = nullptr;  // [n, h]
-  void* dx = nullptr;         // [n, h]
+  const void* dh1 = nullptr;  // [n_local, h]
+  void* dx = nullptr;         // [n_local, h]
   void *d_ln1_w = nullptr, *d_ln1_b = nullptr, *d_qkv_w = nullptr, *d_qkv_b = nullptr, *d_proj_w = nullptr,
        *d_proj_b = nullptr;
   void *d_qln_w = nullptr, *d_qln_b = nullptr, *d_kln_w = nullptr, *d_kln_b = nullptr;  // with qk_layernorm
-  // Scratch in dt: d proj [n, h], d ctx [n, np * hn], d qkv [n, qw], d qkv_pre [n, qw] (with
-  // qk_layernorm), d ln1 [n, h]; `workspace` as attention_half_backward_workspace_bytes says.
+  // Scratch in dt: d proj [n_local, h], d ctx [n, np * hn], d qkv [n, qw], d qkv_pre [n, qw] (with
+  // qk_layernorm), d ln1 [n_local, h]; at tp > 1 d ln1_partial [n, h] (this rank's part of d ln1)
+  // and with SP d proj_full [n, h]; `workspace` as attention_half_backward_workspace_bytes says.
   void *d_proj = nullptr, *d_ctx = nullptr, *d_qkv = nullptr, *d_qkv_pre = nullptr, *d_ln1 = nullptr;
+  void *d_ln1_partial = nullptr, *d_proj_full = nullptr;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
 
   std::int64_t n() const { return std::int64_t(s) * b; }
+  std::int64_t n_local() const { return tp.rows_local(n()); }
   int hpg() const { return np / ng; }
   std::int64_t qkv_width() const { return std::int64_t(ng) * (hpg() + 2) * hn; }
   QkvLayout layout() const { return QkvLayout{qkv_width(), std::int64_t(hpg() + 2) * hn, hpg()}; }
@@ -83,10 +91,8 @@ struct AttentionHalfBackward {
 };
 
 // What attention_half_backward does not support, or an empty string.
-inline std::string attention_half_backward_unsupported(bool post_ln_residual, int tp, bool sp) {
+inline std::string attention_half_backward_unsupported(bool post_ln_residual) {
   if (post_ln_residual) return "apply_residual_connection_post_layernorm";
-  if (tp != 1) return "tensor parallelism (tp " + std::to_string(tp) + " > 1)";
-  if (sp) return "sequence parallelism";
   return {};
 }
 
@@ -99,35 +105,47 @@ inline std::size_t attention_half_backward_workspace_bytes(const AttentionHalfBa
 }
 
 inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t st) {
-  const std::string why = attention_half_backward_unsupported(a.post_ln_residual, a.tp, a.sp);
+  const std::string why = attention_half_backward_unsupported(a.post_ln_residual);
   require(why.empty(), "attention_half_backward: not supported: " + why);
-  require(a.s > 0 && a.b > 0 && a.h > 0 && a.np > 0 && a.ng > 0 && a.np % a.ng == 0 && a.hn > 0,
+  require(a.s > 0 && a.b > 0 && a.h > 0 && a.np > 0 && a.ng > 0 && a.np % a.ng == 0 && a.hn > 0 && a.tp.size >= 1 &&
+              (!a.tp.sp || a.n() % a.tp.size == 0),
           "attention_half_backward: bad shape");
   require(a.attn.sq == a.s && a.attn.sk == a.s && a.attn.b == a.b && a.attn.np_local == a.np && a.attn.hn == a.hn,
           "attention_half_backward: the attention params' shape differs from the layer's");
   require(a.x && a.ln1 && a.qkv && a.ctx && a.softmax_stats && a.ln1_w && a.qkv_w && a.proj_w && a.dh1 && a.dx &&
               a.d_ln1_w && a.d_qkv_w && a.d_proj_w && a.d_proj && a.d_ctx && a.d_qkv && a.d_ln1,
           "attention_half_backward: a required tensor is null");
+  require((a.tp.size == 1 || a.d_ln1_partial) && (!a.tp.sp || a.d_proj_full),
+          "attention_half_backward: tensor parallelism needs d_ln1_partial (and with SP d_proj_full)");
   require(!a.rms || !a.d_ln1_b, "attention_half_backward: RMSNorm has no bias");
   require(a.rot_dim == 0 || a.freqs, "attention_half_backward: RoPE without its angles");
   require(!a.qk_layernorm || (a.qkv_pre_norm && a.qln_w && a.kln_w && a.d_qln_w && a.d_kln_w && a.d_qkv_pre &&
                               (a.rms || (a.d_qln_b && a.d_kln_b))),
           "attention_half_backward: qk_layernorm needs the pre-norm qkv, its weights and their grads");
   const DType dt = a.dt;
-  const std::int64_t n = a.n(), qw = a.qkv_width(), ctx_w = std::int64_t(a.np) * a.hn;
+  const std::int64_t n = a.n(), n_local = a.n_local(), qw = a.qkv_width(), ctx_w = std::int64_t(a.np) * a.hn;
   const RoundingCount at_input = rounding_now();
-  // ---- self_attn_bda: d residual = dh1 (used below); d proj, d linear_proj.bias   // [n, h]
-  bias_dropout_add_backward(dt, a.dh1, a.d_proj, nullptr, nullptr, n, a.h, a.drop, a.element_base, nullptr, 0, st);
+  // Every gradient is compared with the count at the end: it joins each leaf's (`leaves`).
+  RoundingCount leaves = at_input;
+  auto leaf_done = [&](const RoundingCount& branch_point) {
+    leaves.join(rounding_now());
+    rounding_set(branch_point);
+  };
+  // ---- self_attn_bda: d residual = dh1 (used below); d proj, d linear_proj.bias   // [n_local, h]
+  bias_dropout_add_backward(dt, a.dh1, a.d_proj, nullptr, nullptr, n_local, a.h, a.drop, a.tp.element_base(n, a.h),
+                            nullptr, 0, st);
   const RoundingCount at_proj = rounding_now();
   if (a.proj_bias) {
     require(a.d_proj_b != nullptr, "attention_half_backward: linear_proj has a bias but d_proj_b is null");
-    linear_backward_bias(dt, a.d_proj, a.d_proj_b, n, a.h, a.workspace, a.workspace_bytes, st);
-    rounding_set(at_proj);  // a leaf: the data path goes on from d proj
+    linear_backward_bias(dt, a.d_proj, a.d_proj_b, n_local, a.h, a.workspace, a.workspace_bytes, st);
+    tp_sum_param_grad(a.tp, a.tp.sp, dt, a.d_proj_b, a.h, st);  // SP: each rank summed its rows
+    leaf_done(at_proj);
   }
-  // ---- linear_proj                                                      // [n, np * hn], [h, np * hn]
-  linear_backward_wgrad(dt, a.d_proj, a.ctx, a.d_proj_w, n, ctx_w, a.h, st);
-  rounding_set(at_proj);
-  linear_backward_dgrad(dt, a.d_proj, a.proj_w, a.d_ctx, n, ctx_w, a.h, st);
+  // ---- linear_proj (row parallel)                                       // [n, np * hn], [h, np * hn]
+  const void* d_proj = tp_gather_rows(a.tp, dt, a.d_proj, a.d_proj_full, n, a.h, st);  // [n, h]
+  linear_backward_wgrad(dt, d_proj, a.ctx, a.d_proj_w, n, ctx_w, a.h, st);
+  leaf_done(at_proj);
+  linear_backward_dgrad(dt, d_proj, a.proj_w, a.d_ctx, n, ctx_w, a.h, st);
   // ---- core_attention: d q, d k, d v into d qkv (the fused layout)      // [n, qw]
   const QkvLayout lay = a.layout();
   dot_product_attention_backward(dt, a.qkv, lay, a.d_ctx, a.d_qkv, a.softmax_stats, a.attn, a.workspace,
@@ -152,35 +170,55 @@ inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t
   // ---- q_layernorm / k_layernorm: their backward into d qkv_pre, v passing through  // [n, qw]
   void* d_linear_qkv = a.d_qkv;  // the gradient of linear_qkv's output
   if (a.qk_layernorm) {
+    // At tp > 1 each rank's heads gave a part of a norm's parameter grads: summed over the ranks.
+    auto sum_over_ranks = [&](void* w_grad, void* b_grad) {
+      const RoundingCount at_sum = rounding_now();
+      for (void* g : {w_grad, b_grad}) {
+        tp_sum_param_grad(a.tp, true, dt, g, a.hn, st);
+        leaf_done(at_sum);
+      }
+    };
     copy_elements(dt, a.d_qkv, a.d_qkv_pre, n * qw, st);  // v's columns; q and k's are overwritten
     rounding_set(query_path);
     norm_backward(a.rms, dt, a.d_qkv, a.qkv_pre_norm, a.d_qkv_pre, a.qln_w, a.d_qln_w, a.d_qln_b, q_rows, a.eps,
                   a.zero_centered_gamma, a.workspace, a.workspace_bytes, st);
+    sum_over_ranks(a.d_qln_w, a.d_qln_b);
     query_path = rounding_now();
     rounding_set(key_path);
     norm_backward(a.rms, dt, at(a.d_qkv, k_off), at(a.qkv_pre_norm, k_off), static_cast<char*>(a.d_qkv_pre) + k_off,
                   a.kln_w, a.d_kln_w, a.d_kln_b, k_rows, a.eps, a.zero_centered_gamma, a.workspace, a.workspace_bytes,
                   st);
+    sum_over_ranks(a.d_kln_w, a.d_kln_b);
     key_path = rounding_now();
     d_linear_qkv = a.d_qkv_pre;
   }
   rounding_set(key_path);
   rounding_join(query_path);
   const RoundingCount at_qkv = rounding_now();
-  // ---- linear_qkv: bias, weight (leaves), then d ln1                    // [n, h], [qw, h]
+  // ---- linear_qkv (column parallel): bias, weight (leaves), then d ln1  // [n_local, h], [qw, h]
   if (a.qkv_b) {
     require(a.d_qkv_b != nullptr, "attention_half_backward: linear_qkv has a bias but d_qkv_b is null");
     linear_backward_bias(dt, d_linear_qkv, a.d_qkv_b, n, qw, a.workspace, a.workspace_bytes, st);
-    rounding_set(at_qkv);
+    leaf_done(at_qkv);
   }
   linear_backward_wgrad(dt, d_linear_qkv, a.ln1, a.d_qkv_w, n, a.h, qw, st);
-  rounding_set(at_qkv);
-  linear_backward_dgrad(dt, d_linear_qkv, a.qkv_w, a.d_ln1, n, a.h, qw, st);
-  // ---- input_layernorm, then the residual's gradient added             // [n, h]
-  norm_backward(a.rms, dt, a.d_ln1, a.x, a.dx, a.ln1_w, a.d_ln1_w, a.d_ln1_b, NormRows::dense(n, a.h), a.eps,
+  leaf_done(at_qkv);
+  void* const d_ln1_partial = a.tp.size > 1 ? a.d_ln1_partial : a.d_ln1;
+  linear_backward_dgrad(dt, d_linear_qkv, a.qkv_w, d_ln1_partial, n, a.h, qw, st);
+  tp_reduce(a.tp, dt, d_ln1_partial, a.d_ln1, n, a.h, st);
+  // ---- input_layernorm, then the residual's gradient added             // [n_local, h]
+  norm_backward(a.rms, dt, a.d_ln1, a.x, a.dx, a.ln1_w, a.d_ln1_w, a.d_ln1_b, NormRows::dense(n_local, a.h), a.eps,
                 a.zero_centered_gamma, a.workspace, a.workspace_bytes, st);
+  if (a.tp.sp) {  // each rank's rows gave a part of the norm's parameter grads
+    const RoundingCount at_sum = rounding_now();
+    for (void* g : {a.d_ln1_w, a.d_ln1_b}) {
+      tp_sum_param_grad(a.tp, true, dt, g, a.h, st);
+      leaf_done(at_sum);
+    }
+  }
   rounding_join(at_input);  // the residual path: dh1 as it came in
-  grad_sum(dt, a.dx, a.dh1, a.dx, n * a.h, st);
+  grad_sum(dt, a.dx, a.dh1, a.dx, n_local * a.h, st);
+  rounding_join(leaves);
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

@@ -16,6 +16,7 @@
 #pragma once
 
 #include "kernel_common.cuh"
+#include "optimized/runtime/collectives.h"
 #include "optimized/runtime/gemm.h"
 
 namespace twin::opt::TWIN_BACKEND {
@@ -122,6 +123,61 @@ inline void linear_backward_bias(DType dt, const void* dy, void* db, std::int64_
     column_sums<T, 1>("linear_backward_bias", MatrixTerms<T>{static_cast<const T*>(dy), out}, rows,
                       static_cast<int>(out), outs, workspace, workspace_bytes, double(dtype_size(dt)), 0.0, stream);
   });
+}
+
+// ---- tensor parallelism (tensor_parallel/layers.py and mappings.py): the collectives around one
+// rank's column- and row-parallel Linears. A sum over the ranks is counted as size - 1 stores: the
+// threaded group adds rank by rank in a fixed order, rounding to T after each addition (NCCL
+// rounds per hop likewise).
+struct TensorParallel {
+  int size = 1, rank = 0;
+  bool sp = false;                   // sequence parallelism: [s, b, h] tensors split by s over the ranks
+  rt::Communicator* comm = nullptr;  // size > 1
+  std::int64_t rows_local(std::int64_t rows) const { return sp ? rows / size : rows; }
+  // The first element of this rank's slice of a [rows, cols] tensor split by rows (dropout's
+  // Philox counter continues across the ranks' slices as over the full tensor).
+  std::uint64_t element_base(std::int64_t rows, std::int64_t cols) const {
+    return sp ? std::uint64_t(rank) * std::uint64_t(rows_local(rows)) * std::uint64_t(cols) : 0;
+  }
+};
+
+// Each rank's partial [rows, cols] summed over the ranks into out: all-reduced (out [rows, cols]
+// on every rank) or with SP reduce-scattered (out [rows_local, cols], this rank's rows). The
+// row-parallel forward's reduction and its dual, the column-parallel dgrad's. Size 1: nothing
+// (the partial is out).
+inline void tp_reduce(const TensorParallel& tp, DType dt, void* partial, void* out, std::int64_t rows,
+                      std::int64_t cols, cudaStream_t st) {
+  if (tp.size == 1) return;
+  require(tp.comm && partial && out && (!tp.sp || rows % tp.size == 0), "tp_reduce: bad tensor-parallel arguments");
+  rounding_store(dt, tp.size - 1);  // counts: the sum over the ranks
+  if (tp.sp)
+    tp.comm->reduce_scatter(partial, out, std::size_t(tp.rows_local(rows)) * cols, dt, st);
+  else
+    tp.comm->all_reduce(partial, out, std::size_t(rows) * cols, dt, st);
+}
+
+// The gradient of a row-parallel Linear's output: with SP this rank's rows [rows_local, cols]
+// all-gathered into full [rows, cols] (the dual of the forward's reduce-scatter), which is
+// returned; without SP every rank holds the full gradient (the all-reduce's dual is the identity)
+// and `local` is returned. No rounding.
+inline const void* tp_gather_rows(const TensorParallel& tp, DType dt, const void* local, void* full, std::int64_t rows,
+                                  std::int64_t cols, cudaStream_t st) {
+  if (!tp.sp) return local;
+  require(tp.comm && local && full, "tp_gather_rows: sequence parallelism without a communicator or buffer");
+  tp.comm->all_gather(local, full, std::size_t(tp.rows_local(rows)) * cols, dt, st);
+  return full;
+}
+
+// A replicated parameter's gradient of which each rank computed its part (a norm's or a
+// row-parallel bias's over its SP rows, a qk-layernorm's over its heads): summed in place over the
+// ranks, as finalize_model_grads all-reduces them. `when` false: nothing (every rank already has
+// the whole gradient).
+inline void tp_sum_param_grad(const TensorParallel& tp, bool when, DType dt, void* grad, std::int64_t count,
+                              cudaStream_t st) {
+  if (tp.size == 1 || !when || !grad) return;
+  require(tp.comm != nullptr, "tp_sum_param_grad: no communicator");
+  rounding_store(dt, tp.size - 1);  // counts: the sum over the ranks
+  tp.comm->all_reduce(grad, grad, std::size_t(count), dt, st);
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

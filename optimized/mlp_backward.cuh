@@ -1,11 +1,17 @@
-/* The MLP half of the dense layer's backward at TP 1 (reference TransformerLayer::backward's
- * mlp_bda, mlp and pre_mlp_layernorm steps; megatron/core/transformer/transformer_layer.py and
- * mlp.py under autograd), from the gradient of the layer's output:
+/* The MLP half of the dense layer's backward on one tensor-parallel rank (reference
+ * TransformerLayer::backward's mlp_bda, mlp and pre_mlp_layernorm steps; megatron/core/transformer/
+ * transformer_layer.py, mlp.py and tensor_parallel/layers.py under autograd), from the gradient of
+ * the layer's output (n_local = the rank's rows: all n without SP, its sequence slice with it):
  *   mlp_bda:            d residual = dout; d mlp = dropout's backward of dout; d fc2.bias = sum_rows d mlp
- *   linear_fc2:         d act = d mlp @ W2; dW2 = d mlp^T act
- *   activation (+GLU):  d fc1 = act'(fc1 + b1) ...; d fc1.bias = sum_rows d fc1
- *   linear_fc1:         d ln2 = d fc1 @ W1; dW1 = d fc1^T ln2
- *   pre_mlp_layernorm:  d hidden = norm backward(d ln2) + d residual (autograd's sum, stored in T)
+ *                       (with SP each rank's rows, summed over the ranks)
+ *   linear_fc2 (row parallel): with SP d mlp all-gathered to n rows (the reduce-scatter's dual);
+ *                       d act = d mlp @ W2; dW2 = d mlp^T act (this rank's columns of W2)
+ *   activation (+GLU):  d fc1 = act'(fc1 + b1) ...; d fc1.bias = sum_rows d fc1 (this rank's columns)
+ *   linear_fc1 (column parallel): dW1 = d fc1^T ln2 (this rank's rows of W1); d ln2 = d fc1 @ W1,
+ *                       each rank's partial summed over the ranks (all-reduce, or with SP
+ *                       reduce-scatter to the rank's rows)
+ *   pre_mlp_layernorm:  d hidden = norm backward(d ln2) + d residual (autograd's sum, stored in T);
+ *                       with SP the norm's parameter grads summed over the ranks
  * Each step is the op's launcher (counting its rounding points); nothing is synchronised, so the
  * sequence can be captured into a graph like the forward. */
 #pragma once
@@ -62,29 +68,32 @@ inline void copy_elements(DType dt, const void* src, void* dst, std::int64_t n, 
 
 struct MlpHalfBackward {
   DType dt = DType::F32;
-  std::int64_t n = 0;  // tokens: s * b
-  int h = 0, ffn = 0;
+  std::int64_t n = 0;  // tokens: s * b (all the ranks' rows)
+  int h = 0, ffn = 0;  // ffn: this rank's columns (ffn_hidden_size / tp)
   bool glu = false, rms = false, zero_centered_gamma = false;
   Act act = Act::Gelu;
   double eps = 1e-5;
   DropoutArgs drop;  // the forward's mlp_bda dropout
-  std::uint64_t element_base = 0;
+  TensorParallel tp;
   // The forward's saved tensors.
-  const void* hidden = nullptr;   // [n, h] pre_mlp_layernorm's input
-  const void* ln2 = nullptr;      // [n, h] its output, linear_fc1's input
+  const void* hidden = nullptr;   // [n_local, h] pre_mlp_layernorm's input
+  const void* ln2 = nullptr;      // [n, h] its output (with SP all-gathered), linear_fc1's input
   const void* fc1 = nullptr;      // [n, w] linear_fc1's GEMM output before its bias (w = glu ? 2 ffn : ffn)
   const void* act_out = nullptr;  // [n, ffn] linear_fc2's input
-  // Parameters (biases null when the layer has none).
+  // Parameters: this rank's shards (biases null when the layer has none).
   const void *ln2_w = nullptr, *fc1_w = nullptr, *fc1_b = nullptr, *fc2_w = nullptr;
   bool fc2_bias = false;
-  // Gradients: dout in, the rest out (param grads null where the parameter is absent).
-  const void* dout = nullptr;  // [n, h]
-  void* dhidden = nullptr;     // [n, h]
+  // Gradients: dout in, the rest out (param grads null where the parameter is absent; shaped as
+  // the rank's shards).
+  const void* dout = nullptr;  // [n_local, h]
+  void* dhidden = nullptr;     // [n_local, h]
   void *d_ln2_w = nullptr, *d_ln2_b = nullptr, *d_fc1_w = nullptr, *d_fc1_b = nullptr, *d_fc2_w = nullptr,
        *d_fc2_b = nullptr;
-  // Scratch: d mlp [n, h], d act [n, ffn], d fc1 [n, w], d ln2 [n, h] in dt; `workspace` as
+  // Scratch in dt: d mlp [n_local, h], d act [n, ffn], d fc1 [n, w], d ln2 [n_local, h]; at tp > 1
+  // d ln2_partial [n, h] (this rank's part of d ln2) and with SP d mlp_full [n, h]; `workspace` as
   // mlp_half_backward_workspace_bytes says.
   void *d_mlp = nullptr, *d_act = nullptr, *d_fc1 = nullptr, *d_ln2 = nullptr;
+  void *d_ln2_partial = nullptr, *d_mlp_full = nullptr;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
 };
@@ -95,42 +104,66 @@ inline std::size_t mlp_half_backward_workspace_bytes(bool rms, std::int64_t n, i
 }
 
 inline void mlp_half_backward(const MlpHalfBackward& a, cudaStream_t st) {
-  require(a.n >= 0 && a.h > 0 && a.ffn > 0, "mlp_half_backward: bad shape");
+  require(a.n >= 0 && a.h > 0 && a.ffn > 0 && a.tp.size >= 1 && (!a.tp.sp || a.n % a.tp.size == 0),
+          "mlp_half_backward: bad shape");
   require(a.hidden && a.ln2 && a.fc1 && a.act_out && a.ln2_w && a.fc1_w && a.fc2_w && a.dout && a.dhidden &&
               a.d_ln2_w && a.d_fc1_w && a.d_fc2_w && a.d_mlp && a.d_act && a.d_fc1 && a.d_ln2,
           "mlp_half_backward: a required tensor is null");
+  require((a.tp.size == 1 || a.d_ln2_partial) && (!a.tp.sp || a.d_mlp_full),
+          "mlp_half_backward: tensor parallelism needs d_ln2_partial (and with SP d_mlp_full)");
   require(!a.rms || !a.d_ln2_b, "mlp_half_backward: RMSNorm has no bias");
   const int w = a.glu ? 2 * a.ffn : a.ffn;
+  const std::int64_t n_local = a.tp.rows_local(a.n);
   const RoundingCount at_input = rounding_now();
-  // ---- mlp_bda: d residual = dout (used below); d mlp, d fc2.bias      // [n, h]
-  bias_dropout_add_backward(a.dt, a.dout, a.d_mlp, nullptr, nullptr, a.n, a.h, a.drop, a.element_base, nullptr, 0, st);
+  // A parameter grad is a leaf: the data path goes on from where it branched off. Every gradient is
+  // compared with the count at the end, so that count is joined with every leaf's (`leaves`).
+  RoundingCount leaves = at_input;
+  auto leaf_done = [&](const RoundingCount& branch_point) {
+    leaves.join(rounding_now());
+    rounding_set(branch_point);
+  };
+  // ---- mlp_bda: d residual = dout (used below); d mlp, d fc2.bias      // [n_local, h]
+  bias_dropout_add_backward(a.dt, a.dout, a.d_mlp, nullptr, nullptr, n_local, a.h, a.drop, a.tp.element_base(a.n, a.h),
+                            nullptr, 0, st);
   const RoundingCount at_fc2 = rounding_now();
   if (a.fc2_bias) {
     require(a.d_fc2_b != nullptr, "mlp_half_backward: fc2 has a bias but d_fc2_b is null");
-    linear_backward_bias(a.dt, a.d_mlp, a.d_fc2_b, a.n, a.h, a.workspace, a.workspace_bytes, st);
-    rounding_set(at_fc2);  // a leaf: the data path goes on from d mlp
+    linear_backward_bias(a.dt, a.d_mlp, a.d_fc2_b, n_local, a.h, a.workspace, a.workspace_bytes, st);
+    tp_sum_param_grad(a.tp, a.tp.sp, a.dt, a.d_fc2_b, a.h, st);  // SP: each rank summed its rows
+    leaf_done(at_fc2);
   }
-  // ---- linear_fc2                                                       // [n, ffn], [h, ffn]
-  linear_backward_wgrad(a.dt, a.d_mlp, a.act_out, a.d_fc2_w, a.n, a.ffn, a.h, st);
-  rounding_set(at_fc2);  // the weight grad is a leaf: the data path goes on from d mlp
-  linear_backward_dgrad(a.dt, a.d_mlp, a.fc2_w, a.d_act, a.n, a.ffn, a.h, st);
+  // ---- linear_fc2 (row parallel)                                        // [n, ffn], [h, ffn]
+  const void* d_mlp = tp_gather_rows(a.tp, a.dt, a.d_mlp, a.d_mlp_full, a.n, a.h, st);  // [n, h]
+  linear_backward_wgrad(a.dt, d_mlp, a.act_out, a.d_fc2_w, a.n, a.ffn, a.h, st);
+  leaf_done(at_fc2);
+  linear_backward_dgrad(a.dt, d_mlp, a.fc2_w, a.d_act, a.n, a.ffn, a.h, st);
   // ---- activation / GLU, fc1.bias                                       // [n, w]
   bias_activation_backward(a.dt, a.fc1, a.fc1_b, a.d_act, a.d_fc1, a.n, a.ffn, a.act, a.glu, st);
   const RoundingCount at_fc1 = rounding_now();
   if (a.fc1_b) {
     require(a.d_fc1_b != nullptr, "mlp_half_backward: fc1 has a bias but d_fc1_b is null");
     linear_backward_bias(a.dt, a.d_fc1, a.d_fc1_b, a.n, w, a.workspace, a.workspace_bytes, st);
-    rounding_set(at_fc1);
+    leaf_done(at_fc1);
   }
-  // ---- linear_fc1                                                       // [n, h], [w, h]
+  // ---- linear_fc1 (column parallel)                                     // [n_local, h], [w, h]
   linear_backward_wgrad(a.dt, a.d_fc1, a.ln2, a.d_fc1_w, a.n, a.h, w, st);
-  rounding_set(at_fc1);
-  linear_backward_dgrad(a.dt, a.d_fc1, a.fc1_w, a.d_ln2, a.n, a.h, w, st);
-  // ---- pre_mlp_layernorm, then the residual's gradient added             // [n, h]
-  norm_backward(a.rms, a.dt, a.d_ln2, a.hidden, a.dhidden, a.ln2_w, a.d_ln2_w, a.d_ln2_b, NormRows::dense(a.n, a.h),
+  leaf_done(at_fc1);
+  void* const d_ln2_partial = a.tp.size > 1 ? a.d_ln2_partial : a.d_ln2;
+  linear_backward_dgrad(a.dt, a.d_fc1, a.fc1_w, d_ln2_partial, a.n, a.h, w, st);
+  tp_reduce(a.tp, a.dt, d_ln2_partial, a.d_ln2, a.n, a.h, st);
+  // ---- pre_mlp_layernorm, then the residual's gradient added             // [n_local, h]
+  norm_backward(a.rms, a.dt, a.d_ln2, a.hidden, a.dhidden, a.ln2_w, a.d_ln2_w, a.d_ln2_b, NormRows::dense(n_local, a.h),
                 a.eps, a.zero_centered_gamma, a.workspace, a.workspace_bytes, st);
+  if (a.tp.sp) {  // each rank's rows gave a part of the norm's parameter grads
+    const RoundingCount at_sum = rounding_now();
+    tp_sum_param_grad(a.tp, true, a.dt, a.d_ln2_w, a.h, st);
+    leaf_done(at_sum);
+    tp_sum_param_grad(a.tp, true, a.dt, a.d_ln2_b, a.h, st);
+    leaf_done(at_sum);
+  }
   rounding_join(at_input);  // the residual path: dout as it came in
-  grad_sum(a.dt, a.dhidden, a.dout, a.dhidden, a.n * a.h, st);
+  grad_sum(a.dt, a.dhidden, a.dout, a.dhidden, n_local * a.h, st);
+  rounding_join(leaves);
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

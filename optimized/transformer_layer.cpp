@@ -51,35 +51,6 @@ Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1) {
   return out;
 }
 
-// How one rank holds its part of a tap: dim < 0, the whole tensor (the same on every rank);
-// else each rank's tensor, its dims from `dim` on split into `blocks` equal consecutive blocks,
-// holds one slice of each block along `dim` (blocks = 2: linear_fc1 with GLU, whose output is
-// [gate | linear] both on a rank and in the full tensor).
-struct ShardLayout {
-  int dim = -1;
-  int blocks = 1;
-};
-
-// The full tensor from the ranks' shards in rank order: for each index before `dim`, for each
-// block, rank 0's slice, rank 1's, ... (a concatenation along `dim` block by block).
-Tensor gather_shards(const std::vector<const Tensor*>& shards, ShardLayout layout) {
-  const Tensor& s0 = *shards.at(0);
-  if (layout.dim < 0 || shards.size() == 1) return s0;
-  Shape shape = s0.shape();
-  std::int64_t outer = 1;
-  for (int d = 0; d < layout.dim; ++d) outer *= shape[d];
-  const std::size_t chunk = s0.nbytes() / static_cast<std::size_t>(outer * layout.blocks);
-  shape[layout.dim] *= static_cast<std::int64_t>(shards.size());
-  Tensor out = Tensor::empty(s0.dtype(), shape);
-  std::byte* dst = out.raw_mut();
-  for (std::int64_t o = 0; o < outer * layout.blocks; ++o)
-    for (const Tensor* t : shards) {
-      std::memcpy(dst, t->raw() + static_cast<std::size_t>(o) * chunk, chunk);
-      dst += chunk;
-    }
-  return out;
-}
-
 }  // namespace
 
 std::map<std::string, Shape> attention_half_param_shapes(std::int64_t h, std::int64_t np, std::int64_t ng,
@@ -282,8 +253,6 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
                      std::to_string(tp) + " with sequence parallelism");
   if (fo.use_graph && (tp != 1 || fo.record_taps))
     throw std::invalid_argument("optimized dense layer: graph replay is for tp = 1 without taps");
-  if (fo.keep_for_backward && tp != 1)
-    throw std::invalid_argument("optimized dense layer: keep_for_backward is for tp = 1 (the backward's scope)");
   int mask_b = 1, mask_h = 1;
   if (attention_mask) {
     const Shape& ms = attention_mask->shape();
@@ -363,13 +332,6 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     if (buf.bytes() != bytes) buf = rt::DeviceBuffer(*m.dev, bytes);
     return buf.get();
   };
-  // The softmax statistics: [b, np, s, 2] fp32.
-  float* const stats = static_cast<float*>(
-      kept_buffer(m.softmax_stats, sizeof(float) * 2 * std::size_t(b) * m.np * s, fo.keep_for_backward));
-  // qk-layernorm works in place on linear_qkv's output: its backward reads a copy from before.
-  void* const pre_norm =
-      kept_buffer(m.qkv_pre_norm, std::size_t(s) * b * std::size_t(m.ranks.at(0).plan.qkv_width()) * es,
-                  fo.keep_for_backward && config_.qk_layernorm);
   m.kept = false;            // set again once this forward has run
   m.backward_graph.reset();  // captured against the buffers and plan of the forward before
 
@@ -378,12 +340,19 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
                                                                          : static_cast<int>(sim::MaskMode::None);
   LayerOutput result;
   for (int r = 0; r < tp; ++r) {
-    RankPlan& p = m.ranks[r].plan;
+    Impl::Rank& R = m.ranks[r];
+    RankPlan& p = R.plan;
+    // The softmax statistics [b, np_local, s, 2] fp32; qk-layernorm works in place on linear_qkv's
+    // output, so its backward reads a copy from before [s, b, qkv_width].
+    float* const stats = static_cast<float*>(
+        kept_buffer(R.softmax_stats, sizeof(float) * 2 * std::size_t(b) * p.np_local() * s, fo.keep_for_backward));
+    void* const pre_norm = kept_buffer(R.qkv_pre_norm, std::size_t(s) * b * std::size_t(p.qkv_width()) * es,
+                                       fo.keep_for_backward && config_.qk_layernorm);
     // graphs bake these values in: a change re-records
     const bool changed = p.training != fo.training || p.seed != fo.seed || p.offset_attention != fo.offset ||
                          p.mask_mode != mask_mode || p.mask_b != mask_b || p.mask_h != mask_h ||
                          p.softmax_stats != stats || p.qkv_pre_norm != pre_norm;
-    if (changed) m.ranks[r].graph.reset();
+    if (changed) R.graph.reset();
     p.training = fo.training;
     p.seed = fo.seed;
     p.offset_attention = fo.offset;
@@ -500,21 +469,13 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   if (fo.record_taps)
     for (int r = 0; r < tp; ++r) m.ranks[r].plan.on_tap = tap_handler(r);
 
-  // Rounding points are counted per thread: each rank's thread counts from the count its input
-  // carries, and the caller's count continues from the ranks' (their join: the ranks execute the
-  // same points).
-  const RoundingCount at_start = rounding_now();
-  std::vector<RoundingCount> at_end(tp);
-  auto run_rank = [&](int r) {
-    CountRoundings counting;
-    rounding_set(at_start);
+  m.run_ranks_counted([&](int r) {
     Impl::Rank& R = m.ranks[r];
-    const cudaStream_t st = R.stream->handle();
     auto fwd = [&]() {
 #if TWIN_HAVE_CUDA
-      if (options_.backend == rt::Backend::Cuda) return cuda::rank_forward(R.plan, st);
+      if (options_.backend == rt::Backend::Cuda) return cuda::rank_forward(R.plan, R.stream->handle());
 #endif
-      sim::rank_forward(R.plan, st);
+      sim::rank_forward(R.plan, R.stream->handle());
     };
     if (fo.use_graph) {
       if (!R.graph) {
@@ -527,12 +488,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
       fwd();
     }
     R.stream->synchronize();
-    at_end[r] = rounding_now();
-  };
-  if (tp == 1)
-    run_rank(0);
-  else
-    rt::run_ranks(tp, run_rank);
+  });
 
   // ---- output: rank 0's full tensor, or (SP) the ranks' sequence slices in rank order
   Tensor out = Tensor::empty(m.dt, {s, b, m.h});
@@ -542,9 +498,6 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     m.ranks[r].stream->synchronize();
   }
   for (auto& R : m.ranks) R.plan.on_tap = nullptr;
-  RoundingCount ranks_end = at_start;
-  for (const RoundingCount& e : at_end) ranks_end.join(e);
-  rounding_set(ranks_end);
 
   // Every rank recorded the same taps in the same order; each becomes one full tensor.
   for (std::size_t i = 0; i < rank_taps[0].size(); ++i) {

@@ -28,22 +28,18 @@
 
 namespace twin::opt::TWIN_BACKEND {
 
+// This rank's place in the tensor-parallel group.
+inline TensorParallel tensor_parallel(const RankPlan& p) { return TensorParallel{p.tp, p.rank, p.sp, p.comm}; }
+
 // A row-parallel linear (linear_proj, fc2): y = x[s, b, in_local] @ w[h, in_local]^T summed over
 // the tensor-parallel ranks: each rank's product goes to `partial` [s, b, h], then all-reduced
 // into y [s, b, h], or with sequence parallelism reduce-scattered into this rank's y [s_local, b, h].
 // With tp == 1 the product is y itself. The bias is left to the bias-dropout-add, as in Megatron.
 inline void row_parallel_linear_forward(const RankPlan& p, const void* x, const void* w, std::int64_t in_local,
                                         void* partial, void* y, cudaStream_t st) {
-  const std::int64_t n_local = std::int64_t(p.s_local()) * p.b, n_full = std::int64_t(p.s) * p.b;
+  const std::int64_t n_full = std::int64_t(p.s) * p.b;
   linear_forward(p.dt, x, w, nullptr, p.tp > 1 ? partial : y, n_full, in_local, p.h, st);
-  if (p.tp == 1) return;
-  // counts: the sum over ranks adds the tp partials one by one, rounding to T after each addition
-  // (the threaded group's fixed order; NCCL rounds per hop likewise): tp - 1 stores.
-  rounding_store(p.dt, p.tp - 1);
-  if (p.sp)
-    p.comm->reduce_scatter(partial, y, std::size_t(n_local) * p.h, p.dt, st);
-  else
-    p.comm->all_reduce(partial, y, std::size_t(n_full) * p.h, p.dt, st);
+  tp_reduce(tensor_parallel(p), p.dt, partial, y, n_full, p.h, st);
 }
 
 // The core attention's parameters of this rank (the forward's and the backward's).
@@ -126,7 +122,7 @@ inline void attention_forward_impl(const RankPlan& p, cudaStream_t st) {
   tap(TapPoint::LinearProj);
 
   // ---- self_attn_bda: h1 = residual + dropout(proj + bias)   // [s_local, b, h]
-  const std::uint64_t element_base = p.sp ? std::uint64_t(p.rank) * std::uint64_t(n_local) * p.h : 0;
+  const std::uint64_t element_base = tensor_parallel(p).element_base(n_full, p.h);
   bias_dropout_add_forward(dt, p.proj, p.proj_b, p.post_ln_residual ? p.ln1 : p.x, p.h1, n_local, p.h,
                            DropoutArgs::make(p.hidden_dropout, p.training, p.seed, p.offset_self_attn_bda),
                            element_base, st);
@@ -145,7 +141,7 @@ inline void dense_mlp_forward_impl(const RankPlan& p, cudaStream_t st) {
   auto tap = [&](TapPoint t) {
     if (p.on_tap) p.on_tap(t);
   };
-  const std::uint64_t element_base = p.sp ? std::uint64_t(p.rank) * std::uint64_t(n_local) * p.h : 0;
+  const std::uint64_t element_base = tensor_parallel(p).element_base(n_full, p.h);
   // ---- mlp: linear_fc1 (column parallel), bias + activation (+ GLU) fused, linear_fc2 (row parallel)
   const int f_l = p.ffn_local();
   const std::int64_t fc1_w = (p.glu ? 2 : 1) * std::int64_t(f_l);
@@ -166,25 +162,28 @@ inline void rank_forward_impl(const RankPlan& p, cudaStream_t st) {
   dense_mlp_forward_impl(p, st);
 }
 
-// ---- backward (tp 1) -----------------------------------------------------------------------------
-// The dense layer's backward: mlp_half_backward from the output's gradient to d h1, then
-// attention_half_backward from d h1 to the input's gradient, each on the forward's kept buffers
-// (x, ln1, qkv after RoPE, ctx, h1, ln2, fc1 before its bias, act_out; the softmax statistics).
+// ---- backward ------------------------------------------------------------------------------------
+// The dense layer's backward on one rank: mlp_half_backward from the output's gradient to d h1,
+// then attention_half_backward from d h1 to the input's gradient, each on the forward's kept
+// buffers (x, ln1 (SP: all-gathered), qkv after RoPE, ctx, h1, ln2 (SP: all-gathered), fc1 before
+// its bias, act_out; the softmax statistics), with the tensor-parallel collectives the forward's
+// duals (tensor_parallel/layers.py).
 
 inline MlpHalfBackward mlp_half_backward_args(const RankPlan& p, const RankGrads& g) {
   MlpHalfBackward m;
   m.dt = p.dt;
   m.n = std::int64_t(p.s) * p.b;
   m.h = p.h;
-  m.ffn = p.ffn;
+  m.ffn = p.ffn_local();
   m.glu = p.glu;
   m.rms = p.rms;
   m.zero_centered_gamma = p.zero_centered_gamma;
   m.act = static_cast<Act>(p.act);
   m.eps = p.eps;
   m.drop = DropoutArgs::make(p.hidden_dropout, p.training, p.seed, p.offset_mlp_bda);
+  m.tp = tensor_parallel(p);
   m.hidden = p.h1;
-  m.ln2 = p.ln2;
+  m.ln2 = p.ln2_full;
   m.fc1 = p.fc1;
   m.act_out = p.act_out;
   m.ln2_w = p.ln2_w;
@@ -204,6 +203,8 @@ inline MlpHalfBackward mlp_half_backward_args(const RankPlan& p, const RankGrads
   m.d_act = g.d_act;
   m.d_fc1 = g.d_fc1;
   m.d_ln2 = g.d_ln2;
+  m.d_ln2_partial = g.d_ln2_partial;
+  m.d_mlp_full = g.d_mlp_full;
   m.workspace = g.workspace;
   m.workspace_bytes = g.workspace_bytes;
   return m;
@@ -215,8 +216,8 @@ inline AttentionHalfBackward attention_half_backward_args(const RankPlan& p, con
   a.s = p.s;
   a.b = p.b;
   a.h = p.h;
-  a.np = p.np;
-  a.ng = p.ng;
+  a.np = p.np_local();
+  a.ng = p.ng_local();
   a.hn = p.hn;
   a.rms = p.rms;
   a.zero_centered_gamma = p.zero_centered_gamma;
@@ -228,10 +229,9 @@ inline AttentionHalfBackward attention_half_backward_args(const RankPlan& p, con
   a.drop = DropoutArgs::make(p.hidden_dropout, p.training, p.seed, p.offset_self_attn_bda);
   a.qk_layernorm = p.qk_layernorm;
   a.post_ln_residual = p.post_ln_residual;
-  a.tp = p.tp;
-  a.sp = p.sp;
+  a.tp = tensor_parallel(p);
   a.x = p.x;
-  a.ln1 = p.ln1;
+  a.ln1 = p.ln1_full;
   a.qkv = p.qkv;
   a.qkv_pre_norm = p.qkv_pre_norm;
   a.ctx = p.ctx;
@@ -262,6 +262,8 @@ inline AttentionHalfBackward attention_half_backward_args(const RankPlan& p, con
   a.d_qkv = g.d_qkv;
   a.d_qkv_pre = g.d_qkv_pre;
   a.d_ln1 = g.d_ln1;
+  a.d_ln1_partial = g.d_ln1_partial;
+  a.d_proj_full = g.d_proj_full;
   a.workspace = g.workspace;
   a.workspace_bytes = g.workspace_bytes;
   return a;
@@ -269,12 +271,11 @@ inline AttentionHalfBackward attention_half_backward_args(const RankPlan& p, con
 
 inline std::size_t rank_backward_workspace_bytes_impl(const RankPlan& p) {
   const RankGrads none;
-  return std::max(mlp_half_backward_workspace_bytes(p.rms, std::int64_t(p.s) * p.b, p.h, p.ffn, p.glu),
+  return std::max(mlp_half_backward_workspace_bytes(p.rms, std::int64_t(p.s) * p.b, p.h, p.ffn_local(), p.glu),
                   attention_half_backward_workspace_bytes(attention_half_backward_args(p, none)));
 }
 
 inline void rank_backward_impl(const RankPlan& p, const RankGrads& g, cudaStream_t st) {
-  require(p.tp == 1 && !p.sp, "rank_backward: tp 1 without sequence parallelism only");
   mlp_half_backward(mlp_half_backward_args(p, g), st);
   attention_half_backward(attention_half_backward_args(p, g), st);
 }

@@ -44,8 +44,8 @@ struct ForwardOptions {
                                    // rounding points counted before it (in a CountRoundings scope); at
                                    // tp > 1 the ranks' shards gathered into the full tensor, in rank order
   bool use_graph = false;          // capture the forward into a CUDA graph once, then replay it
-  bool keep_for_backward = false;  // keep what backward() reads (the attention's softmax statistics;
-                                   // the activations stay in the layer's buffers anyway); tp = 1
+  bool keep_for_backward = false;  // keep what backward() reads (each rank's attention softmax statistics;
+                                   // the activations stay in the layer's buffers anyway)
 };
 
 struct LayerOutput {
@@ -83,17 +83,19 @@ class DenseTransformerLayer {
   LayerOutput forward(const Tensor& hidden_states, const Tensor* attention_mask, const Tensor* rotary_pos_emb,
                       const ForwardOptions& options = {});
 
-  // Why backward() does not cover this layer (tp > 1, sequence parallelism), or none.
+  // Why backward() does not cover this layer, or none.
   std::optional<std::string> backward_unsupported() const;
   // The gradients of the last forward (run with keep_for_backward) for grad_output [s, b, h] (its
-  // shape and dtype): the input's and every parameter's. Rounding points are counted on from the
-  // running count (a gradient depends on every forward activation it reads). with_magnitudes: each
+  // shape and dtype): the input's and every parameter's, each the full tensor (the ranks' shards
+  // gathered in rank order; a replicated parameter's grad summed over the ranks where each computed
+  // a part, as finalize_model_grads does). Rounding points are counted on from the running count
+  // (a gradient depends on every forward activation it reads), the collectives' sums included. with_magnitudes: each
   // parameter grad's magnitude (ParamGradient), computed on the host from the gradients and
   // activations the run leaves in its buffers (a host pass of O(tokens x in x out) per linear, for
   // comparisons with a counted bound; else -1). use_graph: the first such call after a forward
   // captures the backward's kernels and GEMMs into a CUDA graph and every later one replays it
-  // (rounding points are counted at the capture only). std::logic_error when unsupported or when the
-  // last forward kept nothing.
+  // (rounding points are counted at the capture only; tp = 1, else std::invalid_argument).
+  // std::logic_error when unsupported or when the last forward kept nothing.
   LayerGradients backward(const Tensor& grad_output, bool with_magnitudes = false, bool use_graph = false);
 
   // Device time of one forward (ms), averaged over `iters` replays of the layer captured by the

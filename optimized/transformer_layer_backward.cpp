@@ -1,8 +1,10 @@
-// Host side of the optimized dense layer's backward at tp 1, one job per part: what it supports
-// (backward_unsupported), its buffers (the gradients and the scratch between the ops, RankGrads),
-// running it (transformer_layer.cuh rank_backward_impl on the forward's kept buffers) and the
-// parameter grads' magnitudes (computed here on the host from the gradients and activations the
-// run leaves in its buffers, as the reference's ParamGrad defines them).
+// Host side of the optimized dense layer's backward, one job per part: what it supports
+// (backward_unsupported), its buffers (each rank's gradients and the scratch between the ops,
+// RankGrads), running the ranks (transformer_layer.cuh rank_backward_impl on the forward's kept
+// buffers, one thread per simulated rank), putting the ranks' shards of each gradient back into
+// Megatron's full tensor, and the parameter grads' magnitudes (computed here on the host from the
+// gradients and activations the run leaves in its buffers, as the reference's ParamGrad defines
+// them).
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -14,29 +16,38 @@ namespace twin::opt {
 
 namespace {
 
-// Each parameter's gradient slot in RankGrads, by its Megatron state-dict key.
+// Each parameter's gradient slot in RankGrads, by its Megatron state-dict key, and how the ranks
+// hold it: shard_dim -1, the whole gradient on every rank (a replicated parameter, after the
+// backward's sum over the ranks where each computed a part); 0 / 1, split by rows / columns as
+// the weight is (linear_fc1 with GLU: rows in two blocks, [gate | linear]).
 struct GradSlot {
   const char* key;
   void* RankGrads::*slot;
+  int shard_dim;
 };
 constexpr GradSlot kGradSlots[] = {
-    {"input_layernorm.weight", &RankGrads::ln1_w},
-    {"input_layernorm.bias", &RankGrads::ln1_b},
-    {"self_attention.linear_qkv.weight", &RankGrads::qkv_w},
-    {"self_attention.linear_qkv.bias", &RankGrads::qkv_b},
-    {"self_attention.linear_proj.weight", &RankGrads::proj_w},
-    {"self_attention.linear_proj.bias", &RankGrads::proj_b},
-    {"self_attention.q_layernorm.weight", &RankGrads::qln_w},
-    {"self_attention.q_layernorm.bias", &RankGrads::qln_b},
-    {"self_attention.k_layernorm.weight", &RankGrads::kln_w},
-    {"self_attention.k_layernorm.bias", &RankGrads::kln_b},
-    {"pre_mlp_layernorm.weight", &RankGrads::ln2_w},
-    {"pre_mlp_layernorm.bias", &RankGrads::ln2_b},
-    {"mlp.linear_fc1.weight", &RankGrads::fc1_w},
-    {"mlp.linear_fc1.bias", &RankGrads::fc1_b},
-    {"mlp.linear_fc2.weight", &RankGrads::fc2_w},
-    {"mlp.linear_fc2.bias", &RankGrads::fc2_b},
+    {"input_layernorm.weight", &RankGrads::ln1_w, -1},
+    {"input_layernorm.bias", &RankGrads::ln1_b, -1},
+    {"self_attention.linear_qkv.weight", &RankGrads::qkv_w, 0},
+    {"self_attention.linear_qkv.bias", &RankGrads::qkv_b, 0},
+    {"self_attention.linear_proj.weight", &RankGrads::proj_w, 1},
+    {"self_attention.linear_proj.bias", &RankGrads::proj_b, -1},
+    {"self_attention.q_layernorm.weight", &RankGrads::qln_w, -1},
+    {"self_attention.q_layernorm.bias", &RankGrads::qln_b, -1},
+    {"self_attention.k_layernorm.weight", &RankGrads::kln_w, -1},
+    {"self_attention.k_layernorm.bias", &RankGrads::kln_b, -1},
+    {"pre_mlp_layernorm.weight", &RankGrads::ln2_w, -1},
+    {"pre_mlp_layernorm.bias", &RankGrads::ln2_b, -1},
+    {"mlp.linear_fc1.weight", &RankGrads::fc1_w, 0},
+    {"mlp.linear_fc1.bias", &RankGrads::fc1_b, 0},
+    {"mlp.linear_fc2.weight", &RankGrads::fc2_w, 1},
+    {"mlp.linear_fc2.bias", &RankGrads::fc2_b, -1},
 };
+
+ShardLayout shard_layout(const GradSlot& s, bool glu) {
+  const bool fc1 = s.slot == &RankGrads::fc1_w || s.slot == &RankGrads::fc1_b;
+  return ShardLayout{s.shard_dim, fc1 && glu ? 2 : 1};
+}
 
 // ---- magnitudes: the sums of absolute terms each parameter grad accumulates ---------------------
 // A [rows, cols] device tensor of dt, on the host.
@@ -46,10 +57,8 @@ Tensor download(rt::Device& dev, const void* ptr, DType dt, std::int64_t rows, s
   dev.synchronize(st);
   return t;
 }
-// The same as |values| in double.
-std::vector<double> abs_values(rt::Device& dev, const void* ptr, DType dt, std::int64_t rows, std::int64_t cols,
-                               cudaStream_t st) {
-  const Tensor t = download(dev, ptr, dt, rows, cols, st);
+// |t| in double.
+std::vector<double> abs_values(const Tensor& t) {
   std::vector<double> v(static_cast<std::size_t>(t.numel()));
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = std::fabs(t.at_f64(static_cast<std::int64_t>(i)));
   return v;
@@ -118,51 +127,61 @@ std::vector<double> gather_heads(const std::vector<double>& full, std::int64_t n
 
 // ---- what it supports ----------------------------------------------------------------------------
 std::optional<std::string> DenseTransformerLayer::backward_unsupported() const {
-  const RankPlan& p = impl_->ranks.at(0).plan;
-  const std::string why = sim::attention_half_backward_unsupported(p.post_ln_residual, p.tp, p.sp);
+  const std::string why = sim::attention_half_backward_unsupported(impl_->ranks.at(0).plan.post_ln_residual);
   if (!why.empty()) return why;
   return std::nullopt;
 }
 
-// ---- its buffers: the gradients and the scratch for the current (s, b) ------------------------------
-void DenseTransformerLayer::Impl::ensure_grad_buffers(const RankPlan& p, rt::Backend backend) {
+// ---- its buffers: each rank's gradients and scratch for the current (s, b) --------------------------
+void DenseTransformerLayer::Impl::ensure_grad_buffers(rt::Backend backend) {
   Impl& m = *this;
-  if (m.grads_s == p.s && m.grads_b == p.b) return;
+  const RankPlan& p0 = m.ranks.at(0).plan;
+  if (m.grads_s == p0.s && m.grads_b == p0.b) return;
   m.grads_s = m.grads_b = -1;
   m.backward_graph.reset();  // it wrote into the buffers released here
-  m.grad_bufs.clear();
-  m.grad_bufs.reserve(32);
-  const std::size_t es = dtype_size(m.dt), n = std::size_t(p.s) * p.b;
-  auto buf = [&](std::size_t bytes) {
-    m.grad_bufs.emplace_back(*m.dev, std::max<std::size_t>(bytes, 1));
-    return m.grad_bufs.back().get();
-  };
-  RankGrads g;
-  g.dout = buf(n * m.h * es);
-  g.dx = buf(n * m.h * es);
-  for (const GradSlot& s : kGradSlots)
-    g.*s.slot = m.full.count(s.key) ? buf(std::size_t(m.full.at(s.key).numel()) * es) : nullptr;
-  g.dh1 = buf(n * m.h * es);
-  g.d_mlp = buf(n * m.h * es);
-  g.d_act = buf(n * m.ffn * es);
-  g.d_fc1 = buf(n * (p.glu ? 2 : 1) * m.ffn * es);
-  g.d_ln2 = buf(n * m.h * es);
-  g.d_proj = buf(n * m.h * es);
-  g.d_ctx = buf(n * std::size_t(m.np) * m.hn * es);
-  g.d_qkv = buf(n * std::size_t(p.qkv_width()) * es);
-  g.d_qkv_pre = p.qk_layernorm ? buf(n * std::size_t(p.qkv_width()) * es) : nullptr;
-  g.d_ln1 = buf(n * m.h * es);
+  const std::size_t es = dtype_size(m.dt);
+  for (Rank& R : m.ranks) {
+    const RankPlan& p = R.plan;
+    const std::size_t n = std::size_t(p.s) * p.b, nl = std::size_t(p.s_local()) * p.b;
+    R.grad_bufs.clear();
+    R.grad_bufs.reserve(32);
+    auto buf = [&](std::size_t elems) {
+      R.grad_bufs.emplace_back(*m.dev, std::max<std::size_t>(elems * es, 1));
+      return R.grad_bufs.back().get();
+    };
+    auto buf_if = [&](bool want, std::size_t elems) { return want ? buf(elems) : nullptr; };
+    RankGrads g;
+    g.dout = buf(nl * m.h);
+    g.dx = buf(nl * m.h);
+    for (const GradSlot& s : kGradSlots)
+      if (m.full.count(s.key)) g.*s.slot = buf(std::size_t(m.full.at(s.key).numel()) / (s.shard_dim < 0 ? 1 : p.tp));
+    g.dh1 = buf(nl * m.h);
+    g.d_mlp = buf(nl * m.h);
+    g.d_mlp_full = buf_if(p.sp, n * m.h);
+    g.d_act = buf(n * p.ffn_local());
+    g.d_fc1 = buf(n * (p.glu ? 2 : 1) * p.ffn_local());
+    g.d_ln2_partial = buf_if(p.tp > 1, n * m.h);
+    g.d_ln2 = buf(nl * m.h);
+    g.d_proj = buf(nl * m.h);
+    g.d_proj_full = buf_if(p.sp, n * m.h);
+    g.d_ctx = buf(n * std::size_t(p.np_local()) * m.hn);
+    g.d_qkv = buf(n * std::size_t(p.qkv_width()));
+    g.d_qkv_pre = buf_if(p.qk_layernorm, n * std::size_t(p.qkv_width()));
+    g.d_ln1_partial = buf_if(p.tp > 1, n * m.h);
+    g.d_ln1 = buf(nl * m.h);
 #if TWIN_HAVE_CUDA
-  g.workspace_bytes =
-      backend == rt::Backend::Cuda ? cuda::rank_backward_workspace_bytes(p) : sim::rank_backward_workspace_bytes(p);
+    g.workspace_bytes =
+        backend == rt::Backend::Cuda ? cuda::rank_backward_workspace_bytes(p) : sim::rank_backward_workspace_bytes(p);
 #else
-  (void)backend;
-  g.workspace_bytes = sim::rank_backward_workspace_bytes(p);
+    (void)backend;
+    g.workspace_bytes = sim::rank_backward_workspace_bytes(p);
 #endif
-  g.workspace = buf(g.workspace_bytes);
-  m.grads = g;
-  m.grads_s = p.s;
-  m.grads_b = p.b;
+    R.grad_bufs.emplace_back(*m.dev, std::max<std::size_t>(g.workspace_bytes, 1));
+    g.workspace = R.grad_bufs.back().get();
+    R.grads = g;
+  }
+  m.grads_s = p0.s;
+  m.grads_b = p0.b;
 }
 
 // ---- running it ----------------------------------------------------------------------------------
@@ -171,95 +190,133 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   Impl& m = *impl_;
   if (!m.kept)
     throw std::logic_error("optimized dense layer: backward() needs the last forward run with keep_for_backward");
-  Impl::Rank& R = m.ranks.at(0);
-  const RankPlan& p = R.plan;
-  const std::int64_t n = std::int64_t(p.s) * p.b;
+  const int tp = options_.tp;
+  if (use_graph && tp != 1)
+    throw std::invalid_argument("optimized dense layer: graph replay of the backward is for tp = 1");
+  const RankPlan& p = m.ranks.at(0).plan;
+  const std::int64_t n = std::int64_t(p.s) * p.b, n_local = std::int64_t(p.s_local()) * p.b;
+  const std::size_t es = dtype_size(m.dt), slice_bytes = std::size_t(n_local) * m.h * es;
   grad_output.expect({p.s, p.b, m.h}, m.dt, "optimized dense layer: grad_output");
-  m.ensure_grad_buffers(p, options_.backend);
-  const RankGrads& g = m.grads;
-  const cudaStream_t st = R.stream->handle();
-  m.dev->copy(const_cast<void*>(g.dout), grad_output.raw(), grad_output.nbytes(), rt::CopyKind::HostToDevice, st);
-  auto run = [&] {
+  m.ensure_grad_buffers(options_.backend);
+  rt::Device& dev = *m.dev;
+  // Each rank's output gradient: with SP its sequence slice, else the whole of it.
+  for (int r = 0; r < tp; ++r)
+    dev.copy(const_cast<void*>(m.ranks[r].grads.dout), grad_output.raw() + (p.sp ? r * slice_bytes : 0), slice_bytes,
+             rt::CopyKind::HostToDevice, m.ranks[r].stream->handle());
+  m.run_ranks_counted([&](int r) {
+    Impl::Rank& R = m.ranks[r];
+    auto run = [&] {
 #if TWIN_HAVE_CUDA
-    if (options_.backend == rt::Backend::Cuda) return cuda::rank_backward(p, g, st);
+      if (options_.backend == rt::Backend::Cuda) return cuda::rank_backward(R.plan, R.grads, R.stream->handle());
 #endif
-    sim::rank_backward(p, g, st);
-  };
-  if (use_graph) {
-    if (!m.backward_graph) {
-      R.stream->begin_capture();
+      sim::rank_backward(R.plan, R.grads, R.stream->handle());
+    };
+    if (use_graph) {
+      if (!m.backward_graph) {
+        R.stream->begin_capture();
+        run();
+        m.backward_graph.emplace(R.stream->end_capture());
+      }
+      m.backward_graph->launch(*R.stream);
+    } else {
       run();
-      m.backward_graph.emplace(R.stream->end_capture());
     }
-    m.backward_graph->launch(*R.stream);
-  } else {
-    run();
-  }
-  R.stream->synchronize();
+    R.stream->synchronize();
+  });
+
+  // A tensor each rank holds part of ([rows, cols] per rank, `layout`; dim < 0: rank 0's is the
+  // whole), put back together in the full layer's layout, shards in rank order.
+  auto gathered = [&](auto ptr_of, std::int64_t rows, std::int64_t cols, ShardLayout layout) {
+    std::vector<Tensor> parts;
+    for (int r = 0; r < (layout.dim < 0 ? 1 : tp); ++r)
+      parts.push_back(download(dev, ptr_of(m.ranks[r]), m.dt, rows, cols, m.ranks[r].stream->handle()));
+    std::vector<const Tensor*> shards;
+    for (const Tensor& t : parts) shards.push_back(&t);
+    return gather_shards(shards, layout);
+  };
+  const ShardLayout by_rows = p.sp ? ShardLayout{0, 1} : ShardLayout{};
 
   LayerGradients out;
-  out.hidden_states = Tensor::empty(m.dt, {p.s, p.b, m.h});
-  m.dev->copy(out.hidden_states.raw_mut(), g.dx, out.hidden_states.nbytes(), rt::CopyKind::DeviceToHost, st);
-  R.stream->synchronize();
+  out.hidden_states = gathered([](const Impl::Rank& R) { return R.grads.dx; }, n_local, m.h, by_rows);
+  out.hidden_states = out.hidden_states.reshape({p.s, p.b, m.h});
+  for (const std::string& key : dense_layer_param_keys(config_)) {
+    const GradSlot* s = nullptr;
+    for (const GradSlot& c : kGradSlots)
+      if (key == c.key) s = &c;
+    if (!s || !(m.ranks[0].grads.*s->slot))
+      throw std::logic_error("optimized dense layer: the backward computes no gradient of '" + key + "'");
+    const Tensor& full = m.full.at(key);
+    const ShardLayout layout = shard_layout(*s, p.glu);
+    const int parts = layout.dim < 0 ? 1 : tp;
+    // the rank's shard as a [rows, cols] matrix (a bias: [numel, 1])
+    const std::int64_t rows = full.dim() == 1 ? full.numel() / parts : full.size(0) / (layout.dim == 0 ? parts : 1),
+                       cols = full.dim() == 1 ? 1 : full.size(1) / (layout.dim == 1 ? parts : 1);
+    ParamGradient pg;
+    pg.name = key;
+    pg.value =
+        gathered([s](const Impl::Rank& R) { return R.grads.*s->slot; }, rows, cols, layout).reshape(full.shape());
+    out.params.push_back(std::move(pg));
+  }
+  if (!with_magnitudes) return out;
 
-  // The magnitudes (when asked): each op's output gradient and input as the run left them.
-  rt::Device& dev = *m.dev;
+  // The magnitudes: each op's output gradient and input as the run left them, as full tensors,
+  // with the full layer's plan (its qkv layout is the ranks' query groups side by side).
+  RankPlan fp = p;
+  fp.tp = 1;
+  fp.sp = false;
   const std::int64_t h = m.h, w = (p.glu ? 2 : 1) * std::int64_t(m.ffn), cw = std::int64_t(m.np) * m.hn,
-                     qw = p.qkv_width();
-  auto abs_of = [&](const void* ptr, std::int64_t cols) { return abs_values(dev, ptr, m.dt, n, cols, st); };
-  auto abs_if = [&](const void* ptr, std::int64_t cols) {
-    return with_magnitudes ? abs_of(ptr, cols) : std::vector<double>();
+                     qw = fp.qkv_width();
+  auto rows_of = [&](auto ptr_of) { return gathered(ptr_of, n_local, h, by_rows); };
+  auto cols_of = [&](auto ptr_of, std::int64_t cols, int blocks = 1) {
+    return gathered(ptr_of, n, cols / tp, ShardLayout{1, blocks});
   };
   // d_qkv: core attention's q, k, v gradient (the qk-norms' dy); d_lin: linear_qkv's output gradient.
-  const auto d_ln1 = abs_if(g.d_ln1, h), d_qkv = abs_if(g.d_qkv, qw),
-             d_lin = p.qk_layernorm ? abs_if(g.d_qkv_pre, qw) : d_qkv, d_proj = abs_if(g.d_proj, h),
-             d_ln2 = abs_if(g.d_ln2, h), d_fc1 = abs_if(g.d_fc1, w), d_mlp = abs_if(g.d_mlp, h);
-  auto norm_magnitude = [&](const std::vector<double>& dy, const void* x) {
-    return norm_weight_magnitude(dy, download(dev, x, m.dt, n, h, st), n, h, p.rms, p.eps);
-  };
+  const auto d_ln1 = abs_values(rows_of([](const Impl::Rank&R) { return R.grads.d_ln1; })),
+             d_qkv = abs_values(cols_of([](const Impl::Rank&R) { return R.grads.d_qkv; }, qw)),
+             d_lin =
+                 p.qk_layernorm ? abs_values(cols_of([](const Impl::Rank&R) { return R.grads.d_qkv_pre; }, qw)) : d_qkv,
+             d_proj = abs_values(rows_of([](const Impl::Rank&R) { return R.grads.d_proj; })),
+             d_ln2 = abs_values(rows_of([](const Impl::Rank&R) { return R.grads.d_ln2; })),
+             d_fc1 = abs_values(cols_of([](const Impl::Rank&R) { return R.grads.d_fc1; }, w, p.glu ? 2 : 1)),
+             d_mlp = abs_values(rows_of([](const Impl::Rank&R) { return R.grads.d_mlp; }));
+  const Tensor x = rows_of([](const Impl::Rank&R) { return R.plan.x; }),
+               h1 = rows_of([](const Impl::Rank&R) { return R.plan.h1; });
+  auto whole = [&](auto ptr_of, std::int64_t cols) { return abs_values(gathered(ptr_of, n, cols, ShardLayout{})); };
   // q_layernorm / k_layernorm: one norm of width hn over every q (k) head's rows.
   auto qk_norm_magnitude = [&](bool keys, bool bias) {
-    const std::vector<double> dy = gather_heads(d_qkv, n, p, keys);
+    const std::vector<double> dy = gather_heads(d_qkv, n, fp, keys);
     const std::int64_t rows = std::int64_t(dy.size()) / p.hn;
     if (bias) return column_magnitude(dy, rows, p.hn);
-    const Tensor pre = download(dev, p.qkv_pre_norm, m.dt, n, qw, st);
-    const std::vector<double> x = gather_heads(pre.to_f64(), n, p, keys);
-    return norm_weight_magnitude(dy, Tensor::from_doubles(DType::F64, {rows, p.hn}, x), rows, p.hn, p.rms, p.eps);
+    const Tensor pre = cols_of([](const Impl::Rank& R) { return R.plan.qkv_pre_norm; }, qw);
+    const std::vector<double> xs = gather_heads(pre.to_f64(), n, fp, keys);
+    return norm_weight_magnitude(dy, Tensor::from_doubles(DType::F64, {rows, p.hn}, xs), rows, p.hn, p.rms, p.eps);
   };
   auto magnitude = [&](const std::string& key) -> double {
-    if (key == "input_layernorm.weight") return norm_magnitude(d_ln1, p.x);
+    if (key == "input_layernorm.weight") return norm_weight_magnitude(d_ln1, x, n, h, p.rms, p.eps);
     if (key == "input_layernorm.bias") return column_magnitude(d_ln1, n, h);
-    if (key == "self_attention.linear_qkv.weight") return weight_magnitude(d_lin, abs_of(p.ln1, h), n, qw, h);
+    if (key == "self_attention.linear_qkv.weight")
+      return weight_magnitude(d_lin, whole([](const Impl::Rank& R) { return R.plan.ln1_full; }, h), n, qw, h);
     if (key == "self_attention.linear_qkv.bias") return column_magnitude(d_lin, n, qw);
-    if (key == "self_attention.linear_proj.weight") return weight_magnitude(d_proj, abs_of(p.ctx, cw), n, h, cw);
+    if (key == "self_attention.linear_proj.weight")
+      return weight_magnitude(d_proj, abs_values(cols_of([](const Impl::Rank& R) { return R.plan.ctx; }, cw)), n, h,
+                              cw);
     if (key == "self_attention.linear_proj.bias") return column_magnitude(d_proj, n, h);
     if (key == "self_attention.q_layernorm.weight") return qk_norm_magnitude(false, false);
     if (key == "self_attention.q_layernorm.bias") return qk_norm_magnitude(false, true);
     if (key == "self_attention.k_layernorm.weight") return qk_norm_magnitude(true, false);
     if (key == "self_attention.k_layernorm.bias") return qk_norm_magnitude(true, true);
-    if (key == "pre_mlp_layernorm.weight") return norm_magnitude(d_ln2, p.h1);
+    if (key == "pre_mlp_layernorm.weight") return norm_weight_magnitude(d_ln2, h1, n, h, p.rms, p.eps);
     if (key == "pre_mlp_layernorm.bias") return column_magnitude(d_ln2, n, h);
-    if (key == "mlp.linear_fc1.weight") return weight_magnitude(d_fc1, abs_of(p.ln2, h), n, w, h);
+    if (key == "mlp.linear_fc1.weight")
+      return weight_magnitude(d_fc1, whole([](const Impl::Rank& R) { return R.plan.ln2_full; }, h), n, w, h);
     if (key == "mlp.linear_fc1.bias") return column_magnitude(d_fc1, n, w);
-    if (key == "mlp.linear_fc2.weight") return weight_magnitude(d_mlp, abs_of(p.act_out, m.ffn), n, h, m.ffn);
+    if (key == "mlp.linear_fc2.weight")
+      return weight_magnitude(d_mlp, abs_values(cols_of([](const Impl::Rank& R) { return R.plan.act_out; }, m.ffn)), n,
+                              h, m.ffn);
     if (key == "mlp.linear_fc2.bias") return column_magnitude(d_mlp, n, h);
     throw std::logic_error("optimized dense layer: no magnitude rule for the gradient of '" + key + "'");
   };
-  for (const std::string& key : dense_layer_param_keys(config_)) {
-    const GradSlot* s = nullptr;
-    for (const GradSlot& c : kGradSlots)
-      if (key == c.key) s = &c;
-    if (!s || !(g.*s->slot))
-      throw std::logic_error("optimized dense layer: the backward computes no gradient of '" + key + "'");
-    ParamGradient pg;
-    pg.name = key;
-    pg.value = Tensor::empty(m.dt, m.full.at(key).shape());
-    dev.copy(pg.value.raw_mut(), g.*s->slot, pg.value.nbytes(), rt::CopyKind::DeviceToHost, st);
-    out.params.push_back(std::move(pg));
-  }
-  R.stream->synchronize();  // one wait for every parameter's copy
-  if (with_magnitudes)
-    for (ParamGradient& pg : out.params) pg.magnitude = magnitude(pg.name);
+  for (ParamGradient& pg : out.params) pg.magnitude = magnitude(pg.name);
   return out;
 }
 

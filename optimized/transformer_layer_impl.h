@@ -5,6 +5,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -12,12 +14,42 @@
 #include <string>
 #include <vector>
 
+#include "core/rounding.h"
 #include "optimized/runtime/collectives.h"
 #include "optimized/runtime/device.h"
 #include "optimized/transformer_layer.h"
 #include "optimized/transformer_layer_plan.h"
 
 namespace twin::opt {
+
+// How one rank holds its part of a tap: dim < 0, the whole tensor (the same on every rank);
+// else each rank's tensor, its dims from `dim` on split into `blocks` equal consecutive blocks,
+// holds one slice of each block along `dim` (blocks = 2: linear_fc1 with GLU, whose output is
+// [gate | linear] both on a rank and in the full tensor).
+struct ShardLayout {
+  int dim = -1;
+  int blocks = 1;
+};
+
+// The full tensor from the ranks' shards in rank order: for each index before `dim`, for each
+// block, rank 0's slice, rank 1's, ... (a concatenation along `dim` block by block).
+inline Tensor gather_shards(const std::vector<const Tensor*>& shards, ShardLayout layout) {
+  const Tensor& s0 = *shards.at(0);
+  if (layout.dim < 0 || shards.size() == 1) return s0;
+  Shape shape = s0.shape();
+  std::int64_t outer = 1;
+  for (int d = 0; d < layout.dim; ++d) outer *= shape[d];
+  const std::size_t chunk = s0.nbytes() / static_cast<std::size_t>(outer * layout.blocks);
+  shape[layout.dim] *= static_cast<std::int64_t>(shards.size());
+  Tensor out = Tensor::empty(s0.dtype(), shape);
+  std::byte* dst = out.raw_mut();
+  for (std::int64_t o = 0; o < outer * layout.blocks; ++o)
+    for (const Tensor* t : shards) {
+      std::memcpy(dst, t->raw() + static_cast<std::size_t>(o) * chunk, chunk);
+      dst += chunk;
+    }
+  return out;
+}
 
 struct DenseTransformerLayer::Impl {
   rt::Device* dev = nullptr;
@@ -31,25 +63,46 @@ struct DenseTransformerLayer::Impl {
     std::optional<rt::Stream> stream;
     RankPlan plan;
     std::optional<rt::Graph> graph;
+    // What backward() reads beyond the activation buffers, kept by the last forward when it was
+    // asked to (kept: for that forward's shape): the softmax statistics, and linear_qkv's output
+    // before qk-layernorm (which works in place).
+    rt::DeviceBuffer softmax_stats, qkv_pre_norm;
+    // The backward's buffers for the current (s, b): gradients and scratch (grads points into them).
+    std::vector<rt::DeviceBuffer> grad_bufs;
+    RankGrads grads;
   };
   std::vector<Rank> ranks;
   std::vector<std::unique_ptr<rt::Communicator>> comms;
   int cur_s = -1, cur_b = -1, cur_rot = -1;
   bool cur_mask = false;
   rt::DeviceBuffer freqs, mask;
-  std::vector<rt::DeviceBuffer> inputs;  // per rank [s_local, b, h]
-  // What backward() reads beyond the activation buffers: the softmax statistics (rank 0; tp = 1),
-  // kept by the last forward when it was asked to (kept: for that forward's shape).
-  rt::DeviceBuffer softmax_stats;
-  rt::DeviceBuffer qkv_pre_norm;            // linear_qkv's output before qk-layernorm, kept for its backward
-  std::optional<rt::Graph> backward_graph;  // rank 0's backward, captured against the last forward's buffers
-  bool kept = false;
-  // The backward's buffers for the current (s, b): gradients and scratch (RankGrads points into them).
-  std::vector<rt::DeviceBuffer> grad_bufs;
-  RankGrads grads;
-  int grads_s = -1, grads_b = -1;
-  // (Re)allocates the backward's buffers for rank 0's plan (transformer_layer_backward.cpp).
-  void ensure_grad_buffers(const RankPlan& p, rt::Backend backend);
+  std::vector<rt::DeviceBuffer> inputs;     // per rank [s_local, b, h]
+  std::optional<rt::Graph> backward_graph;  // rank 0's backward (tp = 1), captured against the last forward's buffers
+  bool kept = false;                        // the last forward kept what backward() reads
+  int grads_s = -1, grads_b = -1;           // the shape the ranks' backward buffers are sized for
+  // (Re)allocates every rank's backward buffers for the ranks' plans (transformer_layer_backward.cpp).
+  void ensure_grad_buffers(rt::Backend backend);
+
+  // Runs f(r) for every rank, at tp > 1 each on its own thread. Rounding points are counted per
+  // thread: each rank's thread counts on from the caller's count, and the caller's count then
+  // continues from the ranks' join (the ranks execute the same points).
+  void run_ranks_counted(const std::function<void(int)>& f) {
+    const RoundingCount at_start = rounding_now();
+    std::vector<RoundingCount> at_end(ranks.size());
+    auto run_rank = [&](int r) {
+      CountRoundings counting;
+      rounding_set(at_start);
+      f(r);
+      at_end[r] = rounding_now();
+    };
+    if (ranks.size() == 1)
+      run_rank(0);
+    else
+      rt::run_ranks(static_cast<int>(ranks.size()), run_rank);
+    RoundingCount joined = at_start;
+    for (const RoundingCount& e : at_end) joined.join(e);
+    rounding_set(joined);
+  }
 
   const void* upload(Rank& r, const Tensor& t) {
     r.weights.emplace_back(*dev, t.nbytes());

@@ -109,28 +109,33 @@ struct RankPlan {
   std::function<void(TapPoint)> on_tap;  // null: no taps (required for graph capture)
 };
 
-// The dense layer's backward at tp 1 (transformer_layer.cuh rank_backward_impl), after a forward
-// that kept its softmax statistics: the gradient of the layer's output in, the gradients of its
-// input and of every parameter out (named as RankPlan's weights; null where the parameter is
-// absent), all [s, b, ...] in the params dtype. The scratch gradients between the ops stay
-// readable after the run (the host reads them for the parameter grads' magnitudes).
+// The dense layer's backward on one rank (transformer_layer.cuh rank_backward_impl), after a
+// forward that kept its softmax statistics: the gradient of the layer's output in, the gradients of
+// its input and of every parameter out (named as RankPlan's weights, shaped as the rank's shards;
+// null where the parameter is absent), all in the params dtype. n = s * b, n_local = s_local * b.
+// The scratch gradients between the ops stay readable after the run (the host reads them for the
+// parameter grads' magnitudes).
 struct RankGrads {
-  const void* dout = nullptr;  // [s, b, h]
-  void* dx = nullptr;          // [s, b, h]
+  const void* dout = nullptr;  // [n_local, h]
+  void* dx = nullptr;          // [n_local, h]
   void *ln1_w = nullptr, *ln1_b = nullptr, *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr, *proj_b = nullptr;
   void *qln_w = nullptr, *qln_b = nullptr, *kln_w = nullptr, *kln_b = nullptr;  // qk-layernorm's
   void *ln2_w = nullptr, *ln2_b = nullptr, *fc1_w = nullptr, *fc1_b = nullptr, *fc2_w = nullptr, *fc2_b = nullptr;
   // scratch
-  void* dh1 = nullptr;        // [s, b, h] d h1, the attention half's output
-  void* d_mlp = nullptr;      // [s, b, h] d linear_fc2 output
-  void* d_act = nullptr;      // [s, b, ffn]
-  void* d_fc1 = nullptr;      // [s, b, (glu ? 2 : 1) * ffn] d linear_fc1 output
-  void* d_ln2 = nullptr;      // [s, b, h]
-  void* d_proj = nullptr;     // [s, b, h] d linear_proj output
-  void* d_ctx = nullptr;      // [s, b, np * hn]
-  void* d_qkv = nullptr;      // [s, b, qkv_width] d of core attention's q, k, v (after RoPE's backward)
-  void* d_qkv_pre = nullptr;  // [s, b, qkv_width] d linear_qkv output (after qk-layernorm's backward)
-  void* d_ln1 = nullptr;      // [s, b, h]
+  void* dh1 = nullptr;            // [n_local, h] d h1, the attention half's output
+  void* d_mlp = nullptr;          // [n_local, h] d linear_fc2 output
+  void* d_mlp_full = nullptr;     // [n, h] SP: d_mlp all-gathered (else null)
+  void* d_act = nullptr;          // [n, ffn_local]
+  void* d_fc1 = nullptr;          // [n, (glu ? 2 : 1) * ffn_local] d linear_fc1 output
+  void* d_ln2_partial = nullptr;  // [n, h] tp > 1: this rank's part of d ln2 (else null)
+  void* d_ln2 = nullptr;          // [n_local, h]
+  void* d_proj = nullptr;         // [n_local, h] d linear_proj output
+  void* d_proj_full = nullptr;    // [n, h] SP: d_proj all-gathered (else null)
+  void* d_ctx = nullptr;          // [n, np_local * hn]
+  void* d_qkv = nullptr;          // [n, qkv_width] d of core attention's q, k, v (after RoPE's backward)
+  void* d_qkv_pre = nullptr;      // [n, qkv_width] d linear_qkv output (after qk-layernorm's backward)
+  void* d_ln1_partial = nullptr;  // [n, h] tp > 1: this rank's part of d ln1 (else null)
+  void* d_ln1 = nullptr;          // [n_local, h]
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
 };

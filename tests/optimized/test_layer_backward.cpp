@@ -1,5 +1,5 @@
-// The optimized dense layer's backward at tp 1 (DenseTransformerLayer::backward: mlp_half_backward
-// then attention_half_backward on the forward's kept buffers) against the reference
+// The optimized dense layer's backward (DenseTransformerLayer::backward: mlp_half_backward then
+// attention_half_backward on the forward's kept buffers, at tp 1 and sharded) against the reference
 // TransformerLayer's forward and backward on the same inputs and output gradient, on the simulator,
 // every parameter's gradient and the input's under Megatron's state-dict keys.
 //
@@ -177,13 +177,57 @@ TEST(OptimizedBackward, DenseLayerMatchesReference) {
     if (selected(parity::to_id(c))) run_case(c);
 }
 
+// The case written as a dense_layer golden (the unsharded layer) whose expected gradients are the
+// reference's fp64 (Exact) run for the output gradient dout.
+Fixture exact_golden(const DenseCase& c, const parity::DenseInputs& in, const Tensor& dout) {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const auto& [key, t] : in.params) tensors.emplace_back("param." + key, t);
+  tensors.emplace_back("input.hidden_states", in.hidden_states);
+  if (in.attention_mask.defined()) tensors.emplace_back("input.attention_mask", in.attention_mask);
+  if (in.rotary_pos_emb.defined()) tensors.emplace_back("input.rotary_pos_emb", in.rotary_pos_emb);
+  tensors.emplace_back("grad_in.output", dout);
+  for (const auto& [name, t] : reference_grads(in, dout, ref::ComputeMode::Exact))
+    tensors.emplace_back("grad." + name, t);
+  TransformerConfig cfg = in.config;
+  cfg.tensor_model_parallel_size = 1;
+  cfg.sequence_parallel = false;
+  static int n = 0;
+  const std::string path =
+      (std::filesystem::temp_directory_path() /
+       ("twin_backward_property_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".safetensors"))
+          .string();
+  write_safetensors(path, tensors,
+                    {{"kind", "dense_layer"}, {"case", parity::to_id(c)}, {"config", to_json(cfg).dump()}});
+  const Fixture f = load_fixture(path);
+  std::filesystem::remove(path);
+  return f;
+}
+
+// The optimized handler's record of golden f, run sharded as `mode` says, compared by the golden
+// engine: every gradient within its bound counted from the rounding points the twin ran (the
+// collectives' sums included) and the magnitude of the terms it sums.
+void expect_gradients_within_counted_bound(const Fixture& f, const RunMode& mode) {
+  const TwinRun run = find_fixture_handler(f.kind, TwinKind::Optimized, mode)(f, mode);
+  RC_ASSERT(run.backward);
+  const parity::Expected grads = parity::grads_of(f);
+  RC_ASSERT(!grads.empty());
+  int compared = 0;
+  for (const Comparison& cmp : parity::compare_record(run.record, grads, "optimized")) {
+    if (cmp.name.rfind("grad.", 0) != 0) continue;  // the output is in the record but not expected here
+    ++compared;
+    RC_LOG() << "tp " << mode.tp << (mode.sp ? " + sp " : " ") << cmp.name << ": max abs " << cmp.max_abs << " share "
+             << cmp.share_used << " (" << cmp.tol.reason << ")\n";
+    RC_ASSERT(cmp.pass);
+  }
+  RC_ASSERT(compared == int(grads.size()));
+}
+
 // Random layers at tp 1 (RapidCheck, 100 cases by default; the forward properties' generator),
 // checked as a golden is checked: the case written as a dense_layer fixture whose expected gradients
 // are the reference's fp64 (Exact) run, then the optimized handler's record compared by the golden
-// engine, each gradient within its bound counted from the rounding points the twin ran and the
-// magnitude of the terms it sums. (The fixed cases above use the whole-layer rule, twice the
-// reference's own error; a gradient that is zero by symmetry, e.g. k_layernorm.bias without a
-// mask, where softmax ignores a shift of every key, leaves that rule no room, but not this one.)
+// engine. (The fixed cases above use the whole-layer rule, twice the reference's own error; a
+// gradient that is zero by symmetry, e.g. k_layernorm.bias without a mask, where softmax ignores a
+// shift of every key, leaves that rule no room, but not this one.)
 // 16-bit layers with relu are left out: the handlers report their gradients as not compared (a
 // pre-activation within an ulp of the kink may fall on either side).
 RC_GTEST_PROP(OptimizedBackwardProperty, DenseGradientsWithinTheirCountedBoundOfExact, ()) {
@@ -195,36 +239,41 @@ RC_GTEST_PROP(OptimizedBackwardProperty, DenseGradientsWithinTheirCountedBoundOf
   RC_TAG(dt_name(c.dtype), c.qk_layernorm ? "qk_layernorm" : "no qk_layernorm");
   const parity::DenseInputs in = parity::make_inputs(c);
   const Tensor dout = random_tensor(c.dtype, {c.s, c.b, c.hidden}, -1, 1, 99);
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  for (const auto& [key, t] : in.params) tensors.emplace_back("param." + key, t);
-  tensors.emplace_back("input.hidden_states", in.hidden_states);
-  if (in.attention_mask.defined()) tensors.emplace_back("input.attention_mask", in.attention_mask);
-  if (in.rotary_pos_emb.defined()) tensors.emplace_back("input.rotary_pos_emb", in.rotary_pos_emb);
-  tensors.emplace_back("grad_in.output", dout);
-  for (const auto& [name, t] : reference_grads(in, dout, ref::ComputeMode::Exact))
-    tensors.emplace_back("grad." + name, t);
-  static int n = 0;
-  const std::string path =
-      (std::filesystem::temp_directory_path() /
-       ("twin_backward_property_" + std::to_string(::getpid()) + "_" + std::to_string(n++) + ".safetensors"))
-          .string();
-  write_safetensors(path, tensors,
-                    {{"kind", "dense_layer"}, {"case", parity::to_id(c)}, {"config", to_json(in.config).dump()}});
-  const Fixture f = load_fixture(path);
-  std::filesystem::remove(path);
-  const TwinRun run = find_fixture_handler(f.kind, TwinKind::Optimized)(f, RunMode{});
-  RC_ASSERT(run.backward);
-  const parity::Expected grads = parity::grads_of(f);
-  RC_ASSERT(!grads.empty());
-  int compared = 0;
-  for (const Comparison& cmp : parity::compare_record(run.record, grads, "optimized")) {
-    if (cmp.name.rfind("grad.", 0) != 0) continue;  // the output is in the record but not expected here
-    ++compared;
-    RC_LOG() << cmp.name << ": max abs " << cmp.max_abs << " share " << cmp.share_used << " (" << cmp.tol.reason
-             << ")\n";
-    RC_ASSERT(cmp.pass);
+  expect_gradients_within_counted_bound(exact_golden(c, in, dout), RunMode{});
+}
+
+// Random layers (100 cases) sharded over tp = 2 or 4 simulated ranks: the gradients at tp 1, at tp
+// without SP and (where tp divides s) with SP each within their counted bound of the same fp64
+// gradients, so the layouts agree to within the sum of their bounds; and the sharded backward run
+// twice gives the same bits.
+RC_GTEST_PROP(OptimizedBackwardProperty, TensorParallelGradientsAgree, ()) {
+  parity::CaseLimits lim;
+  lim.force_tp = true;
+  lim.tp = *rc::gen::element(2, 4);
+  const DenseCase c = *parity::gen_dense_case(lim);
+  RC_PRE(!(c.act == "relu" && c.dtype != DType::F32));
+  const bool with_sp = c.s % c.tp == 0;
+  RC_TAG("tp " + std::to_string(c.tp), with_sp ? "sp on and off" : "sp off", dt_name(c.dtype));
+  const parity::DenseInputs in = parity::make_inputs(c);
+  const Tensor dout = random_tensor(c.dtype, {c.s, c.b, c.hidden}, -1, 1, 99);
+  const Fixture f = exact_golden(c, in, dout);
+  std::vector<RunMode> modes(2);
+  modes[1].tp = c.tp;
+  if (with_sp) {
+    modes.push_back(modes[1]);
+    modes.back().sp = true;
   }
-  RC_ASSERT(compared == int(grads.size()));
+  for (const RunMode& mode : modes) expect_gradients_within_counted_bound(f, mode);
+
+  DenseCase sharded = c;
+  sharded.sp = with_sp;
+  opt::DenseTransformerLayer layer = make_layer(sharded, in);
+  forward_kept(layer, in);
+  const opt::LayerGradients first = layer.backward(dout), again = layer.backward(dout);
+  RC_ASSERT(0 == std::memcmp(first.hidden_states.raw(), again.hidden_states.raw(), first.hidden_states.nbytes()));
+  for (std::size_t i = 0; i < first.params.size(); ++i)
+    RC_ASSERT(0 ==
+              std::memcmp(first.params[i].value.raw(), again.params[i].value.raw(), first.params[i].value.nbytes()));
 }
 
 // Random layers at tp 1 (100 cases): the backward captured into a CUDA graph (at its first call
@@ -260,15 +309,22 @@ RC_GTEST_PROP(OptimizedBackwardProperty, GraphReplayIsBitwiseEqualToEager, ()) {
   RC_ASSERT(!same(eager, eager2));  // the two gradients differ, so the replay's check can fail
 }
 
-// What the layer's backward refuses, each with its reason, and a backward without a kept forward.
+// What the layer's backward refuses, each with its reason: a graph replay at tp > 1, and a
+// backward without a kept forward.
 TEST(OptimizedBackward, DenseLayerBackwardSaysWhatItDoesNotCover) {
   {
     DenseCase c = base(DType::F32);
     c.tp = 2;
     const parity::DenseInputs in = parity::make_inputs(c);
-    auto why = make_layer(c, in).backward_unsupported();
-    ASSERT_TRUE(why.has_value());
-    EXPECT_NE(std::string::npos, why->find("tensor parallelism")) << *why;
+    opt::DenseTransformerLayer layer = make_layer(c, in);
+    EXPECT_FALSE(layer.backward_unsupported().has_value());
+    forward_kept(layer, in);
+    try {
+      layer.backward(random_tensor(DType::F32, {c.s, c.b, c.hidden}, -1, 1, 1), false, /*use_graph=*/true);
+      ADD_FAILURE() << "a graph replay at tp 2 was not refused";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string::npos, std::string(e.what()).find("tp = 1")) << e.what();
+    }
   }
   {
     const DenseCase c = base(DType::F32);

@@ -150,17 +150,21 @@ TEST(DenseLayerFixture, TheGradientStatusIsReported) {
   const Fixture retro = load_fixture((fixture_dir() / "retro_later_layer_divisible.safetensors").string());
   compare_fixture(find_fixture_handler(retro.kind, TwinKind::Reference), retro, TwinKind::Reference, RunMode{}, &grads);
   EXPECT_EQ(grads, "compared");
-  // The optimized twin's dense backward (tp 1): compared, or the configuration it does not cover named.
+  // The optimized twin's dense backward: compared.
   compare_fixture(find_fixture_handler(dense.kind, TwinKind::Optimized), dense, TwinKind::Optimized, RunMode{}, &grads);
   EXPECT_EQ(grads, "compared");
   const Fixture qkln = load_fixture((fixture_dir() / "dense_rms_mha_swiglu_qkln.safetensors").string());
   compare_fixture(find_fixture_handler(qkln.kind, TwinKind::Optimized), qkln, TwinKind::Optimized, RunMode{}, &grads);
-  EXPECT_EQ(grads, "compared");  // qk-layernorm's backward reads the forward's pre-norm copy
-  RunMode tp2;
-  tp2.tp = 2;
-  compare_fixture(find_fixture_handler(dense.kind, TwinKind::Optimized, tp2), dense, TwinKind::Optimized, tp2, &grads);
-  EXPECT_EQ(grads.rfind("not compared: the optimized twin's backward does not cover tensor parallelism", 0), 0u)
-      << grads;
+  EXPECT_EQ(grads, "compared");          // qk-layernorm's backward reads the forward's pre-norm copy
+  for (const bool sp : {false, true}) {  // sharded over 2 ranks, with and without SP: compared, and within bounds
+    RunMode tp2;
+    tp2.tp = 2;
+    tp2.sp = sp;
+    for (const Comparison& c : compare_fixture(find_fixture_handler(dense.kind, TwinKind::Optimized, tp2), dense,
+                                               TwinKind::Optimized, tp2, &grads))
+      EXPECT_TRUE(c.pass) << (sp ? "tp 2 + sp " : "tp 2 ") << c.name << ": " << c.tol.reason;
+    EXPECT_EQ(grads, "compared");
+  }
   // A twin without a backward for the kind says so.
   compare_fixture(find_fixture_handler(moe.kind, TwinKind::Optimized), moe, TwinKind::Optimized, RunMode{}, &grads);
   EXPECT_EQ(grads, "not compared: the optimized twin has no backward for fixture kind 'moe_layer'");
