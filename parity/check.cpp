@@ -127,46 +127,52 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
     std::sort(files.begin(), files.end());
     auto fixture_job = [&](const std::string& path, TwinKind twin, RunMode mode) {
       const std::string name = std::filesystem::path(path).filename().string();
-      const std::string ranks = mode.ep > 1 ? "ep" + std::to_string(mode.ep) : "1";
-      jobs.push_back(
-          {fmt::format("fixture {} ({}{})", name, twin_kind_name(twin), mode.ep > 1 ? " " + ranks : ""), [=]() {
-             Row r{"fixture " + name, "", twin == TwinKind::Reference ? "cpu" : rt::backend_name(rt::Backend::Sim),
-                   ranks, ""};
-             const auto t0 = std::chrono::steady_clock::now();
-             try {
-               const Fixture f = load_fixture(path);
-               r.layer = f.kind + " " + f.case_name;
-               FixtureHandler h = find_fixture_handler(f.kind, twin, mode);
-               if (!h) {
-                 r.status = Status::Unsupported;
-                 r.detail =
-                     std::string(twin_kind_name(twin)) + " twin has no " + f.kind + (mode.ep > 1 ? " at " + ranks : "");
-                 return r;
-               }
-               const auto cmps = compare_fixture(h, f, twin, mode);
-               r.dtype = !f.config_json.is_object() ? "-" : short_dtype(params_dtype(f.config));
-               for (const auto& c : cmps) {
-                 if (c.share_used >= r.share) {
-                   r.share = c.share_used;
-                   r.max_err = c.max_abs;
-                   r.bound = c.tol.atol + c.tol.rtol * std::fabs(c.worst_expected);
-                 }
-                 if (!c.pass) {
-                   r.status = Status::Fail;
-                   if (r.detail.empty())
-                     r.detail = "first failing: " + c.name + (c.message.empty() ? "" : " (" + c.message + ")");
-                 }
-               }
-             } catch (const FixtureUnsupported& e) {
-               r.status = Status::Unsupported;
-               r.detail = e.what();
-             } catch (const std::exception&) {
-               r.status = Status::Error;
-               r.detail = describe_exception(std::current_exception());
-             }
-             r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-             return r;
-           }});
+      const std::string ranks = mode.ep > 1   ? "ep" + std::to_string(mode.ep)
+                                : mode.tp > 1 ? std::to_string(mode.tp) + (mode.sp ? "+sp" : "")
+                                              : "1";
+      jobs.push_back({fmt::format("fixture {} ({}{})", name, twin_kind_name(twin),
+                                  mode.ep > 1   ? " " + ranks
+                                  : mode.tp > 1 ? " tp" + ranks
+                                                : ""),
+                      [=]() {
+                        Row r{"fixture " + name, "",
+                              twin == TwinKind::Reference ? "cpu" : rt::backend_name(rt::Backend::Sim), ranks, ""};
+                        const auto t0 = std::chrono::steady_clock::now();
+                        try {
+                          const Fixture f = load_fixture(path);
+                          r.layer = f.kind + " " + f.case_name;
+                          FixtureHandler h = find_fixture_handler(f.kind, twin, mode);
+                          if (!h) {
+                            r.status = Status::Unsupported;
+                            r.detail = std::string(twin_kind_name(twin)) + " twin has no " + f.kind +
+                                       (mode.ep > 1 ? " at " + ranks : "");
+                            return r;
+                          }
+                          const auto cmps = compare_fixture(h, f, twin, mode);
+                          r.dtype = !f.config_json.is_object() ? "-" : short_dtype(params_dtype(f.config));
+                          for (const auto& c : cmps) {
+                            if (c.share_used >= r.share) {
+                              r.share = c.share_used;
+                              r.max_err = c.max_abs;
+                              r.bound = c.tol.atol + c.tol.rtol * std::fabs(c.worst_expected);
+                            }
+                            if (!c.pass) {
+                              r.status = Status::Fail;
+                              if (r.detail.empty())
+                                r.detail =
+                                    "first failing: " + c.name + (c.message.empty() ? "" : " (" + c.message + ")");
+                            }
+                          }
+                        } catch (const FixtureUnsupported& e) {
+                          r.status = Status::Unsupported;
+                          r.detail = e.what();
+                        } catch (const std::exception&) {
+                          r.status = Status::Error;
+                          r.detail = describe_exception(std::current_exception());
+                        }
+                        r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+                        return r;
+                      }});
     };
     for (const auto& path : files) {
       for (TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) fixture_job(path, twin, RunMode{});
@@ -176,6 +182,16 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
         for (int ep : {2, 4}) {
           RunMode m;
           m.ep = ep;
+          fixture_job(path, TwinKind::Optimized, m);
+        }
+      // The dense goldens again sharded over 2 simulated tensor-parallel ranks, with and without
+      // SP: the forward's and the backward's collectives against Megatron's unsharded gradients (a
+      // golden that 2 does not shard is listed unsupported).
+      if (std::filesystem::path(path).filename().string().rfind("dense_", 0) == 0)
+        for (bool sp : {false, true}) {
+          RunMode m;
+          m.tp = 2;
+          m.sp = sp;
           fixture_job(path, TwinKind::Optimized, m);
         }
     }

@@ -146,8 +146,7 @@ TEST(TwinFixtureTp, GoldenPassesShardedWithTheSameRows) {
   const std::string golden = quote(golden_dir() + "/" + kShardable);
   const TwinRun tp1 = run_twin("fixture --json --twin optimized " + golden);
   ASSERT_EQ(tp1.code, 0) << tp1.out << tp1.err;
-  // The forward's rows are the same at every tp; the optimized backward runs at tp 1 only, so the
-  // gradients are rows at tp 1 and reported as not compared when sharded.
+  // The rows, forward and gradients, are the same at every tp (the ranks' shards gathered).
   EXPECT_GT(tensor_names(json::parse(tp1.out)).size(), forward_names(json::parse(tp1.out)).size());
   for (const char* sharding : {"--tp 2", "--tp 4 --sp"}) {
     SCOPED_TRACE(sharding);
@@ -157,8 +156,8 @@ TEST(TwinFixtureTp, GoldenPassesShardedWithTheSameRows) {
     EXPECT_EQ(j["status"], "pass");
     EXPECT_EQ(j["tp"], std::string(sharding).find('4') != std::string::npos ? 4 : 2);
     EXPECT_EQ(j["sp"], std::string(sharding).find("--sp") != std::string::npos);
-    EXPECT_EQ(tensor_names(j), forward_names(json::parse(tp1.out)));
-    EXPECT_GE(tensor_names(j).size(), 15u);
+    EXPECT_EQ(tensor_names(j), tensor_names(json::parse(tp1.out)));
+    EXPECT_GT(tensor_names(j).size(), forward_names(j).size());
   }
   // --twin both: the reference stays the unsharded layer
   const auto both = lines(run_twin("fixture --json --twin both --tp 4 " + golden).out);
@@ -381,7 +380,7 @@ TEST(TwinCheck, JsonRowsNameThePerturbedTapAndExit1) {
   const json j = json::parse(r.out);
   EXPECT_EQ(j["command"], "check");
   EXPECT_EQ(j["status"], "fail");
-  std::set<std::string> dense_tp;
+  std::set<std::string> dense_tp, fixture_ranks;
   int fixture_rows = 0;
   for (const json& row : j["rows"]) {
     SCOPED_TRACE(row.dump());
@@ -394,6 +393,7 @@ TEST(TwinCheck, JsonRowsNameThePerturbedTapAndExit1) {
       continue;
     }
     ++fixture_rows;
+    fixture_ranks.insert(row["tp"].get<std::string>());
     if (has(layer, "perturbed_")) {
       EXPECT_EQ(status, "fail");  // both twins: the golden itself is off at that tap
       EXPECT_TRUE(has(detail, std::string("first failing: ") + kPerturbedTap)) << detail;
@@ -403,7 +403,10 @@ TEST(TwinCheck, JsonRowsNameThePerturbedTapAndExit1) {
       EXPECT_LE(row["share"].get<double>(), 1.0);
     }
   }
-  EXPECT_EQ(fixture_rows, 4);  // two files, each through the reference and the optimized twin
+  // Two files, each through the reference and the optimized twin; the dense golden (named dense_*)
+  // also through the optimized twin at tp 2 with and without SP.
+  EXPECT_EQ(fixture_rows, 6);
+  EXPECT_EQ(fixture_ranks, (std::set<std::string>{"1", "2", "2+sp"}));
   EXPECT_EQ(dense_tp, (std::set<std::string>{"1", "2", "2+sp", "4", "4+sp"}));
 }
 
