@@ -244,8 +244,8 @@ RC_GTEST_PROP(OptimizedBackwardProperty, DenseGradientsWithinTheirCountedBoundOf
 
 // Random layers (100 cases) sharded over tp = 2 or 4 simulated ranks: the gradients at tp 1, at tp
 // without SP and (where tp divides s) with SP each within their counted bound of the same fp64
-// gradients, so the layouts agree to within the sum of their bounds; and the sharded backward run
-// twice gives the same bits.
+// gradients, so the layouts agree to within the sum of their bounds; and the backward run twice,
+// at tp 1 and sharded, gives the same bits.
 RC_GTEST_PROP(OptimizedBackwardProperty, TensorParallelGradientsAgree, ()) {
   parity::CaseLimits lim;
   lim.force_tp = true;
@@ -265,15 +265,18 @@ RC_GTEST_PROP(OptimizedBackwardProperty, TensorParallelGradientsAgree, ()) {
   }
   for (const RunMode& mode : modes) expect_gradients_within_counted_bound(f, mode);
 
-  DenseCase sharded = c;
-  sharded.sp = with_sp;
-  opt::DenseTransformerLayer layer = make_layer(sharded, in);
-  forward_kept(layer, in);
-  const opt::LayerGradients first = layer.backward(dout), again = layer.backward(dout);
-  RC_ASSERT(0 == std::memcmp(first.hidden_states.raw(), again.hidden_states.raw(), first.hidden_states.nbytes()));
-  for (std::size_t i = 0; i < first.params.size(); ++i)
-    RC_ASSERT(0 ==
-              std::memcmp(first.params[i].value.raw(), again.params[i].value.raw(), first.params[i].value.nbytes()));
+  for (const RunMode& mode : {modes.front(), modes.back()}) {  // tp 1, and the last sharding
+    DenseCase run = c;
+    run.tp = mode.tp;
+    run.sp = mode.sp;
+    opt::DenseTransformerLayer layer = make_layer(run, in);
+    forward_kept(layer, in);
+    const opt::LayerGradients first = layer.backward(dout), again = layer.backward(dout);
+    RC_ASSERT(0 == std::memcmp(first.hidden_states.raw(), again.hidden_states.raw(), first.hidden_states.nbytes()));
+    for (std::size_t i = 0; i < first.params.size(); ++i)
+      RC_ASSERT(0 ==
+                std::memcmp(first.params[i].value.raw(), again.params[i].value.raw(), first.params[i].value.nbytes()));
+  }
 }
 
 // Random layers at tp 1 (100 cases): the backward captured into a CUDA graph (at its first call
