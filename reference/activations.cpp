@@ -94,27 +94,31 @@ static int act1_stores(ActivationFunc f) {
 // fp32 exp and erf (a few fp32 ulps, as torch's own fp32 kernels), the same stores as act1: far
 // inside the bound's one store of the activation dtype per `rounds:` plus its fp32 reductions,
 // which test_fast_mode checks.
-static Mat apply_activation_fast(ActivationFunc f, const Mat& x, const Precision& p) {
-  using RowArrayF = Eigen::Array<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  // Each fp32 expression is evaluated into an fp32 array on its own: Eigen vectorises exp and erf
-  // only while no cast to double sits in the same expression.
-  const RowArrayF xf = x.cast<float>().array();
+using RowArrayF = Eigen::Array<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// act1's Gelu / Silu of fp32 values x in place, in fp32 arithmetic, each `rounds:` of act1 a
+// Precision::act_inplace of the fp32 result (the same values as act1's double ops then act()).
+// Each expression is evaluated into an fp32 array on its own: Eigen vectorises exp and erf only
+// while no cast to double sits in the same expression.
+static void activation_fast_inplace(ActivationFunc f, RowArrayF& x, const Precision& p) {
   if (f == ActivationFunc::Silu) {
-    const RowArrayF ef = (-xf).exp();
-    Mat y(x.rows(), x.cols());
-    p.with_act([&](auto act) {
-      for (Eigen::Index i = 0; i < y.size(); ++i) {
-        const double e = act(act(ef.data()[i]) + 1.0);  // rounds: exp(-x), 1 + ...
-        y.data()[i] = act(x.data()[i] / e);             // rounds: x / ...
-      }
-    });
-    return y;
+    RowArrayF e = (-x).exp();
+    p.act_inplace(e.data(), e.size());  // rounds: exp(-x)
+    e += 1.0f;
+    p.act_inplace(e.data(), e.size());  // rounds: 1 + ...
+    x /= e;
+    p.act_inplace(x.data(), x.size());  // rounds: x / ...
+    return;
   }
   // Gelu: x * 0.5 * (1 + erf(x / sqrt(2))), one store
-  const RowArrayF yf = xf * 0.5f * (1.0f + (xf * static_cast<float>(M_SQRT1_2)).erf());
-  Mat y = yf.cast<double>().matrix();
-  p.act_inplace(y);  // rounds: output
-  return y;
+  x = x * 0.5f * (1.0f + (x * static_cast<float>(M_SQRT1_2)).erf());
+  p.act_inplace(x.data(), x.size());  // rounds: output
+}
+
+static Mat apply_activation_fast(ActivationFunc f, const Mat& x, const Precision& p) {
+  RowArrayF xf = x.cast<float>().array();
+  activation_fast_inplace(f, xf, p);
+  return xf.cast<double>().matrix();
 }
 
 Mat apply_activation(ActivationFunc f, const Mat& x, const Precision& p) {
@@ -132,6 +136,17 @@ Mat glu(ActivationFunc f, const Mat& x, double glu_linear_offset, std::optional<
         const Precision& p) {
   if (x.cols() % 2 != 0) throw ShapeError("glu: last dimension " + std::to_string(x.cols()) + " is not even");
   const Eigen::Index half = x.cols() / 2;
+  if (p.fast() && (f == ActivationFunc::Gelu || f == ActivationFunc::Silu) && !clamp_value &&
+      glu_linear_offset == 0.0) {
+    // Fast mode: the same stores as below, in fp32 arithmetic, without the halves' copies.
+    p.count_act(act1_stores(f));  // the activation's path is the longer: the product follows it
+    p.count_act();
+    RowArrayF a = x.leftCols(half).cast<float>().array();  // torch.chunk(x, 2, dim=-1)[0]
+    activation_fast_inplace(f, a, p);
+    a *= x.rightCols(half).cast<float>().array();
+    p.act_inplace(a.data(), a.size());  // rounds: act(x_glu) * x_linear
+    return a.cast<double>().matrix();
+  }
   Mat x_glu = x.leftCols(half);      // torch.chunk(x, 2, dim=-1)[0]
   Mat x_linear = x.rightCols(half);  // [1]
   if (clamp_value) {

@@ -38,22 +38,13 @@ OutputWithBias Linear::forward(const Mat& x, LinearSaved* saved) const {
   OutputWithBias out;
   const bool add_bias = has_bias_ && !skip_bias_add_;
   if (p_.fast()) {  // x and weight hold activation-dtype values: exact in fp32
-    const FMat y = matmul_nt(x, fast_weight_, p_.params_dtype == DType::BF16);  // [n, out], fp32 sums
-    out.output.resize(y.rows(), y.cols());
-    // the two roundings below in one pass, element by element
-    const Eigen::Index cols = y.cols();
-    p_.with_act([&](auto act) {
-      for (Eigen::Index r = 0; r < y.rows(); ++r) {
-        const float* yr = y.data() + r * cols;
-        double* o = out.output.data() + r * cols;
-        if (add_bias) {
-          const double* bv = bias.data();
-          for (Eigen::Index c = 0; c < cols; ++c) o[c] = act(act(yr[c]) + bv[c]);  // rounds: GEMM output, + bias
-        } else {
-          for (Eigen::Index c = 0; c < cols; ++c) o[c] = act(yr[c]);  // rounds: GEMM output (fp32 accumulation)
-        }
-      }
-    });
+    FMat y = matmul_nt(x, fast_weight_, p_.params_dtype == DType::BF16);  // [n, out], fp32 sums
+    p_.act_inplace(y.data(), y.size());                                   // rounds: GEMM output (fp32 accumulation)
+    if (add_bias) {
+      y.rowwise() += bias.cast<float>();   // an activation-dtype bias: exact in fp32
+      p_.act_inplace(y.data(), y.size());  // rounds: + bias
+    }
+    out.output = y.cast<double>();
   } else {
     out.output = x * weight_.transpose();  // [n, out]
     p_.act_inplace(out.output);            // rounds: GEMM output (fp32 accumulation), activation dtype

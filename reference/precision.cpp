@@ -36,6 +36,19 @@ void act_inplace_n(const Precision& p, double* v, Eigen::Index n) {
 }  // namespace
 
 void Precision::act_inplace(Mat& m) const { act_inplace_n(*this, m.data(), m.size()); }
+void Precision::act_inplace(float* v, Eigen::Index n) const {
+  if (exact() || params_dtype == DType::F32) return;
+  if (params_dtype == DType::BF16) {
+    for (Eigen::Index i = 0; i < n; ++i) {  // round_bf16, without the trip through double
+      const std::uint32_t u = float_bits(v[i]);
+      const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+      const std::uint32_t nan = (u | 0x00400000u) & 0xffff0000u;
+      v[i] = bits_float((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+    }
+    return;
+  }
+  for (Eigen::Index i = 0; i < n; ++i) v[i] = static_cast<float>(act(v[i]));
+}
 void Precision::act_inplace(RowVec& v) const { act_inplace_n(*this, v.data(), v.size()); }
 void Precision::f32_inplace(Mat& m) const {
   if (!exact()) round_f32_inplace(m.data(), m.size());

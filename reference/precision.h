@@ -108,6 +108,11 @@ struct Precision {
   void act_inplace(Mat& m) const;
   void f32_inplace(Mat& m) const;
   void act_inplace(RowVec& v) const;
+  // rounds: n fp32 values to the activation dtype, in place (identity for fp32 activations and in
+  // Exact mode): act() of each, for fast mode's loops that stay in fp32. act(x) of a double is
+  // act of float(x) (it rounds to fp32 first), so an fp32 op followed by this equals act() of the
+  // op done in double for +, -, *, / (double's 53 bits round an fp32 op's result to the same float).
+  void act_inplace(float* v, Eigen::Index n) const;
   Mat act(Mat m) const {
     act_inplace(m);
     return m;
