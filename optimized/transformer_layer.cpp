@@ -471,23 +471,12 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
 
   m.run_ranks_counted([&](int r) {
     Impl::Rank& R = m.ranks[r];
-    auto fwd = [&]() {
+    Impl::run_on_stream(R, R.graph, fo.use_graph, [&] {
 #if TWIN_HAVE_CUDA
       if (options_.backend == rt::Backend::Cuda) return cuda::rank_forward(R.plan, R.stream->handle());
 #endif
       sim::rank_forward(R.plan, R.stream->handle());
-    };
-    if (fo.use_graph) {
-      if (!R.graph) {
-        R.stream->begin_capture();
-        fwd();
-        R.graph.emplace(R.stream->end_capture());
-      }
-      R.graph->launch(*R.stream);
-    } else {
-      fwd();
-    }
-    R.stream->synchronize();
+    });
   });
 
   // ---- output: rank 0's full tensor, or (SP) the ranks' sequence slices in rank order

@@ -205,23 +205,12 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
              rt::CopyKind::HostToDevice, m.ranks[r].stream->handle());
   m.run_ranks_counted([&](int r) {
     Impl::Rank& R = m.ranks[r];
-    auto run = [&] {
+    Impl::run_on_stream(R, m.backward_graph, use_graph, [&] {
 #if TWIN_HAVE_CUDA
       if (options_.backend == rt::Backend::Cuda) return cuda::rank_backward(R.plan, R.grads, R.stream->handle());
 #endif
       sim::rank_backward(R.plan, R.grads, R.stream->handle());
-    };
-    if (use_graph) {
-      if (!m.backward_graph) {
-        R.stream->begin_capture();
-        run();
-        m.backward_graph.emplace(R.stream->end_capture());
-      }
-      m.backward_graph->launch(*R.stream);
-    } else {
-      run();
-    }
-    R.stream->synchronize();
+    });
   });
 
   // A tensor each rank holds part of ([rows, cols] per rank, `layout`; dim < 0: rank 0's is the
@@ -235,9 +224,12 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
     return gather_shards(shards, layout);
   };
   const ShardLayout by_rows = p.sp ? ShardLayout{0, 1} : ShardLayout{};
+  // A rank's RankGrads / RankPlan buffer, by member, for `gathered`.
+  auto grad_buf = [](auto member) { return [member](const Impl::Rank& R) -> const void* { return R.grads.*member; }; };
+  auto plan_buf = [](auto member) { return [member](const Impl::Rank& R) -> const void* { return R.plan.*member; }; };
 
   LayerGradients out;
-  out.hidden_states = gathered([](const Impl::Rank& R) { return R.grads.dx; }, n_local, m.h, by_rows);
+  out.hidden_states = gathered(grad_buf(&RankGrads::dx), n_local, m.h, by_rows);
   out.hidden_states = out.hidden_states.reshape({p.s, p.b, m.h});
   for (const std::string& key : dense_layer_param_keys(config_)) {
     const GradSlot* s = nullptr;
@@ -253,8 +245,7 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
                        cols = full.dim() == 1 ? 1 : full.size(1) / (layout.dim == 1 ? parts : 1);
     ParamGradient pg;
     pg.name = key;
-    pg.value =
-        gathered([s](const Impl::Rank& R) { return R.grads.*s->slot; }, rows, cols, layout).reshape(full.shape());
+    pg.value = gathered(grad_buf(s->slot), rows, cols, layout).reshape(full.shape());
     out.params.push_back(std::move(pg));
   }
   if (!with_magnitudes) return out;
@@ -271,23 +262,21 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
     return gathered(ptr_of, n, cols / tp, ShardLayout{1, blocks});
   };
   // d_qkv: core attention's q, k, v gradient (the qk-norms' dy); d_lin: linear_qkv's output gradient.
-  const auto d_ln1 = abs_values(rows_of([](const Impl::Rank&R) { return R.grads.d_ln1; })),
-             d_qkv = abs_values(cols_of([](const Impl::Rank&R) { return R.grads.d_qkv; }, qw)),
-             d_lin =
-                 p.qk_layernorm ? abs_values(cols_of([](const Impl::Rank&R) { return R.grads.d_qkv_pre; }, qw)) : d_qkv,
-             d_proj = abs_values(rows_of([](const Impl::Rank&R) { return R.grads.d_proj; })),
-             d_ln2 = abs_values(rows_of([](const Impl::Rank&R) { return R.grads.d_ln2; })),
-             d_fc1 = abs_values(cols_of([](const Impl::Rank&R) { return R.grads.d_fc1; }, w, p.glu ? 2 : 1)),
-             d_mlp = abs_values(rows_of([](const Impl::Rank&R) { return R.grads.d_mlp; }));
-  const Tensor x = rows_of([](const Impl::Rank&R) { return R.plan.x; }),
-               h1 = rows_of([](const Impl::Rank&R) { return R.plan.h1; });
+  const auto d_ln1 = abs_values(rows_of(grad_buf(&RankGrads::d_ln1))),
+             d_qkv = abs_values(cols_of(grad_buf(&RankGrads::d_qkv), qw)),
+             d_lin = p.qk_layernorm ? abs_values(cols_of(grad_buf(&RankGrads::d_qkv_pre), qw)) : d_qkv,
+             d_proj = abs_values(rows_of(grad_buf(&RankGrads::d_proj))),
+             d_ln2 = abs_values(rows_of(grad_buf(&RankGrads::d_ln2))),
+             d_fc1 = abs_values(cols_of(grad_buf(&RankGrads::d_fc1), w, p.glu ? 2 : 1)),
+             d_mlp = abs_values(rows_of(grad_buf(&RankGrads::d_mlp)));
+  const Tensor x = rows_of(plan_buf(&RankPlan::x)), h1 = rows_of(plan_buf(&RankPlan::h1));
   auto whole = [&](auto ptr_of, std::int64_t cols) { return abs_values(gathered(ptr_of, n, cols, ShardLayout{})); };
   // q_layernorm / k_layernorm: one norm of width hn over every q (k) head's rows.
   auto qk_norm_magnitude = [&](bool keys, bool bias) {
     const std::vector<double> dy = gather_heads(d_qkv, n, fp, keys);
     const std::int64_t rows = std::int64_t(dy.size()) / p.hn;
     if (bias) return column_magnitude(dy, rows, p.hn);
-    const Tensor pre = cols_of([](const Impl::Rank& R) { return R.plan.qkv_pre_norm; }, qw);
+    const Tensor pre = cols_of(plan_buf(&RankPlan::qkv_pre_norm), qw);
     const std::vector<double> xs = gather_heads(pre.to_f64(), n, fp, keys);
     return norm_weight_magnitude(dy, Tensor::from_doubles(DType::F64, {rows, p.hn}, xs), rows, p.hn, p.rms, p.eps);
   };
@@ -295,11 +284,10 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
     if (key == "input_layernorm.weight") return norm_weight_magnitude(d_ln1, x, n, h, p.rms, p.eps);
     if (key == "input_layernorm.bias") return column_magnitude(d_ln1, n, h);
     if (key == "self_attention.linear_qkv.weight")
-      return weight_magnitude(d_lin, whole([](const Impl::Rank& R) { return R.plan.ln1_full; }, h), n, qw, h);
+      return weight_magnitude(d_lin, whole(plan_buf(&RankPlan::ln1_full), h), n, qw, h);
     if (key == "self_attention.linear_qkv.bias") return column_magnitude(d_lin, n, qw);
     if (key == "self_attention.linear_proj.weight")
-      return weight_magnitude(d_proj, abs_values(cols_of([](const Impl::Rank& R) { return R.plan.ctx; }, cw)), n, h,
-                              cw);
+      return weight_magnitude(d_proj, abs_values(cols_of(plan_buf(&RankPlan::ctx), cw)), n, h, cw);
     if (key == "self_attention.linear_proj.bias") return column_magnitude(d_proj, n, h);
     if (key == "self_attention.q_layernorm.weight") return qk_norm_magnitude(false, false);
     if (key == "self_attention.q_layernorm.bias") return qk_norm_magnitude(false, true);
@@ -308,11 +296,10 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
     if (key == "pre_mlp_layernorm.weight") return norm_weight_magnitude(d_ln2, h1, n, h, p.rms, p.eps);
     if (key == "pre_mlp_layernorm.bias") return column_magnitude(d_ln2, n, h);
     if (key == "mlp.linear_fc1.weight")
-      return weight_magnitude(d_fc1, whole([](const Impl::Rank& R) { return R.plan.ln2_full; }, h), n, w, h);
+      return weight_magnitude(d_fc1, whole(plan_buf(&RankPlan::ln2_full), h), n, w, h);
     if (key == "mlp.linear_fc1.bias") return column_magnitude(d_fc1, n, w);
     if (key == "mlp.linear_fc2.weight")
-      return weight_magnitude(d_mlp, abs_values(cols_of([](const Impl::Rank& R) { return R.plan.act_out; }, m.ffn)), n,
-                              h, m.ffn);
+      return weight_magnitude(d_mlp, abs_values(cols_of(plan_buf(&RankPlan::act_out), m.ffn)), n, h, m.ffn);
     if (key == "mlp.linear_fc2.bias") return column_magnitude(d_mlp, n, h);
     throw std::logic_error("optimized dense layer: no magnitude rule for the gradient of '" + key + "'");
   };

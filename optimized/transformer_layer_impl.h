@@ -110,6 +110,23 @@ struct DenseTransformerLayer::Impl {
     return r.weights.back().get();
   }
 
+  // run() on rank R's stream: eagerly, or with use_graph captured into `graph` at the first call
+  // and replayed from then on; then waits for the stream.
+  static void run_on_stream(Rank& R, std::optional<rt::Graph>& graph, bool use_graph,
+                            const std::function<void()>& run) {
+    if (use_graph) {
+      if (!graph) {
+        R.stream->begin_capture();
+        run();
+        graph.emplace(R.stream->end_capture());
+      }
+      graph->launch(*R.stream);
+    } else {
+      run();
+    }
+    R.stream->synchronize();
+  }
+
   // Device time of one replay of `graph` on rank 0's stream (ms), averaged over `iters` after one
   // warm replay; `what` names the call for the error when nothing was captured.
   double time_graph_ms(std::optional<rt::Graph>& graph, int iters, const std::string& what) {
