@@ -4,6 +4,8 @@
 
 #include <unsupported/Eigen/SpecialFunctions>
 
+#include "reference/fast_gemm.h"  // to_float, to_double
+
 namespace twin::reference {
 
 ActivationFunc activation_from_name(const std::string& name) {
@@ -100,7 +102,23 @@ using RowArrayF = Eigen::Array<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Row
 // Precision::act_inplace of the fp32 result (the same values as act1's double ops then act()).
 // Each expression is evaluated into an fp32 array on its own: Eigen vectorises exp and erf only
 // while no cast to double sits in the same expression.
+namespace {
+// Silu after exp: x = R(x / R(1 + R(e))), e = exp(-x), R the bf16 rounding, in one pass.
+TWIN_VECTOR_CLONES void silu_after_exp_bf16(float* x, const float* e, Eigen::Index n) {
+  using R = Precision;
+  for (Eigen::Index i = 0; i < n; ++i) x[i] = R::round_bf16(x[i] / R::round_bf16(R::round_bf16(e[i]) + 1.0f));
+}
+// The GLU's product R(a * lin), written as double.
+TWIN_VECTOR_CLONES void glu_product_bf16(const float* a, const float* lin, double* y, Eigen::Index n) {
+  for (Eigen::Index i = 0; i < n; ++i) y[i] = Precision::round_bf16(a[i] * lin[i]);
+}
+}  // namespace
+
 static void activation_fast_inplace(ActivationFunc f, RowArrayF& x, const Precision& p) {
+  if (f == ActivationFunc::Silu && p.params_dtype == DType::BF16) {  // the same, in one pass after exp
+    const RowArrayF e = (-x).exp();
+    return silu_after_exp_bf16(x.data(), e.data(), x.size());  // rounds: exp(-x), 1 + ..., x / ...
+  }
   if (f == ActivationFunc::Silu) {
     RowArrayF e = (-x).exp();
     p.act_inplace(e.data(), e.size());  // rounds: exp(-x)
@@ -116,9 +134,12 @@ static void activation_fast_inplace(ActivationFunc f, RowArrayF& x, const Precis
 }
 
 static Mat apply_activation_fast(ActivationFunc f, const Mat& x, const Precision& p) {
-  RowArrayF xf = x.cast<float>().array();
+  RowArrayF xf(x.rows(), x.cols());
+  to_float(x.data(), xf.data(), x.size());
   activation_fast_inplace(f, xf, p);
-  return xf.cast<double>().matrix();
+  Mat y(x.rows(), x.cols());
+  to_double(xf.data(), y.data(), xf.size());
+  return y;
 }
 
 Mat apply_activation(ActivationFunc f, const Mat& x, const Precision& p) {
@@ -141,11 +162,21 @@ Mat glu(ActivationFunc f, const Mat& x, double glu_linear_offset, std::optional<
     // Fast mode: the same stores as below, in fp32 arithmetic, without the halves' copies.
     p.count_act(act1_stores(f));  // the activation's path is the longer: the product follows it
     p.count_act();
-    RowArrayF a = x.leftCols(half).cast<float>().array();  // torch.chunk(x, 2, dim=-1)[0]
+    RowArrayF a(x.rows(), half), lin(x.rows(), half);  // torch.chunk(x, 2, dim=-1)
+    for (Eigen::Index r = 0; r < x.rows(); ++r) {
+      to_float(x.data() + r * x.cols(), a.data() + r * half, half);
+      to_float(x.data() + r * x.cols() + half, lin.data() + r * half, half);
+    }
     activation_fast_inplace(f, a, p);
-    a *= x.rightCols(half).cast<float>().array();
+    Mat y(x.rows(), half);
+    if (p.params_dtype == DType::BF16) {
+      glu_product_bf16(a.data(), lin.data(), y.data(), a.size());  // rounds: act(x_glu) * x_linear
+      return y;
+    }
+    a *= lin;
     p.act_inplace(a.data(), a.size());  // rounds: act(x_glu) * x_linear
-    return a.cast<double>().matrix();
+    to_double(a.data(), y.data(), a.size());
+    return y;
   }
   Mat x_glu = x.leftCols(half);      // torch.chunk(x, 2, dim=-1)[0]
   Mat x_linear = x.rightCols(half);  // [1]

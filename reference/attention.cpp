@@ -133,8 +133,9 @@ AttentionOutput SelfAttention::forward(const Mat& hidden_states, const Attention
 
   if (a.rotary_pos_emb) {
     const Mat freqs = rotary_freqs(*a.rotary_pos_emb, a.s, hn_);  // [s, rot_dim]
-    qkv.query = apply_rotary_pos_emb(qkv.query, freqs, a.b * np_, rotary_interleaved_, p_);
-    qkv.key = apply_rotary_pos_emb(qkv.key, freqs, a.b * ng_, rotary_interleaved_, p_);
+    const RopeTables tables = rope_tables(freqs, p_);
+    qkv.query = apply_rotary_pos_emb(qkv.query, tables, a.b * np_, rotary_interleaved_, p_);
+    qkv.key = apply_rotary_pos_emb(qkv.key, tables, a.b * ng_, rotary_interleaved_, p_);
     p_.count_act(3);  // t * cos_, _rotate_half(t) * sin_, sum: on q and on k alike
     if (saved) saved->freqs = freqs;
   }

@@ -1,5 +1,7 @@
 #include "reference/fast_gemm.h"
 
+#include "reference/precision.h"  // TWIN_VECTOR_CLONES
+
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -21,6 +23,13 @@ char* openblas_get_config(void);
 
 namespace twin::reference {
 
+TWIN_VECTOR_CLONES void to_double(const float* src, double* dst, Eigen::Index n) {
+  for (Eigen::Index i = 0; i < n; ++i) dst[i] = src[i];
+}
+TWIN_VECTOR_CLONES void to_float(const double* src, float* dst, Eigen::Index n) {
+  for (Eigen::Index i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 namespace {
 void check_inner(const char* what, Eigen::Index ka, Eigen::Index kb) {
   if (ka != kb)
@@ -34,9 +43,7 @@ void check_inner(const char* what, Eigen::Index ka, Eigen::Index kb) {
 // zero), which the bf16 matmul would read wrongly. One pass without calls or branches, which GCC
 // vectorises (fast_gemm.cpp is built with -O3).
 template <class Scalar>
-bool bf16_bits_n(const Scalar* src, Eigen::Index n, std::vector<std::uint16_t>& out) {
-  out.resize(static_cast<std::size_t>(n));
-  std::uint16_t* dst = out.data();
+TWIN_ALWAYS_INLINE std::uint32_t upper_halves(const Scalar* src, Eigen::Index n, std::uint16_t* dst) {
   std::uint32_t low = 0;
   for (Eigen::Index i = 0; i < n; ++i) {
     const float f = static_cast<float>(src[i]);
@@ -45,7 +52,19 @@ bool bf16_bits_n(const Scalar* src, Eigen::Index n, std::vector<std::uint16_t>& 
     low |= u & 0xffffu;
     dst[i] = static_cast<std::uint16_t>(u >> 16);
   }
-  return low == 0;
+  return low;
+}
+// The loop above for each source type, as vector clones (a template cannot be one).
+TWIN_VECTOR_CLONES std::uint32_t upper_halves_of(const double* src, Eigen::Index n, std::uint16_t* dst) {
+  return upper_halves(src, n, dst);
+}
+TWIN_VECTOR_CLONES std::uint32_t upper_halves_of(const float* src, Eigen::Index n, std::uint16_t* dst) {
+  return upper_halves(src, n, dst);
+}
+template <class Scalar>
+bool bf16_bits_n(const Scalar* src, Eigen::Index n, std::vector<std::uint16_t>& out) {
+  out.resize(static_cast<std::size_t>(n));
+  return upper_halves_of(src, n, out.data()) == 0;
 }
 template <class Matrix>
 bool bf16_bits(const Matrix& m, std::vector<std::uint16_t>& out) {

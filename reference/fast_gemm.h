@@ -33,6 +33,11 @@ FMat matmul_nn(const FMat& a, const FMat& b, bool inputs_bf16 = false);
 using DMat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;  // reference/precision.h's Mat
 FMat matmul_nt(const DMat& a, const DMat& b, bool inputs_bf16 = false);
 
+// fp32 <-> double conversions of n values (exact to double, rounding to fp32), in loops cloned for
+// the CPU's widest vectors: fast mode converts every activation between its fp32 and double stages.
+void to_double(const float* src, double* dst, Eigen::Index n);
+void to_float(const double* src, float* dst, Eigen::Index n);
+
 // A GEMM operand converted once into the format the backend reads, for one that many GEMMs read
 // unchanged (a Linear's weight): the upper halves of its fp32 bits when inputs_bf16 and every
 // value is a bf16 value and the backend has a bf16 matmul, else its fp32 values. `m`'s values

@@ -19,8 +19,8 @@ Mat dropout(const Mat& x, double p, bool training, const DropoutRng& rng, const 
   return y;
 }
 
-Mat bias_dropout_add(const Mat& x, const std::optional<RowVec>& bias, const Mat& residual_in, double prob,
-                     bool training, const DropoutRng& rng, const Precision& prec) {
+TWIN_VECTOR_CLONES Mat bias_dropout_add(const Mat& x, const std::optional<RowVec>& bias, const Mat& residual_in,
+                                        double prob, bool training, const DropoutRng& rng, const Precision& prec) {
   if (residual_in.rows() != x.rows() || residual_in.cols() != x.cols())
     throw ShapeError("bias_dropout_add: residual [" + std::to_string(residual_in.rows()) + ", " +
                      std::to_string(residual_in.cols()) + "] does not match x [" + std::to_string(x.rows()) + ", " +

@@ -44,7 +44,8 @@ OutputWithBias Linear::forward(const Mat& x, LinearSaved* saved) const {
       y.rowwise() += bias.cast<float>();   // an activation-dtype bias: exact in fp32
       p_.act_inplace(y.data(), y.size());  // rounds: + bias
     }
-    out.output = y.cast<double>();
+    out.output.resize(y.rows(), y.cols());
+    to_double(y.data(), out.output.data(), y.size());
   } else {
     out.output = x * weight_.transpose();  // [n, out]
     p_.act_inplace(out.output);            // rounds: GEMM output (fp32 accumulation), activation dtype

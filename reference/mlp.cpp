@@ -83,8 +83,8 @@ OutputWithBias MLP::forward_inner(const Mat& hidden_states, const MlpArgs& args,
   // [s, b, 4 * h/p]
   OutputWithBias fc1 = linear_fc1.forward(hidden_states, saved ? &saved->linear_fc1 : nullptr);
   record_output_with_bias(taps, "linear_fc1.", fc1, args.lead, p_);
-  Mat intermediate_parallel = fc1.output;
-  bool weighted_fused = false;  // the fused weighted swiglu already applied per_token_scale
+  Mat intermediate_parallel = std::move(fc1.output);  // fc1's output is not read again
+  bool weighted_fused = false;                        // the fused weighted swiglu already applied per_token_scale
   if (bias_activation_fusion && args.per_token_scale) {
     // weighted_bias_swiglu_impl: weighted_swiglu(y, w) = (swiglu(y) * w).to(y.dtype)
     if (!(activation_func == ActivationFunc::Silu && gated_linear_unit))

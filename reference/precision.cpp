@@ -15,17 +15,11 @@ Precision Precision::from_config(const TransformerConfig& c, ComputeMode mode) {
 namespace {
 // round_to(F32) then round_to(BF16) of each of n values, written as loops without calls or
 // branches so the compiler vectorises them (the reference rounds every activation element).
-void round_f32_inplace(double* v, Eigen::Index n) {
+TWIN_VECTOR_CLONES void round_f32_inplace(double* v, Eigen::Index n) {
   for (Eigen::Index i = 0; i < n; ++i) v[i] = static_cast<float>(v[i]);
 }
-void round_bf16_inplace(double* v, Eigen::Index n) {
-  for (Eigen::Index i = 0; i < n; ++i) {
-    const std::uint32_t u = float_bits(static_cast<float>(v[i]));
-    // float_to_bf16_bits: a NaN stays a (quiet) NaN, else round to nearest even on the upper half
-    const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    const std::uint32_t nan = (u | 0x00400000u) & 0xffff0000u;
-    v[i] = bits_float((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
+TWIN_VECTOR_CLONES void round_bf16_inplace(double* v, Eigen::Index n) {
+  for (Eigen::Index i = 0; i < n; ++i) v[i] = Precision::round_bf16(v[i]);
 }
 void act_inplace_n(const Precision& p, double* v, Eigen::Index n) {
   if (p.exact()) return;
@@ -36,17 +30,16 @@ void act_inplace_n(const Precision& p, double* v, Eigen::Index n) {
 }  // namespace
 
 void Precision::act_inplace(Mat& m) const { act_inplace_n(*this, m.data(), m.size()); }
+namespace {
+// round_bf16 of fp32 values, without the trip through double.
+TWIN_VECTOR_CLONES void round_bf16_floats(float* v, Eigen::Index n) {
+  for (Eigen::Index i = 0; i < n; ++i) v[i] = Precision::round_bf16(v[i]);
+}
+}  // namespace
+
 void Precision::act_inplace(float* v, Eigen::Index n) const {
   if (exact() || params_dtype == DType::F32) return;
-  if (params_dtype == DType::BF16) {
-    for (Eigen::Index i = 0; i < n; ++i) {  // round_bf16, without the trip through double
-      const std::uint32_t u = float_bits(v[i]);
-      const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-      const std::uint32_t nan = (u | 0x00400000u) & 0xffff0000u;
-      v[i] = bits_float((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-    }
-    return;
-  }
+  if (params_dtype == DType::BF16) return round_bf16_floats(v, n);
   for (Eigen::Index i = 0; i < n; ++i) v[i] = static_cast<float>(act(v[i]));
 }
 void Precision::act_inplace(RowVec& v) const { act_inplace_n(*this, v.data(), v.size()); }

@@ -36,6 +36,18 @@
 #include "core/rounding.h"
 #include "core/tensor.h"
 
+// The functions that run fast mode's (and FP32 mode's) per-element loops, cloned for AVX-512 and
+// AVX2 and chosen at load time by the CPU: the build targets baseline x86-64, whose 4-wide SSE2
+// makes these loops the slowest part of the reference's elementwise ops. The same scalar code,
+// so the same values, on every clone.
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(__CUDACC__)
+#define TWIN_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define TWIN_ALWAYS_INLINE __attribute__((always_inline)) inline
+#else
+#define TWIN_VECTOR_CLONES
+#define TWIN_ALWAYS_INLINE inline
+#endif
+
 namespace twin::reference {
 
 using Mat = RowMatrix<double>;  // [rows, cols], row-major
@@ -74,9 +86,10 @@ struct Precision {
 
   // f(round) with `round(x)` equal to act(x), of a function-object type fixed per dtype: a loop
   // of roundings inside f has neither the mode's nor the dtype's branch per element, so it
-  // inlines and vectorises (for the per-element loops of bf16 and fp32 activations).
+  // inlines and vectorises (for the per-element loops of bf16 and fp32 activations). Always
+  // inlined, so that in a TWIN_VECTOR_CLONES function the loops are compiled for each clone's ISA.
   template <class F>
-  decltype(auto) with_act(F&& f) const {
+  TWIN_ALWAYS_INLINE decltype(auto) with_act(F&& f) const {
     if (exact()) return f([](double x) { return x; });
     if (params_dtype == DType::F32) return f([](double x) { return static_cast<double>(static_cast<float>(x)); });
     if (params_dtype == DType::BF16) return f([](double x) { return round_bf16(x); });
@@ -84,8 +97,9 @@ struct Precision {
   }
   // act(x) for bf16 written without calls or branches (float_to_bf16_bits' rounding: a NaN stays a
   // quiet NaN, else round to nearest even on the upper half).
-  static double round_bf16(double x) {
-    const std::uint32_t u = float_bits(static_cast<float>(x));
+  static double round_bf16(double x) { return round_bf16(static_cast<float>(x)); }
+  static float round_bf16(float f) {
+    const std::uint32_t u = float_bits(f);
     const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
     const std::uint32_t nan = (u | 0x00400000u) & 0xffff0000u;
     return bits_float((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);

@@ -53,35 +53,47 @@ Mat rotary_freqs(const Tensor& rotary_pos_emb, int s, int head_dim) {
   return to_mat(rotary_pos_emb, s, rot_dim, "rotary_pos_emb");
 }
 
+RopeTables rope_tables(const Mat& freqs, const Precision& p) {
+  // cos_ = cos(freqs).to(t.dtype): torch.cos in fp32, then stored in the activation dtype
+  RopeTables t{Mat(freqs.rows(), freqs.cols()), Mat(freqs.rows(), freqs.cols())};
+  for (Eigen::Index i = 0; i < freqs.size(); ++i) {
+    t.cos_.data()[i] = p.act(p.f32(std::cos(freqs.data()[i])));  // rounds: cos in fp32, .to(t.dtype)
+    t.sin_.data()[i] = p.act(p.f32(std::sin(freqs.data()[i])));  // rounds: sin in fp32, .to(t.dtype)
+  }
+  return t;
+}
+
 Mat apply_rotary_pos_emb(const Mat& t, const Mat& freqs, int rows_per_position, bool rotary_interleaved,
                          const Precision& p) {
-  const Eigen::Index rot_dim = freqs.cols();
+  return apply_rotary_pos_emb(t, rope_tables(freqs, p), rows_per_position, rotary_interleaved, p);
+}
+
+TWIN_VECTOR_CLONES Mat apply_rotary_pos_emb(const Mat& t, const RopeTables& tables, int rows_per_position,
+                                            bool rotary_interleaved, const Precision& p) {
+  const Mat &cos_ = tables.cos_, &sin_ = tables.sin_;
+  const Eigen::Index rot_dim = cos_.cols();
   if (rot_dim > t.cols())
     throw ShapeError("apply_rotary_pos_emb: rot_dim " + std::to_string(rot_dim) + " exceeds head dim " +
                      std::to_string(t.cols()));
-  if (t.rows() != freqs.rows() * rows_per_position)
+  if (t.rows() != cos_.rows() * rows_per_position)
     throw ShapeError("apply_rotary_pos_emb: " + std::to_string(t.rows()) + " rows do not cover " +
-                     std::to_string(freqs.rows()) + " positions x " + std::to_string(rows_per_position));
-  // cos_ = cos(freqs).to(t.dtype): torch.cos in fp32, then stored in the activation dtype
-  Mat cos_(freqs.rows(), rot_dim), sin_(freqs.rows(), rot_dim);
-  for (Eigen::Index i = 0; i < freqs.size(); ++i) {
-    cos_.data()[i] = p.act(p.f32(std::cos(freqs.data()[i])));  // rounds: cos in fp32, .to(t.dtype)
-    sin_.data()[i] = p.act(p.f32(std::sin(freqs.data()[i])));  // rounds: sin in fp32, .to(t.dtype)
-  }
+                     std::to_string(cos_.rows()) + " positions x " + std::to_string(rows_per_position));
   Mat out = t;  // t_pass columns stay as they are
   const Eigen::Index half = rot_dim / 2;
   p.with_act([&](auto act) {
     for (Eigen::Index r = 0; r < t.rows(); ++r) {
       const Eigen::Index pos = r / rows_per_position;
-      for (Eigen::Index c = 0; c < rot_dim; ++c) {
-        double rotated;  // _rotate_half(t)[c]
-        if (!rotary_interleaved)
-          rotated = c < half ? -t(r, c + half) : t(r, c - half);
-        else
-          rotated = c % 2 == 0 ? -t(r, c + 1) : t(r, c - 1);
-        const double a = act(t(r, c) * cos_(pos, c));  // rounds: t * cos_
-        const double b = act(rotated * sin_(pos, c));  // rounds: _rotate_half(t) * sin_
-        out(r, c) = act(a + b);                        // rounds: sum
+      const double *tr = t.data() + r * t.cols(), *cr = cos_.data() + pos * rot_dim, *sr = sin_.data() + pos * rot_dim;
+      double* o = out.data() + r * out.cols();
+      if (!rotary_interleaved) {                 // _rotate_half(t) = [-t2, t1]: two loops without a per-element branch
+        for (Eigen::Index c = 0; c < half; ++c)  // rounds: t * cos_, _rotate_half(t) * sin_, sum
+          o[c] = act(act(tr[c] * cr[c]) + act(-tr[c + half] * sr[c]));
+        for (Eigen::Index c = half; c < rot_dim; ++c) o[c] = act(act(tr[c] * cr[c]) + act(tr[c - half] * sr[c]));
+      } else {
+        for (Eigen::Index c = 0; c < rot_dim; ++c) {
+          const double rotated = c % 2 == 0 ? -tr[c + 1] : tr[c - 1];  // _rotate_half(t)[c]
+          o[c] = act(act(tr[c] * cr[c]) + act(rotated * sr[c]));       // rounds: as above
+        }
       }
     }
   });

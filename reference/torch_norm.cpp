@@ -32,21 +32,43 @@ void LayerNorm::load_state_dict(const StateDict& sd, const std::string& prefix) 
 
 RowVec LayerNorm::gamma() const { return zero_centered_gamma_ ? RowVec((weight_.array() + 1.0).matrix()) : weight_; }
 
-Mat LayerNorm::forward(const Mat& x) const {
-  check_width(x, hidden_size_, "LayerNorm");
-  const RowVec gamma = this->gamma();
-  Mat y(x.rows(), x.cols());
-  p_.with_act([&](auto act) {
+namespace {
+// The forwards' row loops, apart from the (virtual) forwards so that they can be vector clones.
+TWIN_VECTOR_CLONES void layer_norm_rows(const Mat& x, const RowVec& gamma, const RowVec& beta, double eps,
+                                        const Precision& p, Mat& y) {
+  p.with_act([&](auto act) {
     for (Eigen::Index r = 0; r < x.rows(); ++r) {
-      const double mean = p_.f32(x.row(r).mean());  // rounds: fp32 statistic
+      const double mean = p.f32(x.row(r).mean());  // rounds: fp32 statistic
       const double var = (x.row(r).array() - mean).square().mean();
-      const double rstd = p_.f32(1.0 / std::sqrt(var + eps_));  // rounds: fp32 statistic
-      const double *xr = x.data() + r * x.cols(), *gv = gamma.data(), *bv = bias_.data();
+      const double rstd = p.f32(1.0 / std::sqrt(var + eps));  // rounds: fp32 statistic
+      const double *xr = x.data() + r * x.cols(), *gv = gamma.data(), *bv = beta.data();
       double* yr = y.data() + r * x.cols();
       for (Eigen::Index c = 0; c < x.cols(); ++c)
         yr[c] = act((xr[c] - mean) * rstd * gv[c] + bv[c]);  // rounds: output, activation dtype
     }
   });
+}
+
+TWIN_VECTOR_CLONES void rms_norm_rows(const Mat& x, const RowVec& gamma, double eps, const Precision& p, Mat& y) {
+  p.with_act([&](auto act) {
+    for (Eigen::Index r = 0; r < x.rows(); ++r) {
+      const double rstd = p.f32(1.0 / std::sqrt(x.row(r).squaredNorm() / x.cols() + eps));  // rounds: fp32 statistic
+      const double *xr = x.data() + r * x.cols(), *gv = gamma.data();
+      double* yr = y.data() + r * x.cols();
+      for (Eigen::Index c = 0; c < x.cols(); ++c) {
+        // torch's rms_norm casts x * rstd back to the input dtype before the weight multiply.
+        const double xhat = act(xr[c] * rstd);  // rounds: normalised value, activation dtype
+        yr[c] = act(xhat * gv[c]);              // rounds: output, activation dtype
+      }
+    }
+  });
+}
+}  // namespace
+
+Mat LayerNorm::forward(const Mat& x) const {
+  check_width(x, hidden_size_, "LayerNorm");
+  Mat y(x.rows(), x.cols());
+  layer_norm_rows(x, gamma(), bias_, eps_, p_, y);
   p_.count_reduce(2 * x.cols());  // mean, then variance
   // Counted as torch 1.13's CPU kernel rounds (statistics in T): the mean, the variance, rstd and
   // the shift -rstd * mean, each stored in T (u |mean| rstd |gamma| or u |x_hat gamma| each, both
@@ -119,18 +141,7 @@ Mat RMSNorm::forward(const Mat& x) const {
   check_width(x, hidden_size_, "RMSNorm");
   const RowVec gamma = zero_centered_gamma_ ? RowVec((weight_.array() + 1.0).matrix()) : weight_;
   Mat y(x.rows(), x.cols());
-  p_.with_act([&](auto act) {
-    for (Eigen::Index r = 0; r < x.rows(); ++r) {
-      const double rstd = p_.f32(1.0 / std::sqrt(x.row(r).squaredNorm() / x.cols() + eps_));  // rounds: fp32 statistic
-      const double *xr = x.data() + r * x.cols(), *gv = gamma.data();
-      double* yr = y.data() + r * x.cols();
-      for (Eigen::Index c = 0; c < x.cols(); ++c) {
-        // torch's rms_norm casts x * rstd back to the input dtype before the weight multiply.
-        const double xhat = act(xr[c] * rstd);  // rounds: normalised value, activation dtype
-        yr[c] = act(xhat * gv[c]);              // rounds: output, activation dtype
-      }
-    }
-  });
+  rms_norm_rows(x, gamma, eps_, p_, y);
   p_.count_reduce(x.cols());
   p_.count_f32();
   p_.count_act(2);
