@@ -11,10 +11,12 @@ A results folder holds one folder per `ci/bench` run, named <UTC time>-<commit>:
 Benchmark names are <impl>/<op>/<case id> (bench/bench_util.h): reference/... pairs with
 libtorch/... of the same op and id into the reference / LibTorch time ratio.
 
-    python3 -m mcore_twin.bench compare BASE NEW [--threshold 0.10] [--alpha 0.05] [--metric real_time|cpu_time] [--json]
+    python3 -m mcore_twin.bench compare BASE NEW [--threshold 0.10] [--alpha 0.05] [--metric real_time|cpu_time]
+                                     [--history RESULTS [--window 5]] [--json]
         per benchmark the change of the median time against the base, with a two-sided
         Mann-Whitney U test over the repetitions (as Google Benchmark's tools/compare.py does);
-        exit 1 when a benchmark is slower by more than the threshold with p < alpha, else 0;
+        exit 1 when a benchmark is slower by more than the threshold with p < alpha (and, with a
+        history, slower by more than the threshold than in each of the window's earlier runs), else 0;
         2 on bad input. BASE / NEW: a run folder or one Google Benchmark JSON file.
     python3 -m mcore_twin.bench ratios RUN [--json]
         the reference / LibTorch eager time ratio per op and shape of one run.
@@ -178,12 +180,21 @@ NOT_GATED = ("libtorch/",)
 
 
 def compare(base, new, threshold=0.10, alpha=0.05, ignore_prefixes=("model/",), metric="real_time",
-            not_gated=NOT_GATED):
+            not_gated=NOT_GATED, history=()):
     """Rows per benchmark in both runs: name, base / new median (ns), change (new / base - 1), p,
     gated, regression (gated, change > threshold and p < alpha). Benchmarks of a model (not
     measured) are left out; those under `not_gated` are compared but never a regression. Also the
-    names only in one of the runs."""
+    names only in one of the runs.
+
+    history: earlier run folders (base among them or not). A benchmark is then a regression only if
+    it is also slower than its slowest median in them by more than the threshold (vs_slowest): a
+    benchmark whose time moves between unchanged runs (here a small oneDNN bf16 GEMM, 42 or 50 us
+    by process) shows that spread in its history, and must leave it to count."""
     a, b = samples(base, metric), samples(new, metric)
+    slowest = {}
+    for run in history:
+        for name, times in samples(run, metric).items():
+            slowest[name] = max(slowest.get(name, 0.0), statistics.median(times))
     rows = []
     for name in sorted(set(a) & set(b)):
         if name.startswith(ignore_prefixes):
@@ -196,6 +207,7 @@ def compare(base, new, threshold=0.10, alpha=0.05, ignore_prefixes=("model/",), 
         else:
             p = float("nan")  # one repetition: no test, never a significant regression
         significant = not math.isnan(p) and p < alpha
+        vs_slowest = mb / max(slowest.get(name, 0.0), ma) - 1.0 if ma > 0 else float("inf")
         rows.append(
             {
                 "name": name,
@@ -205,7 +217,8 @@ def compare(base, new, threshold=0.10, alpha=0.05, ignore_prefixes=("model/",), 
                 "p": p,
                 "reps": [len(a[name]), len(b[name])],
                 "gated": gated,
-                "regression": bool(gated and significant and change > threshold),
+                "vs_slowest": vs_slowest,  # against the slowest median of base and the history
+                "regression": bool(gated and significant and change > threshold and vs_slowest > threshold),
                 "improvement": bool(gated and significant and change < -threshold),
             }
         )
@@ -215,6 +228,7 @@ def compare(base, new, threshold=0.10, alpha=0.05, ignore_prefixes=("model/",), 
         "only_new": sorted(set(b) - set(a)),
         "threshold": threshold,
         "alpha": alpha,
+        "history": len(history),
     }
 
 
@@ -232,6 +246,7 @@ def format_compare(result):
         f"{len(result['rows'])} compared, {n_reg} significant regressions beyond "
         f"{100 * result['threshold']:.0f}% (Mann-Whitney U, alpha {result['alpha']}; {', '.join(NOT_GATED)} not gated); "
         f"{len(result['only_base'])} only in base, {len(result['only_new'])} only in new"
+        + (f"; a regression is also slower than the slowest of {result['history']} earlier runs" if result.get("history") else "")
     )
     return "\n".join(lines)
 
@@ -491,6 +506,8 @@ def main(argv=None):
     c.add_argument("--alpha", type=float, default=0.05, help="significance level of the U test (default 0.05)")
     c.add_argument("--metric", choices=["real_time", "cpu_time"], default="real_time")
     c.add_argument("--json", action="store_true")
+    c.add_argument("--history", help="a results folder: its runs before NEW (the last --window) are the history")
+    c.add_argument("--window", type=int, default=5, help="how many earlier runs the history holds (default 5)")
     r = sub.add_parser("ratios", help="reference / LibTorch time ratio per op and shape of one run")
     r.add_argument("run")
     r.add_argument("--json", action="store_true")
@@ -503,7 +520,15 @@ def main(argv=None):
         if args.cmd == "compare":
             if not (0 < args.alpha < 1) or args.threshold < 0:
                 raise BenchError("--alpha must be in (0, 1) and --threshold >= 0")
-            result = compare(args.base, args.new, args.threshold, args.alpha, metric=args.metric)
+            if args.window < 1:
+                raise BenchError("--window must be >= 1")
+            history = []
+            if args.history:  # the runs before NEW in time order (all of them when NEW is elsewhere)
+                paths = [path for _, path, _ in run_folders(args.history)]
+                real = [os.path.realpath(path) for path in paths]
+                end = real.index(os.path.realpath(args.new)) if os.path.realpath(args.new) in real else len(paths)
+                history = paths[:end][-args.window:]
+            result = compare(args.base, args.new, args.threshold, args.alpha, metric=args.metric, history=history)
             print(json.dumps(result) if args.json else format_compare(result))
             return 1 if any(r["regression"] for r in result["rows"]) else 0
         if args.cmd == "ratios":

@@ -157,6 +157,24 @@ class Compare(unittest.TestCase):
         self.assertTrue(rows[STEADY]["gated"])
         self.assertEqual(bench.main(["compare", base, slower]), 0)
 
+    def test_a_change_within_the_history_spread_passes_and_one_beyond_it_is_flagged(self):
+        # A benchmark at 400 or 480 by run (a bimodal one): base 400, new 480 is +20%, but an earlier
+        # run was 480 too, so it passes with the history and is flagged without; 600 is flagged.
+        rng = random.Random(13)
+        runs = [write_run(self.dir, f"2026121{i}T000000Z-{i}{i}{i}{i}{i}{i}{i}{i}", f"2026-12-1{i}T00:00:00Z",
+                          {PLANTED: noisy(rng, t)}) for i, t in enumerate((480.0, 400.0, 480.0, 600.0))]
+        slow, base, new, planted = runs
+        self.assertTrue(bench.compare(base, new)["rows"][0]["regression"])
+        row = bench.compare(base, new, history=[slow, base])["rows"][0]
+        self.assertLess(row["p"], 0.05)
+        self.assertAlmostEqual(row["vs_slowest"], 0.0, delta=0.03)
+        self.assertFalse(row["regression"])
+        self.assertTrue(bench.compare(base, planted, history=[slow, base, new])["rows"][0]["regression"])
+        # the command line takes the runs of a folder before NEW as the history
+        self.assertEqual(bench.main(["compare", base, new, "--history", self.dir]), 0)
+        self.assertEqual(bench.main(["compare", base, planted, "--history", self.dir]), 1)
+        self.assertEqual(bench.main(["compare", base, new, "--history", self.dir, "--window", "0"]), 2)
+
     def test_a_significant_change_under_the_threshold_passes(self):
         rng = random.Random(5)
         slower = write_run(self.dir, "20261204T000000Z-dddddddd", "2026-12-04T00:00:00Z",
