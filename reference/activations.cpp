@@ -98,10 +98,6 @@ static int act1_stores(ActivationFunc f) {
 // which test_fast_mode checks.
 using RowArrayF = Eigen::Array<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-// act1's Gelu / Silu of fp32 values x in place, in fp32 arithmetic, each `rounds:` of act1 a
-// Precision::act_inplace of the fp32 result (the same values as act1's double ops then act()).
-// Each expression is evaluated into an fp32 array on its own: Eigen vectorises exp and erf only
-// while no cast to double sits in the same expression.
 namespace {
 // Silu after exp: x = R(x / R(1 + R(e))), e = exp(-x), R the bf16 rounding, in one pass.
 TWIN_VECTOR_CLONES void silu_after_exp_bf16(float* x, const float* e, Eigen::Index n) {
@@ -114,6 +110,10 @@ TWIN_VECTOR_CLONES void glu_product_bf16(const float* a, const float* lin, doubl
 }
 }  // namespace
 
+// act1's Gelu / Silu of fp32 values x in place, in fp32 arithmetic, each `rounds:` of act1 a
+// Precision::act_inplace of the fp32 result (the same values as act1's double ops then act()).
+// Each expression is evaluated into an fp32 array on its own: Eigen vectorises exp and erf only
+// while no cast to double sits in the same expression.
 static void activation_fast_inplace(ActivationFunc f, RowArrayF& x, const Precision& p) {
   if (f == ActivationFunc::Silu && p.params_dtype == DType::BF16) {  // the same, in one pass after exp
     const RowArrayF e = (-x).exp();
