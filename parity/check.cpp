@@ -74,6 +74,20 @@ std::string fixtures_dir() {
   return std::filesystem::is_directory(d) ? d : "";
 }
 
+// Why mode's tensor parallelism cannot shard golden f's dense layer (the layer would refuse it,
+// as Megatron does), or "": such a row is unsupported, not an error.
+std::string tp_sharding_problem(const Fixture& f, const RunMode& mode) {
+  if (mode.tp <= 1 || f.kind != "dense_layer") return "";
+  const TransformerConfig& c = f.config;
+  const std::int64_t s = f.tensor("input.hidden_states").size(0);
+  if (c.num_attention_heads % mode.tp == 0 && c.query_groups() % mode.tp == 0 && c.ffn() % mode.tp == 0 &&
+      !(mode.sp && s % mode.tp))
+    return "";
+  return fmt::format("tp {}{} does not shard this layer (heads {}, query groups {}, ffn {}{})", mode.tp,
+                     mode.sp ? " + sp" : "", c.num_attention_heads, c.query_groups(), c.ffn(),
+                     mode.sp ? fmt::format(", sequence {}", s) : "");
+}
+
 }  // namespace
 
 int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
@@ -141,6 +155,11 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
                         try {
                           const Fixture f = load_fixture(path);
                           r.layer = f.kind + " " + f.case_name;
+                          if (const std::string why = tp_sharding_problem(f, mode); !why.empty()) {
+                            r.status = Status::Unsupported;
+                            r.detail = why;
+                            return r;
+                          }
                           FixtureHandler h = find_fixture_handler(f.kind, twin, mode);
                           if (!h) {
                             r.status = Status::Unsupported;
