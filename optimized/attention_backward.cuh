@@ -125,12 +125,7 @@ inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t
   const DType dt = a.dt;
   const std::int64_t n = a.n(), n_local = a.n_local(), qw = a.qkv_width(), ctx_w = std::int64_t(a.np) * a.hn;
   const RoundingCount at_input = rounding_now();
-  // Every gradient is compared with the count at the end: it joins each leaf's (`leaves`).
-  RoundingCount leaves = at_input;
-  auto leaf_done = [&](const RoundingCount& branch_point) {
-    leaves.join(rounding_now());
-    rounding_set(branch_point);
-  };
+  GradLeaves leaves(at_input);
   // ---- self_attn_bda: d residual = dh1 (used below); d proj, d linear_proj.bias   // [n_local, h]
   bias_dropout_add_backward(dt, a.dh1, a.d_proj, nullptr, nullptr, n_local, a.h, a.drop, a.tp.element_base(n, a.h),
                             nullptr, 0, st);
@@ -138,13 +133,13 @@ inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t
   if (a.proj_bias) {
     require(a.d_proj_b != nullptr, "attention_half_backward: linear_proj has a bias but d_proj_b is null");
     linear_backward_bias(dt, a.d_proj, a.d_proj_b, n_local, a.h, a.workspace, a.workspace_bytes, st);
-    tp_sum_param_grad(a.tp, a.tp.sp, dt, a.d_proj_b, a.h, st);  // SP: each rank summed its rows
-    leaf_done(at_proj);
+    if (a.tp.sp) tp_sum_param_grads(a.tp, dt, {a.d_proj_b}, a.h, leaves, st);  // each rank summed its rows
+    leaves.done(at_proj);
   }
   // ---- linear_proj (row parallel)                                       // [n, np * hn], [h, np * hn]
   const void* d_proj = tp_gather_rows(a.tp, dt, a.d_proj, a.d_proj_full, n, a.h, st);  // [n, h]
   linear_backward_wgrad(dt, d_proj, a.ctx, a.d_proj_w, n, ctx_w, a.h, st);
-  leaf_done(at_proj);
+  leaves.done(at_proj);
   linear_backward_dgrad(dt, d_proj, a.proj_w, a.d_ctx, n, ctx_w, a.h, st);
   // ---- core_attention: d q, d k, d v into d qkv (the fused layout)      // [n, qw]
   const QkvLayout lay = a.layout();
@@ -170,25 +165,17 @@ inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t
   // ---- q_layernorm / k_layernorm: their backward into d qkv_pre, v passing through  // [n, qw]
   void* d_linear_qkv = a.d_qkv;  // the gradient of linear_qkv's output
   if (a.qk_layernorm) {
-    // At tp > 1 each rank's heads gave a part of a norm's parameter grads: summed over the ranks.
-    auto sum_over_ranks = [&](void* w_grad, void* b_grad) {
-      const RoundingCount at_sum = rounding_now();
-      for (void* g : {w_grad, b_grad}) {
-        tp_sum_param_grad(a.tp, true, dt, g, a.hn, st);
-        leaf_done(at_sum);
-      }
-    };
     copy_elements(dt, a.d_qkv, a.d_qkv_pre, n * qw, st);  // v's columns; q and k's are overwritten
     rounding_set(query_path);
     norm_backward(a.rms, dt, a.d_qkv, a.qkv_pre_norm, a.d_qkv_pre, a.qln_w, a.d_qln_w, a.d_qln_b, q_rows, a.eps,
                   a.zero_centered_gamma, a.workspace, a.workspace_bytes, st);
-    sum_over_ranks(a.d_qln_w, a.d_qln_b);
+    tp_sum_param_grads(a.tp, dt, {a.d_qln_w, a.d_qln_b}, a.hn, leaves, st);  // each rank: its heads
     query_path = rounding_now();
     rounding_set(key_path);
     norm_backward(a.rms, dt, at(a.d_qkv, k_off), at(a.qkv_pre_norm, k_off), static_cast<char*>(a.d_qkv_pre) + k_off,
                   a.kln_w, a.d_kln_w, a.d_kln_b, k_rows, a.eps, a.zero_centered_gamma, a.workspace, a.workspace_bytes,
                   st);
-    sum_over_ranks(a.d_kln_w, a.d_kln_b);
+    tp_sum_param_grads(a.tp, dt, {a.d_kln_w, a.d_kln_b}, a.hn, leaves, st);
     key_path = rounding_now();
     d_linear_qkv = a.d_qkv_pre;
   }
@@ -199,26 +186,21 @@ inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t
   if (a.qkv_b) {
     require(a.d_qkv_b != nullptr, "attention_half_backward: linear_qkv has a bias but d_qkv_b is null");
     linear_backward_bias(dt, d_linear_qkv, a.d_qkv_b, n, qw, a.workspace, a.workspace_bytes, st);
-    leaf_done(at_qkv);
+    leaves.done(at_qkv);
   }
   linear_backward_wgrad(dt, d_linear_qkv, a.ln1, a.d_qkv_w, n, a.h, qw, st);
-  leaf_done(at_qkv);
+  leaves.done(at_qkv);
   void* const d_ln1_partial = a.tp.size > 1 ? a.d_ln1_partial : a.d_ln1;
   linear_backward_dgrad(dt, d_linear_qkv, a.qkv_w, d_ln1_partial, n, a.h, qw, st);
   tp_reduce(a.tp, dt, d_ln1_partial, a.d_ln1, n, a.h, st);
   // ---- input_layernorm, then the residual's gradient added             // [n_local, h]
   norm_backward(a.rms, dt, a.d_ln1, a.x, a.dx, a.ln1_w, a.d_ln1_w, a.d_ln1_b, NormRows::dense(n_local, a.h), a.eps,
                 a.zero_centered_gamma, a.workspace, a.workspace_bytes, st);
-  if (a.tp.sp) {  // each rank's rows gave a part of the norm's parameter grads
-    const RoundingCount at_sum = rounding_now();
-    for (void* g : {a.d_ln1_w, a.d_ln1_b}) {
-      tp_sum_param_grad(a.tp, true, dt, g, a.h, st);
-      leaf_done(at_sum);
-    }
-  }
+  if (a.tp.sp)  // each rank's rows gave a part of the norm's parameter grads
+    tp_sum_param_grads(a.tp, dt, {a.d_ln1_w, a.d_ln1_b}, a.h, leaves, st);
   rounding_join(at_input);  // the residual path: dh1 as it came in
   grad_sum(dt, a.dx, a.dh1, a.dx, n_local * a.h, st);
-  rounding_join(leaves);
+  leaves.join_all();
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

@@ -15,6 +15,8 @@
  * equal on either. The bias grad is a deterministic column sum (kernel_common.cuh column_sums). */
 #pragma once
 
+#include <initializer_list>
+
 #include "kernel_common.cuh"
 #include "optimized/runtime/collectives.h"
 #include "optimized/runtime/gemm.h"
@@ -168,16 +170,38 @@ inline const void* tp_gather_rows(const TensorParallel& tp, DType dt, const void
   return full;
 }
 
-// A replicated parameter's gradient of which each rank computed its part (a norm's or a
-// row-parallel bias's over its SP rows, a qk-layernorm's over its heads): summed in place over the
-// ranks, as finalize_model_grads all-reduces them. `when` false: nothing (every rank already has
-// the whole gradient).
-inline void tp_sum_param_grad(const TensorParallel& tp, bool when, DType dt, void* grad, std::int64_t count,
-                              cudaStream_t st) {
-  if (tp.size == 1 || !when || !grad) return;
-  require(tp.comm != nullptr, "tp_sum_param_grad: no communicator");
-  rounding_store(dt, tp.size - 1);  // counts: the sum over the ranks
-  tp.comm->all_reduce(grad, grad, std::size_t(count), dt, st);
+// The rounding counts of a backward's parameter grads. Each grad is a leaf: it branches off the
+// data path, which goes on from the branch point; every gradient is compared with the count at
+// the end, so that count joins each leaf's.
+class GradLeaves {
+ public:
+  explicit GradLeaves(const RoundingCount& start) : joined_(start) {}
+  // A leaf ends here: keep its count, and go back to where the data path branched off.
+  void done(const RoundingCount& branch_point) {
+    joined_.join(rounding_now());
+    rounding_set(branch_point);
+  }
+  // At the end of the backward: the running count covers every leaf.
+  void join_all() const { rounding_join(joined_); }
+
+ private:
+  RoundingCount joined_;
+};
+
+// Replicated parameters' grads of which each rank computed a part (a norm's or a row-parallel
+// bias's over its SP rows, a qk-layernorm's over its heads), `count` elements each: each summed in
+// place over the ranks, as finalize_model_grads all-reduces them, a leaf ending here. Null grads
+// (absent parameters) are skipped; at size 1 nothing is summed.
+inline void tp_sum_param_grads(const TensorParallel& tp, DType dt, std::initializer_list<void*> grads,
+                               std::int64_t count, GradLeaves& leaves, cudaStream_t st) {
+  const RoundingCount at = rounding_now();
+  for (void* grad : grads) {
+    if (tp.size == 1 || !grad) continue;
+    require(tp.comm != nullptr, "tp_sum_param_grads: no communicator");
+    rounding_store(dt, tp.size - 1);  // counts: the sum over the ranks
+    tp.comm->all_reduce(grad, grad, std::size_t(count), dt, st);
+    leaves.done(at);
+  }
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

@@ -115,13 +115,7 @@ inline void mlp_half_backward(const MlpHalfBackward& a, cudaStream_t st) {
   const int w = a.glu ? 2 * a.ffn : a.ffn;
   const std::int64_t n_local = a.tp.rows_local(a.n);
   const RoundingCount at_input = rounding_now();
-  // A parameter grad is a leaf: the data path goes on from where it branched off. Every gradient is
-  // compared with the count at the end, so that count is joined with every leaf's (`leaves`).
-  RoundingCount leaves = at_input;
-  auto leaf_done = [&](const RoundingCount& branch_point) {
-    leaves.join(rounding_now());
-    rounding_set(branch_point);
-  };
+  GradLeaves leaves(at_input);
   // ---- mlp_bda: d residual = dout (used below); d mlp, d fc2.bias      // [n_local, h]
   bias_dropout_add_backward(a.dt, a.dout, a.d_mlp, nullptr, nullptr, n_local, a.h, a.drop, a.tp.element_base(a.n, a.h),
                             nullptr, 0, st);
@@ -129,13 +123,13 @@ inline void mlp_half_backward(const MlpHalfBackward& a, cudaStream_t st) {
   if (a.fc2_bias) {
     require(a.d_fc2_b != nullptr, "mlp_half_backward: fc2 has a bias but d_fc2_b is null");
     linear_backward_bias(a.dt, a.d_mlp, a.d_fc2_b, n_local, a.h, a.workspace, a.workspace_bytes, st);
-    tp_sum_param_grad(a.tp, a.tp.sp, a.dt, a.d_fc2_b, a.h, st);  // SP: each rank summed its rows
-    leaf_done(at_fc2);
+    if (a.tp.sp) tp_sum_param_grads(a.tp, a.dt, {a.d_fc2_b}, a.h, leaves, st);  // each rank summed its rows
+    leaves.done(at_fc2);
   }
   // ---- linear_fc2 (row parallel)                                        // [n, ffn], [h, ffn]
   const void* d_mlp = tp_gather_rows(a.tp, a.dt, a.d_mlp, a.d_mlp_full, a.n, a.h, st);  // [n, h]
   linear_backward_wgrad(a.dt, d_mlp, a.act_out, a.d_fc2_w, a.n, a.ffn, a.h, st);
-  leaf_done(at_fc2);
+  leaves.done(at_fc2);
   linear_backward_dgrad(a.dt, d_mlp, a.fc2_w, a.d_act, a.n, a.ffn, a.h, st);
   // ---- activation / GLU, fc1.bias                                       // [n, w]
   bias_activation_backward(a.dt, a.fc1, a.fc1_b, a.d_act, a.d_fc1, a.n, a.ffn, a.act, a.glu, st);
@@ -143,27 +137,22 @@ inline void mlp_half_backward(const MlpHalfBackward& a, cudaStream_t st) {
   if (a.fc1_b) {
     require(a.d_fc1_b != nullptr, "mlp_half_backward: fc1 has a bias but d_fc1_b is null");
     linear_backward_bias(a.dt, a.d_fc1, a.d_fc1_b, a.n, w, a.workspace, a.workspace_bytes, st);
-    leaf_done(at_fc1);
+    leaves.done(at_fc1);
   }
   // ---- linear_fc1 (column parallel)                                     // [n_local, h], [w, h]
   linear_backward_wgrad(a.dt, a.d_fc1, a.ln2, a.d_fc1_w, a.n, a.h, w, st);
-  leaf_done(at_fc1);
+  leaves.done(at_fc1);
   void* const d_ln2_partial = a.tp.size > 1 ? a.d_ln2_partial : a.d_ln2;
   linear_backward_dgrad(a.dt, a.d_fc1, a.fc1_w, d_ln2_partial, a.n, a.h, w, st);
   tp_reduce(a.tp, a.dt, d_ln2_partial, a.d_ln2, a.n, a.h, st);
   // ---- pre_mlp_layernorm, then the residual's gradient added             // [n_local, h]
   norm_backward(a.rms, a.dt, a.d_ln2, a.hidden, a.dhidden, a.ln2_w, a.d_ln2_w, a.d_ln2_b, NormRows::dense(n_local, a.h),
                 a.eps, a.zero_centered_gamma, a.workspace, a.workspace_bytes, st);
-  if (a.tp.sp) {  // each rank's rows gave a part of the norm's parameter grads
-    const RoundingCount at_sum = rounding_now();
-    tp_sum_param_grad(a.tp, true, a.dt, a.d_ln2_w, a.h, st);
-    leaf_done(at_sum);
-    tp_sum_param_grad(a.tp, true, a.dt, a.d_ln2_b, a.h, st);
-    leaf_done(at_sum);
-  }
+  if (a.tp.sp)  // each rank's rows gave a part of the norm's parameter grads
+    tp_sum_param_grads(a.tp, a.dt, {a.d_ln2_w, a.d_ln2_b}, a.h, leaves, st);
   rounding_join(at_input);  // the residual path: dout as it came in
   grad_sum(a.dt, a.dhidden, a.dout, a.dhidden, n_local * a.h, st);
-  rounding_join(leaves);
+  leaves.join_all();
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

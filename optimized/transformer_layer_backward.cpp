@@ -272,12 +272,13 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   const Tensor x = rows_of(plan_buf(&RankPlan::x)), h1 = rows_of(plan_buf(&RankPlan::h1));
   auto whole = [&](auto ptr_of, std::int64_t cols) { return abs_values(gathered(ptr_of, n, cols, ShardLayout{})); };
   // q_layernorm / k_layernorm: one norm of width hn over every q (k) head's rows.
+  std::vector<double> pre_norm;  // linear_qkv's output before the qk-norms, read once for both
   auto qk_norm_magnitude = [&](bool keys, bool bias) {
     const std::vector<double> dy = gather_heads(d_qkv, n, fp, keys);
     const std::int64_t rows = std::int64_t(dy.size()) / p.hn;
     if (bias) return column_magnitude(dy, rows, p.hn);
-    const Tensor pre = cols_of(plan_buf(&RankPlan::qkv_pre_norm), qw);
-    const std::vector<double> xs = gather_heads(pre.to_f64(), n, fp, keys);
+    if (pre_norm.empty()) pre_norm = cols_of(plan_buf(&RankPlan::qkv_pre_norm), qw).to_f64();
+    const std::vector<double> xs = gather_heads(pre_norm, n, fp, keys);
     return norm_weight_magnitude(dy, Tensor::from_doubles(DType::F64, {rows, p.hn}, xs), rows, p.hn, p.rms, p.eps);
   };
   auto magnitude = [&](const std::string& key) -> double {
