@@ -16,8 +16,11 @@ libtorch/... of the same op and id into the reference / LibTorch time ratio.
         per benchmark the change of the median time against the base, with a two-sided
         Mann-Whitney U test over the repetitions (as Google Benchmark's tools/compare.py does);
         exit 1 when a benchmark is slower by more than the threshold with p < alpha (and, with a
-        history, slower by more than the threshold than in each of the window's earlier runs), else 0;
-        2 on bad input. BASE / NEW: a run folder or one Google Benchmark JSON file.
+        history, slower by more than the threshold than in each of the window's earlier runs), when
+        one errored in NEW (a GPU benchmark's "no GPU: ..." skip aside), or when one of BASE is not
+        in NEW, each failure one line naming the benchmark; else 0. 2 on bad input, and when a
+        compared benchmark has a single repetition in a run (no U test without two).
+        BASE / NEW: a run folder or one Google Benchmark JSON file.
     python3 -m mcore_twin.bench ratios RUN [--json]
         the reference / LibTorch eager time ratio per op and shape of one run.
     python3 -m mcore_twin.bench dashboard RESULTS [-o FILE] [--chartjs FILE]
@@ -32,6 +35,7 @@ import html
 import json
 import math
 import os
+import re
 import statistics
 import sys
 
@@ -83,6 +87,18 @@ def samples(path, metric="real_time"):
             if name is None or unit not in UNIT_NS or metric not in b:
                 raise BenchError(f"{file}: benchmark entry without name, {metric} or a known time_unit: {b}")
             out.setdefault(name, []).append(float(b[metric]) * UNIT_NS[unit])
+    return out
+
+
+def errors(path):
+    """{benchmark name: error message} of the benchmarks that errored in a run (Google Benchmark's
+    `error_occurred`: SkipWithError, which also skips a GPU benchmark without a GPU)."""
+    out = {}
+    for file in gbench_files(path):
+        data = load_json(file)
+        for b in data.get("benchmarks", []) if isinstance(data, dict) else []:
+            if b.get("run_type", "iteration") == "iteration" and b.get("error_occurred"):
+                out.setdefault(b.get("run_name", b.get("name")), " ".join(str(b.get("error_message", "")).split()))
     return out
 
 
@@ -178,19 +194,55 @@ def mann_whitney_u_builtin(x, y):
 # together while the reference's moved less: a gate on them flags the machine, not a commit.)
 NOT_GATED = ("libtorch/",)
 
+# The error message of a benchmark skipped for want of a GPU (bench/bench_util.h skip_without_gpu:
+# Google Benchmark 1.7 skips only with SkipWithError). Such a skip is no failure; any other error is.
+SKIP_MESSAGE_PREFIXES = ("no GPU: ",)
+
 
 def compare(base, new, threshold=0.10, alpha=0.05, ignore_prefixes=("model/",), metric="real_time",
-            not_gated=NOT_GATED, history=()):
+            not_gated=NOT_GATED, history=(), min_repetitions=2, benchmark_filter=""):
     """Rows per benchmark in both runs: name, base / new median (ns), change (new / base - 1), p,
     gated, regression (gated, change > threshold and p < alpha). Benchmarks of a model (not
     measured) are left out; those under `not_gated` are compared but never a regression. Also the
     names only in one of the runs.
+
+    failures: one line per benchmark that fails the gate other than by its time, each naming it:
+    one that errored in NEW (a broken benchmark hides any regression; in BASE too or not), unless
+    it was skipped for want of a GPU (SKIP_MESSAGE_PREFIXES); one of BASE that NEW lacks (removed,
+    renamed, or its suite did not run: nothing measured is nothing gated). Under `not_gated` too:
+    an error or a gap is this code's, not the machine's.
+
+    benchmark_filter: the --benchmark_filter NEW ran with (a regex searched in the name; a leading
+    '-' negates it, as Google Benchmark reads it): a BASE benchmark it leaves out is not missing.
+
+    min_repetitions: a compared benchmark with fewer repetitions in a run is a BenchError: the U
+    test needs two per run, and a p of nan would pass any slow-down (the dashboard passes 1 and
+    shows p nan).
 
     history: earlier run folders (base among them or not). A benchmark is then a regression only if
     it is also slower than its slowest median in them by more than the threshold (vs_slowest): a
     benchmark whose time moves between unchanged runs (here a small oneDNN bf16 GEMM, 42 or 50 us
     by process) shows that spread in its history, and must leave it to count."""
     a, b = samples(base, metric), samples(new, metric)
+    err_a, err_b = errors(base), errors(new)
+    failures = []
+    for name in sorted(err_b):
+        if not name.startswith(ignore_prefixes) and not err_b[name].startswith(SKIP_MESSAGE_PREFIXES):
+            failures.append(f"{name}: errored in NEW: {err_b[name] or '(no message)'}")
+    negate = benchmark_filter.startswith("-")
+    pattern = re.compile(benchmark_filter[1:] if negate else benchmark_filter)
+    for name in sorted((set(a) | set(err_a)) - set(b) - set(err_b)):
+        if not name.startswith(ignore_prefixes) and bool(pattern.search(name)) != negate:
+            failures.append(f"{name}: in BASE, not in NEW (removed, renamed, or its suite did not run)")
+    for name in sorted(set(a) & set(b)):
+        if name.startswith(ignore_prefixes):
+            continue
+        for run, times in (("BASE", a[name]), ("NEW", b[name])):
+            if len(times) < min_repetitions:
+                raise BenchError(
+                    f"{name}: only {len(times)} repetition(s) in {run}: refusing to compare, the U test needs "
+                    f">= {min_repetitions} per run (ci/bench --repetitions N, N >= 2)"
+                )
     slowest = {}
     for run in history:
         for name, times in samples(run, metric).items():
@@ -226,6 +278,7 @@ def compare(base, new, threshold=0.10, alpha=0.05, ignore_prefixes=("model/",), 
         "rows": rows,
         "only_base": sorted(set(a) - set(b)),
         "only_new": sorted(set(b) - set(a)),
+        "failures": failures,
         "threshold": threshold,
         "alpha": alpha,
         "history": len(history),
@@ -248,6 +301,7 @@ def format_compare(result):
         f"{len(result['only_base'])} only in base, {len(result['only_new'])} only in new"
         + (f"; a regression is also slower than the slowest of {result['history']} earlier runs" if result.get("history") else "")
     )
+    lines += [f"FAIL: {f}" for f in result.get("failures", [])]
     return "\n".join(lines)
 
 
@@ -340,7 +394,7 @@ def dashboard_data(results):
             )
     comparison = None
     if len(runs) >= 2 and _has_gbench(runs[-2][1]) and _has_gbench(latest_path):
-        comparison = compare(runs[-2][1], latest_path)
+        comparison = compare(runs[-2][1], latest_path, min_repetitions=1)
         comparison["base"], comparison["new"] = runs[-2][0], latest_name
     return {
         "labels": labels,
@@ -508,6 +562,7 @@ def main(argv=None):
     c.add_argument("--json", action="store_true")
     c.add_argument("--history", help="a results folder: its runs before NEW (the last --window) are the history")
     c.add_argument("--window", type=int, default=5, help="how many earlier runs the history holds (default 5)")
+    c.add_argument("--filter", default="", help="the --benchmark_filter NEW ran with: BASE benchmarks it leaves out are not missing")
     r = sub.add_parser("ratios", help="reference / LibTorch time ratio per op and shape of one run")
     r.add_argument("run")
     r.add_argument("--json", action="store_true")
@@ -528,9 +583,10 @@ def main(argv=None):
                 real = [os.path.realpath(path) for path in paths]
                 end = real.index(os.path.realpath(args.new)) if os.path.realpath(args.new) in real else len(paths)
                 history = paths[:end][-args.window:]
-            result = compare(args.base, args.new, args.threshold, args.alpha, metric=args.metric, history=history)
+            result = compare(args.base, args.new, args.threshold, args.alpha, metric=args.metric, history=history,
+                             benchmark_filter=args.filter)
             print(json.dumps(result) if args.json else format_compare(result))
-            return 1 if any(r["regression"] for r in result["rows"]) else 0
+            return 1 if result["failures"] or any(r["regression"] for r in result["rows"]) else 0
         if args.cmd == "ratios":
             ratios = reference_ratios(args.run)
             if args.json:

@@ -1,13 +1,17 @@
 """Tests of python/mcore_twin/bench.py: the Mann-Whitney U test, the regression gate on synthetic
 Google Benchmark results (a planted 20% regression is flagged, noise and an unchanged rerun are
-not), bad input, the dashboard page built from sample runs, and (--browser) that page loaded in
-headless Chromium: no errors, every chart rendered with one point per run, the planted regression
-in the comparison table.
+not; --metric and the --history window each decide a verdict; a benchmark that errors or
+disappears fails the gate, a single repetition is refused), bad input, the dashboard page built
+from sample runs, and (--browser) that page loaded in headless Chromium: no errors, every chart
+rendered with one point per run, the planted regression in the comparison table.
 
     PYTHONPATH=python python3 tests/python/test_bench_tool.py [--browser]
-Exit 77 (CTest's skip) for the browser test without Chromium, unless CI=true.
+A test whose optional dependency (scipy, libjs-chart.js, chromium) is missing skips, and fails
+when CI=true; exit 77 (CTest's skip) when every test skipped.
 """
 
+import contextlib
+import io
 import itertools
 import json
 import math
@@ -28,16 +32,30 @@ PLANTED = f"reference/mlp/{DENSE_ID}"  # 20% slower in the second run
 TORCH = f"libtorch/layer/{DENSE_ID}"
 
 
-def gbench_json(times_by_name, unit="us"):
-    """Google Benchmark JSON (as --benchmark_out writes it with repetitions) of given times."""
+def optional(test, what):
+    """A missing optional dependency skips the test, and fails it when CI=true (as in the C++ tests)."""
+    if os.environ.get("CI") == "true":
+        test.fail(f"CI=true: a missing optional dependency is an error: {what}")
+    test.skipTest(what)
+
+
+def gbench_json(times_by_name, unit="us", cpu_times_by_name=None, errored=None):
+    """Google Benchmark JSON (as --benchmark_out writes it with repetitions) of given times (cpu_time
+    = real_time unless given); `errored`: {name: message} of benchmarks that called SkipWithError."""
     benchmarks = []
     for name, times in times_by_name.items():
+        cpu = (cpu_times_by_name or {}).get(name, times)
         for i, t in enumerate(times):
             benchmarks.append({"name": name, "run_name": name, "run_type": "iteration", "repetitions": len(times),
                                "repetition_index": i, "threads": 1, "iterations": 10, "real_time": t,
-                               "cpu_time": t, "time_unit": unit})
+                               "cpu_time": cpu[i], "time_unit": unit})
         benchmarks.append({"name": name + "_mean", "run_name": name, "run_type": "aggregate",
                            "aggregate_name": "mean", "real_time": sum(times) / len(times), "time_unit": unit})
+    for name, message in (errored or {}).items():
+        for i in range(3):
+            benchmarks.append({"name": name, "run_name": name, "run_type": "iteration", "repetitions": 3,
+                               "repetition_index": i, "threads": 1, "iterations": 0, "real_time": 0.0,
+                               "cpu_time": 0.0, "time_unit": unit, "error_occurred": True, "error_message": message})
     return {"context": {"date": "2026-12-02", "num_cpus": 2}, "benchmarks": benchmarks}
 
 
@@ -45,17 +63,18 @@ def noisy(rng, centre, n=9, rel=0.02):
     return [centre * (1.0 + rng.gauss(0.0, rel)) for _ in range(n)]
 
 
-def write_run(root, name, date, times_by_name, check_share=None):
+def write_run(root, name, date, times_by_name, check_share=None, cpu_times_by_name=None, errored=None):
     path = os.path.join(root, name)
     os.makedirs(path)
     with open(os.path.join(path, "meta.json"), "w") as f:
         json.dump({"commit": name[-8:], "date": date, "machine": "test", "build_type": "RelWithDebInfo"}, f)
     with open(os.path.join(path, "bench_suite.json"), "w") as f:
-        json.dump(gbench_json(times_by_name), f)
+        json.dump(gbench_json(times_by_name, cpu_times_by_name=cpu_times_by_name, errored=errored), f)
     with open(os.path.join(path, "bench_cost_model.json"), "w") as f:
         json.dump({"benchmarks": [{"name": f"model/gemm m=8,n=4,k=8/{DENSE_ID}", "run_type": "iteration",
-                                   "real_time": 0.001, "time_unit": "us", "flops": 512.0, "bytes": 256.0,
-                                   "FLOP/B": 2.0, "roofline_us": 0.001, "label": "MODEL H200 memory-bound"}]}, f)
+                                   "real_time": 0.001, "cpu_time": 0.001, "time_unit": "us", "flops": 512.0,
+                                   "bytes": 256.0, "FLOP/B": 2.0, "roofline_us": 0.001,
+                                   "label": "MODEL H200 memory-bound"}]}, f)
     if check_share is not None:
         with open(os.path.join(path, "check.json"), "w") as f:
             json.dump({"command": "check", "status": "pass", "rows": [
@@ -105,7 +124,7 @@ class MannWhitneyU(unittest.TestCase):
         try:
             from scipy.stats import mannwhitneyu
         except ImportError:
-            self.skipTest("scipy not installed")
+            optional(self, "scipy not installed (python3-scipy)")
         rng = random.Random(7)
         for n1, n2, ties in [(5, 5, False), (9, 9, False), (12, 15, False), (9, 9, True)]:
             x = [round(rng.gauss(0, 1), 1 if ties else 9) for _ in range(n1)]
@@ -186,6 +205,109 @@ class Compare(unittest.TestCase):
         self.assertFalse(row["regression"])
         self.assertTrue(bench.compare(base, slower, threshold=0.02)["rows"][0]["regression"])
 
+    def run_main(self, *args):
+        """(exit code, stdout lines, stderr lines) of `python3 -m mcore_twin.bench ARGS`."""
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = bench.main(list(args))
+        return rc, out.getvalue().splitlines(), err.getvalue().splitlines()
+
+    def test_metric_decides_the_verdict(self):
+        # A slower wall clock with the same CPU time (a loaded machine) is a real_time regression
+        # only; more CPU time in the same wall clock (work spread onto idle threads) a cpu_time one.
+        rng = random.Random(17)
+        t = {PLANTED: noisy(rng, 400.0)}
+        base = write_run(self.dir, "20261208T000000Z-a0a0a0a0", "2026-12-08T00:00:00Z", t)
+        wall = write_run(self.dir, "20261209T000000Z-b0b0b0b0", "2026-12-09T00:00:00Z", {PLANTED: noisy(rng, 480.0)},
+                         cpu_times_by_name={PLANTED: noisy(rng, 400.0)})
+        cpu = write_run(self.dir, "20261210T000000Z-c0c0c0c0", "2026-12-10T00:00:00Z", {PLANTED: noisy(rng, 400.0)},
+                        cpu_times_by_name={PLANTED: noisy(rng, 480.0)})
+        self.assertEqual(bench.main(["compare", base, wall]), 1)  # real_time by default
+        self.assertEqual(bench.main(["compare", base, wall, "--metric", "real_time"]), 1)
+        self.assertEqual(bench.main(["compare", base, wall, "--metric", "cpu_time"]), 0)
+        self.assertEqual(bench.main(["compare", base, cpu, "--metric", "real_time"]), 0)
+        self.assertEqual(bench.main(["compare", base, cpu, "--metric", "cpu_time"]), 1)
+        row = bench.compare(base, cpu, metric="cpu_time")["rows"][0]
+        self.assertAlmostEqual(row["change"], 0.2, delta=0.03)
+
+    def test_history_window_decides_the_verdict(self):
+        # A run at 480 six runs before NEW, then five at 400: NEW at 480 is within the spread of a
+        # 6-run window, beyond that of the default 5. A run after NEW (at 480) is never history.
+        rng = random.Random(23)
+        results = os.path.join(self.dir, "history")
+        times = (480.0, 400.0, 400.0, 400.0, 400.0, 400.0, 480.0, 480.0)
+        runs = [write_run(results, f"2026120{i}T000000Z-{i}{i}{i}{i}{i}{i}{i}{i}", f"2026-12-0{i}T00:00:00Z",
+                          {PLANTED: noisy(rng, t)}) for i, t in enumerate(times, start=1)]
+        base, new = runs[5], runs[6]
+        self.assertEqual(bench.main(["compare", base, new]), 1)
+        self.assertEqual(bench.main(["compare", base, new, "--history", results]), 1)  # window 5: 400 only
+        self.assertEqual(bench.main(["compare", base, new, "--history", results, "--window", "5"]), 1)
+        self.assertEqual(bench.main(["compare", base, new, "--history", results, "--window", "6"]), 0)
+        self.assertEqual(bench.main(["compare", base, new, "--history", results, "--window", "2"]), 1)
+        row = bench.compare(base, new, history=runs[1:6])["rows"][0]
+        self.assertTrue(row["regression"])
+        self.assertFalse(bench.compare(base, new, history=runs[0:6])["rows"][0]["regression"])
+
+    def test_errored_benchmark_fails_the_gate(self):
+        # A benchmark that errors measures nothing: it would pass any regression, in NEW alone or in
+        # both runs alike. A GPU benchmark's "no GPU: ..." skip (bench_util.h) is no error.
+        rng = random.Random(29)
+        gpu = f"optimized/layer/{DENSE_ID}"
+        base = write_run(self.dir, "20261211T000000Z-d0d0d0d0", "2026-12-11T00:00:00Z",
+                         {STEADY: noisy(rng, 1000.0), PLANTED: noisy(rng, 400.0)}, errored={gpu: "no GPU: none found"})
+        broken = write_run(self.dir, "20261212T000000Z-e0e0e0e0", "2026-12-12T00:00:00Z", {STEADY: noisy(rng, 1000.0)},
+                           errored={PLANTED: "layer result is wrong", gpu: "no GPU: driver too old"})
+        rc, out, _ = self.run_main("compare", base, broken)
+        self.assertEqual(rc, 1)
+        self.assertEqual([line for line in out if line.startswith("FAIL")],
+                         [f"FAIL: {PLANTED}: errored in NEW: layer result is wrong"])
+        self.assertEqual(self.run_main("compare", broken, broken)[0], 1)  # broken in both: still broken
+        rerun = write_run(self.dir, "20261213T000000Z-f0f0f0f0", "2026-12-13T00:00:00Z",
+                          {STEADY: noisy(rng, 1000.0), PLANTED: noisy(rng, 400.0)}, errored={gpu: "no GPU: none found"})
+        rc, out, _ = self.run_main("compare", base, rerun)
+        self.assertEqual((rc, [line for line in out if line.startswith("FAIL")]), (0, []))
+        self.assertEqual(bench.compare(base, rerun)["failures"], [])
+
+    def test_disappeared_benchmark_fails_the_gate(self):
+        rng = random.Random(31)
+        gpu = f"optimized/layer/{DENSE_ID}"
+        base = write_run(self.dir, "20261215T000000Z-b1b1b1b1", "2026-12-15T00:00:00Z",
+                         {STEADY: noisy(rng, 1000.0), PLANTED: noisy(rng, 400.0), TORCH: noisy(rng, 100.0)},
+                         errored={gpu: "no GPU: none found"})
+        gone = write_run(self.dir, "20261216T000000Z-c1c1c1c1", "2026-12-16T00:00:00Z", {STEADY: noisy(rng, 1000.0)})
+        rc, out, _ = self.run_main("compare", base, gone)
+        self.assertEqual(rc, 1)
+        failed = sorted(line.split(": ")[1] for line in out if line.startswith("FAIL"))
+        self.assertEqual(failed, sorted([PLANTED, TORCH, gpu]))
+        for line in out:
+            if line.startswith("FAIL"):
+                self.assertIn("in BASE, not in NEW", line)
+        self.assertEqual(len(bench.compare(base, gone)["failures"]), 3)
+        # a benchmark new in NEW is no failure (nor the GPU one, skipped there)
+        self.assertEqual(self.run_main("compare", gone, base)[0], 0)
+        # NEW ran with ci/bench --filter: what the filter leaves out is not missing, what it keeps is
+        self.assertEqual(self.run_main("compare", base, gone, "--filter", "^reference/layer/")[0], 0)
+        self.assertEqual(self.run_main("compare", base, gone, "--filter=-reference/mlp/")[0], 1)  # TORCH, gpu
+        kept = bench.compare(base, gone, benchmark_filter="-(" + "|".join(map(re.escape, [PLANTED, TORCH, gpu])) + ")")
+        self.assertEqual(kept["failures"], [])
+
+    def test_single_repetition_is_refused(self):
+        # p would be nan, and nan < alpha is false: one repetition would pass any slow-down
+        rng = random.Random(37)
+        one = write_run(self.dir, "20261217T000000Z-d1d1d1d1", "2026-12-17T00:00:00Z",
+                        {STEADY: noisy(rng, 1000.0), PLANTED: [400.0]})
+        slower = write_run(self.dir, "20261218T000000Z-e1e1e1e1", "2026-12-18T00:00:00Z",
+                           {STEADY: noisy(rng, 1000.0), PLANTED: noisy(rng, 800.0)})
+        for args in ((one, slower), (slower, one)):
+            rc, out, err = self.run_main("compare", *args)
+            self.assertEqual(rc, 2)
+            self.assertEqual(out, [])
+            self.assertEqual(len(err), 1, err)
+            self.assertIn(PLANTED, err[0])
+            self.assertIn("repetition", err[0])
+        with self.assertRaises(bench.BenchError):
+            bench.compare(one, slower)
+
     def test_units_are_normalised(self):
         ms = os.path.join(self.dir, "ms.json")
         with open(ms, "w") as f:
@@ -214,7 +336,7 @@ class Dashboard(unittest.TestCase):
 
     def test_page_builds_from_sample_runs(self):
         if not os.path.isfile(bench.CHARTJS_DEFAULT):
-            self.skipTest("libjs-chart.js not installed")
+            optional(self, "libjs-chart.js not installed")
         data = bench.build_dashboard(self.dir, self.page)
         self.assertEqual(len(data["labels"]), 2)
         self.assertEqual(set(data["series"]), {STEADY, PLANTED, TORCH})
@@ -238,7 +360,7 @@ class Browser(unittest.TestCase):
     def test_renders_without_errors(self):
         chromium = shutil.which("chromium") or shutil.which("chromium-browser")
         if not chromium or not os.path.isfile(bench.CHARTJS_DEFAULT):
-            raise unittest.SkipTest("chromium or libjs-chart.js not installed")
+            optional(self, "chromium or libjs-chart.js not installed")
         root = tempfile.mkdtemp()
         try:
             sample_results(root)
