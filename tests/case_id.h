@@ -119,7 +119,18 @@ rc::Gen<C> rerunnable(rc::Gen<C> g) {
   });
 }
 
-// The dtypes a module generator draws, fp32 first (what a failing case shrinks toward).
+// An index in [0, n) drawn uniformly whatever the case size, shrinking toward 0: for choices
+// (dtype, tp, ep, layer number) that every run must reach in its default case count.
+rc::Gen<int> gen_uniform_index(int n);
+// One of `choices`, uniformly, shrinking toward the first.
+template <class T>
+rc::Gen<T> gen_uniform_element(std::vector<T> choices) {
+  const int n = static_cast<int>(choices.size());
+  return rc::gen::map(gen_uniform_index(n),
+                      [choices = std::move(choices)](int i) { return choices[static_cast<std::size_t>(i)]; });
+}
+
+// The dtypes a module generator draws, fp32 first (what a failing case shrinks toward), uniformly.
 rc::Gen<DType> gen_case_dtype();
 
 // The RapidCheck seed of this process: the one RC_PARAMS names, or the project's fixed default

@@ -2,6 +2,7 @@
 
 #include <map>
 #include <random>
+#include <regex>
 #include <set>
 
 #include "optimized/retro/retro_layer.h"
@@ -91,8 +92,9 @@ TransformerConfig to_config(const RetroCase& c) {
   cfg.num_attention_heads = c.heads;
   cfg.kv_channels = c.head_dim;
   cfg.ffn_hidden_size = c.ffn;
-  cfg.params_dtype = c.dtype == DType::BF16 ? "bfloat16" : "float32";
+  cfg.params_dtype = c.dtype == DType::BF16 ? "bfloat16" : c.dtype == DType::F16 ? "float16" : "float32";
   cfg.bf16 = c.dtype == DType::BF16;
+  cfg.fp16 = c.dtype == DType::F16;
   cfg.add_bias_linear = c.bias;
   cfg.hidden_dropout = cfg.attention_dropout = c.dropout;
   cfg.retro_encoder_hidden_dropout = cfg.retro_encoder_attention_dropout = c.dropout;
@@ -189,13 +191,34 @@ RetroRun run_optimized(const RetroCase& c, bool use_graph) {
   return run;
 }
 
-std::vector<Comparison> compare_runs(const RetroRun& optimized, const RetroRun& reference) {
-  std::set<std::string> have;
-  for (const auto& [key, t] : parity::expected_of(optimized.record)) have.insert(key);
+// The one rule by which the records differ: Megatron's RetroEncoderCrossAttention calls its
+// attention once per neighbour, and the reference taps each call (`attn`, `attn#1`, ...); the
+// optimized twin attends to every neighbour in one call and records the cross attention's output.
+bool inside_an_encoder_neighbour_call(const std::string& key) {
+  static const std::regex call(R"((^|.*\.)cross_attention\.encoder\.layers\.[0-9]+\.cross_attention\.attn[.#].*)");
+  return std::regex_match(key, call);
+}
+
+std::vector<Comparison> compare_runs(const RetroRun& optimized, const RetroRun& reference, bool outputs_only) {
   parity::Expected expected;
   for (auto& [key, t] : parity::expected_of(reference.record))
-    if (have.count(key) || key.rfind("output.", 0) == 0) expected.emplace_back(key, t);
-  return parity::compare_record(optimized.record, expected, "optimized");
+    if (key.rfind("output.", 0) == 0 || (!outputs_only && !inside_an_encoder_neighbour_call(key)))
+      expected.emplace_back(key, t);
+  std::vector<Comparison> rows = parity::compare_record(optimized.record, expected, "optimized");
+  // compare_record passes over a tap the expected side lacks (Megatron's hooks see a subset of a
+  // golden's modules); between the twins such a tap fails: the union of both records is compared.
+  std::set<std::string> have;
+  for (const RecordEntry& e : reference.record.entries) have.insert(e.key());
+  for (const RecordEntry& e : optimized.record.entries)
+    if (!have.count(e.key())) {
+      Comparison c;
+      c.name = e.key();
+      c.shape = e.value.shape();
+      c.pass = false;
+      c.message = "the optimized twin recorded this but the reference did not";
+      rows.push_back(std::move(c));
+    }
+  return rows;
 }
 
 }  // namespace twin::test

@@ -28,7 +28,7 @@ struct RetroCase : proptest::PropertyCase {
   int m = 2, k = 2, chunks = 1, encoder_layers = 1;  // chunk length, neighbours, retrieved chunks
   int ns = 4, bs = 1;
   int heads = 1, head_dim = 4, ffn = 8;
-  DType dtype = DType::F32;  // fp32 | bf16 (params, activations)
+  DType dtype = DType::F32;  // fp32 | bf16 | fp16 (params, activations)
   bool context_mask = false, bias = true;
   double dropout = 0.0;  // hidden, attention and the encoder's; training when > 0
   int tp = 1;            // the optimized twin's tensor_model_parallel_size (the reference is unsharded)
@@ -71,9 +71,11 @@ RetroRun run_reference(const RetroCase& c);
 // only if the replay recomputes from the refilled input buffers.
 RetroRun run_optimized(const RetroCase& c, bool use_graph = false);
 
-// The reference's entries the optimized record also holds (the reference taps more modules, e.g.
-// every neighbour's linear_q), compared with compare_record's golden bound from the counted
-// rounding points; the outputs are always compared.
-std::vector<Comparison> compare_runs(const RetroRun& optimized, const RetroRun& reference);
+// Both records compared entry by entry with compare_record's golden bound from the counted
+// rounding points: every reference entry is expected of the optimized twin (the per-neighbour
+// calls inside the retriever encoder's cross attention aside, which the optimized twin runs as
+// one), and an entry only the optimized twin recorded fails. outputs_only: the outputs alone (the
+// optimized twin records no taps at tp > 1).
+std::vector<Comparison> compare_runs(const RetroRun& optimized, const RetroRun& reference, bool outputs_only = false);
 
 }  // namespace twin::test
