@@ -48,7 +48,9 @@ std::string twin_capture(const TempDir& dir, const std::string& name, const std:
   Tensors tensors = tensors_of(src);
   for (auto& [n, t] : tensors)
     if (n == param) t = scaled(t, factor);
-  const std::string inputs = dir.file("inputs_" + name);
+  std::string flat = name;  // "random/moe_p000.safetensors": one file name in dir
+  std::replace(flat.begin(), flat.end(), '/', '_');
+  const std::string inputs = dir.file("inputs_" + flat);
   write_safetensors(inputs, tensors, src.metadata());
   const Fixture f = load_fixture(inputs);
   const TwinRun run = find_fixture_handler(f.kind, TwinKind::Reference)(f, RunMode{});
@@ -61,16 +63,16 @@ std::string twin_capture(const TempDir& dir, const std::string& name, const std:
         break;
       }
   EXPECT_GT(replaced, 10) << "the twin computed few of the golden's tensors";
-  const std::string path = dir.file("twin_" + name);
+  const std::string path = dir.file("twin_" + flat);
   write_safetensors(path, tensors, src.metadata());
   return path;
 }
 
-// The golden with its metadata changed (or added) and tensors edited by `edit`.
+// The capture at `source` with its metadata changed (or added) and tensors edited by `edit`.
 template <typename Edit>
-std::string edited_copy(const TempDir& dir, const std::string& name, const std::string& out,
+std::string edited_file(const TempDir& dir, const std::string& source, const std::string& out,
                         const std::map<std::string, std::string>& meta, Edit edit) {
-  const SafetensorsFile src = read_safetensors(golden(name));
+  const SafetensorsFile src = read_safetensors(source);
   Tensors tensors = tensors_of(src);
   edit(tensors);
   std::map<std::string, std::string> metadata = src.metadata();
@@ -78,6 +80,13 @@ std::string edited_copy(const TempDir& dir, const std::string& name, const std::
   const std::string path = dir.file(out);
   write_safetensors(path, tensors, metadata);
   return path;
+}
+
+// The golden `name`, edited so.
+template <typename Edit>
+std::string edited_copy(const TempDir& dir, const std::string& name, const std::string& out,
+                        const std::map<std::string, std::string>& meta, Edit edit) {
+  return edited_file(dir, golden(name), out, meta, edit);
 }
 
 std::vector<std::string> row_names(const json& v) {
@@ -205,4 +214,40 @@ TEST(TwinDiff, BadInputExits2WithAClearMessage) {
   const std::string not_list =
       edited_copy(dir, kDense, "not_list.safetensors", {{"tap_order", R"({"a": 1})"}}, [](Tensors&) {});
   expect_bad(quote(not_list), dense, "tap_order must be a JSON list");
+}
+
+// MoE and Retro captures: every kind of computed row is diffed (aux losses, the router's state, the
+// integer token counts, the bool routing map, Retro's context output), and a change to any one of
+// them alone is named as the first divergence.
+TEST(TwinDiff, MoEAndRetroCapturesDiffAuxStateIntegerAndBoolRows) {
+  TempDir dir;
+  // golden -> the rows it must show, each then changed alone in B (x 1.01, + 1, or a flipped bool).
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"moe_top2_aux_allgather.safetensors",
+       {"aux.load_balancing_loss", "tap_in.mlp.experts.tokens_per_expert", "tap.mlp.router.1"}},
+      {"random/moe_p000.safetensors", {"state.mlp.router.local_tokens_per_expert_after"}},
+      {"retro_later_layer_divisible.safetensors", {"output.context"}},
+  };
+  for (const auto& [name, rows] : cases) {
+    SCOPED_TRACE(name);
+    const std::string b = twin_capture(dir, name, "", 1.0);
+    const CliRun same = run_twin("diff --json " + quote(golden(name)) + " " + quote(b));
+    ASSERT_EQ(same.code, 0) << same.out << same.err;
+    const std::vector<std::string> names = row_names(json::parse(same.out));
+    for (const std::string& row : rows) {
+      SCOPED_TRACE(row);
+      EXPECT_EQ(std::count(names.begin(), names.end(), row), 1) << "no row " << row;
+      const std::string changed = edited_file(dir, b, "changed.safetensors", {}, [&](Tensors& t) {
+        for (auto& [n, x] : t) {
+          if (n != row) continue;
+          std::vector<double> v = x.to_f64();
+          v[0] = x.dtype() == DType::BOOL ? 1.0 - v[0] : x.dtype() == DType::I64 ? v[0] + 1.0 : v[0] * 1.01 + 1e-3;
+          x = Tensor::from_doubles(x.dtype(), x.shape(), v);
+        }
+      });
+      const CliRun r = run_twin("diff --json " + quote(golden(name)) + " " + quote(changed));
+      EXPECT_EQ(r.code, 1) << r.out << r.err;
+      EXPECT_EQ(json::parse(r.out)["first_divergence"], row) << r.err;
+    }
+  }
 }
