@@ -257,8 +257,29 @@ void round_bf16_inplace(float* v, Eigen::Index n) {
 }
 }  // namespace
 
+Mat DotProductAttention::stored_probabilities(const Mat& query, const Mat& key, int sq, int sk, int b,
+                                              const Tensor* attention_mask, bool training,
+                                              const DropoutRng& rng) const {
+  if (query.rows() != static_cast<Eigen::Index>(sq) * b * np_ || query.cols() != hn_ ||
+      key.rows() != static_cast<Eigen::Index>(sk) * b * ng_ || key.cols() != hn_)
+    throw ShapeError("DotProductAttention: query / key do not match [" + std::to_string(sq) + " / " +
+                     std::to_string(sk) + ", " + std::to_string(b) + ", " + std::to_string(np_) + " / " +
+                     std::to_string(ng_) + ", " + std::to_string(hn_) + "]");
+  if (attention_mask) check_attention_mask(*attention_mask, b, np_, sq, sk, "attention_mask");
+  Mat out(static_cast<Eigen::Index>(b) * np_ * sq, sk);
+  if (p_.fast() && !(training && attention_dropout > 0.0)) {
+    forward_fast(query, key, Mat::Zero(key.rows(), hn_), sq, sk, b, attention_mask, &out);
+    return out;
+  }
+  for (int bi = 0; bi < b; ++bi)
+    for (int h = 0; h < np_; ++h)
+      out.middleRows((static_cast<Eigen::Index>(bi) * np_ + h) * sq, sq) =
+          probabilities(query, key, sq, sk, b, bi, h, attention_mask, training, rng);
+  return out;
+}
+
 Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
-                                      const Tensor* attention_mask) const {
+                                      const Tensor* attention_mask, Mat* probs_out) const {
   const bool upcast = input_in_float16_ && softmax_in_fp32_;
   auto sm = [&](double x) { return upcast ? p_.f32(x) : p_.act(x); };
   const int group = np_ / ng_;
@@ -366,6 +387,8 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
             p_.act_inplace(pr);
             prf = pr.cast<float>().array();
           }
+          if (probs_out)
+            probs_out->middleRows((static_cast<Eigen::Index>(bi) * np_ + h) * sq, sq) = prf.cast<double>().matrix();
           ctx = matmul_nn(FMat(prf.matrix()), v, bf16);  // [sq, hn]: bmm(probs, v), fp32 sums
         } else {
           fill_scores(scores.data());
@@ -376,6 +399,7 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
           } else {
             p_.act_inplace(pr);  // rounds: softmax output, activation dtype
           }
+          if (probs_out) probs_out->middleRows((static_cast<Eigen::Index>(bi) * np_ + h) * sq, sq) = pr;
           ctx = matmul_nn(FMat(pr.cast<float>()), v, bf16);  // [sq, hn]: bmm(probs, v), fp32 sums
         }
         for (int i = 0; i < sq; ++i)

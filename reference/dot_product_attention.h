@@ -58,6 +58,13 @@ class DotProductAttention {
   CoreAttentionGrads backward(const Mat& dcontext, const Mat& query, const Mat& key, const Mat& value, int sq, int sk,
                               int b, const Tensor* attention_mask, bool training, const DropoutRng& rng) const;
 
+  // The attention probabilities forward() multiplies v by: [b, np, sq, sk] after the softmax's
+  // stores (and dropout), as (b * np * sq) x sk rows, row (bi * np + h) * sq + i. ComputeMode::Fast
+  // without dropout takes them from forward_fast's own softmax, else from probabilities(): the
+  // values the context is computed from, for tests of the softmax's rounding points.
+  Mat stored_probabilities(const Mat& query, const Mat& key, int sq, int sk, int b, const Tensor* attention_mask,
+                           bool training, const DropoutRng& rng) const;
+
   // learnable softmax offset (softmax_type == "learnable"): core_attention.softmax_offset [np]
   void load_state_dict(const StateDict& sd, const std::string& prefix);
 
@@ -72,8 +79,9 @@ class DotProductAttention {
   struct SliceMask;
   // ComputeMode::Fast's forward without dropout: per (batch, head) slice, q k^T and probs v as
   // fp32 GEMMs (reference/fast_gemm.h), the same rounding points as probabilities() + forward.
+  // probs_out, when given, receives the stored probabilities as stored_probabilities() lays them out.
   Mat forward_fast(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
-                   const Tensor* attention_mask) const;
+                   const Tensor* attention_mask, Mat* probs_out = nullptr) const;
   Mat probabilities(const Mat& query, const Mat& key, int sq, int sk, int b, int bi, int h,
                     const Tensor* attention_mask, bool training, const DropoutRng& rng, Mat* softmax_out = nullptr,
                     std::vector<bool>* masked_out = nullptr) const;

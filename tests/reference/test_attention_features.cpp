@@ -7,12 +7,15 @@
 //   this file on the pinned Megatron-Core).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "counted_bound.h"
 #include "dense_test_util.h"
 #include "reference/attention.h"
+#include "reference/dot_product_attention.h"
 #include "reference/transformer_layer.h"
 
 using namespace twin;
@@ -184,4 +187,78 @@ TEST(QueryKeyLayerScaling, Bf16AndFp32MatchMegatronCore) {
   int differ = 0;
   for (std::size_t i = 0; i < with.size(); ++i) differ += with[i] != without[i];
   EXPECT_GT(differ, 0);
+}
+
+namespace {
+
+// Megatron's attention with SoftmaxOne (fused_softmax.py) written out in double, no rounding:
+// scores = q . k / sqrt(hn), the causal mask's fill -10000, softmax over the row with the head's
+// sink logit appended as a last column, the sink column dropped, context = probs @ v. GQA: head h
+// reads group h / (np / ng). q [sq, b, np, hn], k / v [sk, b, ng, hn] as rows; context [sq * b, np * hn].
+Mat softmax_one_attention(const Mat& q, const Mat& k, const Mat& v, int s, int b, int np, int ng, int hn,
+                          const std::vector<double>& sink) {
+  Mat ctx = Mat::Zero(static_cast<Eigen::Index>(s) * b, static_cast<Eigen::Index>(np) * hn);
+  for (int bi = 0; bi < b; ++bi)
+    for (int h = 0; h < np; ++h) {
+      const int g = h / (np / ng);
+      for (int i = 0; i < s; ++i) {
+        std::vector<double> row;
+        for (int j = 0; j < s; ++j)
+          row.push_back(j > i ? -10000.0
+                              : q.row((i * b + bi) * np + h).dot(k.row((j * b + bi) * ng + g)) / std::sqrt(double(hn)));
+        row.push_back(sink[h]);
+        const double mx = *std::max_element(row.begin(), row.end());
+        double sum = 0.0;
+        for (double x : row) sum += std::exp(x - mx);
+        for (int j = 0; j < s; ++j)
+          ctx.row(i * b + bi).segment(h * hn, hn) += std::exp(row[j] - mx) / sum * v.row((j * b + bi) * ng + g);
+      }
+    }
+  return ctx;
+}
+
+}  // namespace
+
+// softmax_type "learnable" with NONZERO offsets (Megatron initialises the parameter with
+// init_method, a golden captured at zero init cannot tell a dropped sink from a zero one): the
+// offset loaded from the state dict (core_attention.softmax_offset [np]) enters each head's softmax
+// as its sink logit. Against softmax_one_attention above: fp64 mode to double rounding, fp32 and
+// bf16 in the FP32 and Fast modes within the counted bound of the rounding points they executed.
+// The sinks are large enough that the same attention without them lies outside that bound.
+TEST(LearnableSoftmaxOffset, NonzeroOffsetsAreEachHeadsSinkLogit) {
+  const int np = 4, ng = 2, hn = 8, s = 5, b = 2;
+  const std::vector<double> sink = {1.5, -0.75, 2.25, 0.5};  // exact in bf16
+  struct Mode {
+    ComputeMode mode;
+    DType dt;
+  };
+  for (const Mode& m :
+       {Mode{ComputeMode::Exact, DType::F32}, Mode{ComputeMode::FP32, DType::F32}, Mode{ComputeMode::Fast, DType::F32},
+        Mode{ComputeMode::FP32, DType::BF16}, Mode{ComputeMode::Fast, DType::BF16}}) {
+    SCOPED_TRACE(std::string(dtype_name(m.dt)) + (m.mode == ComputeMode::Exact  ? " exact"
+                                                  : m.mode == ComputeMode::Fast ? " fast"
+                                                                                : " fp32"));
+    TransformerConfig c = small_config(np * hn, np, ng, 32);
+    c.kv_channels = hn;
+    c.softmax_type = "learnable";
+    c.bf16 = m.dt == DType::BF16;
+    DotProductAttention dpa(c, 1, AttnMaskType::causal, Precision{m.mode, m.dt});
+    StateDict sd;
+    sd.set("core_attention.softmax_offset", mat_tensor(Eigen::Map<const Mat>(sink.data(), 1, np), {np}, m.dt));
+    dpa.load_state_dict(sd, "core_attention.");
+    std::mt19937_64 g(17);
+    const Mat q = rounded(random_mat(g, s * b * np, hn), m.dt), k = rounded(random_mat(g, s * b * ng, hn), m.dt),
+              v = rounded(random_mat(g, s * b * ng, hn), m.dt);
+    const auto [ctx, count] = run_counted([&] { return dpa.forward(q, k, v, s, s, b, nullptr, false, DropoutRng{}); });
+    const Mat want = softmax_one_attention(q, k, v, s, b, np, ng, hn, sink);
+    const Mat without_sink = softmax_one_attention(q, k, v, s, b, np, ng, hn, std::vector<double>(np, -1e300));
+    if (m.mode == ComputeMode::Exact) {
+      EXPECT_LT(max_abs_diff(ctx, want), kExactTol);
+      EXPECT_GT(max_abs_diff(ctx, without_sink), 0.1);
+      continue;
+    }
+    EXPECT_EQ(outside_counted_bound(ctx, want, count), "");
+    // the check can fail: dropping the sink moves the context outside the same bound
+    EXPECT_NE(outside_counted_bound(without_sink, want, count), "");
+  }
 }

@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "reference/moe/router.h"
@@ -218,6 +220,110 @@ TEST(TopKRouter, LogitsProbsAndMapAreTapped) {
       EXPECT_NEAR(probs->at_f64(i), rank >= 0 ? top_probs[rank] : 0.0, 1e-12) << "token " << t << " expert " << e;
     }
   }
+}
+
+}  // namespace
+}  // namespace twin::reference::moe
+
+namespace twin::reference::moe {
+namespace {
+
+// moe_utils.sinkhorn written out from Megatron's code: cost = exp(cost); d0 = 1 / (T (rowsum(d1 * cost)
+// + eps)); d1 = 1 / (E (colsum(d0 cost) + eps)); until mean |d1_old - d1| <= tol; d1 * cost * d0.
+Mat sinkhorn_def(const Mat& logits) {
+  const Index T = logits.rows(), E = logits.cols();
+  const Mat cost = logits.array().exp();
+  std::vector<double> d0(T, 1.0), d1(E, 1.0);
+  double error = 1e9;
+  while (error > 0.0001) {
+    for (Index t = 0; t < T; ++t) {
+      double s = 0.0;
+      for (Index e = 0; e < E; ++e) s += d1[e] * cost(t, e);
+      d0[t] = (1.0 / T) * 1.0 / (s + 1e-8);
+    }
+    error = 0.0;
+    for (Index e = 0; e < E; ++e) {
+      double s = 0.0;
+      for (Index t = 0; t < T; ++t) s += d0[t] * cost(t, e);
+      const double d = (1.0 / E) * 1.0 / (s + 1e-8);
+      error += std::abs(d1[e] - d) / E;
+      d1[e] = d;
+    }
+  }
+  Mat out(T, E);
+  for (Index t = 0; t < T; ++t)
+    for (Index e = 0; e < E; ++e) out(t, e) = d1[e] * cost(t, e) * d0[t];
+  return out;
+}
+
+// TopKRouter.sinkhorn_load_balancing at the pin: training ranks the experts by sinkhorn(logits in
+// fp32) (no grad), eval by the activation; the probabilities are the activation, torch.sigmoid for
+// topk 1, else torch.softmax in fp32 .type_as(logits), times the routing map. Written out here in
+// double and rounded where torch stores (sigmoid: one store in the router dtype; softmax: fp32,
+// then the router dtype), for topk 1 and 2, training and eval, in fp64 mode and with fp32 and bf16
+// router dtypes. The logits favour expert 0, so sinkhorn's balanced ranking differs from the
+// activation's for some tokens (checked: training's map is not eval's).
+TEST(TopKRouter, SinkhornRoutingFollowsMegatronsFormula) {
+  const Index T = 16, E = 4;
+  std::mt19937_64 rng(31);
+  Mat raw = random_mat(rng, T, E);
+  raw.col(0).array() += 1.5;
+  struct Mode {
+    ComputeMode mode;
+    DType dt;
+  };
+  for (const Mode m : {Mode{ComputeMode::Exact, DType::F32}, Mode{ComputeMode::FP32, DType::F32},
+                       Mode{ComputeMode::FP32, DType::BF16}})
+    for (int k : {1, 2}) {
+      const bool exact = m.mode == ComputeMode::Exact;
+      auto rnd = [&](DType dt, double x) { return exact ? x : round_to(dt, round_to(DType::F32, x)); };
+      Mat logits = raw;
+      for (Index i = 0; i < logits.size(); ++i) logits.data()[i] = rnd(m.dt, logits.data()[i]);
+      Mat act(T, E);  // _sinkhorn_activation
+      for (Index t = 0; t < T; ++t) {
+        std::vector<double> row(E);
+        for (Index e = 0; e < E; ++e) row[e] = logits(t, e);
+        const std::vector<double> sm = softmax_def(row);
+        for (Index e = 0; e < E; ++e)
+          act(t, e) = k == 1 ? rnd(m.dt, 1.0 / (1.0 + std::exp(-row[e]))) : rnd(m.dt, rnd(DType::F32, sm[e]));
+      }
+      Mat f32_logits = logits;
+      for (Index i = 0; i < logits.size(); ++i) f32_logits.data()[i] = rnd(DType::F32, logits.data()[i]);
+      const Mat norm = sinkhorn_def(f32_logits);
+      BoolMat maps[2];
+      for (bool training : {true, false}) {
+        SCOPED_TRACE(std::string(dtype_name(m.dt)) + (exact ? " exact" : "") + " topk " + std::to_string(k) +
+                     (training ? " training" : " eval"));
+        TransformerConfig c = small_moe_config(E, k);
+        c.moe_router_load_balancing_type = "sinkhorn";
+        c.moe_aux_loss_coeff = 0.0;  // Megatron asserts it for sinkhorn
+        TopKRouter r(c, Precision{m.mode, m.dt});
+        r.training = training;
+        const RouterOutput out = r.routing(logits, T, 1, nullptr, nullptr);
+        const Mat& rank_by = training ? norm : act;
+        Index tied = 0;
+        for (Index t = 0; t < T; ++t) {
+          std::vector<double> row(E);
+          for (Index e = 0; e < E; ++e) row[e] = rank_by(t, e);
+          std::vector<double> sorted = row;
+          std::sort(sorted.begin(), sorted.end(), std::greater<double>());
+          const bool tie = sorted[k - 1] == sorted[k];  // torch.topk's choice among equals: not checked
+          tied += tie;
+          const std::vector<int> top = topk_def(row, k);
+          for (Index e = 0; e < E; ++e) {
+            const bool chosen = std::find(top.begin(), top.end(), e) != top.end();
+            if (!tie) EXPECT_EQ(out.routing_map(t, e), chosen) << "token " << t << " expert " << e;
+            const double want = out.routing_map(t, e) ? act(t, e) : 0.0;  // scores = logits * map
+            // fp64 mode: the same formula to double rounding; else the same stores of the same
+            // double values (to ~1e-16, far from any rounding midpoint of these fixed inputs): equal.
+            EXPECT_NEAR(out.probs(t, e), want, exact ? 1e-12 : 0.0) << "token " << t << " expert " << e;
+          }
+        }
+        EXPECT_LE(tied, T / 4);
+        maps[training ? 0 : 1] = out.routing_map;
+      }
+      EXPECT_FALSE(maps[0] == maps[1]) << "sinkhorn's training map equals eval's: the test cannot tell them apart";
+    }
 }
 
 }  // namespace
