@@ -210,7 +210,7 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   p_.count_reduce(hn_);  // q . k
   p_.count_act();
   if (coeff) p_.count_f32();
-  p_.count_reduce(sk);  // the softmax's sum
+  p_.count_reduce(softmax_offset ? sk + 1 : sk);  // the softmax's sum (SoftmaxOne: and the sink's term)
   if (upcast) {
     p_.count_f32();
     p_.count_act();

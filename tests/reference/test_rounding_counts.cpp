@@ -83,6 +83,7 @@ struct AttnCountCase {
   bool softmax_in_fp32, layer_scaling, dropout;
   int np, ng;
   RoundingCount want;
+  bool learnable_sink = false;  // softmax_type "learnable": the sink logit joins the softmax's sum
 };
 
 RoundingCount stores(DType dt, int act, int fp32) {
@@ -90,6 +91,11 @@ RoundingCount stores(DType dt, int act, int fp32) {
   r.store(dt, act);
   r.store(DType::F32, fp32);
   r.reduction = 8 + 6 + 6;  // q . k over hn, the softmax's sum over sk, probs @ v over sk
+  return r;
+}
+
+RoundingCount with_sink(RoundingCount r) {
+  r.reduction += 1;
   return r;
 }
 
@@ -115,6 +121,8 @@ TEST(RoundingCounts, DotProductAttentionCountsTheStoresOfMegatronsUnfusedSoftmax
       {"fp16 softmax fp32", DType::F16, true, false, false, 2, 2, stores(DType::F16, 3, 1)},
       // fp16 + layer scaling + dropout, GQA (4 heads on 2 groups)
       {"fp16 coeff dropout gqa", DType::F16, true, true, true, 4, 2, stores(DType::F16, 4, 2)},
+      // bf16, softmax in fp32, a learnable sink: SoftmaxOne sums sk + 1 exponentials
+      {"bf16 learnable sink", DType::BF16, true, false, false, 2, 2, with_sink(stores(DType::BF16, 3, 1)), true},
   };
   const int sq = 6, sk = 6, b = 2, hn = 8;
   for (const AttnCountCase& k : cases)
@@ -126,6 +134,7 @@ TEST(RoundingCounts, DotProductAttentionCountsTheStoresOfMegatronsUnfusedSoftmax
       c.fp16 = k.dt == DType::F16;
       c.attention_softmax_in_fp32 = k.softmax_in_fp32;
       c.apply_query_key_layer_scaling = k.layer_scaling;
+      if (k.learnable_sink) c.softmax_type = "learnable";
       const DotProductAttention dpa(c, /*layer_number=*/3, AttnMaskType::causal, Precision{mode, k.dt},
                                     k.dropout ? std::optional<double>(0.25) : std::nullopt);
       std::mt19937_64 g(4);
