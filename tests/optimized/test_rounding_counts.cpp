@@ -33,9 +33,13 @@ std::map<std::string, RoundingCount> counts_of(const Record& r) {
 RoundingCount sharded(RoundingCount r, const std::string& key, const DenseCase& c) {
   if (c.tp == 1) return r;
   static const std::set<std::string> after_fc2 = {"tap.mlp.linear_fc2.0", "tap.mlp.0", "output.hidden_states"};
-  static const std::set<std::string> after_proj = {
-      "tap.self_attention.linear_proj.0", "tap.self_attention.0", "tap.pre_mlp_layernorm", "tap.mlp.linear_fc1.0",
-      "tap.mlp.linear_fc2.0", "tap.mlp.0", "output.hidden_states"};
+  static const std::set<std::string> after_proj = {"tap.self_attention.linear_proj.0",
+                                                   "tap.self_attention.0",
+                                                   "tap.pre_mlp_layernorm",
+                                                   "tap.mlp.linear_fc1.0",
+                                                   "tap.mlp.linear_fc2.0",
+                                                   "tap.mlp.0",
+                                                   "output.hidden_states"};
   auto row_parallel = [&](std::int64_t K) {
     r.store(c.dtype, c.tp - 1);
     r.reduction -= K - K / c.tp;
