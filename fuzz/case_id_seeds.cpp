@@ -50,6 +50,10 @@ int main(int argc, char** argv) {
         c.mask = twin::parity::MaskKind::Padding;
         c.dtype = twin::DType::F16;
       },
+      [](DenseCase& c) {  // the optional keys present
+        c.layer = 3;
+        c.qk_layer_scaling = true;
+      },
       [](DenseCase& c) {
         c.mask = twin::parity::MaskKind::Arbitrary;
         c.s = 8;

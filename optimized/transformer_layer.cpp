@@ -53,6 +53,20 @@ Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1) {
 
 }  // namespace
 
+std::string layer_feature_unsupported(const TransformerConfig& c) {
+  if (c.bias_activation_fusion)
+    return "bias_activation_fusion (Megatron's tanh bias_gelu / swiglu fusions; the twin fuses bias and activation "
+           "with the unfused path's numerics)";
+  if (c.window_size.has_value()) return "window_size (sliding-window attention)";
+  if (c.softmax_type != "vanilla") return "softmax_type '" + c.softmax_type + "' (vanilla only)";
+  if (c.attention_output_gate) return "attention_output_gate";
+  if (c.qk_l2_norm) return "qk_l2_norm";
+  if (c.activation_func_clamp_value.has_value()) return "activation_func_clamp_value";
+  if (c.glu_linear_offset != 0.0) return "glu_linear_offset != 0";
+  if (c.context_parallel_size != 1) return "context_parallel_size != 1";
+  return "";
+}
+
 std::map<std::string, Shape> attention_half_param_shapes(std::int64_t h, std::int64_t np, std::int64_t ng,
                                                          std::int64_t hn) {
   const std::int64_t qkv_rows = (np + 2 * ng) * hn;
@@ -109,17 +123,8 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
   // ---- what this twin implements (everything else is rejected, never silently ignored)
   reject(c.normalization != "LayerNorm" && c.normalization != "RMSNorm",
          "normalization '" + c.normalization + "' (LayerNorm, RMSNorm)");
-  reject(c.bias_activation_fusion,
-         "bias_activation_fusion (Megatron's tanh bias_gelu / swiglu fusions) is not supported; "
-         "the optimized twin fuses bias and activation with the unfused path's numerics");
-  reject(c.window_size.has_value(), "window_size (sliding-window attention) is not supported");
-  reject(c.softmax_type != "vanilla", "softmax_type '" + c.softmax_type + "' is not supported (vanilla)");
-  reject(c.attention_output_gate, "attention_output_gate is not supported");
-  reject(c.qk_l2_norm, "qk_l2_norm is not supported");
-  reject(c.activation_func_clamp_value.has_value(), "activation_func_clamp_value is not supported");
-  reject(c.glu_linear_offset != 0.0, "glu_linear_offset != 0 is not supported");
+  if (const std::string why = layer_feature_unsupported(c); !why.empty()) reject(true, "unsupported: " + why);
   reject(c.num_moe_experts.has_value(), "num_moe_experts: this is the dense layer");
-  reject(c.context_parallel_size != 1, "context_parallel_size must be 1");
   reject(m.h <= 0 || m.np <= 0 || m.ng <= 0 || m.hn <= 0 || m.ffn <= 0,
          "hidden_size, heads, query groups, kv_channels and ffn must be > 0");
   reject(m.np % m.ng != 0,

@@ -124,4 +124,10 @@ std::vector<std::string> dense_layer_param_keys(const TransformerConfig& config)
 std::map<std::string, Shape> attention_half_param_shapes(std::int64_t h, std::int64_t np, std::int64_t ng,
                                                          std::int64_t hn);
 
+// The first feature of the config that Megatron-Core runs and no optimized layer implements (the
+// fused bias-activation, sliding windows, other softmax types, the attention output gate, q/k L2
+// norms, the activation clamp, the GLU linear offset, context parallelism), or "" when none is on.
+// Every kind (dense, MoE, Retro) refuses what this names, before anything runs.
+std::string layer_feature_unsupported(const TransformerConfig& c);
+
 }  // namespace twin::opt

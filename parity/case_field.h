@@ -54,6 +54,10 @@ struct CaseField {
   // The values a generator draws, simplest first (RapidCheck shrinks toward the first); empty when
   // generators derive the field from others (sizes that must divide by tp, the seed).
   std::vector<std::string> samples;
+  // A knob added after ids were written down: an id may leave it out (the Case's default holds),
+  // and to_id prints it only when it differs from the default, so every older id still parses
+  // and prints as it was written.
+  bool optional = false;
 
   std::function<std::string(const Case&)> print;
   // Reads the text into the case; throws CaseIdError (field_error) when it is not in the domain.
@@ -205,16 +209,30 @@ const CaseField<Case>& find_field(const std::vector<CaseField<Case>>& fields, co
   throw std::out_of_range("no case field '" + key + "'");
 }
 
-// `kind(key=value,...)`, every field in table order.
+// An optional row: the same field, which an id may omit while it holds the Case's default.
+template <class Case>
+CaseField<Case> optional_field(CaseField<Case> f) {
+  f.optional = true;
+  return f;
+}
+
+// `kind(key=value,...)`, every field in table order (an optional one only when not at its default).
 template <class Case>
 std::string format_case_id(const std::string& kind, const Case& c, const std::vector<CaseField<Case>>& fields) {
   std::string id = kind + "(";
-  for (std::size_t i = 0; i < fields.size(); ++i) id += (i ? "," : "") + fields[i].key + "=" + fields[i].print(c);
+  bool first = true;
+  for (const auto& f : fields) {
+    const std::string text = f.print(c);
+    if (f.optional && text == f.print(Case{})) continue;
+    id += (first ? "" : ",") + f.key + "=" + text;
+    first = false;
+  }
   return id + ")";
 }
 
-// The fields of a `kind(key=value,...)` id into a default Case: every key exactly once, in any
-// order; unknown, missing or repeated keys and values outside a field's domain throw CaseIdError.
+// The fields of a `kind(key=value,...)` id into a default Case: every key exactly once (an optional
+// one at most once), in any order; unknown, missing or repeated keys and values outside a field's
+// domain throw CaseIdError.
 // Combinations of fields are the caller's to check.
 template <class Case>
 Case parse_case_fields(const std::string& kind, const std::string& id, const std::vector<CaseField<Case>>& fields) {
@@ -245,7 +263,7 @@ Case parse_case_fields(const std::string& kind, const std::string& id, const std
     f->parse(c, v);
   }
   for (const auto& f : fields)
-    if (!seen.count(f.key)) throw CaseIdError("case id: missing key '" + f.key + "'");
+    if (!f.optional && !seen.count(f.key)) throw CaseIdError("case id: missing key '" + f.key + "'");
   return c;
 }
 

@@ -61,6 +61,8 @@ const std::vector<CaseField<DenseCase>>& dense_case_fields() {
       real_field<C>("rot", "rotary_percent", &C::rotary_percent, {0.0, 1.0, true, false}, {1.0, 0.5}),
       bool_field<C>("qkln", "qk_layernorm", &C::qk_layernorm),
       choice_field<C, MaskKind>("mask", "attn_mask_type", &C::mask, mask_spellings()),
+      optional_field(int_field("layer", "layer_number", &C::layer, 1, 4096, {1, 2, 3})),
+      optional_field(bool_field<C>("qkls", "apply_query_key_layer_scaling", &C::qk_layer_scaling)),
       int_field("s", "seq_length", &C::s, 1, 1 << 20),
       int_field("b", "micro_batch_size", &C::b, 1, 1 << 16),
       choice_field<C, DType>("dtype", "params_dtype", &C::dtype,
@@ -125,6 +127,7 @@ TransformerConfig to_config(const DenseCase& c) {
   cfg.rotary_percent = c.rotary_percent;
   cfg.tensor_model_parallel_size = c.tp;
   cfg.sequence_parallel = c.sp;
+  cfg.apply_query_key_layer_scaling = c.qk_layer_scaling;
   cfg.seq_length = c.s;
   cfg.micro_batch_size = c.b;
   switch (c.mask) {
@@ -147,6 +150,7 @@ TransformerConfig to_config(const DenseCase& c) {
 DenseInputs make_inputs(const DenseCase& c) {
   DenseInputs in;
   in.config = to_config(c);
+  in.layer_number = c.layer;
   in.training = c.dropout > 0.0;
   in.dropout_seed = c.seed;
   // One stream per tensor (seeded by the case seed and the tensor's ordinal), so adding a tensor

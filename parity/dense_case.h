@@ -7,6 +7,8 @@
 // so to_id(parse_case_id(id)) == id and parse_case_id(to_id(c)) == c.
 //   dense(h=16,a=4,g=2,d=8,ffn=32,norm=rms,act=silu,glu=1,bias=1,qkv_bias=0,rope=half,rot=0.5,
 //         qkln=0,mask=causal,s=8,b=2,dtype=bf16,tp=2,sp=1,drop=0,seed=7)
+// `layer` and `qkls` (layer number, query-key layer scaling) came later: an id may omit them while
+// they hold their defaults (layer=1, qkls=0), and to_id prints them only otherwise.
 // One table (dense_case_fields) spells each field once: its key, its domain, how it prints and
 // parses; printing, parsing, validation messages and the generator all read it.
 #pragma once
@@ -43,6 +45,8 @@ struct DenseCase {
   double rotary_percent = 1.0;
   bool qk_layernorm = false;
   MaskKind mask = MaskKind::Causal;
+  int layer = 1;                  // layer_number (1-based, as TransformerLayer takes it)
+  bool qk_layer_scaling = false;  // apply_query_key_layer_scaling: scores / layer, the softmax * layer
   int s = 4;
   int b = 1;
   DType dtype = DType::F32;  // params / activations dtype (F32, BF16, F16)
@@ -80,6 +84,7 @@ TransformerConfig to_config(const DenseCase& c);
 // RotaryEmbedding, which computes them as Megatron's RotaryEmbedding.get_emb does).
 struct DenseInputs {
   TransformerConfig config;
+  int layer_number = 1;  // what both twins' layers are built with
   std::map<std::string, Tensor> params;
   Tensor hidden_states;   // [s, b, h]
   Tensor attention_mask;  // [b, 1, s, s] or undefined

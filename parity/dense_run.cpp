@@ -37,7 +37,7 @@ Tensor reference_forward(const DenseCase& /*c: the inputs carry it*/, const Dens
   // The spec's attn_mask_type param: causal, or no_mask / padding / arbitrary for the other cases.
   const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
                                                    attn_mask_type_from_name(cfg.attn_mask_type));
-  TransformerLayer layer(cfg, spec.submodules, 1, std::nullopt, p);
+  TransformerLayer layer(cfg, spec.submodules, in.layer_number, std::nullopt, p);
   layer.load_state_dict(in.params);
   layer.training = in.training;
   layer.rng = DropoutRng{in.dropout_seed, 0};
@@ -56,6 +56,7 @@ Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOpt
   lo.sp = c.sp;
   lo.backend = o.backend;
   lo.attn_mask_type = in.config.attn_mask_type;
+  lo.layer_number = in.layer_number;
   opt::DenseTransformerLayer layer(in.config, in.params, lo);
   opt::ForwardOptions fo;
   fo.training = in.training;

@@ -57,7 +57,7 @@ std::string moe_layer_unsupported(const TransformerConfig& c, const LayerOptions
     return "moe_router_score_function '" + c.moe_router_score_function + "'";
   if (c.moe_router_dtype && *c.moe_router_dtype != "fp32" && *c.moe_router_dtype != "fp64")
     return "moe_router_dtype '" + *c.moe_router_dtype + "'";
-  if (c.bias_activation_fusion) return "bias_activation_fusion";
+  if (const std::string why = layer_feature_unsupported(c); !why.empty()) return why;
   if (c.moe_router_group_topk && *c.moe_router_group_topk > 0) {
     const int g = c.moe_router_num_groups.value_or(0), gk = *c.moe_router_group_topk;
     if (g <= 0 || E % g != 0 || gk > g || c.moe_router_topk > gk * (E / g))
@@ -196,15 +196,6 @@ void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const s
   if (m.hn > sim::kAttnMaxHeadDim) throw ConfigError("optimized MoE layer: kv_channels > 256");
   if (c.normalization != "LayerNorm" && c.normalization != "RMSNorm")
     throw ConfigError("optimized MoE layer: normalization '" + c.normalization + "'");
-  for (const auto& [what, bad] : std::vector<std::pair<std::string, bool>>{
-           {"window_size", c.window_size.has_value()},
-           {"softmax_type != vanilla", c.softmax_type != "vanilla"},
-           {"attention_output_gate", c.attention_output_gate},
-           {"qk_l2_norm", c.qk_l2_norm},
-           {"activation_func_clamp_value", c.activation_func_clamp_value.has_value()},
-           {"glu_linear_offset", c.glu_linear_offset != 0.0},
-           {"context_parallel_size != 1", c.context_parallel_size != 1}})
-    if (bad) throw ConfigError("optimized MoE layer: unsupported: " + what);
   if (m.np % m.ng != 0) throw ConfigError("optimized MoE layer: heads not divisible by query groups");
   m.dev = &rt::device(o.backend);
   m.stream.emplace(*m.dev);

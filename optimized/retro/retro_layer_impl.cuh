@@ -13,6 +13,7 @@
 #include "optimized/retro/retro_kernels.cuh"
 #include "optimized/retro/retro_runner.h"
 #include "optimized/runtime/collectives.h"
+#include "optimized/transformer_layer.h"    // layer_feature_unsupported
 #include "optimized/transformer_layer.cuh"  // linear_forward, norm / attention / bda / activation kernels
 
 namespace twin::opt::TWIN_BACKEND::retro_impl {
@@ -58,14 +59,7 @@ RetroSizes retro_sizes(const TransformerConfig& c) {
 // What Megatron-Core runs but this twin does not implement ("" when nothing): reported as
 // unsupported (retro_decoder_unsupported), not as bad input.
 std::string unsupported_of(const TransformerConfig& c) {
-  if (c.bias_activation_fusion) return "bias_activation_fusion";
-  if (c.window_size.has_value()) return "window_size (sliding-window attention)";
-  if (c.softmax_type != "vanilla") return "softmax_type '" + c.softmax_type + "' (vanilla only)";
-  if (c.attention_output_gate) return "attention_output_gate";
-  if (c.qk_l2_norm) return "qk_l2_norm";
-  if (c.activation_func_clamp_value.has_value()) return "activation_func_clamp_value";
-  if (c.glu_linear_offset != 0.0) return "glu_linear_offset != 0";
-  if (c.context_parallel_size != 1) return "context_parallel_size != 1";
+  if (const std::string why = layer_feature_unsupported(c); !why.empty()) return why;
   if (c.sequence_parallel) return "sequence_parallel";
   if (c.head_dim() > kAttnMaxHeadDim)
     return "kv_channels " + std::to_string(c.head_dim()) + " > " + std::to_string(kAttnMaxHeadDim) +

@@ -43,7 +43,7 @@ std::map<std::string, Tensor> reference_grads(const parity::DenseInputs& in, con
   const ref::ModuleSpec spec =
       ref::get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
                                     ref::attn_mask_type_from_name(cfg.attn_mask_type));
-  ref::TransformerLayer layer(cfg, spec.submodules, 1, std::nullopt, p);
+  ref::TransformerLayer layer(cfg, spec.submodules, in.layer_number, std::nullopt, p);
   layer.load_state_dict(in.params);
   layer.training = in.training;
   layer.rng = ref::DropoutRng{in.dropout_seed, 0};
@@ -63,6 +63,7 @@ opt::DenseTransformerLayer make_layer(const DenseCase& c, const parity::DenseInp
   lo.tp = c.tp;
   lo.sp = c.sp;
   lo.attn_mask_type = in.config.attn_mask_type;
+  lo.layer_number = in.layer_number;
   return opt::DenseTransformerLayer(in.config, in.params, lo);
 }
 

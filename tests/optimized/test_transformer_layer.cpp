@@ -9,8 +9,11 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "fixtures/fixture.h"
 #include "optimized/transformer_layer.h"
+#include "parity/bounds.h"
 #include "parity/dense_run.h"
 #include "parity/fixture_kinds.h"
 
@@ -50,6 +53,35 @@ TEST(OptimizedLayer, FixedCasesMatchTheReferenceTapByTap) {
     EXPECT_TRUE(r.pass()) << r.report();
     EXPECT_TRUE(r.taps.pass()) << r.report() << r.taps.format();
     EXPECT_GE(r.taps.rows.size(), 8u) << id;
+  }
+}
+
+// apply_query_key_layer_scaling at layer 3 (Megatron's DotProductAttention: norm_factor *= layer
+// number, the fp32 softmax multiplies the scores by it again), in every dtype, tap by tap against
+// the reference. In exact arithmetic the two factors cancel, so the reference's layer-3 run agrees
+// with its own unscaled run within the bound: a twin that drops either factor (scores 3x too large
+// or too small) fails one comparison or the other.
+TEST(OptimizedLayer, QueryKeyLayerScalingAtALaterLayerMatchesTheReference) {
+  for (const char* dtype : {"fp32", "bf16", "fp16"}) {
+    const DenseCase c = parse_case_id(fmt::format(
+        "dense(h=16,a=4,g=2,d=8,ffn=32,norm=rms,act=silu,glu=1,bias=1,qkv_bias=0,rope=half,rot=1,qkln=0,mask=causal,"
+        "layer=3,qkls=1,s=36,b=1,dtype={},tp=2,sp=0,drop=0,seed=21)",
+        dtype));
+    RunOptions o;
+    o.taps = true;
+    const CaseResult r = run_case(c, o);
+    EXPECT_TRUE(r.pass()) << r.report();
+    EXPECT_TRUE(r.taps.pass()) << r.report() << r.taps.format();
+
+    DenseCase unscaled = c;
+    unscaled.layer = 1;
+    unscaled.qk_layer_scaling = false;
+    const DenseInputs in = make_inputs(c), in1 = make_inputs(unscaled);
+    const Tensor scaled = reference_forward(c, in, false), exact = reference_forward(c, in, true);
+    const Tensor plain = reference_forward(unscaled, in1, false);
+    const Comparison cmp = compare(std::string(dtype) + " layer 3 scaled vs unscaled", scaled, plain,
+                                   reference_error_bound(c.dtype, max_abs_diff(scaled, exact), max_abs(scaled)));
+    EXPECT_TRUE(cmp.pass) << cmp.name << ": max abs " << cmp.max_abs << " (" << cmp.tol.reason << ")";
   }
 }
 

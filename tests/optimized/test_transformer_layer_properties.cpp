@@ -29,6 +29,20 @@ RC_GTEST_PROP(OptimizedLayerProperty, OptimizedEqualsReferenceWithinBound, ()) {
   RC_ASSERT(r.pass());
 }
 
+// Past one 32-key tile of the attention kernel (s in [33, 37], up to 40 with SP): the online
+// softmax carries its max and sum from the first tile into the second, and the causal mask cuts
+// the second tile mid-row, at every dtype, TP size, SP, layer number and query-key layer scaling.
+RC_GTEST_PROP(OptimizedLayerProperty, SecondKeyTileEqualsReferenceWithinBound, ()) {
+  CaseLimits lim;
+  lim.min_s = 33;
+  lim.max_b = 1;
+  lim.max_groups_per_rank = 1;
+  const DenseCase c = *gen_dense_case(lim);
+  const CaseResult r = run_case(c);
+  RC_LOG() << r.report();
+  RC_ASSERT(r.pass());
+}
+
 // TP 1, 2 and 4 and SP on/off give the same result within the bound.
 RC_GTEST_PROP(OptimizedLayerProperty, TensorAndSequenceParallelMatchTp1, ()) {
   CaseLimits lim;

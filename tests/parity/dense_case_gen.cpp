@@ -10,12 +10,9 @@
 namespace twin::parity {
 
 namespace {
-// One of a field's samples. Drawn by index with inRange, which shrinks toward 0: a failing case
-// shrinks toward the first (simplest) sample (gen::elementOf does not shrink).
-std::string draw_sample(const std::vector<std::string>& samples) {
-  return *rc::gen::map(rc::gen::inRange<std::size_t>(0, samples.size()),
-                       [samples](std::size_t i) { return samples[i]; });
-}
+// One of a field's samples, uniformly whatever the case size (every dtype, tp and layer number in
+// each run's default case count); a failing case shrinks toward the first (simplest) sample.
+std::string draw_sample(const std::vector<std::string>& samples) { return *proptest::gen_uniform_element(samples); }
 }  // namespace
 
 rc::Gen<DenseCase> gen_dense_case(CaseLimits lim) {
@@ -41,6 +38,10 @@ rc::Gen<DenseCase> gen_dense_case(CaseLimits lim) {
     c.ffn = c.tp * 4 * upto("ffn", 4);
     const int s_per_rank = upto("s", lim.max_s_per_rank);
     c.s = c.sp ? c.tp * s_per_rank : s_per_rank + *rc::gen::inRange(0, 3);
+    if (c.s < lim.min_s) {  // past min_s in steps that keep s % tp == 0 under SP
+      const int step = c.sp ? c.tp : 1;
+      c.s += (lim.min_s - c.s + step - 1) / step * step + step * *rc::gen::inRange(0, 3);
+    }
     c.b = upto("b", lim.max_b);
     derived.insert({"tp", "sp", "g", "a", "ffn", "s", "b"});
     if (!lim.any_dtype) {

@@ -1,8 +1,8 @@
 // RapidCheck generator of dense-layer cases (parity/dense_case.h), for the property tests only:
 // the `twin` tool parses and prints cases without RapidCheck.
 //
-// Every field with samples in dense_case_fields() is drawn from them (the first sample is what a
-// failing case shrinks toward); the sizes are derived from the parallel layout so that each drawn
+// Every field with samples in dense_case_fields() is drawn from them uniformly (the first sample is
+// what a failing case shrinks toward); the sizes are derived from the parallel layout so that each drawn
 // and each shrunk case is valid: groups and ffn are multiples of tp, heads a multiple of groups,
 // s a multiple of tp with sequence parallelism.
 #pragma once
@@ -21,6 +21,7 @@ struct CaseLimits {
   int max_groups_per_rank = 2;
   int max_heads_per_group = 2;
   int max_s_per_rank = 4;
+  int min_s = 1;  // s at least this (a few more drawn above it): past one 32-key attention tile
   int max_b = 2;
   bool allow_dropout = false;
   bool any_dtype = true;  // false: only `dtype`

@@ -101,6 +101,8 @@ TEST(DenseCase, EachFieldRejectsABadValueNamingTheFieldAndTheAllowedValues) {
       {"rot", {"0", "a number in (0, 1]"}},
       {"qkln", {"true", "one of 0, 1"}},
       {"mask", {"padding_causal", "one of causal, none, padding, arbitrary"}},
+      {"layer", {"0", "an integer in [1, 4096]"}},
+      {"qkls", {"yes", "one of 0, 1"}},
       {"s", {"+8", "an integer in [1, 1048576]"}},
       {"b", {"65537", "an integer in [1, 65536]"}},
       {"dtype", {"fp8", "one of fp32, bf16, fp16"}},
@@ -115,7 +117,8 @@ TEST(DenseCase, EachFieldRejectsABadValueNamingTheFieldAndTheAllowedValues) {
     ASSERT_TRUE(bad.count(f.key)) << "no bad value for field " << f.key;
     const auto& [value, allowed] = bad.at(f.key);
     EXPECT_EQ(f.allowed, allowed) << f.key;
-    const std::string msg = expect_error(with_value(kId, f.key, value));
+    const std::string msg =
+        expect_error(with_value(replace(kId, "mask=causal,", "mask=causal,layer=2,qkls=1,"), f.key, value));
     EXPECT_TRUE(contains(msg, f.key + "=" + value + ":")) << msg;
     EXPECT_TRUE(contains(msg, f.key + " (" + f.megatron + ") must be " + allowed)) << msg;
   }
@@ -161,6 +164,24 @@ TEST(DenseCase, ValuesAtTheEdgesRoundTrip) {
   // Syntax a canonical id never has.
   EXPECT_TRUE(contains(expect_error(replace(kId, "seed=7)", "seed=7,)")), "has no '='"));
   EXPECT_TRUE(contains(expect_error(replace(kId, "h=16", "h= 16")), "h= 16"));
+}
+
+// layer and qkls came after ids were written down: an id without them is the layer-1 unscaled
+// case and prints back unchanged; set, they print in table order (after mask) and round-trip; they
+// are never given twice (bad values: EachFieldRejectsABadValueNamingTheFieldAndTheAllowedValues).
+TEST(DenseCase, LayerNumberAndQueryKeyLayerScalingAreOptionalKeys) {
+  const DenseCase old = parse_case_id(kId);
+  EXPECT_EQ(old.layer, 1);
+  EXPECT_FALSE(old.qk_layer_scaling);
+  const std::string scaled = replace(kId, "mask=causal,", "mask=causal,layer=3,qkls=1,");
+  const DenseCase c = parse_case_id(scaled);
+  EXPECT_EQ(c.layer, 3);
+  EXPECT_TRUE(c.qk_layer_scaling);
+  EXPECT_EQ(to_id(c), scaled);
+  EXPECT_TRUE(to_config(c).apply_query_key_layer_scaling);
+  EXPECT_EQ(make_inputs(c).layer_number, 3);
+  EXPECT_EQ(to_id(parse_case_id(replace(kId, "seed=7)", "seed=7,qkls=0,layer=1)"))), kId);
+  EXPECT_TRUE(contains(expect_error(replace(scaled, "seed=7)", "seed=7,layer=2)")), "given twice"));
 }
 
 RC_GTEST_PROP(DenseCase, IdRoundTripsForEveryGeneratedCase, ()) {

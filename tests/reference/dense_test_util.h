@@ -32,6 +32,20 @@ inline TransformerConfig small_config(int hidden = 16, int heads = 2, int groups
   return c;
 }
 
+// An attention config of np heads in ng groups of hn channels in dtype dt, with the softmax
+// knobs the attention tests vary (fp32 softmax, query-key layer scaling, a learnable sink).
+inline TransformerConfig attention_config(int np, int ng, int hn, DType dt, bool softmax_in_fp32, bool layer_scaling,
+                                          bool learnable_sink) {
+  TransformerConfig c = small_config(np * hn, np, ng, 32);
+  c.kv_channels = hn;
+  c.bf16 = dt == DType::BF16;
+  c.fp16 = dt == DType::F16;
+  c.attention_softmax_in_fp32 = softmax_in_fp32;
+  c.apply_query_key_layer_scaling = layer_scaling;
+  if (learnable_sink) c.softmax_type = "learnable";
+  return c;
+}
+
 // Values exactly representable in fp32 (so Exact and FP32 modes read the same parameters).
 inline Mat random_mat(std::mt19937_64& g, std::int64_t rows, std::int64_t cols, double scale = 1.0) {
   std::normal_distribution<double> n(0.0, scale);

@@ -77,13 +77,7 @@ std::string case_name(const Case& k, ComputeMode mode) {
 void check_probabilities(const Case& k, ComputeMode mode) {
   SCOPED_TRACE(case_name(k, mode));
   const int np = 4, ng = 2, hn = 16, s = 12, b = 2, layer = 2;
-  TransformerConfig c = small_config(np * hn, np, ng, 32);
-  c.kv_channels = hn;
-  c.bf16 = k.dt == DType::BF16;
-  c.fp16 = k.dt == DType::F16;
-  c.attention_softmax_in_fp32 = k.softmax_in_fp32;
-  c.apply_query_key_layer_scaling = k.layer_scaling;
-  if (k.learnable) c.softmax_type = "learnable";
+  const TransformerConfig c = attention_config(np, ng, hn, k.dt, k.softmax_in_fp32, k.layer_scaling, k.learnable);
   DotProductAttention dpa(c, layer, AttnMaskType::causal, Precision{mode, k.dt});
   const std::vector<double> sink = {1.5, -0.75, 2.25, 0.5};  // nonzero, exact in bf16 and fp16
   if (k.learnable) {

@@ -128,13 +128,8 @@ TEST(RoundingCounts, DotProductAttentionCountsTheStoresOfMegatronsUnfusedSoftmax
   for (const AttnCountCase& k : cases)
     for (ComputeMode mode : {ComputeMode::FP32, ComputeMode::Fast}) {
       SCOPED_TRACE(std::string(k.name) + (mode == ComputeMode::Fast ? ", fast mode" : ", fp32 mode"));
-      TransformerConfig c = testing::small_config(k.np * hn, k.np, k.ng, 32);
-      c.kv_channels = hn;
-      c.bf16 = k.dt == DType::BF16;
-      c.fp16 = k.dt == DType::F16;
-      c.attention_softmax_in_fp32 = k.softmax_in_fp32;
-      c.apply_query_key_layer_scaling = k.layer_scaling;
-      if (k.learnable_sink) c.softmax_type = "learnable";
+      const TransformerConfig c =
+          testing::attention_config(k.np, k.ng, hn, k.dt, k.softmax_in_fp32, k.layer_scaling, k.learnable_sink);
       const DotProductAttention dpa(c, /*layer_number=*/3, AttnMaskType::causal, Precision{mode, k.dt},
                                     k.dropout ? std::optional<double>(0.25) : std::nullopt);
       std::mt19937_64 g(4);
