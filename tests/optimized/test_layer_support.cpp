@@ -26,7 +26,10 @@ struct Unsupported {
 const std::vector<Unsupported>& unsupported_by_every_kind() {
   static const std::vector<Unsupported> cases = {
       {"bias_activation_fusion", [](TransformerConfig& c) { c.bias_activation_fusion = true; }},
-      {"window_size", [](TransformerConfig& c) { c.window_size = std::vector<int>{4, 0}; }},
+      {"window_size",
+       [](TransformerConfig& c) {
+         c.window_size = std::vector<int>{4, 0};
+       }},
       {"softmax_type", [](TransformerConfig& c) { c.softmax_type = "off-by-one"; }},
       {"attention_output_gate", [](TransformerConfig& c) { c.attention_output_gate = true; }},
       {"qk_l2_norm", [](TransformerConfig& c) { c.qk_l2_norm = true; }},
