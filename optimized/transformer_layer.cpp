@@ -16,6 +16,8 @@
 
 namespace twin::opt {
 
+static_assert(sim::kAttnMaxHeadDim == kMaxHeadDim, "the feature table's head-dim limit is the attention kernel's");
+
 namespace {
 
 void reject(bool bad, const std::string& what) {
@@ -52,20 +54,6 @@ Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1) {
 }
 
 }  // namespace
-
-std::string layer_feature_unsupported(const TransformerConfig& c) {
-  if (c.bias_activation_fusion)
-    return "bias_activation_fusion (Megatron's tanh bias_gelu / swiglu fusions; the twin fuses bias and activation "
-           "with the unfused path's numerics)";
-  if (c.window_size.has_value()) return "window_size (sliding-window attention)";
-  if (c.softmax_type != "vanilla") return "softmax_type '" + c.softmax_type + "' (vanilla only)";
-  if (c.attention_output_gate) return "attention_output_gate";
-  if (c.qk_l2_norm) return "qk_l2_norm";
-  if (c.activation_func_clamp_value.has_value()) return "activation_func_clamp_value";
-  if (c.glu_linear_offset != 0.0) return "glu_linear_offset != 0";
-  if (c.context_parallel_size != 1) return "context_parallel_size != 1";
-  return "";
-}
 
 std::map<std::string, Shape> attention_half_param_shapes(std::int64_t h, std::int64_t np, std::int64_t ng,
                                                          std::int64_t hn) {
@@ -121,16 +109,12 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
   m.ffn = c.ffn();
   const int tp = o.tp;
   // ---- what this twin implements (everything else is rejected, never silently ignored)
-  reject(c.normalization != "LayerNorm" && c.normalization != "RMSNorm",
-         "normalization '" + c.normalization + "' (LayerNorm, RMSNorm)");
-  if (const std::string why = layer_feature_unsupported(c); !why.empty()) reject(true, "unsupported: " + why);
-  reject(c.num_moe_experts.has_value(), "num_moe_experts: this is the dense layer");
+  if (const std::string why = layer_unsupported(LayerKind::Dense, c, o); !why.empty())
+    reject(true, "unsupported: " + why);
   reject(m.h <= 0 || m.np <= 0 || m.ng <= 0 || m.hn <= 0 || m.ffn <= 0,
          "hidden_size, heads, query groups, kv_channels and ffn must be > 0");
   reject(m.np % m.ng != 0,
          "num_attention_heads " + std::to_string(m.np) + " not divisible by num_query_groups " + std::to_string(m.ng));
-  reject(m.hn > sim::kAttnMaxHeadDim,
-         "kv_channels " + std::to_string(m.hn) + " > 256 is not supported by the attention kernel");
   reject(tp < 1, "tp must be >= 1");
   reject(m.np % tp != 0 || m.ng % tp != 0, "tp " + std::to_string(tp) + " must divide num_attention_heads " +
                                                std::to_string(m.np) + " and num_query_groups " + std::to_string(m.ng));
@@ -139,8 +123,6 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
   reject(o.attn_mask_type != "causal" && o.attn_mask_type != "no_mask" && o.attn_mask_type != "padding" &&
              o.attn_mask_type != "arbitrary" && o.attn_mask_type != "padding_causal",
          "attn_mask_type '" + o.attn_mask_type + "' (causal, no_mask, padding, padding_causal, arbitrary)");
-  if (o.backend == rt::Backend::Cuda)
-    reject(tp != 1, "tp > 1 on the GPU backend needs one device per rank (simulate ranks with Backend::Sim)");
   const int act = static_cast<int>(sim::act_from_name(c.activation_func));
   m.dev = &rt::device(o.backend);
 

@@ -20,20 +20,11 @@
 #include "core/config.h"
 #include "core/record.h"
 #include "core/tensor.h"
+#include "optimized/layer/features.h"
+#include "optimized/layer/options.h"
 #include "optimized/runtime/device.h"
 
 namespace twin::opt {
-
-struct LayerOptions {
-  int tp = 1;
-  bool sp = false;
-  rt::Backend backend = rt::Backend::Sim;
-  int layer_number = 1;
-  // The self-attention's attn_mask_type: a spec parameter in Megatron (the local GPT spec fixes
-  // "causal"), not the config's run description. "causal": causal mask when no attention_mask is
-  // given; "no_mask" / "padding" / "arbitrary": only a given mask applies.
-  std::string attn_mask_type = "causal";
-};
 
 struct ForwardOptions {
   bool training = false;           // dropout active (hidden_dropout, attention_dropout of the config)
@@ -123,11 +114,5 @@ std::vector<std::string> dense_layer_param_keys(const TransformerConfig& config)
 // dense and the MoE layer share that half.
 std::map<std::string, Shape> attention_half_param_shapes(std::int64_t h, std::int64_t np, std::int64_t ng,
                                                          std::int64_t hn);
-
-// The first feature of the config that Megatron-Core runs and no optimized layer implements (the
-// fused bias-activation, sliding windows, other softmax types, the attention output gate, q/k L2
-// norms, the activation clamp, the GLU linear offset, context parallelism), or "" when none is on.
-// Every kind (dense, MoE, Retro) refuses what this names, before anything runs.
-std::string layer_feature_unsupported(const TransformerConfig& c);
 
 }  // namespace twin::opt

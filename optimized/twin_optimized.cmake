@@ -1,6 +1,7 @@
 # twin_optimized: the optimized dense layer (kernels *.cuh + host side), for the simulator and,
 # when nvcc exists, for the GPU (the same .cuh sources compiled by nvcc in transformer_layer_cuda.cu).
 add_library(twin_optimized STATIC
+  ${CMAKE_CURRENT_LIST_DIR}/layer/features.cpp
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer.cpp
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_backward.cpp
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_sim.cpp

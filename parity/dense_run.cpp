@@ -130,6 +130,9 @@ TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode) {
   lo.tp = mode.tp;
   lo.sp = mode.sp;
   lo.attn_mask_type = cfg.attn_mask_type;  // the spec param the fixture ran with
+  // What the twin does not implement is asked first (the feature table), reported unsupported.
+  if (const std::string why = opt::layer_unsupported(opt::LayerKind::Dense, cfg, lo); !why.empty())
+    throw FixtureUnsupported("the optimized twin does not implement " + why);
   const std::map<std::string, Tensor> params = params_of(f);
   const auto keys = opt::dense_layer_param_keys(cfg);
   for (const auto& [k, v] : params)

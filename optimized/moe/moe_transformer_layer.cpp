@@ -14,6 +14,8 @@
 
 namespace twin::opt {
 
+static_assert(sim::kRouterMaxExperts == kMaxRouterExperts, "the feature table's expert limit is the router kernel's");
+
 namespace {
 
 DType router_dtype(const TransformerConfig& c) {
@@ -35,29 +37,13 @@ std::string fmt_key(int s, int b, int rot, std::size_t mask_bytes, bool padding)
 
 std::string moe_layer_unsupported(const TransformerConfig& c, const LayerOptions& o) {
   if (!c.num_moe_experts || *c.num_moe_experts <= 0) return "num_moe_experts is not set";
+  if (const std::string why = layer_unsupported(LayerKind::MoE, c, o); !why.empty()) return why;
   const int E = *c.num_moe_experts;
-  if (o.tp != 1 || o.sp || c.tensor_model_parallel_size != 1)
-    return "tensor parallelism of the MoE layer (the optimized MoE twin runs tp = 1)";
   const int ep = c.expert_model_parallel_size;
   if (ep < 1) return "expert_model_parallel_size " + std::to_string(ep) + " (must be >= 1)";
   if (E % ep != 0)
     return "num_moe_experts " + std::to_string(E) + " not divisible by expert_model_parallel_size " +
            std::to_string(ep);
-  if (ep > 1 && o.backend == rt::Backend::Cuda) return "expert_model_parallel_size > 1 on the GPU (one device here)";
-  if (E > sim::kRouterMaxExperts) return "num_moe_experts > " + std::to_string(sim::kRouterMaxExperts);
-  if (c.moe_router_load_balancing_type == "sinkhorn") return "sinkhorn load balancing";
-  if (c.moe_input_jitter_eps) return "moe_input_jitter_eps (input jitter)";
-  if (c.moe_router_force_load_balancing) return "moe_router_force_load_balancing";
-  if (c.moe_apply_probs_on_input) return "moe_apply_probs_on_input";
-  if (c.moe_latent_size) return "moe_latent_size";
-  if (c.moe_grouped_gemm) return "moe_grouped_gemm (GroupedMLP's weight layout)";
-  if (c.moe_token_dispatcher_type != "allgather" && c.moe_token_dispatcher_type != "alltoall")
-    return "moe_token_dispatcher_type '" + c.moe_token_dispatcher_type + "'";
-  if (c.moe_router_score_function != "softmax" && c.moe_router_score_function != "sigmoid")
-    return "moe_router_score_function '" + c.moe_router_score_function + "'";
-  if (c.moe_router_dtype && *c.moe_router_dtype != "fp32" && *c.moe_router_dtype != "fp64")
-    return "moe_router_dtype '" + *c.moe_router_dtype + "'";
-  if (const std::string why = layer_feature_unsupported(c); !why.empty()) return why;
   if (c.moe_router_group_topk && *c.moe_router_group_topk > 0) {
     const int g = c.moe_router_num_groups.value_or(0), gk = *c.moe_router_group_topk;
     if (g <= 0 || E % g != 0 || gk > g || c.moe_router_topk > gk * (E / g))
@@ -193,9 +179,6 @@ void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const s
   if (m.ffn <= 0) throw ConfigError("optimized MoE layer: moe_ffn_hidden_size must be > 0");
   if (m.shared_ffn > 0 && c.add_bias_linear)
     throw ConfigError("optimized MoE layer: bias is not supported in the shared experts (add_bias_linear)");
-  if (m.hn > sim::kAttnMaxHeadDim) throw ConfigError("optimized MoE layer: kv_channels > 256");
-  if (c.normalization != "LayerNorm" && c.normalization != "RMSNorm")
-    throw ConfigError("optimized MoE layer: normalization '" + c.normalization + "'");
   if (m.np % m.ng != 0) throw ConfigError("optimized MoE layer: heads not divisible by query groups");
   m.dev = &rt::device(o.backend);
   m.stream.emplace(*m.dev);

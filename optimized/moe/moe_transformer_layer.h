@@ -13,8 +13,9 @@
 // simulator); the allgather dispatcher's reduce-scatter adds the ranks' partial sums (its
 // rounding points are counted). On the GPU ep must be 1 (one device here).
 //
-// What it does not implement is named by moe_layer_unsupported() before anything runs, so a
-// caller reports `unsupported` instead of computing a wrong answer.
+// What it does not implement is named by moe_layer_unsupported() before anything runs (the feature
+// table's refusal, optimized/layer/features.h, or what the MoE layer cannot run of a valid config),
+// so a caller reports `unsupported` instead of computing a wrong answer.
 #pragma once
 
 #include <functional>

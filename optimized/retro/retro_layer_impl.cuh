@@ -13,7 +13,7 @@
 #include "optimized/retro/retro_kernels.cuh"
 #include "optimized/retro/retro_runner.h"
 #include "optimized/runtime/collectives.h"
-#include "optimized/transformer_layer.h"    // layer_feature_unsupported
+#include "optimized/layer/features.h"
 #include "optimized/transformer_layer.cuh"  // linear_forward, norm / attention / bda / activation kernels
 
 namespace twin::opt::TWIN_BACKEND::retro_impl {
@@ -58,25 +58,12 @@ RetroSizes retro_sizes(const TransformerConfig& c) {
 
 // What Megatron-Core runs but this twin does not implement ("" when nothing): reported as
 // unsupported (retro_decoder_unsupported), not as bad input.
-std::string unsupported_of(const TransformerConfig& c) {
-  if (const std::string why = layer_feature_unsupported(c); !why.empty()) return why;
-  if (c.sequence_parallel) return "sequence_parallel";
-  if (c.head_dim() > kAttnMaxHeadDim)
-    return "kv_channels " + std::to_string(c.head_dim()) + " > " + std::to_string(kAttnMaxHeadDim) +
-           " (the attention kernel's limit)";
-  try {
-    act_from_name(c.activation_func);
-  } catch (const std::invalid_argument&) {
-    return "activation_func '" + c.activation_func + "' (no optimized kernel)";
-  }
-  return "";
-}
+std::string unsupported_of(const TransformerConfig& c) { return layer_unsupported(LayerKind::Retro, c); }
 
 void validate(const TransformerConfig& c) {
   reject(c.normalization != "LayerNorm",
          "normalization '" + c.normalization + "': the local Retro spec's FusedLayerNorm supports LayerNorm only");
-  if (const std::string why = unsupported_of(c); !why.empty()) reject(true, why + " is not supported");
-  reject(c.num_moe_experts.has_value(), "num_moe_experts: the Retro specs are dense");
+  if (const std::string why = unsupported_of(c); !why.empty()) reject(true, "unsupported: " + why);
   const int tp = c.tensor_model_parallel_size;
   reject(tp < 1, "tensor_model_parallel_size must be >= 1");
   reject(c.num_attention_heads % tp != 0 || c.query_groups() % tp != 0,

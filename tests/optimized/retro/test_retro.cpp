@@ -185,7 +185,7 @@ TEST(RetroErrors, UnsupportedConfigsAreRejectedByName) {
   sp.tensor_model_parallel_size = 2;
   sp.sequence_parallel = true;
   expect_throw_with<ConfigError>([&] { opt::retro::RetroDecoderLayer(sp, params, RetroLayerKind::Retro, 6); },
-                                 "sequence_parallel is not supported");
+                                 "unsupported: sequence_parallel: ");
   TransformerConfig gqa = cfg;
   gqa.num_query_groups = 1;
   expect_throw_with<ConfigError>(
@@ -220,10 +220,10 @@ TEST(RetroErrors, UnimplementedFeaturesAreNamed) {
   EXPECT_NE(opt::retro::retro_decoder_unsupported(fused).find("bias_activation_fusion"), std::string::npos);
   expect_throw_with<ConfigError>(
       [&] { opt::retro::RetroDecoderLayer(fused, zero_params(cfg, RetroLayerKind::Retro), RetroLayerKind::Retro, 6); },
-      "bias_activation_fusion is not supported");
+      "unsupported: bias_activation_fusion: ");
   TransformerConfig act = cfg;
   act.activation_func = "no_such_activation";
-  EXPECT_NE(opt::retro::retro_decoder_unsupported(act).find("activation_func 'no_such_activation'"), std::string::npos);
+  EXPECT_EQ(opt::retro::retro_decoder_unsupported(act).rfind("activation_func: ", 0), 0u);
   TransformerConfig cp = cfg;
   cp.context_parallel_size = 2;
   EXPECT_NE(opt::retro::retro_decoder_unsupported(cp).find("context_parallel_size"), std::string::npos);

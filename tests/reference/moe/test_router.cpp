@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "core/record.h"
+#include "core/rounding.h"
 #include "reference/moe/router.h"
 #include "tests/reference/moe/moe_test_util.h"
 
@@ -324,6 +326,54 @@ TEST(TopKRouter, SinkhornRoutingFollowsMegatronsFormula) {
       }
       EXPECT_FALSE(maps[0] == maps[1]) << "sinkhorn's training map equals eval's: the test cannot tell them apart";
     }
+}
+
+}  // namespace
+}  // namespace twin::reference::moe
+
+namespace twin::reference::moe {
+namespace {
+
+// The router's rounding points, op by op from router.py / moe_utils.py for bf16 activations, an
+// fp32 router (moe_router_dtype) over h = 8, E = 4 experts, top-2 softmax, T = 6 tokens:
+//   logits = gating(x): the GEMM of length h in fp32, stored in the router dtype      fp32 1, red h
+//   probs = softmax(logits) in fp32, .type_as(logits): sum of E exponentials,
+//           the fp32 result, the router-dtype store                                  + fp32 2, red E
+//   each loss from the probs: the load-balancing loss sums over the T tokens and the E experts,
+//           with 4 stores (sum, x tokens_per_expert, sum, x coeff / coeff) and the
+//           fp32 aux-loss tracker; z_loss from the logits' logsumexp (sum of T),
+//           5 stores and the tracker. Each loss starts from the probs' count and
+//           leaves no trace on later tensors.
+// So neither twin can loosen the router's bounds by miscounting: a changed count fails here.
+TEST(RoundingCounts, TopKRouterCountsTheGatingGemmTheScoreFunctionAndEachLoss) {
+  TransformerConfig c = small_moe_config(4, 2);
+  c.bf16 = true;
+  c.moe_router_dtype = "fp32";
+  c.moe_z_loss_coeff = 0.001;
+  const Precision bf16{ComputeMode::FP32, DType::BF16};
+  std::mt19937_64 g(11);
+  TopKRouter r(c, bf16);
+  StateDict sd;
+  sd.set("weight", f64_tensor(random_mat(g, 4, 8), {4, 8}));
+  r.load_state_dict(sd, "");
+  Record rec;
+  AuxLosses aux;
+  {
+    CountRoundings counting;
+    r.forward(random_mat(g, 6, 8), 6, 1, nullptr, Taps(&rec), &aux);
+  }
+  std::map<std::string, RoundingCount> got;
+  for (const RecordEntry& e : rec.entries) got[e.key()] = e.rounding;
+  auto expect = [&](const std::string& key, int fp32, std::int64_t reduction) {
+    ASSERT_TRUE(got.count(key)) << key;
+    EXPECT_EQ(got[key].bf16, 0) << key;
+    EXPECT_EQ(got[key].fp32, fp32) << key;
+    EXPECT_EQ(got[key].reduction, reduction) << key;
+  };
+  expect("tap.logits", 1, 8);
+  expect("tap.0", 1 + 2, 8 + 4);
+  expect("aux.load_balancing_loss", 1 + 2 + 4 + 1, 8 + 4 + 6 + 4);
+  expect("aux.z_loss", 1 + 2 + 5 + 1, 8 + 4 + 6);
 }
 
 }  // namespace
