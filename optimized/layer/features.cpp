@@ -78,8 +78,9 @@ const std::vector<LayerFeature>& layer_features() {
           "the MoE twin runs its attention and experts at tp = 1 (expert parallelism shards it)",
           [](TransformerConfig& c, LayerOptions& o) { c.tensor_model_parallel_size = o.tp = 2; }),
       row(
-          "sequence_parallel", [](const TransformerConfig& c, const LayerOptions& o) { return o.sp || c.sequence_parallel; },
-          {K::Dense}, "only the dense twin splits the sequence across tensor-parallel ranks",
+          "sequence_parallel",
+          [](const TransformerConfig& c, const LayerOptions& o) { return o.sp || c.sequence_parallel; }, {K::Dense},
+          "only the dense twin splits the sequence across tensor-parallel ranks",
           [](TransformerConfig& c, LayerOptions& o) {
             c.tensor_model_parallel_size = o.tp = 2;
             c.sequence_parallel = o.sp = true;
@@ -99,23 +100,25 @@ const std::vector<LayerFeature>& layer_features() {
       // ---- attention
       none_implement(
           "window_size", [](const TransformerConfig& c) { return c.window_size.has_value(); },
-          "sliding-window attention has no optimized kernel", [](TransformerConfig& c) { c.window_size = {{4, 0}}; }),
+          "sliding-window attention has no optimized kernel",
+          [](TransformerConfig& c) {
+            c.window_size = {{4, 0}};
+          }),
       none_implement(
           "softmax_type", [](const TransformerConfig& c) { return c.softmax_type != "vanilla"; },
           "the attention kernel's softmax is vanilla only (no off-by-one or learnable sink)",
           [](TransformerConfig& c) { c.softmax_type = "off-by-one"; }),
       none_implement(
           "attention_output_gate", [](const TransformerConfig& c) { return c.attention_output_gate; },
-          "the gated attention output has no optimized kernel", [](TransformerConfig& c) { c.attention_output_gate = true; }),
+          "the gated attention output has no optimized kernel",
+          [](TransformerConfig& c) { c.attention_output_gate = true; }),
       none_implement(
-          "qk_l2_norm", [](const TransformerConfig& c) { return c.qk_l2_norm; }, "the q/k L2 norm has no optimized kernel",
-          [](TransformerConfig& c) { c.qk_l2_norm = true; }),
+          "qk_l2_norm", [](const TransformerConfig& c) { return c.qk_l2_norm; },
+          "the q/k L2 norm has no optimized kernel", [](TransformerConfig& c) { c.qk_l2_norm = true; }),
       none_implement(
           "kv_channels", [](const TransformerConfig& c) { return c.head_dim() > kMaxHeadDim; },
           "the attention kernel holds a head of at most " + std::to_string(kMaxHeadDim) + " channels",
-          [](TransformerConfig& c) {
-            c.kv_channels = kMaxHeadDim + 8;
-          }),
+          [](TransformerConfig& c) { c.kv_channels = kMaxHeadDim + 8; }),
       // ---- norms and the MLP
       none_implement(
           "normalization",
@@ -131,7 +134,8 @@ const std::vector<LayerFeature>& layer_features() {
           "the activation kernel implements gelu, silu, relu, squared_relu and quick_gelu",
           [](TransformerConfig& c) { c.activation_func = "erf_gelu"; }),
       none_implement(
-          "activation_func_clamp_value", [](const TransformerConfig& c) { return c.activation_func_clamp_value.has_value(); },
+          "activation_func_clamp_value",
+          [](const TransformerConfig& c) { return c.activation_func_clamp_value.has_value(); },
           "the activation kernel does not clamp", [](TransformerConfig& c) { c.activation_func_clamp_value = 7.0; }),
       none_implement(
           "glu_linear_offset", [](const TransformerConfig& c) { return c.glu_linear_offset != 0.0; },
@@ -156,15 +160,18 @@ const std::vector<LayerFeature>& layer_features() {
           "moe_input_jitter_eps", [](const TransformerConfig& c) { return c.moe_input_jitter_eps.has_value(); },
           "the router takes no input jitter", [](TransformerConfig& c) { c.moe_input_jitter_eps = 0.01; }),
       moe_lacks(
-          "moe_router_load_balancing_type", [](const TransformerConfig& c) { return c.moe_router_load_balancing_type == "sinkhorn"; },
+          "moe_router_load_balancing_type",
+          [](const TransformerConfig& c) { return c.moe_router_load_balancing_type == "sinkhorn"; },
           "sinkhorn load balancing has no optimized kernel",
           [](TransformerConfig& c) {
             c.moe_router_load_balancing_type = "sinkhorn";
             c.moe_aux_loss_coeff = 0.0;
           }),
       moe_lacks(
-          "moe_router_force_load_balancing", [](const TransformerConfig& c) { return c.moe_router_force_load_balancing; },
-          "random benchmark logits are not drawn", [](TransformerConfig& c) { c.moe_router_force_load_balancing = true; }),
+          "moe_router_force_load_balancing",
+          [](const TransformerConfig& c) { return c.moe_router_force_load_balancing; },
+          "random benchmark logits are not drawn",
+          [](TransformerConfig& c) { c.moe_router_force_load_balancing = true; }),
       moe_lacks(
           "moe_apply_probs_on_input", [](const TransformerConfig& c) { return c.moe_apply_probs_on_input; },
           "the experts apply the probabilities to their output only",
@@ -184,7 +191,8 @@ const std::vector<LayerFeature>& layer_features() {
           [](const TransformerConfig& c) {
             return c.moe_token_dispatcher_type != "allgather" && c.moe_token_dispatcher_type != "alltoall";
           },
-          "the dispatchers are allgather and alltoall", [](TransformerConfig& c) { c.moe_token_dispatcher_type = "flex"; }),
+          "the dispatchers are allgather and alltoall",
+          [](TransformerConfig& c) { c.moe_token_dispatcher_type = "flex"; }),
       moe_lacks(
           "moe_router_score_function",
           [](const TransformerConfig& c) {
@@ -197,7 +205,8 @@ const std::vector<LayerFeature>& layer_features() {
           [](const TransformerConfig& c) {
             return c.moe_router_dtype && *c.moe_router_dtype != "fp32" && *c.moe_router_dtype != "fp64";
           },
-          "the router runs in the params dtype, fp32 or fp64", [](TransformerConfig& c) { c.moe_router_dtype = "fp16"; }),
+          "the router runs in the params dtype, fp32 or fp64",
+          [](TransformerConfig& c) { c.moe_router_dtype = "fp16"; }),
   };
   return rows;
 }

@@ -24,8 +24,8 @@ const char* layer_kind_name(LayerKind k);  // dense | moe | retro
 const std::vector<LayerKind>& all_layer_kinds();
 
 // Limits of the kernels every kind runs (the kernels static_assert their own against these).
-constexpr int kMaxHeadDim = 256;         // the attention kernel's head dim (kv_channels)
-constexpr int kMaxRouterExperts = 256;   // the router kernel's experts per token row
+constexpr int kMaxHeadDim = 256;        // the attention kernel's head dim (kv_channels)
+constexpr int kMaxRouterExperts = 256;  // the router kernel's experts per token row
 
 struct LayerFeature {
   std::string name;  // the config field (or forward option) in Megatron's words
