@@ -393,211 +393,15 @@ class Unpickler {
       if (pos_ >= n_) fail_("pickle data.pkl ends without STOP (truncated?)");
       const std::size_t at = pos_;
       const std::uint8_t op = p_[pos_++];
-      switch (op) {
-        case 0x80: {  // PROTO
-          const std::uint8_t v = take(1)[0];
-          if (v > 5) fail_("pickle protocol " + std::to_string(v) + " is newer than this reader knows (<= 5)");
-          break;
-        }
-        case 0x95:
-          take(8);
-          break;     // FRAME: a length hint only
-        case '.': {  // STOP
-          if (stack_size() < 1) fail_("pickle STOP with nothing on the stack (corrupt)");
-          return stack_.back();
-        }
-        case '(':
-          marks_.push_back(stack_.size());
-          break;  // MARK
-        case '}':
-          push_obj(ObjKind::Dict);
-          break;  // EMPTY_DICT
-        case ']':
-          push_obj(ObjKind::List);
-          break;  // EMPTY_LIST
-        case ')':
-          push_obj(ObjKind::Tuple);
-          break;  // EMPTY_TUPLE
-        case 0x85:
-        case 0x86:
-        case 0x87: {  // TUPLE1..3
-          const std::size_t k = op - 0x84u;
-          if (stack_size() < k) underflow(at);
-          make_tuple(stack_.size() - k);
-          break;
-        }
-        case 't':
-          make_tuple(pop_mark(at));
-          break;     // TUPLE
-        case 'l': {  // LIST
-          const std::size_t from = pop_mark(at);
-          const Value l = new_obj(ObjKind::List);
-          obj(l).items.assign(stack_.begin() + static_cast<std::ptrdiff_t>(from), stack_.end());
-          stack_.resize(from);
-          stack_.push_back(l);
-          break;
-        }
-        case 'd': {  // DICT
-          const std::size_t from = pop_mark(at);
-          const Value d = new_obj(ObjKind::Dict);
-          set_items(d, from, at);
-          stack_.push_back(d);
-          break;
-        }
-        case 's': {  // SETITEM
-          if (stack_size() < 3) underflow(at);
-          set_items(stack_[stack_.size() - 3], stack_.size() - 2, at);
-          break;
-        }
-        case 'u': {  // SETITEMS
-          const std::size_t from = pop_mark(at);
-          set_items(below_mark(from, at), from, at);
-          break;
-        }
-        case 'a': {  // APPEND
-          if (stack_size() < 2) underflow(at);
-          append(stack_[stack_.size() - 2], stack_.size() - 1, at);
-          break;
-        }
-        case 'e': {  // APPENDS
-          const std::size_t from = pop_mark(at);
-          append(below_mark(from, at), from, at);
-          break;
-        }
-        case 'X':
-          push_str(Kind::Str, u32(take(4)));
-          break;  // BINUNICODE
-        case 0x8c:
-          push_str(Kind::Str, take(1)[0]);
-          break;  // SHORT_BINUNICODE
-        case 0x8d:
-          push_str(Kind::Str, u64(take(8)));
-          break;  // BINUNICODE8
-        case 'C':
-          push_str(Kind::Bytes, take(1)[0]);
-          break;  // SHORT_BINBYTES
-        case 'B':
-          push_str(Kind::Bytes, u32(take(4)));
-          break;  // BINBYTES
-        case 0x8e:
-          push_str(Kind::Bytes, u64(take(8)));
-          break;  // BINBYTES8
-        case 'J':
-          push_int(static_cast<std::int32_t>(u32(take(4))));
-          break;  // BININT
-        case 'K':
-          push_int(take(1)[0]);
-          break;  // BININT1
-        case 'M':
-          push_int(u16(take(2)));
-          break;  // BININT2
-        case 0x8a:
-          push_long(take(1)[0], at);
-          break;      // LONG1
-        case 0x8b: {  // LONG4
-          const std::uint32_t k = u32(take(4));
-          if (static_cast<std::int32_t>(k) < 0)
-            fail_("pickle LONG4 with a negative length at byte " + std::to_string(at));
-          push_long(k, at);
-          break;
-        }
-        case 'G': {  // BINFLOAT: big-endian IEEE double
-          const std::uint8_t* b = take(8);
-          std::uint64_t bits = 0;
-          for (int k = 0; k < 8; ++k) bits = (bits << 8) | b[k];
-          Value v;
-          v.kind = Kind::Float;
-          std::memcpy(&v.f, &bits, 8);
-          stack_.push_back(v);
-          break;
-        }
-        case 0x88:
-        case 0x89: {  // NEWTRUE, NEWFALSE
-          Value v;
-          v.kind = Kind::Bool;
-          v.i = op == 0x88;
-          stack_.push_back(v);
-          break;
-        }
-        case 'N':
-          stack_.push_back(Value{});
-          break;     // NONE
-        case 'c': {  // GLOBAL "module\nname\n"
-          const std::string module = line(at), name = line(at);
-          push_global(module + "." + name);
-          break;
-        }
-        case 0x93: {  // STACK_GLOBAL
-          if (stack_size() < 2) underflow(at);
-          const Value name = pop(), module = pop();
-          if (module.kind != Kind::Str || name.kind != Kind::Str)
-            fail_("pickle STACK_GLOBAL needs two strings at byte " + std::to_string(at));
-          push_global(str(module) + "." + str(name));
-          break;
-        }
-        case 'R':
-        case 0x81: {  // REDUCE f(*args); NEWOBJ cls.__new__(cls, *args)
-          if (stack_size() < 2) underflow(at);
-          const Value args = pop(), f = pop();
-          stack_.push_back(call(f, args, at));
-          break;
-        }
-        case 'b': {  // BUILD: obj.__setstate__(state)
-          if (stack_size() < 2) underflow(at);
-          pop();
-          const Value target = stack_.back();
-          // An OrderedDict's state is its Python attributes (a state_dict's `_metadata`: module
-          // versions), a tensor's its Python attributes: neither is content twin reads.
-          if (!is_obj(target, ObjKind::Dict) && !is_obj(target, ObjKind::Tensor))
-            fail_("pickle BUILD on a " + std::string(kind_name(target, objs_)) + " at byte " + std::to_string(at) +
-                  " (an arbitrary Python object; twin reads tensors, dicts, lists, tuples, numbers and strings)");
-          break;
-        }
-        case 'Q': {  // BINPERSID: torch's storage reference
-          if (stack_size() < 1) underflow(at);
-          stack_.push_back(storage(pop(), at));
-          break;
-        }
-        case 'q':
-          memo_put(take(1)[0], at);
-          break;  // BINPUT
-        case 'r':
-          memo_put(u32(take(4)), at);
-          break;  // LONG_BINPUT
-        case 0x94:
-          memo_put(memo_.size(), at);
-          break;  // MEMOIZE
-        case 'h':
-          memo_get(take(1)[0], at);
-          break;  // BINGET
-        case 'j':
-          memo_get(u32(take(4)), at);
-          break;     // LONG_BINGET
-        case '2': {  // DUP
-          if (stack_size() < 1) underflow(at);
-          stack_.push_back(stack_.back());
-          break;
-        }
-        case '0': {  // POP
-          if (stack_size() > 0) {
-            pop();
-          } else if (!marks_.empty()) {
-            marks_.pop_back();  // POP of a bare MARK, as Python's pickle allows
-          } else {
-            underflow(at);
-          }
-          break;
-        }
-        case '1':
-          stack_.resize(pop_mark(at));
-          break;  // POP_MARK
-        default: {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "0x%02x", op);
-          fail_(std::string("unsupported pickle opcode ") + buf + " at byte " + std::to_string(at) +
-                " of data.pkl (not written by torch.save, or corrupt)");
-        }
+      if (op == '.') {  // STOP
+        if (stack_size() < 1) fail_("pickle STOP with nothing on the stack (corrupt)");
+        return stack_.back();
       }
+      if (stack_op(op, at) || container_op(op, at) || scalar_op(op, at) || object_op(op, at)) continue;
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "0x%02x", op);
+      fail_(std::string("unsupported pickle opcode ") + buf + " at byte " + std::to_string(at) +
+            " of data.pkl (not written by torch.save, or corrupt)");
     }
   }
 
@@ -606,6 +410,231 @@ class Unpickler {
   const std::string& str(const Value& v) const { return *strs_[static_cast<std::size_t>(v.i)]; }
 
  private:
+  // The protocol, frame, memo and stack opcodes; false for any other.
+  bool stack_op(std::uint8_t op, std::size_t at) {
+    switch (op) {
+      case 0x80: {  // PROTO
+        const std::uint8_t v = take(1)[0];
+        if (v > 5) fail_("pickle protocol " + std::to_string(v) + " is newer than this reader knows (<= 5)");
+        return true;
+      }
+      case 0x95:
+        take(8);
+        return true;  // FRAME: a length hint only
+      case 'q':
+        memo_put(take(1)[0], at);
+        return true;  // BINPUT
+      case 'r':
+        memo_put(u32(take(4)), at);
+        return true;  // LONG_BINPUT
+      case 0x94:
+        memo_put(memo_.size(), at);
+        return true;  // MEMOIZE
+      case 'h':
+        memo_get(take(1)[0], at);
+        return true;  // BINGET
+      case 'j':
+        memo_get(u32(take(4)), at);
+        return true;  // LONG_BINGET
+      case '2': {     // DUP
+        if (stack_size() < 1) underflow(at);
+        stack_.push_back(stack_.back());
+        return true;
+      }
+      case '0': {  // POP
+        if (stack_size() > 0) {
+          pop();
+        } else if (!marks_.empty()) {
+          marks_.pop_back();  // POP of a bare MARK, as Python's pickle allows
+        } else {
+          underflow(at);
+        }
+        return true;
+      }
+      case '1':
+        stack_.resize(pop_mark(at));
+        return true;  // POP_MARK
+      default:
+        return false;
+    }
+  }
+
+  // The marks, tuples, lists and dicts; false for any other opcode.
+  bool container_op(std::uint8_t op, std::size_t at) {
+    switch (op) {
+      case '(':
+        marks_.push_back(stack_.size());
+        return true;  // MARK
+      case '}':
+        push_obj(ObjKind::Dict);
+        return true;  // EMPTY_DICT
+      case ']':
+        push_obj(ObjKind::List);
+        return true;  // EMPTY_LIST
+      case ')':
+        push_obj(ObjKind::Tuple);
+        return true;  // EMPTY_TUPLE
+      case 0x85:
+      case 0x86:
+      case 0x87: {  // TUPLE1..3
+        const std::size_t k = op - 0x84u;
+        if (stack_size() < k) underflow(at);
+        make_tuple(stack_.size() - k);
+        return true;
+      }
+      case 't':
+        make_tuple(pop_mark(at));
+        return true;  // TUPLE
+      case 'l': {     // LIST
+        const std::size_t from = pop_mark(at);
+        const Value l = new_obj(ObjKind::List);
+        obj(l).items.assign(stack_.begin() + static_cast<std::ptrdiff_t>(from), stack_.end());
+        stack_.resize(from);
+        stack_.push_back(l);
+        return true;
+      }
+      case 'd': {  // DICT
+        const std::size_t from = pop_mark(at);
+        const Value d = new_obj(ObjKind::Dict);
+        set_items(d, from, at);
+        stack_.push_back(d);
+        return true;
+      }
+      case 's': {  // SETITEM
+        if (stack_size() < 3) underflow(at);
+        set_items(stack_[stack_.size() - 3], stack_.size() - 2, at);
+        return true;
+      }
+      case 'u': {  // SETITEMS
+        const std::size_t from = pop_mark(at);
+        set_items(below_mark(from, at), from, at);
+        return true;
+      }
+      case 'a': {  // APPEND
+        if (stack_size() < 2) underflow(at);
+        append(stack_[stack_.size() - 2], stack_.size() - 1, at);
+        return true;
+      }
+      case 'e': {  // APPENDS
+        const std::size_t from = pop_mark(at);
+        append(below_mark(from, at), from, at);
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+
+  // Strings, bytes, numbers, bools and None; false for any other opcode.
+  bool scalar_op(std::uint8_t op, std::size_t at) {
+    switch (op) {
+      case 'X':
+        push_str(Kind::Str, u32(take(4)));
+        return true;  // BINUNICODE
+      case 0x8c:
+        push_str(Kind::Str, take(1)[0]);
+        return true;  // SHORT_BINUNICODE
+      case 0x8d:
+        push_str(Kind::Str, u64(take(8)));
+        return true;  // BINUNICODE8
+      case 'C':
+        push_str(Kind::Bytes, take(1)[0]);
+        return true;  // SHORT_BINBYTES
+      case 'B':
+        push_str(Kind::Bytes, u32(take(4)));
+        return true;  // BINBYTES
+      case 0x8e:
+        push_str(Kind::Bytes, u64(take(8)));
+        return true;  // BINBYTES8
+      case 'J':
+        push_int(static_cast<std::int32_t>(u32(take(4))));
+        return true;  // BININT
+      case 'K':
+        push_int(take(1)[0]);
+        return true;  // BININT1
+      case 'M':
+        push_int(u16(take(2)));
+        return true;  // BININT2
+      case 0x8a:
+        push_long(take(1)[0], at);
+        return true;  // LONG1
+      case 0x8b: {    // LONG4
+        const std::uint32_t k = u32(take(4));
+        if (static_cast<std::int32_t>(k) < 0)
+          fail_("pickle LONG4 with a negative length at byte " + std::to_string(at));
+        push_long(k, at);
+        return true;
+      }
+      case 'G': {  // BINFLOAT: big-endian IEEE double
+        const std::uint8_t* b = take(8);
+        std::uint64_t bits = 0;
+        for (int k = 0; k < 8; ++k) bits = (bits << 8) | b[k];
+        Value v;
+        v.kind = Kind::Float;
+        std::memcpy(&v.f, &bits, 8);
+        stack_.push_back(v);
+        return true;
+      }
+      case 0x88:
+      case 0x89: {  // NEWTRUE, NEWFALSE
+        Value v;
+        v.kind = Kind::Bool;
+        v.i = op == 0x88;
+        stack_.push_back(v);
+        return true;
+      }
+      case 'N':
+        stack_.push_back(Value{});
+        return true;  // NONE
+      default:
+        return false;
+    }
+  }
+
+  // Globals, calls, BUILD and torch's storage references; false for any other opcode.
+  bool object_op(std::uint8_t op, std::size_t at) {
+    switch (op) {
+      case 'c': {  // GLOBAL "module\nname\n"
+        const std::string module = line(at), name = line(at);
+        push_global(module + "." + name);
+        return true;
+      }
+      case 0x93: {  // STACK_GLOBAL
+        if (stack_size() < 2) underflow(at);
+        const Value name = pop(), module = pop();
+        if (module.kind != Kind::Str || name.kind != Kind::Str)
+          fail_("pickle STACK_GLOBAL needs two strings at byte " + std::to_string(at));
+        push_global(str(module) + "." + str(name));
+        return true;
+      }
+      case 'R':
+      case 0x81: {  // REDUCE f(*args); NEWOBJ cls.__new__(cls, *args)
+        if (stack_size() < 2) underflow(at);
+        const Value args = pop(), f = pop();
+        stack_.push_back(call(f, args, at));
+        return true;
+      }
+      case 'b': {  // BUILD: obj.__setstate__(state)
+        if (stack_size() < 2) underflow(at);
+        pop();
+        const Value target = stack_.back();
+        // An OrderedDict's state is its Python attributes (a state_dict's `_metadata`: module
+        // versions), a tensor's its Python attributes: neither is content twin reads.
+        if (!is_obj(target, ObjKind::Dict) && !is_obj(target, ObjKind::Tensor))
+          fail_("pickle BUILD on a " + std::string(kind_name(target, objs_)) + " at byte " + std::to_string(at) +
+                " (an arbitrary Python object; twin reads tensors, dicts, lists, tuples, numbers and strings)");
+        return true;
+      }
+      case 'Q': {  // BINPERSID: torch's storage reference
+        if (stack_size() < 1) underflow(at);
+        stack_.push_back(storage(pop(), at));
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+
   Obj& obj(const Value& v) { return *objs_[static_cast<std::size_t>(v.i)]; }
   bool is_obj(const Value& v, ObjKind k) const { return v.kind == Kind::Obj && obj(v).kind == k; }
 

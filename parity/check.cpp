@@ -88,40 +88,37 @@ std::string tp_sharding_problem(const Fixture& f, const RunMode& mode) {
                      mode.sp ? fmt::format(", sequence {}", s) : "");
 }
 
-}  // namespace
+struct Job {
+  std::string label;
+  std::function<Row()> run;
+};
 
-int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
-  std::vector<Row> rows;
-  std::string why;
-  const bool gpu = rt::available(rt::Backend::Cuda, &why);
-  const rt::Backend be = gpu ? rt::Backend::Cuda : rt::Backend::Sim;
+// One dense case through both twins (parity::run_case): the output's error against its bound.
+Row dense_row(const std::string& name, const parity::DenseCase& c, rt::Backend backend, const std::string& tp) {
+  Row r{"dense " + name, short_dtype(c.dtype), rt::backend_name(backend), tp, ""};
+  parity::RunOptions ro;
+  ro.backend = backend;
+  const auto res = parity::run_case(c, ro);
+  r.max_err = res.output.max_abs;
+  r.bound = res.output.tol.atol + res.output.tol.rtol * std::fabs(res.output.worst_expected);
+  r.share = res.output.share_used;
+  r.seconds = res.seconds_reference + res.seconds_optimized;
+  r.status = res.pass() ? Status::Pass : Status::Fail;
+  if (!res.pass()) r.detail = "rerun: twin case '" + res.id + "'";
+  return r;
+}
 
-  // ---- the plan: dense cases, then every golden fixture through each twin that has its kind
-  struct Job {
-    std::string label;
-    std::function<Row()> run;
-  };
-  std::vector<Job> jobs;
+// The dense cases: each config in each variant its sizes shard, then (on a GPU) the GPU configs.
+void add_dense_jobs(std::vector<Job>& jobs, bool gpu, rt::Backend be) {
   auto dense_job = [&](const DenseConfig& cfg, Variant v, rt::Backend backend) {
     parity::DenseCase c = parity::parse_case_id(cfg.id);
     c.dtype = v.dt;
     c.tp = v.tp;
     c.sp = v.sp;
     const std::string tp = std::to_string(v.tp) + (v.sp ? "+sp" : "");
-    jobs.push_back(
-        {fmt::format("dense {} {} tp{} ({})", cfg.name, short_dtype(v.dt), tp, rt::backend_name(backend)), [=]() {
-           Row r{std::string("dense ") + cfg.name, short_dtype(c.dtype), rt::backend_name(backend), tp, ""};
-           parity::RunOptions ro;
-           ro.backend = backend;
-           const auto res = parity::run_case(c, ro);
-           r.max_err = res.output.max_abs;
-           r.bound = res.output.tol.atol + res.output.tol.rtol * std::fabs(res.output.worst_expected);
-           r.share = res.output.share_used;
-           r.seconds = res.seconds_reference + res.seconds_optimized;
-           r.status = res.pass() ? Status::Pass : Status::Fail;
-           if (!res.pass()) r.detail = "rerun: twin case '" + res.id + "'";
-           return r;
-         }});
+    const std::string name = cfg.name;
+    jobs.push_back({fmt::format("dense {} {} tp{} ({})", cfg.name, short_dtype(v.dt), tp, rt::backend_name(backend)),
+                    [=]() { return dense_row(name, c, backend, tp); }});
   };
   for (const auto& cfg : kSimConfigs)
     for (const auto& v : kSimVariants) {
@@ -132,95 +129,96 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
     }
   if (gpu)
     for (const auto& cfg : kGpuConfigs) dense_job(cfg, Variant{DType::BF16, 1, false}, rt::Backend::Cuda);
+}
 
-  const std::string fdir = fixtures_dir();
-  if (!fdir.empty()) {
-    std::vector<std::string> files;
-    for (const auto& e : std::filesystem::directory_iterator(fdir))
-      if (e.path().extension() == ".safetensors" || e.path().extension() == ".json") files.push_back(e.path().string());
-    std::sort(files.begin(), files.end());
-    auto fixture_job = [&](const std::string& path, TwinKind twin, RunMode mode) {
-      const std::string name = std::filesystem::path(path).filename().string();
-      const std::string ranks = mode.ep > 1   ? "ep" + std::to_string(mode.ep)
-                                : mode.tp > 1 ? std::to_string(mode.tp) + (mode.sp ? "+sp" : "")
-                                              : "1";
-      jobs.push_back({fmt::format("fixture {} ({}{})", name, twin_kind_name(twin),
-                                  mode.ep > 1   ? " " + ranks
-                                  : mode.tp > 1 ? " tp" + ranks
-                                                : ""),
-                      [=]() {
-                        Row r{"fixture " + name, "",
-                              twin == TwinKind::Reference ? "cpu" : rt::backend_name(rt::Backend::Sim), ranks, ""};
-                        const auto t0 = std::chrono::steady_clock::now();
-                        try {
-                          const Fixture f = load_fixture(path);
-                          r.layer = f.kind + " " + f.case_name;
-                          if (const std::string why = tp_sharding_problem(f, mode); !why.empty()) {
-                            r.status = Status::Unsupported;
-                            r.detail = why;
-                            return r;
-                          }
-                          FixtureHandler h = find_fixture_handler(f.kind, twin, mode);
-                          if (!h) {
-                            r.status = Status::Unsupported;
-                            r.detail = std::string(twin_kind_name(twin)) + " twin has no " + f.kind +
-                                       (mode.ep > 1 ? " at " + ranks : "");
-                            return r;
-                          }
-                          const auto cmps = compare_fixture(h, f, twin, mode);
-                          r.dtype = !f.config_json.is_object() ? "-" : short_dtype(params_dtype(f.config));
-                          for (const auto& c : cmps) {
-                            if (c.share_used >= r.share) {
-                              r.share = c.share_used;
-                              r.max_err = c.max_abs;
-                              r.bound = c.tol.atol + c.tol.rtol * std::fabs(c.worst_expected);
-                            }
-                            if (!c.pass) {
-                              r.status = Status::Fail;
-                              if (r.detail.empty())
-                                r.detail =
-                                    "first failing: " + c.name + (c.message.empty() ? "" : " (" + c.message + ")");
-                            }
-                          }
-                        } catch (const FixtureUnsupported& e) {
-                          r.status = Status::Unsupported;
-                          r.detail = e.what();
-                        } catch (const std::exception&) {
-                          r.status = Status::Error;
-                          r.detail = describe_exception(std::current_exception());
-                        }
-                        r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-                        return r;
-                      }});
-    };
-    for (const auto& path : files) {
-      for (TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) fixture_job(path, twin, RunMode{});
-      // The MoE goldens again with their experts split over 2 and 4 simulated expert-parallel ranks
-      // (a golden whose expert count they do not divide is listed unsupported).
-      if (std::filesystem::path(path).filename().string().rfind("moe_", 0) == 0)
-        for (int ep : {2, 4}) {
-          RunMode m;
-          m.ep = ep;
-          fixture_job(path, TwinKind::Optimized, m);
-        }
-      // The dense goldens again sharded over 2 simulated tensor-parallel ranks, with and without
-      // SP: the forward's and the backward's collectives against Megatron's unsharded gradients (a
-      // golden that 2 does not shard is listed unsupported).
-      if (std::filesystem::path(path).filename().string().rfind("dense_", 0) == 0)
-        for (bool sp : {false, true}) {
-          RunMode m;
-          m.tp = 2;
-          m.sp = sp;
-          fixture_job(path, TwinKind::Optimized, m);
-        }
+// One golden fixture through one twin in one rank layout: the worst comparison (by share of its
+// bound used), the first failing one named; a kind or layout the twin lacks is unsupported.
+Row fixture_row(const std::string& path, TwinKind twin, const RunMode& mode, const std::string& ranks) {
+  const std::string name = std::filesystem::path(path).filename().string();
+  Row r{"fixture " + name, "", twin == TwinKind::Reference ? "cpu" : rt::backend_name(rt::Backend::Sim), ranks, ""};
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    const Fixture f = load_fixture(path);
+    r.layer = f.kind + " " + f.case_name;
+    if (const std::string why = tp_sharding_problem(f, mode); !why.empty()) {
+      r.status = Status::Unsupported;
+      r.detail = why;
+      return r;
     }
-  } else {
-    err << "twin check: fixtures/megatron-core not found (run from the repository root or set TWIN_SOURCE_DIR); "
-           "fixture rows skipped\n";
+    FixtureHandler h = find_fixture_handler(f.kind, twin, mode);
+    if (!h) {
+      r.status = Status::Unsupported;
+      r.detail = std::string(twin_kind_name(twin)) + " twin has no " + f.kind + (mode.ep > 1 ? " at " + ranks : "");
+      return r;
+    }
+    const auto cmps = compare_fixture(h, f, twin, mode);
+    r.dtype = !f.config_json.is_object() ? "-" : short_dtype(params_dtype(f.config));
+    for (const auto& c : cmps) {
+      if (c.share_used >= r.share) {
+        r.share = c.share_used;
+        r.max_err = c.max_abs;
+        r.bound = c.tol.atol + c.tol.rtol * std::fabs(c.worst_expected);
+      }
+      if (!c.pass) {
+        r.status = Status::Fail;
+        if (r.detail.empty()) r.detail = "first failing: " + c.name + (c.message.empty() ? "" : " (" + c.message + ")");
+      }
+    }
+  } catch (const FixtureUnsupported& e) {
+    r.status = Status::Unsupported;
+    r.detail = e.what();
+  } catch (const std::exception&) {
+    r.status = Status::Error;
+    r.detail = describe_exception(std::current_exception());
   }
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
 
-  // ---- run, with progress on stderr
-  if (!gpu) err << "twin check: no GPU (" << why << "): the optimized twin runs on the CUDA simulator\n";
+// Every golden in `fdir` through both twins; the MoE goldens again at ep 2 and 4, the dense ones
+// again at tp 2 with and without SP.
+void add_fixture_jobs(std::vector<Job>& jobs, const std::string& fdir) {
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(fdir))
+    if (e.path().extension() == ".safetensors" || e.path().extension() == ".json") files.push_back(e.path().string());
+  std::sort(files.begin(), files.end());
+  auto fixture_job = [&](const std::string& path, TwinKind twin, RunMode mode) {
+    const std::string name = std::filesystem::path(path).filename().string();
+    const std::string ranks = mode.ep > 1   ? "ep" + std::to_string(mode.ep)
+                              : mode.tp > 1 ? std::to_string(mode.tp) + (mode.sp ? "+sp" : "")
+                                            : "1";
+    jobs.push_back({fmt::format("fixture {} ({}{})", name, twin_kind_name(twin),
+                                mode.ep > 1   ? " " + ranks
+                                : mode.tp > 1 ? " tp" + ranks
+                                              : ""),
+                    [=]() { return fixture_row(path, twin, mode, ranks); }});
+  };
+  for (const auto& path : files) {
+    for (TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) fixture_job(path, twin, RunMode{});
+    // The MoE goldens again with their experts split over 2 and 4 simulated expert-parallel ranks
+    // (a golden whose expert count they do not divide is listed unsupported).
+    if (std::filesystem::path(path).filename().string().rfind("moe_", 0) == 0)
+      for (int ep : {2, 4}) {
+        RunMode m;
+        m.ep = ep;
+        fixture_job(path, TwinKind::Optimized, m);
+      }
+    // The dense goldens again sharded over 2 simulated tensor-parallel ranks, with and without
+    // SP: the forward's and the backward's collectives against Megatron's unsharded gradients (a
+    // golden that 2 does not shard is listed unsupported).
+    if (std::filesystem::path(path).filename().string().rfind("dense_", 0) == 0)
+      for (bool sp : {false, true}) {
+        RunMode m;
+        m.tp = 2;
+        m.sp = sp;
+        fixture_job(path, TwinKind::Optimized, m);
+      }
+  }
+}
+
+// Runs the jobs in order, with progress on stderr; a job that throws is an error row.
+std::vector<Row> run_jobs(const std::vector<Job>& jobs, std::ostream& err) {
+  std::vector<Row> rows;
   for (std::size_t i = 0; i < jobs.size(); ++i) {
     err << fmt::format("[{}/{}] {} ...", i + 1, jobs.size(), jobs[i].label) << std::flush;
     Row r;
@@ -234,15 +232,19 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
     err << " " << status_name(r.status) << fmt::format(" ({:.2f} s)\n", r.seconds);
     rows.push_back(std::move(r));
   }
+  return rows;
+}
 
-  // ---- report: failures make the exit code; a kind a twin lacks is listed, not a failure
+// The table (or JSON) of the rows; returns the exit code: 2 on an error, 1 on a failure, else 0
+// (a kind a twin lacks is listed, not a failure).
+int report(const std::vector<Row>& rows, bool json, std::ostream& out) {
   int failures = 0, errors = 0;
   for (const auto& r : rows) {
     failures += r.status == Status::Fail;
     errors += r.status == Status::Error;
   }
   const int code = errors ? 2 : failures ? 1 : 0;
-  if (opt.json) {
+  if (json) {
     nlohmann::json js = nlohmann::json::array();
     for (const auto& r : rows)
       js.push_back({{"layer", r.layer},
@@ -272,6 +274,27 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
                        r.detail.empty() ? "" : "  " + r.detail);
   out << fmt::format("twin check: {} rows, {} failed, {} errors\n", rows.size(), failures, errors);
   return code;
+}
+
+}  // namespace
+
+int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
+  std::string why;
+  const bool gpu = rt::available(rt::Backend::Cuda, &why);
+  const rt::Backend be = gpu ? rt::Backend::Cuda : rt::Backend::Sim;
+
+  // ---- the plan: dense cases, then every golden fixture through each twin that has its kind
+  std::vector<Job> jobs;
+  add_dense_jobs(jobs, gpu, be);
+  const std::string fdir = fixtures_dir();
+  if (!fdir.empty())
+    add_fixture_jobs(jobs, fdir);
+  else
+    err << "twin check: fixtures/megatron-core not found (run from the repository root or set TWIN_SOURCE_DIR); "
+           "fixture rows skipped\n";
+
+  if (!gpu) err << "twin check: no GPU (" << why << "): the optimized twin runs on the CUDA simulator\n";
+  return report(run_jobs(jobs, err), opt.json, out);
 }
 
 }  // namespace twin::cli
