@@ -4,7 +4,7 @@
 //   reference/<op>/<dense id>   op = input_layernorm, linear_qkv, core_attention, linear_proj,
 //                               self_attn_bda, pre_mlp_layernorm, mlp, mlp_bda, layer
 //   reference_fast/<op>/<id>    the same op in the reference's fast mode (ComputeMode::Fast: fp32
-//                               GEMMs through OpenBLAS, reference/fast_gemm.h); with LibTorch, each
+//                               GEMMs through OpenBLAS, reference/fast/fast_gemm.h); with LibTorch, each
 //                               iteration also runs libtorch/<op>/<id> (not in the benchmark's
 //                               time) and the counters reference_cpu_s, libtorch_cpu_s (thread CPU
 //                               seconds per iteration) and ratio_vs_libtorch (their quotient, over
@@ -47,7 +47,7 @@
 #include "bench/bench_util.h"
 #include "fixtures/fixture.h"
 #include "parity/dense_case.h"
-#include "reference/fast_gemm.h"
+#include "reference/fast/fast_gemm.h"
 #include "reference/fused_bias_dropout.h"
 #include "reference/moe/moe_layer.h"
 #include "reference/retro/decoder_layer_spec.h"

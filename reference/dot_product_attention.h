@@ -78,7 +78,8 @@ class DotProductAttention {
  private:
   struct SliceMask;
   // ComputeMode::Fast's forward without dropout: per (batch, head) slice, q k^T and probs v as
-  // fp32 GEMMs (reference/fast_gemm.h), the same rounding points as probabilities() + forward.
+  // fp32 GEMMs (defined in reference/fast/dot_product_attention.cpp), the same rounding points as
+  // probabilities() + forward.
   // probs_out, when given, receives the stored probabilities as stored_probabilities() lays them out.
   Mat forward_fast(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
                    const Tensor* attention_mask, Mat* probs_out = nullptr) const;

@@ -1,6 +1,6 @@
 #include "reference/linear.h"
 
-#include "reference/fast_gemm.h"
+#include "reference/fast/fast_gemm.h"
 
 namespace twin::reference {
 

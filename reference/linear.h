@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "reference/fast_gemm.h"
+#include "reference/fast/fast_gemm.h"
 #include "reference/precision.h"
 #include "reference/state_dict.h"
 
@@ -75,7 +75,7 @@ class Linear {
   bool skip_bias_add() const { return skip_bias_add_; }
 
   // The weight is set through set_weight (or load_state_dict) only: fast mode keeps it converted
-  // for its GEMM (reference/fast_gemm.h's GemmOperand), and set_weight is where that is redone.
+  // for its GEMM (reference/fast/fast_gemm.h's GemmOperand), and set_weight is where that is redone.
   const Mat& weight() const { return weight_; }  // [output_size, input_size]
   void set_weight(Mat w);                        // ShapeError unless [output_size, input_size]
   RowVec bias;                                   // [output_size] (empty without bias)

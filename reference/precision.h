@@ -15,7 +15,7 @@
 //   ComputeMode::Exact no rounding at all: the true value of the same formula on the same (already
 //     representable) parameters and inputs, for measuring how far any implementation is from it.
 //   ComputeMode::Fast  FP32's rounding points, but the GEMMs (linear layers, attention's q k^T and
-//     probs v) accumulate in fp32 through a BLAS (reference/fast_gemm.h) in the library's order,
+//     probs v) accumulate in fp32 through a BLAS (reference/fast/fast_gemm.h) in the library's order,
 //     as Megatron's own GEMMs do, instead of in double; GeLU / SiLU, and with 16-bit activations
 //     the attention softmax, run in fp32 arithmetic (a few fp32 ulps between the same stores).
 //     Everything else is FP32 mode's code, in fused loops with the same roundings. Its
@@ -63,7 +63,7 @@ struct Precision {
   static Precision from_config(const TransformerConfig& c, ComputeMode mode = ComputeMode::FP32);
 
   bool exact() const { return mode == ComputeMode::Exact; }
-  // GEMMs accumulate in fp32 through reference/fast_gemm.h (ComputeMode::Fast).
+  // GEMMs accumulate in fp32 through reference/fast/fast_gemm.h (ComputeMode::Fast).
   bool fast() const { return mode == ComputeMode::Fast; }
 
   // rounds: to the activation (parameter) dtype; identity in Exact mode. bf16/fp16 go through

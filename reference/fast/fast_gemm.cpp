@@ -1,4 +1,4 @@
-#include "reference/fast_gemm.h"
+#include "reference/fast/fast_gemm.h"
 
 #include "reference/precision.h"  // TWIN_VECTOR_CLONES
 

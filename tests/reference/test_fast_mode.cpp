@@ -1,4 +1,4 @@
-// The reference's fast mode (ComputeMode::Fast: fp32 GEMMs through BLAS, reference/fast_gemm.h)
+// The reference's fast mode (ComputeMode::Fast: fp32 GEMMs through BLAS, reference/fast/fast_gemm.h)
 // against its Exact mode, within the bound of the rounding points the fast run counted
 // (parity::golden_bound through the one comparison, parity::diff_taps): every tap and the output,
 // on random dense layers in fp32 and bf16, and on the benchmark's scaled 1.3B-GPT and Llama shapes
@@ -12,7 +12,7 @@
 #include "parity/bounds.h"
 #include "parity/dense_run.h"
 #include "parity/golden.h"
-#include "reference/fast_gemm.h"
+#include "reference/fast/fast_gemm.h"
 #include "reference/linear.h"
 #include "tests/parity/dense_case_gen.h"
 #include "tests/reference/counted_bound.h"
