@@ -1,0 +1,171 @@
+/* What the core attention's kernels share (dot_product_attention.cuh): the tiling constants, the
+ * operands and parameters, and the per-pair helpers every kernel computes a score, its mask and its
+ * softmax output with (the same instructions in each: the same bits wherever a pair is recomputed).
+ */
+#pragma once
+
+#include <type_traits>
+
+#include "optimized/layer/kernel_types.h"  // MaskMode, kMaxHeadDim
+#include "philox.cuh"
+
+namespace twin::opt::TWIN_BACKEND {
+
+constexpr int kAttnBQ = 16;  // query rows per block
+constexpr int kAttnBK = 32;  // keys per tile (one per lane)
+constexpr int kAttnWarps = 4;
+constexpr int kAttnRowsPerWarp = kAttnBQ / kAttnWarps;
+constexpr int kAttnMaxHeadDim = kMaxHeadDim;
+constexpr int kAttnMaxChunks = kAttnMaxHeadDim / 32;
+
+// Where q, k and v live inside the fused linear_qkv output [s, b, ng_local, (hpg + 2) * hn]:
+// token t = s_idx * b + b_idx; q of local head h at t * ld + (h / hpg) * group_stride + (h % hpg) * hn;
+// k of local group g at t * ld + g * group_stride + hpg * hn; v right after k.
+struct QkvLayout {
+  std::int64_t ld = 0;            // elements per token
+  std::int64_t group_stride = 0;  // (hpg + 2) * hn
+  int hpg = 1;                    // query heads per group
+};
+
+// Separate query and key/value layouts (cross attention, Retro's chunks and neighbours): query
+// head h of batch column bi at query position i is at
+//   q + i * q_tok + bi * q_batch + (h / hpg) * q_group + (h % hpg) * q_head,
+// key / value of group g at key position j at k / v + j * kv_tok + bi * kv_batch + g * kv_group.
+// Each tensor is read in place by index: a strided batch column (a neighbour's rows inside the
+// [r, bs*l*k] layout) costs no copy.
+struct AttnOperands {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  std::int64_t q_tok = 0, q_batch = 0, q_group = 0, q_head = 0;
+  int hpg = 1;
+  std::int64_t kv_tok = 0, kv_batch = 0, kv_group = 0;
+  // The fused linear_qkv output of a self attention (QkvLayout) as operands.
+  static AttnOperands from_qkv(const void* qkv, const QkvLayout& lay, int b, int hn, std::size_t elem_bytes) {
+    AttnOperands o;
+    const char* base = static_cast<const char*>(qkv);
+    o.q = base;
+    o.k = base + std::size_t(lay.hpg) * hn * elem_bytes;
+    o.v = base + std::size_t(lay.hpg + 1) * hn * elem_bytes;
+    o.q_tok = o.kv_tok = std::int64_t(b) * lay.ld;
+    o.q_batch = o.kv_batch = lay.ld;
+    o.q_group = o.kv_group = lay.group_stride;
+    o.q_head = hn;
+    o.hpg = lay.hpg;
+    return o;
+  }
+};
+
+struct AttnParams {
+  int sq = 0, sk = 0, b = 0;
+  int np_local = 0;     // heads on this rank
+  int np_total = 0;     // heads of the layer (mask head dim, dropout numbering)
+  int head_offset = 0;  // global index of local head 0
+  int hn = 0;
+  float alpha = 1.0f;        // softmax_scale (already divided by coeff)
+  float coeff = 0.0f;        // apply_query_key_layer_scaling: layer_number; 0 when off
+  bool softmax_fp32 = true;  // softmax input/output in fp32 (attention_softmax_in_fp32 for bf16/fp16)
+  MaskMode mask = MaskMode::None;
+  const std::uint8_t* mask_ptr = nullptr;  // [mask_b, mask_h, sq, sk], nonzero = masked
+  int mask_b = 1, mask_h = 1;
+  DropoutArgs drop;  // attention dropout over the flat [b, np_total, sq, sk] probabilities
+  // [b, np_local, sq, 2]: each row's online max m and sum l of exp(s - m) after pass 1 (what pass 2
+  // divides by), written by the forward when not null; the backward recomputes the probabilities
+  // from them. Null: not saved (the forward's output is the same either way).
+  float* softmax_stats = nullptr;
+};
+
+// Whether the score of query row i and key j (batch bi, global head h_global) is masked.
+__device__ inline bool attn_masked(const AttnParams& p, int bi, int h_global, int i, int j) {
+  if (p.mask == MaskMode::Causal) return j > i;
+  if (p.mask == MaskMode::Explicit) {
+    const std::int64_t mb = p.mask_b == 1 ? 0 : bi, mh = p.mask_h == 1 ? 0 : h_global;
+    return p.mask_ptr[((mb * p.mask_h + mh) * p.sq + i) * std::int64_t(p.sk) + j] != 0;
+  }
+  return false;
+}
+
+// The score of query row i and key j from their fp32-accumulated dot product q . k: Megatron's
+// baddbmm output (alpha inside) stored in T, the layer-scaling coefficient, the mask.
+template <class T>
+__device__ inline float attn_score_from_dot(float dot, const AttnParams& p, int bi, int h_global, int i, int j,
+                                            float fill) {
+  float s = round_to<T>(p.alpha * dot);                  // rounds: baddbmm output (alpha inside), T
+  if (p.coeff != 0.0f) s = s * p.coeff;                  // rounds: input * scale, fp32
+  return attn_masked(p, bi, h_global, i, j) ? fill : s;  // masked_fill_(mask, -10000.0)
+}
+
+// a . b over hn values of shared memory, accumulated in fp32 in column order: one instruction
+// sequence for every score (forward and backward) and every d probs = d context . v.
+__device__ inline float attn_dot(const float* a, const float* b, int hn) {
+  float dot = 0.0f;
+  for (int c = 0; c < hn; ++c) dot += a[c] * b[c];
+  return dot;
+}
+
+template <class T>
+__device__ inline float attn_score(const float* q, const float* k, int hn, const AttnParams& p, int bi, int h_global,
+                                   int i, int j, float fill) {
+  return attn_score_from_dot<T>(attn_dot(q, k, hn), p, bi, h_global, i, j, fill);
+}
+
+// The softmax's own output for score s of a row with online max m and sum l (fp32).
+__device__ inline float attn_softmax_out(float s, float m, float l) { return expf(s - m) / l; }
+
+// The dropout element of (batch bi, global head h_global, i, j) in the flat [b, np_total, sq, sk]
+// probabilities.
+__device__ inline std::uint64_t attn_dropout_element(const AttnParams& p, int bi, int h_global, int i, int j) {
+  return ((std::uint64_t(bi) * p.np_total + h_global) * p.sq + i) * std::uint64_t(p.sk) + j;
+}
+
+// The row's statistics after pass 1, saved for the backward when asked for.
+__device__ inline void attn_save_stats(const AttnParams& p, int bi, int h, int i, float m, float l) {
+  if (!p.softmax_stats) return;
+  float* st = p.softmax_stats + ((std::int64_t(bi) * p.np_local + h) * p.sq + i) * 2;
+  st[0] = m;
+  st[1] = l;
+}
+
+// What the two-pass kernel with query tiles of `bq` rows moves and computes (the cost model):
+// q read and the context written once; per query tile of each (batch, head), K read twice (once per
+// pass) and V once, over the keys the tile needs (all, or up to its last row when causal); an
+// explicit mask read once; nothing of size sq x sk (the scores and probabilities stay on chip).
+// FLOPs: q k^T twice and p v once, 2 hn each per (row, key) of a computed tile, plus ~5 per score
+// for the softmax.
+struct AttnCost {
+  double bytes = 0, flops = 0;
+};
+inline AttnCost attention_forward_cost(DType dt, const AttnParams& p, int bq) {
+  const double e = dtype_size(dt), heads = p.np_local;
+  double key_rows = 0, row_keys = 0;  // keys read per (batch, head): sum over query tiles; (row, key) pairs computed
+  for (int q0 = 0; q0 < p.sq; q0 += bq) {
+    const int rows = std::min(bq, p.sq - q0);
+    const int k_end = p.mask == MaskMode::Causal ? std::min(p.sk, q0 + rows) : p.sk;
+    key_rows += k_end;
+    row_keys += double(rows) * k_end;
+  }
+  const double mask_bytes = p.mask == MaskMode::Explicit ? double(p.mask_b) * p.mask_h * p.sq * p.sk : 0.0;
+  AttnCost c;
+  c.bytes = e * p.b * heads * (2.0 * p.sq * p.hn + 3.0 * key_rows * p.hn) + mask_bytes;
+  c.flops = p.b * heads * row_keys * (6.0 * p.hn + 5.0);
+  return c;
+}
+
+// The preconditions the forward and backward launchers share: the shape, the heads, the mask.
+inline void attention_check_shapes(const std::string& op, const AttnOperands& ops, const AttnParams& p) {
+  require(p.hn > 0 && p.hn <= kAttnMaxHeadDim,
+          op + ": head dim " + std::to_string(p.hn) + " must be in [1, " + std::to_string(kAttnMaxHeadDim) + "]");
+  require(p.sq > 0 && p.sk > 0 && p.b > 0 && p.np_local > 0, op + ": empty shape");
+  require(ops.hpg > 0 && p.np_local % ops.hpg == 0, op + ": local heads " + std::to_string(p.np_local) +
+                                                        " not a multiple of heads per group " +
+                                                        std::to_string(ops.hpg));
+  require(p.mask != MaskMode::Causal || p.sq == p.sk,
+          op + ": causal mask needs sq == sk, got sq=" + std::to_string(p.sq) + " sk=" + std::to_string(p.sk));
+  require(p.mask != MaskMode::Explicit || p.mask_ptr, op + ": explicit mask without data");
+  require(
+      p.mask != MaskMode::Explicit || ((p.mask_b == 1 || p.mask_b == p.b) && (p.mask_h == 1 || p.mask_h == p.np_total)),
+      op + ": mask dims [" + std::to_string(p.mask_b) + ", " + std::to_string(p.mask_h) + "] must be 1 or [b, np]");
+  require(p.head_offset + p.np_local <= p.np_total, op + ": local heads exceed the layer's heads");
+}
+
+}  // namespace twin::opt::TWIN_BACKEND
