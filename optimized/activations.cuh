@@ -22,10 +22,9 @@
 #pragma once
 
 #include "kernel_common.cuh"
+#include "optimized/layer/kernel_types.h"  // Act, act_from_name
 
 namespace twin::opt::TWIN_BACKEND {
-
-enum class Act : int { Gelu, Silu, Relu, SquaredRelu, QuickGelu };
 
 // act(x) in fp32 with the rounding points of reference/activations.cpp.
 template <class T>
@@ -70,17 +69,6 @@ __global__ void bias_activation_forward_kernel(const T* in, const T* bias, T* ou
     }
     out[e] = Io<T>::store(y);
   }
-}
-
-// Act for a Megatron activation_func name; invalid_argument for names the kernel does not have.
-inline Act act_from_name(const std::string& name) {
-  if (name == "gelu") return Act::Gelu;
-  if (name == "silu" || name == "swish") return Act::Silu;
-  if (name == "relu") return Act::Relu;
-  if (name == "squared_relu") return Act::SquaredRelu;
-  if (name == "quick_gelu") return Act::QuickGelu;
-  throw std::invalid_argument("bias_activation_forward: activation '" + name +
-                              "' has no optimized kernel (gelu, silu, relu, squared_relu, quick_gelu)");
 }
 
 inline void bias_activation_forward(DType dt, const void* in, const void* bias, void* out, std::int64_t n, int f,

@@ -90,12 +90,6 @@ struct AttentionHalfBackward {
   std::size_t k_offset_bytes() const { return std::size_t(hpg()) * hn * dtype_size(dt); }
 };
 
-// What attention_half_backward does not support, or an empty string.
-inline std::string attention_half_backward_unsupported(bool post_ln_residual) {
-  if (post_ln_residual) return "apply_residual_connection_post_layernorm";
-  return {};
-}
-
 inline std::size_t attention_half_backward_workspace_bytes(const AttentionHalfBackward& a) {
   return std::max({norm_backward_workspace_bytes(a.rms, a.n(), a.h), column_sum_workspace_bytes(1, a.n(), a.h),
                    norm_backward_workspace_bytes(a.rms, a.q_rows().n_rows, a.hn),

@@ -54,7 +54,7 @@ inline AttnParams attention_params(const RankPlan& p) {
   ap.alpha = p.alpha;
   ap.coeff = p.coeff;
   ap.softmax_fp32 = p.softmax_fp32;
-  ap.mask = static_cast<MaskMode>(p.mask_mode);
+  ap.mask = p.mask_mode;
   ap.mask_ptr = p.mask;
   ap.mask_b = p.mask_b;
   ap.mask_h = p.mask_h;
@@ -147,7 +147,7 @@ inline void dense_mlp_forward_impl(const RankPlan& p, cudaStream_t st) {
   const std::int64_t fc1_w = (p.glu ? 2 : 1) * std::int64_t(f_l);
   linear_forward(dt, p.sp ? p.ln2_full : p.ln2, p.fc1_w, nullptr, p.fc1, n_full, p.h, fc1_w, st);  // [s, b, fc1_w]
   tap(TapPoint::LinearFc1);
-  bias_activation_forward(dt, p.fc1, p.fc1_b, p.act_out, n_full, f_l, static_cast<Act>(p.act), p.glu,
+  bias_activation_forward(dt, p.fc1, p.fc1_b, p.act_out, n_full, f_l, p.act, p.glu,
                           st);                                                        // [s, b, f_l]
   row_parallel_linear_forward(p, p.act_out, p.fc2_w, f_l, p.fc2_partial, p.fc2, st);  // [s_local, b, h]
   tap(TapPoint::LinearFc2);
@@ -178,7 +178,7 @@ inline MlpHalfBackward mlp_half_backward_args(const RankPlan& p, const RankGrads
   m.glu = p.glu;
   m.rms = p.rms;
   m.zero_centered_gamma = p.zero_centered_gamma;
-  m.act = static_cast<Act>(p.act);
+  m.act = p.act;
   m.eps = p.eps;
   m.drop = DropoutArgs::make(p.hidden_dropout, p.training, p.seed, p.offset_mlp_bda);
   m.tp = tensor_parallel(p);

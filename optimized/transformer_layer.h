@@ -26,24 +26,6 @@
 
 namespace twin::opt {
 
-struct ForwardOptions {
-  bool training = false;           // dropout active (hidden_dropout, attention_dropout of the config)
-  std::uint64_t seed = 0;          // Philox key of every dropout call of this forward
-  std::uint64_t offset = 0;        // base Philox offset; the calls use offset + 0 (attention), + 1
-                                   // (self_attn_bda), + 4 (mlp_bda), as the reference layer does
-  bool record_taps = false;        // download each submodule output under its module path, with the
-                                   // rounding points counted before it (in a CountRoundings scope); at
-                                   // tp > 1 the ranks' shards gathered into the full tensor, in rank order
-  bool use_graph = false;          // capture the forward into a CUDA graph once, then replay it
-  bool keep_for_backward = false;  // keep what backward() reads (each rank's attention softmax statistics;
-                                   // the activations stay in the layer's buffers anyway)
-};
-
-struct LayerOutput {
-  Tensor hidden_states;  // [s, b, h] in the params dtype (SP: the ranks' slices gathered)
-  Record record;         // taps, when record_taps
-};
-
 // One parameter's gradient under its Megatron state-dict key, with the magnitude its rounding
 // error scales with (RecordEntry::magnitude: a weight's max_ij sum_rows |dy_i x_j|, a bias's
 // max_i sum_rows |dy_i|, a norm's max_i sum_rows |dy_i x_hat_i| / |dy_i|: the sums the gradient
@@ -108,11 +90,5 @@ class DenseTransformerLayer {
 
 // Megatron's state-dict keys the dense layer needs for `config` (biases and norms included or not).
 std::vector<std::string> dense_layer_param_keys(const TransformerConfig& config);
-
-// The shapes of the attention half's state-dict entries (input_layernorm through
-// pre_mlp_layernorm) of a layer of hidden size h, np heads in ng query groups of head dim hn: the
-// dense and the MoE layer share that half.
-std::map<std::string, Shape> attention_half_param_shapes(std::int64_t h, std::int64_t np, std::int64_t ng,
-                                                         std::int64_t hn);
 
 }  // namespace twin::opt

@@ -9,7 +9,8 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "optimized/attention_backward.cuh"  // attention_half_backward_unsupported
+#include "optimized/layer/kernels.h"
+#include "optimized/layer/rank_runner.h"
 #include "optimized/transformer_layer_impl.h"
 
 namespace twin::opt {
@@ -127,7 +128,7 @@ std::vector<double> gather_heads(const std::vector<double>& full, std::int64_t n
 
 // ---- what it supports ----------------------------------------------------------------------------
 std::optional<std::string> DenseTransformerLayer::backward_unsupported() const {
-  const std::string why = sim::attention_half_backward_unsupported(impl_->ranks.at(0).plan.post_ln_residual);
+  const std::string why = attention_half_backward_unsupported(impl_->ranks.at(0).plan.post_ln_residual);
   if (!why.empty()) return why;
   return std::nullopt;
 }
@@ -169,13 +170,7 @@ void DenseTransformerLayer::Impl::ensure_grad_buffers(rt::Backend backend) {
     g.d_qkv_pre = buf_if(p.qk_layernorm, n * std::size_t(p.qkv_width()));
     g.d_ln1_partial = buf_if(p.tp > 1, n * m.h);
     g.d_ln1 = buf(nl * m.h);
-#if TWIN_HAVE_CUDA
-    g.workspace_bytes =
-        backend == rt::Backend::Cuda ? cuda::rank_backward_workspace_bytes(p) : sim::rank_backward_workspace_bytes(p);
-#else
-    (void)backend;
-    g.workspace_bytes = sim::rank_backward_workspace_bytes(p);
-#endif
+    g.workspace_bytes = layer_kernels(backend).rank_backward_workspace_bytes(p);
     R.grad_bufs.emplace_back(*m.dev, std::max<std::size_t>(g.workspace_bytes, 1));
     g.workspace = R.grad_bufs.back().get();
     R.grads = g;
@@ -203,14 +198,11 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   for (int r = 0; r < tp; ++r)
     dev.copy(const_cast<void*>(m.ranks[r].grads.dout), grad_output.raw() + (p.sp ? r * slice_bytes : 0), slice_bytes,
              rt::CopyKind::HostToDevice, m.ranks[r].stream->handle());
-  m.run_ranks_counted([&](int r) {
+  const LayerKernels& kernels = layer_kernels(options_.backend);
+  run_ranks_counted(tp, [&](int r) {
     Impl::Rank& R = m.ranks[r];
-    Impl::run_on_stream(R, m.backward_graph, use_graph, [&] {
-#if TWIN_HAVE_CUDA
-      if (options_.backend == rt::Backend::Cuda) return cuda::rank_backward(R.plan, R.grads, R.stream->handle());
-#endif
-      sim::rank_backward(R.plan, R.grads, R.stream->handle());
-    });
+    Impl::run_on_stream(R, m.backward_graph, use_graph,
+                        [&] { kernels.rank_backward(R.plan, R.grads, R.stream->handle()); });
   });
 
   // A tensor each rank holds part of ([rows, cols] per rank, `layout`; dim < 0: rank 0's is the

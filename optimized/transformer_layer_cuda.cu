@@ -1,4 +1,5 @@
 // The dense layer's kernel sequence compiled by nvcc for the GPU (see transformer_layer.cuh).
+#include "optimized/layer/backend_entries.h"
 #include "optimized/transformer_layer.cuh"
 
 namespace twin::opt::cuda {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/rounding.h"
+#include "optimized/layer/attention_half.h"  // AttentionInputs
 #include "optimized/runtime/collectives.h"
 #include "optimized/runtime/device.h"
 #include "optimized/transformer_layer.h"
@@ -83,26 +84,20 @@ struct DenseTransformerLayer::Impl {
   // (Re)allocates every rank's backward buffers for the ranks' plans (transformer_layer_backward.cpp).
   void ensure_grad_buffers(rt::Backend backend);
 
-  // Runs f(r) for every rank, at tp > 1 each on its own thread. Rounding points are counted per
-  // thread: each rank's thread counts on from the caller's count, and the caller's count then
-  // continues from the ranks' join (the ranks execute the same points).
-  void run_ranks_counted(const std::function<void(int)>& f) {
-    const RoundingCount at_start = rounding_now();
-    std::vector<RoundingCount> at_end(ranks.size());
-    auto run_rank = [&](int r) {
-      CountRoundings counting;
-      rounding_set(at_start);
-      f(r);
-      at_end[r] = rounding_now();
-    };
-    if (ranks.size() == 1)
-      run_rank(0);
-    else
-      rt::run_ranks(static_cast<int>(ranks.size()), run_rank);
-    RoundingCount joined = at_start;
-    for (const RoundingCount& e : at_end) joined.join(e);
-    rounding_set(joined);
-  }
+  // The forward's steps (transformer_layer.cpp).
+  void ensure_activations(const AttentionInputs& in, bool mask, bool sp);
+  void set_rank_inputs(int r, const Tensor& hidden_states, const ForwardOptions& fo, MaskMode mask_mode,
+                       const AttentionInputs& in, bool has_mask, bool rotary_interleaved);
+  // One rank's part of a tap, with the rounding count of its thread when it was produced.
+  struct RankTap {
+    std::string name;
+    Tensor value;
+    RoundingCount rounding;
+    ShardLayout layout;
+  };
+  void record_tap(int r, TapPoint t, std::vector<RankTap>& taps);
+  Record gather_rank_taps(const std::vector<std::vector<RankTap>>& rank_taps);
+  Tensor download_output(bool sp);
 
   const void* upload(Rank& r, const Tensor& t) {
     r.weights.emplace_back(*dev, t.nbytes());

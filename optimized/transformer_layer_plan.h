@@ -1,7 +1,7 @@
 // The work of one tensor-parallel rank of the optimized dense layer, as plain numbers and device
 // pointers (no host tensors, no Eigen), so the same struct crosses from the host-side layer
 // (transformer_layer.cpp) into the per-backend kernel sequence (transformer_layer.cuh, compiled
-// once for the simulator and once by nvcc).
+// once for the simulator and once by nvcc; called through layer/kernels.h).
 #pragma once
 
 #include <cstddef>
@@ -11,6 +11,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/dtype.h"
+#include "optimized/layer/kernel_types.h"
 
 namespace twin::rt {
 class Communicator;
@@ -50,11 +51,11 @@ struct RankPlan {
   bool zero_centered_gamma = false;
   bool qk_layernorm = false;
   bool glu = false;
-  int act = 0;                    // twin::opt::<backend>::Act
+  Act act = Act::Gelu;
   bool post_ln_residual = false;  // apply_residual_connection_post_layernorm
   int rot_dim = 0;                // 0: no RoPE
   bool rope_interleaved = false;
-  int mask_mode = 0;  // MaskMode
+  MaskMode mask_mode = MaskMode::None;
   int mask_b = 1, mask_h = 1;
   float alpha = 1.0f, coeff = 0.0f;
   bool softmax_fp32 = true;
@@ -139,18 +140,5 @@ struct RankGrads {
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
 };
-
-namespace sim {
-void rank_forward(const RankPlan& p, cudaStream_t stream);
-void rank_backward(const RankPlan& p, const RankGrads& g, cudaStream_t stream);
-std::size_t rank_backward_workspace_bytes(const RankPlan& p);
-}  // namespace sim
-#if TWIN_HAVE_CUDA
-namespace cuda {
-void rank_forward(const RankPlan& p, cudaStream_t stream);
-void rank_backward(const RankPlan& p, const RankGrads& g, cudaStream_t stream);
-std::size_t rank_backward_workspace_bytes(const RankPlan& p);
-}  // namespace cuda
-#endif
 
 }  // namespace twin::opt

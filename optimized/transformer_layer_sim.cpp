@@ -1,4 +1,5 @@
 // The dense layer's kernel sequence compiled for the CUDA simulator (see transformer_layer.cuh).
+#include "optimized/layer/backend_entries.h"
 #include "optimized/transformer_layer.cuh"
 
 namespace twin::opt::sim {

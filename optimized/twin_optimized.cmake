@@ -1,7 +1,12 @@
-# twin_optimized: the optimized dense layer (kernels *.cuh + host side), for the simulator and,
-# when nvcc exists, for the GPU (the same .cuh sources compiled by nvcc in transformer_layer_cuda.cu).
+# twin_optimized: the optimized layers. layer/ is the host code every kind shares (compiled once,
+# backend-neutral; layer/kernels.cpp the backend boundary); each kind's kernels (*.cuh) are
+# compiled for the simulator (*_sim.cpp) and, when nvcc exists, for the GPU (*_cuda.cu).
 add_library(twin_optimized STATIC
+  ${CMAKE_CURRENT_LIST_DIR}/layer/attention_half.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/features.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/layer/kernels.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/layer/rank_runner.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/layer/sharding.cpp
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer.cpp
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_backward.cpp
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_sim.cpp

@@ -22,6 +22,8 @@
 #include <array>
 #include <cstdint>
 
+#include "core/dropout_site.h"
+
 namespace twin::reference {
 
 std::array<std::uint32_t, 4> philox4x32_10(std::array<std::uint32_t, 4> counter, std::array<std::uint32_t, 2> key);
@@ -35,11 +37,13 @@ std::uint32_t dropout_keep_threshold(double p);
 bool dropout_keep(std::uint64_t seed, std::uint64_t offset, std::uint64_t element, double p);
 
 // A dropout stream: seed plus the offset of one call. A layer derives the offsets of its calls
-// from a base offset (see transformer_layer.h).
+// from a base offset by their DropoutSite (core/dropout_site.h).
 struct DropoutRng {
   std::uint64_t seed = 0;
   std::uint64_t offset = 0;
   DropoutRng with_offset(std::uint64_t o) const { return DropoutRng{seed, o}; }
+  // The stream of `site` in the layer whose base stream this is.
+  DropoutRng at(DropoutSite site) const { return with_offset(dropout_offset(offset, site)); }
 };
 
 }  // namespace twin::reference

@@ -56,7 +56,7 @@ Tensor TransformerBlock::forward(const Tensor& hidden_states_in, const LayerInpu
     rounding_join(inputs_rounding);
     TransformerLayer& layer = *layers[l_no];
     layer.training = training;
-    layer.rng = rng.with_offset(rng.offset + 8 * l_no);
+    layer.rng = rng.with_offset(block_layer_offset(rng.offset, l_no));
     LayerInputs layer_inputs = inputs;
     layer_inputs.context = context ? &*context : nullptr;
     const Taps t = layer_taps.child(std::to_string(l_no));

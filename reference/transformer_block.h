@@ -15,7 +15,7 @@
 // Taps (relative to the block's prefix): each layer's under "layers.<i>." (i from 0), then the
 // layer's own output "layers.<i>.0" (hidden_states) and "layers.<i>.1" (context, when there is
 // one), then "final_layernorm".
-// Dropout streams: layer i runs with offset rng.offset + 8 i (transformer_layer.h).
+// Dropout streams: layer i runs with offset block_layer_offset(rng.offset, i) (core/dropout_site.h).
 //
 // Backward: forward(..., &saved) keeps each layer's TransformerLayerSaved (and the contexts the
 // layers read); backward(grad_output, saved, grad_context) runs final_layernorm's backward, then

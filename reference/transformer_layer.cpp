@@ -134,14 +134,13 @@ Mat TransformerLayer::apply_norm(const std::unique_ptr<Norm>& norm, const Mat& x
 }
 
 Mat TransformerLayer::apply_bda(const BdaBuilder& bda, const AttentionOutput& x_with_bias, const Mat& residual,
-                                const RoundingCount& residual_rounding, std::uint64_t offset) const {
+                                const RoundingCount& residual_rounding, DropoutSite site) const {
   if (!bda) return x_with_bias.output;  // IdentityFuncOp: returns its first argument
   // The residual was taken before the module whose output meets it here: its rounding points
   // count as well (a no-op end to end, where the count only grows; in isolation the count was
   // reset to the module's substituted input, which the residual did not come through).
   rounding_join(residual_rounding);
-  return bda(training, config.bias_dropout_fusion, rng.with_offset(rng.offset + offset), precision)(
-      x_with_bias, residual, hidden_dropout);
+  return bda(training, config.bias_dropout_fusion, rng.at(site), precision)(x_with_bias, residual, hidden_dropout);
 }
 
 std::optional<std::string> TransformerLayer::backward_unsupported() const {
@@ -227,19 +226,19 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   const Mat input_layernorm_output = apply_norm(input_layernorm, hidden_states_in, "input_layernorm", s, b, taps);
 
   // Self attention.
-  // The attention's arguments: its mask and its dropout stream (offset 0 self, 2 cross attention).
-  auto attention_args = [&](const Tensor* mask, std::uint64_t offset) {
+  // The attention's arguments: its mask and its dropout stream.
+  auto attention_args = [&](const Tensor* mask, DropoutSite site) {
     AttentionArgs args;
     args.s = s;
     args.b = b;
     args.attention_mask = mask;
     args.training = training;
-    args.rng = rng.with_offset(rng.offset + offset);
+    args.rng = rng.at(site);
     return args;
   };
   AttentionOutput attention_output_with_bias;
   if (self_attention) {
-    AttentionArgs args = attention_args(inputs.attention_mask, 0);
+    AttentionArgs args = attention_args(inputs.attention_mask, DropoutSite::SelfAttention);
     args.rotary_pos_emb = inputs.rotary_pos_emb;
     if (saving_)
       attention_output_with_bias =
@@ -250,7 +249,8 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   } else {
     attention_output_with_bias.output = input_layernorm_output;  // IdentityOp
   }
-  Mat hidden_states = apply_bda(self_attn_bda, attention_output_with_bias, residual, residual_rounding, 1);
+  Mat hidden_states =
+      apply_bda(self_attn_bda, attention_output_with_bias, residual, residual_rounding, DropoutSite::SelfAttnBda);
 
   // Residual connection.
   residual = hidden_states;
@@ -264,7 +264,7 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   std::optional<Tensor> context;
   if (inputs.context) context = *inputs.context;
   if (cross_attention) {
-    AttentionArgs args = attention_args(inputs.context_mask, 2);
+    AttentionArgs args = attention_args(inputs.context_mask, DropoutSite::CrossAttention);
     args.key_value_states = inputs.context;
     if (saving_)
       attention_output_with_bias = dynamic_cast<CrossAttentionBackward&>(*cross_attention)
@@ -279,7 +279,8 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
     attention_output_with_bias = AttentionOutput();
     attention_output_with_bias.output = pre_cross_attn_layernorm_output;  // IdentityOp
   }
-  hidden_states = apply_bda(cross_attn_bda, attention_output_with_bias, residual, residual_rounding, 3);
+  hidden_states =
+      apply_bda(cross_attn_bda, attention_output_with_bias, residual, residual_rounding, DropoutSite::CrossAttnBda);
   return {hidden_states, context};
 }
 
@@ -316,7 +317,7 @@ Mat TransformerLayer::_forward_post_mlp(const OutputWithBias& mlp_output_with_bi
                                         const RoundingCount& residual_rounding) {
   AttentionOutput x_with_bias;
   static_cast<OutputWithBias&>(x_with_bias) = mlp_output_with_bias;
-  return apply_bda(mlp_bda, x_with_bias, residual, residual_rounding, 4);
+  return apply_bda(mlp_bda, x_with_bias, residual, residual_rounding, DropoutSite::MlpBda);
 }
 
 TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, const TransformerLayerSaved& saved,
@@ -348,9 +349,9 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
     for (const ParamGrad& p : params) g.params.push_back({prefix + p.name, p.value, p.shape, p.magnitude});
   };
   // bda's backward: (d x, d residual); IdentityFuncOp passes d out to x and nothing to the residual.
-  auto bda_backward = [&](const BdaBuilder& bda, const Mat& d, std::uint64_t offset) {
+  auto bda_backward = [&](const BdaBuilder& bda, const Mat& d, DropoutSite site) {
     if (!bda) return BiasDropoutAddGrads{d, Mat::Zero(d.rows(), d.cols())};
-    return bias_dropout_add_backward(d, hidden_dropout, training, rng.with_offset(rng.offset + offset), precision);
+    return bias_dropout_add_backward(d, hidden_dropout, training, rng.at(site), precision);
   };
   // Where hidden_states fed both a norm and the residual, autograd sums the two gradients (stored).
   auto sum_uses = [&](const Mat& a, const Mat& r) {
@@ -360,7 +361,7 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
   };
 
   // [Module 9 .. 7] mlp_bda, mlp, pre_mlp_layernorm
-  const BiasDropoutAddGrads mlp_bda_grads = bda_backward(mlp_bda, dout, 4);
+  const BiasDropoutAddGrads mlp_bda_grads = bda_backward(mlp_bda, dout, DropoutSite::MlpBda);
   Mat d = mlp_bda_grads.x;
   if (mlp) {
     MlpArgs args;
@@ -385,8 +386,8 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
     args.b = b;
     args.attention_mask = saved.inputs.context_mask;
     args.training = training;
-    args.rng = rng.with_offset(rng.offset + 2);
-    const CrossAttentionBdaArgs bda{hidden_dropout, training, rng.with_offset(rng.offset + 3)};
+    args.rng = rng.at(DropoutSite::CrossAttention);
+    const CrossAttentionBdaArgs bda{hidden_dropout, training, rng.at(DropoutSite::CrossAttnBda)};
     const bool module_context = saved.cross_attention_context;
     CrossAttentionWithBdaGrads cg = dynamic_cast<const CrossAttentionBackward&>(*cross_attention)
                                         .backward_with_bda(d, module_context && dcontext ? &*dcontext : nullptr,
@@ -411,7 +412,7 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
   }
 
   // [Module 3 .. 1] self_attn_bda, self_attention, input_layernorm
-  const BiasDropoutAddGrads attn_bda_grads = bda_backward(self_attn_bda, d, 1);
+  const BiasDropoutAddGrads attn_bda_grads = bda_backward(self_attn_bda, d, DropoutSite::SelfAttnBda);
   d = attn_bda_grads.x;
   if (self_attention) {
     AttentionArgs args;
@@ -420,7 +421,7 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
     args.attention_mask = saved.inputs.attention_mask;
     args.rotary_pos_emb = saved.inputs.rotary_pos_emb;
     args.training = training;
-    args.rng = rng.with_offset(rng.offset + 0);
+    args.rng = rng.at(DropoutSite::SelfAttention);
     AttentionGrads ag = static_cast<const SelfAttention&>(*self_attention).backward(d, saved.self_attention, args);
     add("self_attention.", ag.params);
     d = std::move(ag.hidden_states);

@@ -33,9 +33,9 @@
 //     not by the layer; the residual keeps the input's values and bias_dropout_add casts it to
 //     x.dtype (residual.to(x.dtype)), as Megatron's does.
 //
-// Dropout streams (philox.h): with DropoutRng {seed, offset} on the layer, the calls use offsets
-//   offset + 0 self-attention core_attention dropout, + 1 self_attn_bda, + 2 cross-attention
-//   core_attention dropout, + 3 cross_attn_bda, + 4 mlp_bda. A block gives layer i offset 8 * i.
+// Dropout streams (philox.h): with DropoutRng {seed, offset} on the layer, each call draws at
+//   rng.at(DropoutSite::...) (core/dropout_site.h: self-attention core_attention, self_attn_bda,
+//   cross-attention core_attention, cross_attn_bda, mlp_bda); a block's layer i at block_layer_offset.
 //
 // Plugging in (MoE, Retro): set the slot's builder in the spec. `mlp` takes any MlpModule (an
 // MoELayer returns (output, bias) and records its taps under "mlp."); `cross_attention` takes any
@@ -265,7 +265,7 @@ class TransformerLayer : public BaseTransformerLayer {
   Mat apply_norm(const std::unique_ptr<Norm>& norm, const Mat& x, const std::string& name, int s, int b,
                  const Taps& taps) const;
   Mat apply_bda(const BdaBuilder& bda, const AttentionOutput& x_with_bias, const Mat& residual,
-                const RoundingCount& residual_rounding, std::uint64_t offset) const;
+                const RoundingCount& residual_rounding, DropoutSite site) const;
   TransformerLayerSaved* saving_ = nullptr;  // set while forward(..., saved) runs
 };
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "optimized/layer/kernel_types.h"  // the kernels' limits
 #include "optimized/layer/options.h"
 
 namespace twin::opt {
@@ -22,10 +23,6 @@ namespace twin::opt {
 enum class LayerKind { Dense, MoE, Retro };
 const char* layer_kind_name(LayerKind k);  // dense | moe | retro
 const std::vector<LayerKind>& all_layer_kinds();
-
-// Limits of the kernels every kind runs (the kernels static_assert their own against these).
-constexpr int kMaxHeadDim = 256;        // the attention kernel's head dim (kv_channels)
-constexpr int kMaxRouterExperts = 256;  // the router kernel's experts per token row
 
 struct LayerFeature {
   std::string name;  // the config field (or forward option) in Megatron's words

@@ -72,7 +72,7 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
     const std::int64_t w1 = (p.glu ? 2 : 1) * std::int64_t(p.shared_ffn);
     linear_forward(dt, x, p.shared_fc1_w, nullptr, p.shared_fc1, T, h, w1, st);  // [T, w1]
     tap(MoETapPoint::SharedFc1);
-    bias_activation_forward(dt, p.shared_fc1, nullptr, p.shared_act, T, p.shared_ffn, static_cast<Act>(a.act), p.glu,
+    bias_activation_forward(dt, p.shared_fc1, nullptr, p.shared_act, T, p.shared_ffn, a.act, p.glu,
                             st);                                                                      // [T, shared_ffn]
     linear_forward(dt, p.shared_act, p.shared_fc2_w, nullptr, p.shared_out, T, p.shared_ffn, h, st);  // [T, h]
     tap(MoETapPoint::SharedFc2);
@@ -112,12 +112,12 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
   ra.tokens = T;
   ra.experts = E;
   ra.topk = p.topk;
-  ra.score = static_cast<ScoreFunction>(p.score);
+  ra.score = p.score;
   ra.pre_softmax = p.pre_softmax;
   ra.num_groups = p.num_groups;
   ra.group_topk = p.group_topk;
   ra.scaling_factor = p.scaling_factor;
-  ra.aux_scores = p.aux_kind >= 0;
+  ra.aux_scores = p.aux_kind.has_value();
   ra.z_loss = p.z_loss;
   router_topk_forward(rdt, p.logits, p.expert_bias, p.padding, p.drop ? p.probs_pre : p.probs,
                       p.drop ? p.map_pre : p.routing_map, p.aux_scores, p.aux_map, p.z, ra, st);
@@ -161,9 +161,9 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
       router_capacity_forward(rdt, p.probs_pre, p.routing_map, p.probs, p.routing_map, T, E, T + 1, "probs", false, st);
     }
   }
-  if (p.aux_kind >= 0) {
+  if (p.aux_kind) {
     LossArgs la;
-    la.kind = static_cast<AuxLossKind>(p.aux_kind);
+    la.kind = *p.aux_kind;
     la.tokens = T;
     la.experts = E;
     la.bsz = a.b;
@@ -179,8 +179,8 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
   // (sum, + 1e-20, division); the scaling factor.
   rounding_reduce(E);
   rounding_store(DType::F32);
-  rounding_store(
-      rdt, 1 + (p.score == int(ScoreFunction::Sigmoid) && p.topk > 1 ? 3 : 0) + (p.scaling_factor != 0.0f ? 1 : 0));
+  rounding_store(rdt,
+                 1 + (p.score == ScoreFunction::Sigmoid && p.topk > 1 ? 3 : 0) + (p.scaling_factor != 0.0f ? 1 : 0));
   if (p.local_tokens && !p.capturing) {  // _apply_expert_bias: count the routed non-padding tokens per expert
     std::vector<std::uint8_t> map(std::size_t(T * E));
     moe_download(map.data(), p.routing_map, map.size(), st);
@@ -208,8 +208,8 @@ inline void moe_grouped_experts(MoEPlan& p, const void* in, const void* probs, v
   const std::int64_t h = a.h;
   const int w1 = (p.glu ? 2 : 1) * p.ffn;
   grouped_linear_forward(this_backend(), dt, in, p.fc1_w, p.fc1, tokens_per_expert, h, w1, st);  // [n, w1]
-  grouped_bias_activation_forward(dt, rdt, p.fc1, p.fc1_b, probs, p.act_out, offsets, experts, n, p.ffn,
-                                  static_cast<Act>(a.act), p.glu, st);                                   // [n, ffn]
+  grouped_bias_activation_forward(dt, rdt, p.fc1, p.fc1_b, probs, p.act_out, offsets, experts, n, p.ffn, a.act, p.glu,
+                                  st);                                                                   // [n, ffn]
   grouped_linear_forward(this_backend(), dt, p.act_out, p.fc2_w, out, tokens_per_expert, p.ffn, h, st);  // [n, h]
   if (p.fc2_b) grouped_scaled_bias_add_forward(dt, rdt, out, p.fc2_b, probs, offsets, experts, n, int(h), st);
 }
@@ -439,12 +439,6 @@ inline void moe_postprocess_impl(MoEPlan& p, cudaStream_t st) {
   // ---- mlp_bda: out = h1 + dropout(mlp_out)                        // [T, h]
   bias_dropout_add_forward(dt, p.mlp_out, nullptr, a.h1, a.out, T, int(h),
                            DropoutArgs::make(a.hidden_dropout, a.training, a.seed, a.offset_mlp_bda), 0, st);
-}
-
-inline void moe_rank_forward_impl(MoEPlan& p, cudaStream_t st) {
-  moe_router_phase_impl(p, st);
-  moe_expert_compute_impl(p, st);
-  moe_postprocess_impl(p, st);
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

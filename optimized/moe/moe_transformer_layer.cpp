@@ -1,22 +1,26 @@
-// Host side of the optimized MoE layer: what it supports, parameters onto the device, buffers,
-// taps and losses into the Record. The kernel sequence is moe_layer.cuh.
+// Host side of the optimized MoE layer: its parameter keys, its plan binding (the attention half
+// as the dense layer's, layer/attention_half.h; the router and this rank's experts), its three
+// phases' steps (inputs, buffers, losses, taps) and the ranks run through layer/rank_runner.h. The
+// kernel sequence is moe_layer.cuh, called through layer/kernels.h.
 #include "optimized/moe/moe_transformer_layer.h"
 
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <tuple>
 
-#include "optimized/activations.cuh"            // Act
-#include "optimized/dot_product_attention.cuh"  // MaskMode
+#include "optimized/layer/attention_half.h"
+#include "optimized/layer/kernels.h"
+#include "optimized/layer/rank_runner.h"
+#include "optimized/layer/sharding.h"
 #include "optimized/moe/moe_transformer_layer_plan.h"
-#include "optimized/moe/router.cuh"  // ScoreFunction, AuxLossKind, kRouterMaxExperts
 #include "optimized/runtime/collectives.h"
 
 namespace twin::opt {
 
-static_assert(sim::kRouterMaxExperts == kMaxRouterExperts, "the feature table's expert limit is the router kernel's");
-
 namespace {
+
+constexpr char kWho[] = "optimized MoE layer";
 
 DType router_dtype(const TransformerConfig& c) {
   if (c.moe_router_dtype == std::optional<std::string>("fp32")) return DType::F32;
@@ -28,9 +32,50 @@ std::string expert_key(int e, const std::string& rest) {
   return "mlp.experts.local_experts." + std::to_string(e) + "." + rest;
 }
 
-std::string fmt_key(int s, int b, int rot, std::size_t mask_bytes, bool padding) {
-  return std::to_string(s) + "," + std::to_string(b) + "," + std::to_string(rot) + "," + std::to_string(mask_bytes) +
-         "," + (padding ? "p" : "-");
+// What a forward's buffers and captured graphs are made for: a change reallocates them.
+struct BufferShape {
+  int s = -1, b = -1, rot = -1;
+  std::size_t mask_bytes = 0;
+  bool padding = false;
+  bool operator==(const BufferShape& o) const {
+    return std::tie(s, b, rot, mask_bytes, padding) == std::tie(o.s, o.b, o.rot, o.mask_bytes, o.padding);
+  }
+};
+
+// padding_mask [b, s] (True = padding) in token order t = s_idx * b + b_idx; empty without one.
+std::vector<std::uint8_t> token_padding(const Tensor* padding_mask, int s, int b) {
+  std::vector<std::uint8_t> padding;
+  if (!padding_mask) return padding;
+  if (padding_mask->shape() != Shape{b, s})
+    throw ShapeError(std::string(kWho) + ": padding_mask expected [b, s] = " + shape_str({b, s}) + ", got " +
+                     padding_mask->describe());
+  padding.resize(std::size_t(s) * b);
+  for (std::int64_t si = 0; si < s; ++si)
+    for (std::int64_t bi = 0; bi < b; ++bi)
+      padding[std::size_t(si * b + bi)] = padding_mask->at_f64(bi * s + si) != 0.0;
+  return padding;
+}
+
+// The recorded routing map [T, E] as bytes; empty without one.
+std::vector<std::uint8_t> recorded_map(const Tensor* map, std::int64_t T, std::int64_t E) {
+  std::vector<std::uint8_t> recorded;
+  if (!map) return recorded;
+  if (map->shape() != Shape{T, E})
+    throw ShapeError(std::string(kWho) + ": recorded routing map expected [T, E] = " + shape_str({T, E}) + ", got " +
+                     map->describe());
+  recorded.resize(std::size_t(T * E));
+  for (std::int64_t i = 0; i < T * E; ++i) recorded[std::size_t(i)] = map->at_f64(i) != 0.0;
+  return recorded;
+}
+
+// The load-balancing loss this forward computes: only while training, as Megatron's router.
+std::optional<AuxLossKind> aux_loss_kind(const TransformerConfig& c, bool training) {
+  const std::string& lb = c.moe_router_load_balancing_type;
+  if (!training || c.moe_aux_loss_coeff <= 0) return std::nullopt;
+  if (lb == "aux_loss") return AuxLossKind::AuxLoss;
+  if (lb == "seq_aux_loss") return AuxLossKind::SeqAuxLoss;
+  if (lb == "global_aux_loss") return AuxLossKind::GlobalAuxLoss;
+  return std::nullopt;
 }
 
 }  // namespace
@@ -56,9 +101,7 @@ std::string moe_layer_unsupported(const TransformerConfig& c, const LayerOptions
 }
 
 std::vector<std::string> moe_layer_param_keys(const TransformerConfig& c) {
-  std::vector<std::string> k;
-  for (const auto& d : dense_layer_param_keys(c))
-    if (d.rfind("mlp.", 0) != 0) k.push_back(d);
+  std::vector<std::string> k = attention_half_param_keys(c);
   k.push_back("mlp.router.weight");
   if (c.add_bias_linear) k.push_back("mlp.router.bias");
   for (int e = 0; e < c.num_moe_experts.value_or(0); ++e) {
@@ -90,10 +133,10 @@ struct MoETransformerLayer::Impl {
   std::vector<double> local_tokens;  // expert-bias counter
   bool has_expert_bias = false;
   // Buffers of the current shape, the inputs' device copies and the phases' graphs.
-  std::string shape_key;
+  BufferShape buffer_shape;
   rt::DeviceBuffer x_in, freqs, mask, pad;
   std::optional<rt::Graph> router_graph, postprocess_graph;
-  int graph_aux_kind = -2;
+  std::optional<AuxLossKind> graph_aux_kind;  // the router graph's loss kernel arguments
   bool graph_z_loss = false;
   // What one forward carries from phase to phase: the phase that ran last (a phase runs only after
   // its predecessor), the options, the inputs the phases read on the host, the record so far.
@@ -138,6 +181,14 @@ struct MoETransformerLayer::Impl {
     weights.back().upload(bytes.data(), bytes.size());
     return weights.back().get();
   }
+
+  // The router phase's steps (below).
+  void ensure_buffers(const BufferShape& shape);
+  void upload_inputs(const Tensor& hidden_states, const MoEForwardInputs& in);
+  void set_losses(const TransformerConfig& c, const ForwardOptions& fo);
+  void attention_tap(TapPoint t);
+  void moe_tap(MoETapPoint t);
+  void count_routed_tokens();
 };
 
 MoETransformerLayer::~MoETransformerLayer() = default;
@@ -146,7 +197,7 @@ MoETransformerLayer::MoETransformerLayer(const TransformerConfig& c, const std::
                                          LayerOptions o)
     : config_(c), options_(o) {
   if (const std::string why = moe_layer_unsupported(c, o); !why.empty())
-    throw ConfigError("optimized MoE layer: unsupported: " + why);
+    throw ConfigError(std::string(kWho) + ": unsupported: " + why);
   const int ep = c.expert_model_parallel_size;
   std::vector<std::unique_ptr<rt::Communicator>> comms;
   if (ep > 1) comms = rt::make_threaded_group(ep);
@@ -174,12 +225,12 @@ void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const s
   m.ffn = c.moe_ffn_hidden_size.value_or(c.ffn());
   m.shared_ffn = c.moe_shared_expert_intermediate_size.value_or(0);
   if (m.topk < 1 || m.topk > m.E)
-    throw ConfigError("optimized MoE layer: moe_router_topk " + std::to_string(m.topk) + " outside [1, " +
+    throw ConfigError(std::string(kWho) + ": moe_router_topk " + std::to_string(m.topk) + " outside [1, " +
                       std::to_string(m.E) + "]");
-  if (m.ffn <= 0) throw ConfigError("optimized MoE layer: moe_ffn_hidden_size must be > 0");
+  if (m.ffn <= 0) throw ConfigError(std::string(kWho) + ": moe_ffn_hidden_size must be > 0");
   if (m.shared_ffn > 0 && c.add_bias_linear)
-    throw ConfigError("optimized MoE layer: bias is not supported in the shared experts (add_bias_linear)");
-  if (m.np % m.ng != 0) throw ConfigError("optimized MoE layer: heads not divisible by query groups");
+    throw ConfigError(std::string(kWho) + ": bias is not supported in the shared experts (add_bias_linear)");
+  if (m.np % m.ng != 0) throw ConfigError(std::string(kWho) + ": heads not divisible by query groups");
   m.dev = &rt::device(o.backend);
   m.stream.emplace(*m.dev);
 
@@ -198,60 +249,24 @@ void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const s
     shapes[expert_key(e, "linear_fc2.weight")] = {m.h, m.ffn};
     shapes[expert_key(e, "linear_fc2.bias")] = {m.h};
   }
-  const auto keys = moe_layer_param_keys(c);
-  for (const auto& key : keys) {
-    auto it = params.find(key);
-    if (it == params.end()) throw ShapeError("optimized MoE layer: missing parameter '" + key + "'");
-    it->second.expect(shapes.at(key), m.dt, "optimized MoE layer: parameter '" + key + "'");
-    m.full[key] = it->second;
-  }
+  m.full = checked_params(kWho, params, moe_layer_param_keys(c), shapes, m.dt);
   for (const auto& [key, t] : params) {
     if (m.full.count(key)) continue;
     if (key == "mlp.router.expert_bias" && c.moe_router_enable_expert_bias) {
-      t.expect({m.E}, "optimized MoE layer: parameter 'mlp.router.expert_bias'");
+      t.expect({m.E}, std::string(kWho) + ": parameter 'mlp.router.expert_bias'");
       m.full[key] = t;
       continue;
     }
-    throw ShapeError("optimized MoE layer: parameter '" + key + "' is not one the MoE layer owns");
+    throw ShapeError(std::string(kWho) + ": parameter '" + key + "' is not one the MoE layer owns");
   }
 
   // ---- the plan: the attention half as the dense layer's RankPlan (tp = 1)
   MoEPlan& P = m.plan;
   RankPlan& p = P.attn;
-  p.h = m.h;
-  p.np = m.np;
-  p.ng = m.ng;
-  p.hn = m.hn;
+  plan_attention_half(p, c, o.layer_number);
   p.ffn = m.ffn;
-  p.dt = m.dt;
-  p.rms = c.normalization != "LayerNorm";
-  p.eps = c.layernorm_epsilon;
-  p.zero_centered_gamma = c.layernorm_zero_centered_gamma;
-  p.qk_layernorm = c.qk_layernorm;
-  p.glu = c.gated_linear_unit;
-  p.act = static_cast<int>(sim::act_from_name(c.activation_func));
-  double scale = c.softmax_scale ? *c.softmax_scale : 1.0 / std::sqrt(static_cast<double>(m.hn));
-  if (c.apply_query_key_layer_scaling) {
-    p.coeff = static_cast<float>(std::max(1, o.layer_number));
-    scale /= std::max(1, o.layer_number);
-  }
-  p.alpha = static_cast<float>(scale);
-  p.softmax_fp32 = !(c.fp16 || c.bf16) || c.attention_softmax_in_fp32 || c.apply_query_key_layer_scaling;
-  p.hidden_dropout = c.hidden_dropout;
-  p.attention_dropout = c.attention_dropout;
   m.weights.reserve(64);
-  p.ln1_w = m.upload_opt("input_layernorm.weight");
-  p.ln1_b = m.upload_opt("input_layernorm.bias");
-  p.qkv_w = m.upload_opt("self_attention.linear_qkv.weight");
-  p.qkv_b = m.upload_opt("self_attention.linear_qkv.bias");
-  p.qln_w = m.upload_opt("self_attention.q_layernorm.weight");
-  p.qln_b = m.upload_opt("self_attention.q_layernorm.bias");
-  p.kln_w = m.upload_opt("self_attention.k_layernorm.weight");
-  p.kln_b = m.upload_opt("self_attention.k_layernorm.bias");
-  p.proj_w = m.upload_opt("self_attention.linear_proj.weight");
-  p.proj_b = m.upload_opt("self_attention.linear_proj.bias");
-  p.ln2_w = m.upload_opt("pre_mlp_layernorm.weight");
-  p.ln2_b = m.upload_opt("pre_mlp_layernorm.bias");
+  for (const PlanWeight& w : kAttentionHalfWeights) p.*w.slot = m.upload_opt(w.key);
 
   // ---- the MoE MLP
   P.E = m.E;
@@ -263,8 +278,7 @@ void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const s
   P.topk = m.topk;
   P.rdt = m.rdt;
   P.cast_input = m.rdt != m.dt;
-  P.score = static_cast<int>(c.moe_router_score_function == "sigmoid" ? sim::ScoreFunction::Sigmoid
-                                                                      : sim::ScoreFunction::Softmax);
+  P.score = c.moe_router_score_function == "sigmoid" ? ScoreFunction::Sigmoid : ScoreFunction::Softmax;
   P.pre_softmax = c.moe_router_pre_softmax;
   P.group_topk = c.moe_router_group_topk.value_or(0);
   P.num_groups = P.group_topk > 0 ? c.moe_router_num_groups.value_or(0) : 0;
@@ -273,7 +287,7 @@ void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const s
   P.capacity_factor = c.moe_expert_capacity_factor.value_or(0.0);
   P.drop_by_probs = c.moe_token_drop_policy == "probs";
   if (c.moe_token_drop_policy != "probs" && c.moe_token_drop_policy != "position")
-    throw ConfigError("optimized MoE layer: moe_token_drop_policy '" + c.moe_token_drop_policy + "'");
+    throw ConfigError(std::string(kWho) + ": moe_token_drop_policy '" + c.moe_token_drop_policy + "'");
   P.pad_to_capacity = c.moe_pad_expert_input_to_capacity;
   P.ffn = m.ffn;
   P.glu = c.gated_linear_unit;
@@ -371,25 +385,10 @@ auto run_phase(F&& phase, D&& drop) -> decltype(phase()) {
 // the same points). If any rank throws, every rank drops the forward in flight, so the ranks stay
 // in step (a rank a phase ahead would wait in a collective for the others).
 void MoETransformerLayer::on_every_rank(const std::function<void(int)>& phase) {
-  const int ep = static_cast<int>(ranks_.size());
-  run_phase(
-      [&] {
-        if (ep == 1) return phase(0);
-        const RoundingCount at_start = rounding_now();
-        std::vector<RoundingCount> at_end(static_cast<std::size_t>(ep));
-        rt::run_ranks(ep, [&](int r) {
-          CountRoundings counting;
-          rounding_set(at_start);
-          phase(r);
-          at_end[std::size_t(r)] = rounding_now();
-        });
-        RoundingCount ranks_end = at_start;
-        for (const RoundingCount& e : at_end) ranks_end.join(e);
-        rounding_set(ranks_end);
-      },
-      [&] {
-        for (auto& r : ranks_) r->end_forward();
-      });
+  run_phase([&] { run_ranks_counted(static_cast<int>(ranks_.size()), phase); },
+            [&] {
+              for (auto& r : ranks_) r->end_forward();
+            });
 }
 
 void MoETransformerLayer::_forward_mlp_router(const Tensor& hidden_states, const MoEForwardInputs& in,
@@ -439,378 +438,317 @@ void MoETransformerLayer::router_rank(int rank, const Tensor& hidden_states, con
 
 void MoETransformerLayer::router_rank_body(Impl& m, const Tensor& hidden_states, const MoEForwardInputs& in,
                                            const ForwardOptions& fo) {
-  const TransformerConfig& c = config_;
-  if (hidden_states.dim() != 3 || hidden_states.size(2) != m.h)
-    throw ShapeError("optimized MoE layer: hidden_states expected [s, b, " + std::to_string(m.h) + "], got " +
-                     shape_str(hidden_states.shape()));
-  if (hidden_states.dtype() != m.dt)
-    throw ShapeError("optimized MoE layer: hidden_states dtype differs from the params dtype");
+  const AttentionInputs ai =
+      check_attention_inputs(kWho, hidden_states, m.dt, m.h, m.np, m.hn, in.attention_mask, in.rotary_pos_emb);
   if (fo.use_graph && (fo.record_taps || in.recorded_routing_map))
-    throw std::invalid_argument("optimized MoE layer: graph replay runs without taps and without a recorded map");
-  const int s = static_cast<int>(hidden_states.size(0)), b = static_cast<int>(hidden_states.size(1));
-  if (s <= 0 || b <= 0) throw ShapeError("optimized MoE layer: empty hidden_states");
-  const std::int64_t T = std::int64_t(s) * b, H = m.h, E = m.E;
-  int mask_b = 1, mask_h = 1;
-  if (in.attention_mask) {
-    const Shape& ms = in.attention_mask->shape();
-    const bool ok = in.attention_mask->dtype() == DType::BOOL && ms.size() == 4 && (ms[0] == 1 || ms[0] == b) &&
-                    (ms[1] == 1 || ms[1] == m.np) && ms[2] == s && ms[3] == s;
-    if (!ok)
-      throw ShapeError("optimized MoE layer: attention_mask expected BOOL [b, 1, s, s], got " +
-                       in.attention_mask->describe());
-    mask_b = static_cast<int>(ms[0]);
-    mask_h = static_cast<int>(ms[1]);
-  }
-  int rot = 0;
-  if (in.rotary_pos_emb) {
-    const Shape& rs = in.rotary_pos_emb->shape();
-    if (rs.size() != 4 || rs[0] != s || rs[1] != 1 || rs[2] != 1 || in.rotary_pos_emb->dtype() != DType::F32)
-      throw ShapeError("optimized MoE layer: rotary_pos_emb expected F32 [s, 1, 1, rot_dim], got " +
-                       in.rotary_pos_emb->describe());
-    rot = static_cast<int>(rs[3]);
-    if (rot <= 0 || rot % 2 || rot > m.hn) throw ShapeError("optimized MoE layer: bad rot_dim " + std::to_string(rot));
-  }
-  std::vector<std::uint8_t>& padding = m.padding;
-  padding.clear();
-  if (in.padding_mask) {
-    if (in.padding_mask->shape() != Shape{b, s})
-      throw ShapeError("optimized MoE layer: padding_mask expected [b, s] = " + shape_str({b, s}) + ", got " +
-                       in.padding_mask->describe());
-    padding.resize(std::size_t(T));
-    for (std::int64_t si = 0; si < s; ++si)  // [b, s] -> token order t = s_idx * b + b_idx
-      for (std::int64_t bi = 0; bi < b; ++bi)
-        padding[std::size_t(si * b + bi)] = in.padding_mask->at_f64(bi * s + si) != 0.0;
-  }
-  std::vector<std::uint8_t>& recorded = m.recorded;
-  recorded.clear();
-  if (in.recorded_routing_map) {
-    if (in.recorded_routing_map->shape() != Shape{T, E})
-      throw ShapeError("optimized MoE layer: recorded routing map expected [T, E] = " + shape_str({T, E}) + ", got " +
-                       in.recorded_routing_map->describe());
-    recorded.resize(std::size_t(T * E));
-    for (std::int64_t i = 0; i < T * E; ++i) recorded[std::size_t(i)] = in.recorded_routing_map->at_f64(i) != 0.0;
-  }
+    throw std::invalid_argument(std::string(kWho) + ": graph replay runs without taps and without a recorded map");
+  const std::int64_t T = std::int64_t(ai.s) * ai.b;
+  m.padding = token_padding(in.padding_mask, ai.s, ai.b);
+  m.recorded = recorded_map(in.recorded_routing_map, T, m.E);
 
-  // ---- buffers: (re)allocated when the shape changes; graphs are recorded against them
   MoEPlan& P = m.plan;
   RankPlan& p = P.attn;
-  const std::size_t es = dtype_size(m.dt), rs = dtype_size(m.rdt);
-  const std::size_t tok = std::size_t(T);
-  const std::string key = fmt_key(s, b, rot, in.attention_mask ? in.attention_mask->nbytes() : 0, !padding.empty());
-  if (key != m.shape_key) {
-    m.shape_key = key;
-    m.router_graph.reset();
-    m.postprocess_graph.reset();
-    m.acts.clear();
-    m.acts.reserve(64);
-    auto buf = [&](std::size_t bytes) {
-      m.acts.emplace_back(*m.dev, std::max<std::size_t>(bytes, 1));
-      return m.acts.back().get();
-    };
-    p.s = s;
-    p.b = b;
-    m.x_in = rt::DeviceBuffer(*m.dev, tok * H * es);
-    p.x = m.x_in.get();
-    p.ln1 = p.ln1_full = buf(tok * H * es);
-    p.qkv = buf(tok * p.qkv_width() * es);
-    p.ctx = buf(tok * p.np_local() * m.hn * es);
-    p.proj = buf(tok * H * es);
-    p.h1 = buf(tok * H * es);
-    p.ln2 = p.ln2_full = buf(tok * H * es);
-    p.out = buf(tok * H * es);
-    m.freqs = rot ? rt::DeviceBuffer(*m.dev, in.rotary_pos_emb->nbytes()) : rt::DeviceBuffer();
-    m.mask = in.attention_mask ? rt::DeviceBuffer(*m.dev, in.attention_mask->nbytes()) : rt::DeviceBuffer();
-    m.pad = padding.empty() ? rt::DeviceBuffer() : rt::DeviceBuffer(*m.dev, tok);
-    const std::size_t nmax = tok * std::size_t(E), w1 = std::size_t((P.glu ? 2 : 1) * m.ffn);
-    P.x_r = P.cast_input || m.rdt == DType::F64 ? buf(tok * H * rs) : nullptr;
-    P.logits = buf(tok * E * rs);
-    P.probs_pre = buf(tok * E * rs);
-    P.map_pre = static_cast<std::uint8_t*>(buf(tok * E));
-    P.probs = buf(tok * E * rs);
-    P.routing_map = static_cast<std::uint8_t*>(buf(tok * E));
-    P.aux_scores = static_cast<float*>(buf(tok * E * sizeof(float)));
-    P.aux_map = static_cast<std::uint8_t*>(buf(tok * E));
-    P.z = static_cast<float*>(buf(tok * sizeof(float)));
-    P.loss_scratch = static_cast<double*>(buf(2 * std::size_t(b) * E * sizeof(double)));
-    P.losses = static_cast<float*>(buf(2 * sizeof(float)));
-    P.tokens_per_expert_dev = static_cast<std::int64_t*>(buf(E * sizeof(std::int64_t)));
-    P.offsets = static_cast<std::int64_t*>(buf((E + 1) * sizeof(std::int64_t)));
-    P.row_id_map = static_cast<std::int64_t*>(buf(nmax * sizeof(std::int64_t)));
-    P.permuted = buf(nmax * H * es);
-    P.permuted_probs = buf(nmax * rs);
-    P.fc1 = buf(nmax * w1 * es);
-    P.act_out = buf(nmax * m.ffn * es);
-    P.expert_out = buf(nmax * H * es);
-    P.combined = buf(tok * H * es);
-    P.mlp_out = buf(tok * H * es);
-    if (m.shared_ffn > 0) {
-      P.shared_fc1 = buf(tok * (P.glu ? 2 : 1) * m.shared_ffn * es);
-      P.shared_act = buf(tok * m.shared_ffn * es);
-      P.shared_out = buf(tok * H * es);
-      P.gate_logits = buf(tok * es);
-    }
-    if (P.ep > 1) {
-      P.ep_counts = static_cast<std::int64_t*>(buf(std::size_t(P.ep) * E * sizeof(std::int64_t)));
-      P.ep_recv = buf(nmax * H * es);
-      P.ep_recv_probs = buf(nmax * rs);
-      P.ep_in = buf(nmax * H * es);
-      P.ep_in_probs = buf(nmax * rs);
-      P.ep_out = buf(nmax * H * es);
-      P.ep_offsets = static_cast<std::int64_t*>(buf((std::size_t(m.local_E) + 1) * sizeof(std::int64_t)));
-    }
-    if (P.ep > 1 && P.allgather) {
-      const std::size_t tg = tok * std::size_t(P.ep), el = std::size_t(m.local_E);
-      P.ag_x = buf(tg * H * es);
-      P.ag_map = static_cast<std::uint8_t*>(buf(tg * E));
-      P.ag_probs = buf(tg * E * rs);
-      P.ag_local_map = static_cast<std::uint8_t*>(buf(tg * el));
-      P.ag_local_probs = buf(tg * el * rs);
-      P.ag_tokens_per_expert = static_cast<std::int64_t*>(buf(el * sizeof(std::int64_t)));
-      P.ag_row_id_map = static_cast<std::int64_t*>(buf(el * tg * sizeof(std::int64_t)));
-      P.ag_partial = buf(tg * H * es);
-      P.ag_partial_r = m.rdt != m.dt ? buf(tg * H * rs) : nullptr;
-      P.ag_combined_r = m.rdt != m.dt ? buf(tok * H * rs) : nullptr;
-    }
-  }
-  m.x_in.upload(hidden_states.raw(), hidden_states.nbytes());
-  if (rot) m.freqs.upload(in.rotary_pos_emb->raw(), in.rotary_pos_emb->nbytes());
-  if (in.attention_mask) m.mask.upload(in.attention_mask->raw(), in.attention_mask->nbytes());
-  if (!padding.empty()) m.pad.upload(padding.data(), tok);
-  const int mask_mode = in.attention_mask                                ? static_cast<int>(sim::MaskMode::Explicit)
-                        : (options_.attn_mask_type == "causal" && s > 1) ? static_cast<int>(sim::MaskMode::Causal)
-                                                                         : static_cast<int>(sim::MaskMode::None);
-  // graphs bake these values in: a change re-records
-  if (p.training != fo.training || p.seed != fo.seed || p.offset_attention != fo.offset || p.mask_mode != mask_mode ||
-      p.mask_b != mask_b || p.mask_h != mask_h) {
+  m.ensure_buffers(
+      BufferShape{ai.s, ai.b, ai.rot, in.attention_mask ? in.attention_mask->nbytes() : 0, !m.padding.empty()});
+  m.upload_inputs(hidden_states, in);
+  const MaskMode mask_mode = self_attention_mask_mode(in.attention_mask != nullptr, options_.attn_mask_type, ai.s);
+  if (set_forward_streams(p, fo, mask_mode, ai.mask_b, ai.mask_h)) {  // graphs bake these in: re-record
     m.router_graph.reset();
     m.postprocess_graph.reset();
   }
-  p.training = fo.training;
-  p.seed = fo.seed;
-  p.offset_attention = fo.offset;
-  p.offset_self_attn_bda = fo.offset + 1;
-  p.offset_mlp_bda = fo.offset + 4;
-  p.mask_mode = mask_mode;
-  p.mask_b = mask_b;
-  p.mask_h = mask_h;
   p.mask = in.attention_mask ? m.mask.as<const std::uint8_t>() : nullptr;
-  p.rot_dim = rot;
-  p.rope_interleaved = c.rotary_interleaved;
-  p.freqs = rot ? m.freqs.as<const float>() : nullptr;
-  P.padding = padding.empty() ? nullptr : m.pad.as<const std::uint8_t>();
-  P.padding_host = padding.empty() ? nullptr : &padding;
-  P.recorded_map = recorded.empty() ? nullptr : recorded.data();
-  // The losses: only while training, as Megatron's router.
-  const std::string& lb = c.moe_router_load_balancing_type;
-  const bool aux_on =
-      fo.training && c.moe_aux_loss_coeff > 0 && (lb == "aux_loss" || lb == "seq_aux_loss" || lb == "global_aux_loss");
-  P.aux_kind = !aux_on                ? -1
-               : lb == "aux_loss"     ? static_cast<int>(sim::AuxLossKind::AuxLoss)
-               : lb == "seq_aux_loss" ? static_cast<int>(sim::AuxLossKind::SeqAuxLoss)
-                                      : static_cast<int>(sim::AuxLossKind::GlobalAuxLoss);
-  P.aux_coeff = c.moe_aux_loss_coeff;
-  if (P.aux_kind == static_cast<int>(sim::AuxLossKind::GlobalAuxLoss)) m.ga_steps += 1;
-  if (P.ga_steps != m.ga_steps || P.aux_kind != m.graph_aux_kind || P.z_loss != m.graph_z_loss) {
-    m.router_graph.reset();  // the loss kernel's arguments are baked into the graph
-    m.graph_aux_kind = P.aux_kind;
-    m.graph_z_loss = P.z_loss;
-  }
-  P.ga_steps = m.ga_steps;
-  P.z_loss = fo.training && c.moe_z_loss_coeff.has_value();
-  P.z_coeff = c.moe_z_loss_coeff.value_or(0.0);
-  P.local_tokens = m.has_expert_bias ? &m.local_tokens : nullptr;
-  if (P.z_loss && P.z_coeff == 0.0) throw ConfigError("optimized MoE layer: moe_z_loss_coeff = 0");
+  p.rot_dim = ai.rot;
+  p.rope_interleaved = config_.rotary_interleaved;
+  p.freqs = ai.rot ? m.freqs.as<const float>() : nullptr;
+  P.padding = m.padding.empty() ? nullptr : m.pad.as<const std::uint8_t>();
+  P.padding_host = m.padding.empty() ? nullptr : &m.padding;
+  P.recorded_map = m.recorded.empty() ? nullptr : m.recorded.data();
+  m.set_losses(config_, fo);
 
-  // ---- taps
   // The record fills over the three phases; the hooks live as long as the layer's Impl (they
   // capture it, never this phase's locals).
   m.pending = LayerOutput{};
   m.max_logit = 0.0;
   m.fo = fo;
-  m.S = s;
-  m.B = b;
-  const std::int64_t S = s, B = b;
+  m.S = ai.s;
+  m.B = ai.b;
   Impl* const mp = &m;
-  if (fo.record_taps) {
-    p.on_tap = [mp, S, B, H, es](TapPoint t) {
-      Impl& m = *mp;
-      RankPlan& p = m.plan.attn;
-      Record& rec = m.pending.record;
-      auto download = [&](const void* ptr, DType type, Shape shape) { return m.download(ptr, type, shape); };
-      auto bias_tap = [&](const std::string& name, const std::string& key) {
-        if (m.full.count(key)) rec.add_exact(Role::Tap, name, m.full.at(key).clone());
-      };
-      switch (t) {
-        case TapPoint::InputLayernorm:
-          rec.add(Role::Tap, "input_layernorm", download(p.ln1, m.dt, {S, B, H}));
-          break;
-        case TapPoint::LinearQkv:
-          rec.add(Role::Tap, "self_attention.linear_qkv.0", download(p.qkv, m.dt, {S, B, p.qkv_width()}));
-          break;
-        case TapPoint::QkLayernorm: {
-          const Tensor qkv = download(p.qkv, m.dt, {S * B, p.qkv_width()});
-          const int hpg = p.hpg();
-          Tensor q = Tensor::empty(m.dt, {S, B, m.np, m.hn}), k = Tensor::empty(m.dt, {S, B, m.ng, m.hn});
-          const std::size_t head = std::size_t(m.hn) * es;
-          for (std::int64_t t2 = 0; t2 < S * B; ++t2)
-            for (int g = 0; g < m.ng; ++g) {
-              const std::byte* grp =
-                  qkv.raw() + (std::size_t(t2) * p.qkv_width() + std::size_t(g) * (hpg + 2) * m.hn) * es;
-              std::memcpy(q.raw_mut() + (std::size_t(t2) * m.np + std::size_t(g) * hpg) * head, grp, hpg * head);
-              std::memcpy(k.raw_mut() + (std::size_t(t2) * m.ng + g) * head, grp + hpg * head, head);
-            }
-          rec.add(Role::Tap, "self_attention.q_layernorm", q);
-          rec.add(Role::Tap, "self_attention.k_layernorm", k);
-          break;
-        }
-        case TapPoint::CoreAttention:
-          rec.add(Role::Tap, "self_attention.core_attention", download(p.ctx, m.dt, {S, B, std::int64_t(m.np) * m.hn}));
-          break;
-        case TapPoint::LinearProj: {
-          const Tensor y = download(p.proj, m.dt, {S, B, H});
-          rec.add(Role::Tap, "self_attention.linear_proj.0", y);
-          bias_tap("self_attention.linear_proj.1", "self_attention.linear_proj.bias");
-          rec.add(Role::Tap, "self_attention.0", y);
-          bias_tap("self_attention.1", "self_attention.linear_proj.bias");
-          break;
-        }
-        case TapPoint::PreMlpLayernorm:
-          rec.add(Role::Tap, "pre_mlp_layernorm", download(p.ln2, m.dt, {S, B, H}));
-          break;
-        default:
-          break;
-      }
-    };
-    P.on_tap = [mp, S, B, H, T, E, es](MoETapPoint t) {
-      Impl& m = *mp;
-      MoEPlan& P = m.plan;
-      Record& rec = m.pending.record;
-      double& max_logit = m.max_logit;
-      auto download = [&](const void* ptr, DType type, Shape shape) { return m.download(ptr, type, shape); };
-      // The maps are one byte per element, 0 or 1: BOOL's storage.
-      auto download_bool = [&](const void* ptr, Shape shape) { return m.download(ptr, DType::BOOL, shape); };
-      switch (t) {
-        case MoETapPoint::SharedFc1:
-          rec.add(Role::Tap, "mlp.shared_experts.linear_fc1.0",
-                  download(P.shared_fc1, m.dt, {S, B, (P.glu ? 2 : 1) * std::int64_t(m.shared_ffn)}));
-          break;
-        case MoETapPoint::SharedFc2:
-          rec.add(Role::Tap, "mlp.shared_experts.linear_fc2.0", download(P.shared_out, m.dt, {S, B, H}));
-          break;
-        case MoETapPoint::SharedExperts:
-          rec.add(Role::Tap, "mlp.shared_experts", download(P.shared_out, m.dt, {S, B, H}));
-          break;
-        case MoETapPoint::RouterLogits: {
-          const Tensor logits = download(P.logits, m.rdt, {S, B, E});
-          for (std::int64_t i = 0; i < logits.numel(); ++i) max_logit = std::max(max_logit, std::abs(logits.at_f64(i)));
-          rec.add(Role::Tap, "mlp.router.logits", logits);
-          break;
-        }
-        case MoETapPoint::RouterProbs: {
-          // Probabilities move with the logits' absolute error (softmax and sigmoid are 1-Lipschitz).
-          rec.add(Role::Tap, "mlp.router.0", download(P.probs, m.rdt, {T, E})).magnitude = 1.0 + max_logit;
-          rec.add(Role::Tap, "mlp.router.1", download_bool(P.routing_map, {T, E}));
-          // The losses, each with its own rounding points from here (as the reference counts them):
-          // a load-balancing loss the sum over the tokens, x tokens_per_expert, the sum over the
-          // experts, x its scale and / coeff; z_loss logsumexp, its square, their mean, x coeff and
-          // / coeff; then the fp32 tracker.
-          const RoundingCount before_log = rounding_now();
-          const Tensor losses = download(P.losses, DType::F32, {2});
-          std::map<std::string, double> logged;
-          if (P.aux_kind >= 0) {
-            const char* names[] = {"load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss"};
-            logged[names[P.aux_kind]] = losses.at_f64(0);
-          }
-          if (P.z_loss) logged["z_loss"] = losses.at_f64(1);
-          for (const auto& [name, v] : logged) {
-            const bool z = name == "z_loss";
-            rounding_store(m.rdt, z ? 5 : 4);
-            rounding_reduce(T + (z ? 0 : E));
-            rounding_store(DType::F32);
-            rec.add(Role::Aux, name, Tensor::from_doubles(DType::F32, {}, {v})).magnitude =
-                std::max(1.0 + max_logit, std::abs(v));
-            rounding_set(before_log);
-          }
-          if (m.has_expert_bias)
-            rec.add_exact(Role::State, "mlp.router.local_tokens_per_expert_after",
-                          Tensor::from_doubles(DType::F64, {E}, m.local_tokens));
-          break;
-        }
-        case MoETapPoint::ExpertInputs: {
-          std::int64_t N = 0;
-          for (auto n : P.tokens_per_expert) N += n;
-          rec.add(Role::TapIn, "mlp.experts.dispatched_input", download(P.permuted, m.dt, {N, H}));
-          rec.add(Role::TapIn, "mlp.experts.tokens_per_expert",
-                  Tensor::from_vector<std::int64_t>({E}, P.tokens_per_expert));
-          rec.add(Role::TapIn, "mlp.experts.permuted_probs", download(P.permuted_probs, m.rdt, {N})).magnitude =
-              1.0 + max_logit;
-          break;
-        }
-        case MoETapPoint::ExpertsOutput: {
-          std::int64_t N = 0;
-          for (auto n : P.tokens_per_expert) N += n;
-          const Tensor all = download(P.expert_out, m.dt, {N, H});
-          std::int64_t row = 0;
-          for (int e = 0; e < m.E; ++e) {
-            const std::int64_t n = P.tokens_per_expert[std::size_t(e)];
-            Tensor part = Tensor::empty(m.dt, {n, H});
-            if (n) std::memcpy(part.raw_mut(), all.raw() + std::size_t(row * H) * es, std::size_t(n * H) * es);
-            rec.add(Role::Tap, "mlp.experts.local_experts." + std::to_string(e) + ".0", part);
-            row += n;
-          }
-          rec.add(Role::Tap, "mlp.experts.0", all);
-          break;
-        }
-        case MoETapPoint::MlpOutput:
-          rec.add(Role::Tap, "mlp.0", download(P.mlp_out, m.dt, {S, B, H}));
-          break;
-      }
-    };
-  } else {
-    p.on_tap = nullptr;
-    P.on_tap = nullptr;
-  }
+  p.on_tap = fo.record_taps ? std::function<void(TapPoint)>([mp](TapPoint t) { mp->attention_tap(t); }) : nullptr;
+  P.on_tap = fo.record_taps ? std::function<void(MoETapPoint)>([mp](MoETapPoint t) { mp->moe_tap(t); }) : nullptr;
 
   run_graph_phase(m, PhaseKind::Router);
-  if (fo.use_graph && P.local_tokens) {  // the expert-bias counter, kept out of the graph
-    m.stream->synchronize();
-    const Tensor map = m.download(P.routing_map, DType::BOOL, {T, E});
-    for (std::int64_t t = 0; t < T; ++t) {
-      if (!padding.empty() && padding[std::size_t(t)]) continue;
-      for (std::int64_t e = 0; e < E; ++e) m.local_tokens[std::size_t(e)] += map.at_f64(t * E + e);
-    }
-  }
-  P.recorded_map = nullptr;  // read by the router phase alone
+  if (fo.use_graph && P.local_tokens) m.count_routed_tokens();  // kept out of the graph
+  P.recorded_map = nullptr;                                     // read by the router phase alone
   P.padding_host = nullptr;
+}
+
+// ---- the router phase's steps ----------------------------------------------------------------------
+// (Re)allocates the buffers when the shape changes; graphs are recorded against them.
+void MoETransformerLayer::Impl::ensure_buffers(const BufferShape& shape) {
+  if (shape == buffer_shape) return;
+  buffer_shape = shape;
+  router_graph.reset();
+  postprocess_graph.reset();
+  acts.clear();
+  acts.reserve(64);
+  auto buf = [&](std::size_t bytes) {
+    acts.emplace_back(*dev, std::max<std::size_t>(bytes, 1));
+    return acts.back().get();
+  };
+  MoEPlan& P = plan;
+  RankPlan& p = P.attn;
+  const std::size_t es = dtype_size(dt), rs = dtype_size(rdt), H = std::size_t(h), Es = std::size_t(E);
+  const std::size_t tok = std::size_t(shape.s) * shape.b, nmax = tok * Es, w1 = std::size_t((P.glu ? 2 : 1) * ffn);
+  p.s = shape.s;
+  p.b = shape.b;
+  x_in = rt::DeviceBuffer(*dev, tok * H * es);
+  p.x = x_in.get();
+  p.ln1 = p.ln1_full = buf(tok * H * es);  // [T, h]
+  p.qkv = buf(tok * p.qkv_width() * es);   // [T, qkv_width]
+  p.ctx = buf(tok * p.np_local() * hn * es);
+  p.proj = buf(tok * H * es);
+  p.h1 = buf(tok * H * es);
+  p.ln2 = p.ln2_full = buf(tok * H * es);
+  p.out = buf(tok * H * es);
+  freqs = shape.rot ? rt::DeviceBuffer(*dev, std::size_t(shape.s) * shape.rot * sizeof(float)) : rt::DeviceBuffer();
+  mask = shape.mask_bytes ? rt::DeviceBuffer(*dev, shape.mask_bytes) : rt::DeviceBuffer();
+  pad = shape.padding ? rt::DeviceBuffer(*dev, tok) : rt::DeviceBuffer();
+  P.x_r = P.cast_input || rdt == DType::F64 ? buf(tok * H * rs) : nullptr;
+  P.logits = buf(tok * Es * rs);  // [T, E]
+  P.probs_pre = buf(tok * Es * rs);
+  P.map_pre = static_cast<std::uint8_t*>(buf(tok * Es));
+  P.probs = buf(tok * Es * rs);
+  P.routing_map = static_cast<std::uint8_t*>(buf(tok * Es));
+  P.aux_scores = static_cast<float*>(buf(tok * Es * sizeof(float)));
+  P.aux_map = static_cast<std::uint8_t*>(buf(tok * Es));
+  P.z = static_cast<float*>(buf(tok * sizeof(float)));
+  P.loss_scratch = static_cast<double*>(buf(2 * std::size_t(shape.b) * Es * sizeof(double)));
+  P.losses = static_cast<float*>(buf(2 * sizeof(float)));
+  P.tokens_per_expert_dev = static_cast<std::int64_t*>(buf(Es * sizeof(std::int64_t)));
+  P.offsets = static_cast<std::int64_t*>(buf((Es + 1) * sizeof(std::int64_t)));
+  P.row_id_map = static_cast<std::int64_t*>(buf(nmax * sizeof(std::int64_t)));
+  P.permuted = buf(nmax * H * es);  // [N_max, h]
+  P.permuted_probs = buf(nmax * rs);
+  P.fc1 = buf(nmax * w1 * es);
+  P.act_out = buf(nmax * ffn * es);
+  P.expert_out = buf(nmax * H * es);
+  P.combined = buf(tok * H * es);
+  P.mlp_out = buf(tok * H * es);
+  if (shared_ffn > 0) {
+    P.shared_fc1 = buf(tok * (P.glu ? 2 : 1) * shared_ffn * es);
+    P.shared_act = buf(tok * shared_ffn * es);
+    P.shared_out = buf(tok * H * es);
+    P.gate_logits = buf(tok * es);
+  }
+  if (P.ep > 1) {
+    P.ep_counts = static_cast<std::int64_t*>(buf(std::size_t(P.ep) * Es * sizeof(std::int64_t)));
+    P.ep_recv = buf(nmax * H * es);
+    P.ep_recv_probs = buf(nmax * rs);
+    P.ep_in = buf(nmax * H * es);
+    P.ep_in_probs = buf(nmax * rs);
+    P.ep_out = buf(nmax * H * es);
+    P.ep_offsets = static_cast<std::int64_t*>(buf((std::size_t(local_E) + 1) * sizeof(std::int64_t)));
+  }
+  if (P.ep > 1 && P.allgather) {
+    const std::size_t tg = tok * std::size_t(P.ep), el = std::size_t(local_E);
+    P.ag_x = buf(tg * H * es);  // [TG, h]
+    P.ag_map = static_cast<std::uint8_t*>(buf(tg * Es));
+    P.ag_probs = buf(tg * Es * rs);
+    P.ag_local_map = static_cast<std::uint8_t*>(buf(tg * el));
+    P.ag_local_probs = buf(tg * el * rs);
+    P.ag_tokens_per_expert = static_cast<std::int64_t*>(buf(el * sizeof(std::int64_t)));
+    P.ag_row_id_map = static_cast<std::int64_t*>(buf(el * tg * sizeof(std::int64_t)));
+    P.ag_partial = buf(tg * H * es);
+    P.ag_partial_r = rdt != dt ? buf(tg * H * rs) : nullptr;
+    P.ag_combined_r = rdt != dt ? buf(tok * H * rs) : nullptr;
+  }
+}
+
+void MoETransformerLayer::Impl::upload_inputs(const Tensor& hidden_states, const MoEForwardInputs& in) {
+  x_in.upload(hidden_states.raw(), hidden_states.nbytes());
+  if (in.rotary_pos_emb) freqs.upload(in.rotary_pos_emb->raw(), in.rotary_pos_emb->nbytes());
+  if (in.attention_mask) mask.upload(in.attention_mask->raw(), in.attention_mask->nbytes());
+  if (!padding.empty()) pad.upload(padding.data(), padding.size());
+}
+
+// The router's losses of this forward (only while training, as Megatron's router) and the
+// expert-bias counter; a change of the loss kernel's arguments re-records the router graph.
+void MoETransformerLayer::Impl::set_losses(const TransformerConfig& c, const ForwardOptions& fo) {
+  MoEPlan& P = plan;
+  P.aux_kind = aux_loss_kind(c, fo.training);
+  P.aux_coeff = c.moe_aux_loss_coeff;
+  P.z_loss = fo.training && c.moe_z_loss_coeff.has_value();
+  P.z_coeff = c.moe_z_loss_coeff.value_or(0.0);
+  if (P.aux_kind == AuxLossKind::GlobalAuxLoss) ga_steps += 1;
+  if (P.ga_steps != ga_steps || P.aux_kind != graph_aux_kind || P.z_loss != graph_z_loss) {
+    router_graph.reset();
+    graph_aux_kind = P.aux_kind;
+    graph_z_loss = P.z_loss;
+  }
+  P.ga_steps = ga_steps;
+  P.local_tokens = has_expert_bias ? &local_tokens : nullptr;
+  if (P.z_loss && P.z_coeff == 0.0) throw ConfigError(std::string(kWho) + ": moe_z_loss_coeff = 0");
+}
+
+// The expert-bias counter after a graph replay (the replay skips the host's count): every
+// non-padding token's routed experts.
+void MoETransformerLayer::Impl::count_routed_tokens() {
+  stream->synchronize();
+  const std::int64_t T = S * B;
+  const Tensor map = download(plan.routing_map, DType::BOOL, {T, E});
+  for (std::int64_t t = 0; t < T; ++t) {
+    if (!padding.empty() && padding[std::size_t(t)]) continue;
+    for (std::int64_t e = 0; e < E; ++e) local_tokens[std::size_t(e)] += map.at_f64(t * E + e);
+  }
+}
+
+// The attention half's taps (tp = 1: every tensor whole).
+void MoETransformerLayer::Impl::attention_tap(TapPoint t) {
+  RankPlan& p = plan.attn;
+  Record& rec = pending.record;
+  const std::int64_t H = h;
+  auto bias_tap = [&](const std::string& name, const std::string& key) {
+    if (full.count(key)) rec.add_exact(Role::Tap, name, full.at(key).clone());
+  };
+  switch (t) {
+    case TapPoint::InputLayernorm:
+      rec.add(Role::Tap, "input_layernorm", download(p.ln1, dt, {S, B, H}));
+      break;
+    case TapPoint::LinearQkv:
+      rec.add(Role::Tap, "self_attention.linear_qkv.0", download(p.qkv, dt, {S, B, p.qkv_width()}));
+      break;
+    case TapPoint::QkLayernorm: {
+      auto [q, k] = qk_layernorm_taps(download(p.qkv, dt, {S * B, p.qkv_width()}), S, B, ng, p.hpg(), hn);
+      rec.add(Role::Tap, "self_attention.q_layernorm", std::move(q));
+      rec.add(Role::Tap, "self_attention.k_layernorm", std::move(k));
+      break;
+    }
+    case TapPoint::CoreAttention:
+      rec.add(Role::Tap, "self_attention.core_attention", download(p.ctx, dt, {S, B, std::int64_t(np) * hn}));
+      break;
+    case TapPoint::LinearProj: {
+      const Tensor y = download(p.proj, dt, {S, B, H});
+      rec.add(Role::Tap, "self_attention.linear_proj.0", y);
+      bias_tap("self_attention.linear_proj.1", "self_attention.linear_proj.bias");
+      rec.add(Role::Tap, "self_attention.0", y);
+      bias_tap("self_attention.1", "self_attention.linear_proj.bias");
+      break;
+    }
+    case TapPoint::PreMlpLayernorm:
+      rec.add(Role::Tap, "pre_mlp_layernorm", download(p.ln2, dt, {S, B, H}));
+      break;
+    default:
+      break;
+  }
+}
+
+// The MoE MLP's taps, inputs, losses and state.
+void MoETransformerLayer::Impl::moe_tap(MoETapPoint t) {
+  MoEPlan& P = plan;
+  Record& rec = pending.record;
+  const std::int64_t T = S * B, H = h, Es = E;
+  const std::size_t es = dtype_size(dt);
+  auto routed_rows = [&] {
+    std::int64_t N = 0;
+    for (auto n : P.tokens_per_expert) N += n;
+    return N;
+  };
+  switch (t) {
+    case MoETapPoint::SharedFc1:
+      rec.add(Role::Tap, "mlp.shared_experts.linear_fc1.0",
+              download(P.shared_fc1, dt, {S, B, (P.glu ? 2 : 1) * std::int64_t(shared_ffn)}));
+      break;
+    case MoETapPoint::SharedFc2:
+      rec.add(Role::Tap, "mlp.shared_experts.linear_fc2.0", download(P.shared_out, dt, {S, B, H}));
+      break;
+    case MoETapPoint::SharedExperts:
+      rec.add(Role::Tap, "mlp.shared_experts", download(P.shared_out, dt, {S, B, H}));
+      break;
+    case MoETapPoint::RouterLogits: {
+      const Tensor logits = download(P.logits, rdt, {S, B, Es});
+      for (std::int64_t i = 0; i < logits.numel(); ++i) max_logit = std::max(max_logit, std::abs(logits.at_f64(i)));
+      rec.add(Role::Tap, "mlp.router.logits", logits);
+      break;
+    }
+    case MoETapPoint::RouterProbs: {
+      // Probabilities move with the logits' absolute error (softmax and sigmoid are 1-Lipschitz).
+      rec.add(Role::Tap, "mlp.router.0", download(P.probs, rdt, {T, Es})).magnitude = 1.0 + max_logit;
+      // The maps are one byte per element, 0 or 1: BOOL's storage.
+      rec.add(Role::Tap, "mlp.router.1", download(P.routing_map, DType::BOOL, {T, Es}));
+      // The losses, each with its own rounding points from here (as the reference counts them):
+      // a load-balancing loss the sum over the tokens, x tokens_per_expert, the sum over the
+      // experts, x its scale and / coeff; z_loss logsumexp, its square, their mean, x coeff and
+      // / coeff; then the fp32 tracker.
+      const RoundingCount before_log = rounding_now();
+      const Tensor losses = download(P.losses, DType::F32, {2});
+      std::map<std::string, double> logged;
+      if (P.aux_kind) {
+        const char* names[] = {"load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss"};
+        logged[names[static_cast<int>(*P.aux_kind)]] = losses.at_f64(0);
+      }
+      if (P.z_loss) logged["z_loss"] = losses.at_f64(1);
+      for (const auto& [name, v] : logged) {
+        const bool z = name == "z_loss";
+        rounding_store(rdt, z ? 5 : 4);
+        rounding_reduce(T + (z ? 0 : Es));
+        rounding_store(DType::F32);
+        rec.add(Role::Aux, name, Tensor::from_doubles(DType::F32, {}, {v})).magnitude =
+            std::max(1.0 + max_logit, std::abs(v));
+        rounding_set(before_log);
+      }
+      if (has_expert_bias)
+        rec.add_exact(Role::State, "mlp.router.local_tokens_per_expert_after",
+                      Tensor::from_doubles(DType::F64, {Es}, local_tokens));
+      break;
+    }
+    case MoETapPoint::ExpertInputs: {
+      const std::int64_t N = routed_rows();
+      rec.add(Role::TapIn, "mlp.experts.dispatched_input", download(P.permuted, dt, {N, H}));
+      rec.add(Role::TapIn, "mlp.experts.tokens_per_expert",
+              Tensor::from_vector<std::int64_t>({Es}, P.tokens_per_expert));
+      rec.add(Role::TapIn, "mlp.experts.permuted_probs", download(P.permuted_probs, rdt, {N})).magnitude =
+          1.0 + max_logit;
+      break;
+    }
+    case MoETapPoint::ExpertsOutput: {
+      const std::int64_t N = routed_rows();
+      const Tensor all = download(P.expert_out, dt, {N, H});
+      std::int64_t row = 0;
+      for (int e = 0; e < E; ++e) {
+        const std::int64_t n = P.tokens_per_expert[std::size_t(e)];
+        Tensor part = Tensor::empty(dt, {n, H});
+        if (n) std::memcpy(part.raw_mut(), all.raw() + std::size_t(row * H) * es, std::size_t(n * H) * es);
+        rec.add(Role::Tap, "mlp.experts.local_experts." + std::to_string(e) + ".0", part);
+        row += n;
+      }
+      rec.add(Role::Tap, "mlp.experts.0", all);
+      break;
+    }
+    case MoETapPoint::MlpOutput:
+      rec.add(Role::Tap, "mlp.0", download(P.mlp_out, dt, {S, B, H}));
+      break;
+  }
 }
 
 // Runs one phase's kernel sequence on the rank's stream: eager, or (router and postprocess, with
 // use_graph) captured into the phase's graph once and replayed.
 void MoETransformerLayer::run_graph_phase(Impl& m, PhaseKind kind) {
-  using Fn = void (*)(MoEPlan&, cudaStream_t);
-  Fn sim_fn = nullptr, cuda_fn = nullptr;
+  const LayerKernels& kernels = layer_kernels(options_.backend);
+  void (*fn)(MoEPlan&, cudaStream_t) = nullptr;
   std::optional<rt::Graph>* graph = nullptr;
   switch (kind) {
     case PhaseKind::Router:
-      sim_fn = sim::moe_router_phase;
+      fn = kernels.moe_router_phase;
       graph = &m.router_graph;
       break;
     case PhaseKind::ExpertCompute:
-      sim_fn = sim::moe_expert_compute;
+      fn = kernels.moe_expert_compute;
       break;
     case PhaseKind::Postprocess:
-      sim_fn = sim::moe_postprocess;
+      fn = kernels.moe_postprocess;
       graph = &m.postprocess_graph;
       break;
   }
-#if TWIN_HAVE_CUDA
-  cuda_fn = kind == PhaseKind::Router          ? cuda::moe_router_phase
-            : kind == PhaseKind::ExpertCompute ? cuda::moe_expert_compute
-                                               : cuda::moe_postprocess;
-#else
-  cuda_fn = sim_fn;
-#endif
-  const Fn fn = options_.backend == rt::Backend::Cuda ? cuda_fn : sim_fn;
   MoEPlan& P = m.plan;
   const cudaStream_t st = m.stream->handle();
   if (!graph || !m.fo.use_graph) return fn(P, st);

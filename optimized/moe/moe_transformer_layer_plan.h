@@ -1,11 +1,13 @@
 // The work of the optimized MoETransformerLayer at one rank as plain numbers and device pointers,
 // crossing from the host side (moe_transformer_layer.cpp) into the per-backend kernel sequence
-// (moe_layer.cuh, compiled once for the simulator and once by nvcc). The attention half is the
+// (moe_layer.cuh, compiled once for the simulator and once by nvcc; its three phases are called
+// through layer/kernels.h). The attention half is the
 // dense layer's RankPlan; the MoE MLP's fields follow.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "optimized/transformer_layer_plan.h"
@@ -31,14 +33,14 @@ struct MoEPlan {
   int E = 0, topk = 1;
   DType rdt = DType::F32;   // router dtype
   bool cast_input = false;  // the gating input is cast from the params dtype to rdt first
-  int score = 0;            // ScoreFunction
+  ScoreFunction score = ScoreFunction::Softmax;
   bool pre_softmax = false;
   int num_groups = 0, group_topk = 0;
   float scaling_factor = 0.0f;
   bool drop = false;  // capacity factor set
   double capacity_factor = 0.0;
   bool drop_by_probs = true, pad_to_capacity = false;
-  int aux_kind = -1;  // AuxLossKind of the load-balancing loss, -1: none (or not training)
+  std::optional<AuxLossKind> aux_kind;  // the load-balancing loss, none when off (or not training)
   double aux_coeff = 0.0;
   bool z_loss = false;
   double z_coeff = 0.0;
@@ -53,7 +55,7 @@ struct MoEPlan {
   // ---- experts
   int ffn = 0;  // moe_ffn_hidden_size
   bool glu = false;
-  int act = 0;
+  Act act = Act::Gelu;
   const void* fc1_w = nullptr;  // [E, (glu ? 2 : 1) * ffn, h]
   const void* fc1_b = nullptr;  // [E, (glu ? 2 : 1) * ffn] or null
   const void* fc2_w = nullptr;  // [E, h, ffn]
@@ -131,22 +133,5 @@ struct MoEPlan {
   std::function<void(MoETapPoint)> on_tap;
   bool capturing = false;  // the phase is being captured into a graph: no host synchronisation
 };
-
-// The three phases of MoETransformerLayer's MLP (the router phase includes the attention half);
-// moe_rank_forward is exactly their composition.
-namespace sim {
-void moe_rank_forward(MoEPlan& p, cudaStream_t stream);
-void moe_router_phase(MoEPlan& p, cudaStream_t stream);
-void moe_expert_compute(MoEPlan& p, cudaStream_t stream);
-void moe_postprocess(MoEPlan& p, cudaStream_t stream);
-}  // namespace sim
-#if TWIN_HAVE_CUDA
-namespace cuda {
-void moe_rank_forward(MoEPlan& p, cudaStream_t stream);
-void moe_router_phase(MoEPlan& p, cudaStream_t stream);
-void moe_expert_compute(MoEPlan& p, cudaStream_t stream);
-void moe_postprocess(MoEPlan& p, cudaStream_t stream);
-}  // namespace cuda
-#endif
 
 }  // namespace twin::opt

@@ -26,11 +26,12 @@
 #include <type_traits>
 
 #include "optimized/kernel_common.cuh"
+#include "optimized/layer/kernel_types.h"  // ScoreFunction, AuxLossKind, kMaxRouterExperts
 
 namespace twin::opt::TWIN_BACKEND {
 
 // At most this many experts per router (per-thread arrays of the fused kernel).
-constexpr int kRouterMaxExperts = 256;
+constexpr int kRouterMaxExperts = kMaxRouterExperts;
 
 template <>
 struct Io<double> {
@@ -50,8 +51,6 @@ __host__ __device__ inline RouterCompute<R> round_r(RouterCompute<R> x) {
   else
     return Io<R>::load(Io<R>::store(static_cast<float>(x)));
 }
-
-enum class ScoreFunction : int { Softmax, Sigmoid };
 
 struct RouterArgs {
   std::int64_t tokens = 0;  // T
@@ -266,8 +265,6 @@ __global__ void router_capacity_kernel(const R* probs_in, const std::uint8_t* ma
     probs_out[i] = routed ? probs_in[i] : Io<R>::store(0);
   }
 }
-
-enum class AuxLossKind : int { AuxLoss, SeqAuxLoss, GlobalAuxLoss, ZLoss };
 
 struct LossArgs {
   AuxLossKind kind = AuxLossKind::AuxLoss;

@@ -15,6 +15,7 @@
 #pragma once
 
 #include "optimized/kernel_common.cuh"
+#include "core/dropout_site.h"
 #include "optimized/philox.cuh"
 
 namespace twin::opt::TWIN_BACKEND {
@@ -204,7 +205,7 @@ __global__ void retro_encoder_bda_kernel(const T* x, const T* bias, const T* res
     float v = Io<T>::load(x[n * r * N * d + local]);
     if (bias) v = round_to<T>(v + Io<T>::load(bias[c]));  // rounds: x + bias, T
     if (drop.active) {
-      const std::uint64_t offset = drop.offset + (static_cast<std::uint64_t>(n) + 1) * (std::uint64_t{1} << 32);
+      const std::uint64_t offset = retro_neighbour_offset(drop.offset, static_cast<std::uint64_t>(n));
       v = philox_keep(drop.seed, offset, static_cast<std::uint64_t>(local), drop.threshold)
               ? dropout_scaled<T>(v, drop.scale)  // rounds: dropout product, T
               : 0.0f;

@@ -1,43 +1,19 @@
 // The optimized Retro decoder's public classes (retro_layer.h): each holds the runner of its
-// backend (retro_layer_impl.cuh, built for the simulator and, with nvcc, for the GPU).
+// backend (retro_layer_impl.cuh, built for the simulator and, with nvcc, for the GPU), made
+// through the backend boundary (layer/kernels.h).
 #include "optimized/retro/retro_layer.h"
 
+#include "optimized/layer/kernels.h"
 #include "optimized/retro/retro_runner.h"
 
 namespace twin::opt::retro {
 
-namespace {
-
-std::unique_ptr<detail::Runner> layer_runner(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
-                                             RetroLayerKind kind, int layer_number, rt::Backend backend) {
-#if TWIN_HAVE_CUDA
-  if (backend == rt::Backend::Cuda) return cuda::make_retro_layer(c, params, kind, layer_number);
-#else
-  if (backend == rt::Backend::Cuda)
-    throw ConfigError("optimized Retro decoder: this build has no CUDA backend (run on the simulator, Backend::Sim)");
-#endif
-  return sim::make_retro_layer(c, params, kind, layer_number);
-}
-
-std::unique_ptr<detail::Runner> block_runner(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
-                                             const std::vector<RetroLayerKind>& layout, rt::Backend backend) {
-#if TWIN_HAVE_CUDA
-  if (backend == rt::Backend::Cuda) return cuda::make_retro_block(c, params, layout);
-#else
-  if (backend == rt::Backend::Cuda)
-    throw ConfigError("optimized Retro decoder: this build has no CUDA backend (run on the simulator, Backend::Sim)");
-#endif
-  return sim::make_retro_block(c, params, layout);
-}
-
-}  // namespace
-
 std::vector<std::pair<std::string, Shape>> retro_layer_param_shapes(const TransformerConfig& c, RetroLayerKind kind) {
-  return sim::retro_param_shapes(c, kind);  // the same keys and shapes for every backend
+  return layer_kernels(rt::Backend::Sim).retro_param_shapes(c, kind);  // the same for every backend
 }
 
 std::string retro_decoder_unsupported(const TransformerConfig& c) {
-  return sim::retro_unsupported(c);  // the same features on every backend
+  return layer_kernels(rt::Backend::Sim).retro_unsupported(c);  // the same on every backend
 }
 
 std::vector<std::string> retro_layer_param_keys(const TransformerConfig& c, RetroLayerKind kind) {
@@ -53,7 +29,7 @@ struct RetroDecoderLayer::Impl {
 RetroDecoderLayer::RetroDecoderLayer(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
                                      RetroLayerKind kind, int layer_number, rt::Backend backend)
     : impl_(std::make_unique<Impl>()) {
-  impl_->runner = layer_runner(c, params, kind, layer_number, backend);
+  impl_->runner = layer_kernels(backend).make_retro_layer(c, params, kind, layer_number);
 }
 RetroDecoderLayer::~RetroDecoderLayer() = default;
 
@@ -69,7 +45,7 @@ struct RetroDecoderBlock::Impl {
 RetroDecoderBlock::RetroDecoderBlock(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
                                      const std::vector<RetroLayerKind>& layout, rt::Backend backend)
     : impl_(std::make_unique<Impl>()) {
-  impl_->runner = block_runner(c, params, layout, backend);
+  impl_->runner = layer_kernels(backend).make_retro_block(c, params, layout);
 }
 RetroDecoderBlock::~RetroDecoderBlock() = default;
 

@@ -13,9 +13,9 @@
 // chunks and context_mask as its self-attention mask; the rest GPT layers), owned by the first
 // Retro layer; the later Retro layers take its output as their context.
 //
-// Dropout streams as the reference: a layer's calls at offset + 0 (self attention), + 1, + 2
-// (cross attention), + 3, + 4; block layer i at offset + 8 i; the encoder block at the cross
-// attention's offset + 2^40; encoder neighbour n at + (n + 1) 2^32.
+// Dropout streams as the reference's (core/dropout_site.h): a layer's calls at their DropoutSite,
+// block layer i at block_layer_offset, the encoder block at the cross attention's stream +
+// kRetroEncoderBlock, encoder neighbour n at retro_neighbour_offset.
 #pragma once
 
 #include <map>

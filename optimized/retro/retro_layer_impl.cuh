@@ -10,10 +10,14 @@
 #include <functional>
 #include <set>
 
+#include "core/dropout_site.h"
+#include "optimized/layer/attention_half.h"  // attention_scaling
+#include "optimized/layer/features.h"
+#include "optimized/layer/rank_runner.h"
+#include "optimized/layer/sharding.h"
 #include "optimized/retro/retro_kernels.cuh"
 #include "optimized/retro/retro_runner.h"
 #include "optimized/runtime/collectives.h"
-#include "optimized/layer/features.h"
 #include "optimized/transformer_layer.cuh"  // linear_forward, norm / attention / bda / activation kernels
 
 namespace twin::opt::TWIN_BACKEND::retro_impl {
@@ -94,8 +98,8 @@ struct Arena {
   bool capturing = false;  // hand out `bufs` in order instead of allocating
 };
 
-// What one forward runs on: device, stream, dtype, taps.
-struct Exec {
+// What one rank's forward runs on: device, stream, dtype, taps, its rank and communicator.
+struct RankContext {
   rt::Device* dev = nullptr;
   rt::Stream* stream = nullptr;
   DType dt = DType::F32;
@@ -169,8 +173,8 @@ AttnOperands cross_attention_operands(const void* q, std::int64_t q_tok, const v
 struct Layer;
 struct Block {
   std::vector<std::unique_ptr<Layer>> layers;
-  // Runs the layers in order, layer i with offset + 8 i; taps "<prefix>layers.i.0" / ".1".
-  std::pair<DTensor, std::optional<DTensor>> forward(const Exec& ex, DTensor x, std::optional<DTensor> context,
+  // Runs the layers in order, layer i at block_layer_offset(offset, i); taps "<prefix>layers.i.0" / ".1".
+  std::pair<DTensor, std::optional<DTensor>> forward(const RankContext& ex, DTensor x, std::optional<DTensor> context,
                                                      const DTensor* mask, const Shape& mask_shape, std::uint64_t offset,
                                                      const std::string& prefix) const;
 };
@@ -182,36 +186,36 @@ struct Layer {
   bool encoder_layer = false;  // in the retriever encoder: padding self-attention, the encoder's dropouts
   int layer_number = 1;
   int h = 0, np = 0, ng = 0, hn = 0, ffn = 0;
-  float alpha = 1.0f, coeff = 0.0f;
-  bool softmax_fp32 = true;
+  AttentionScaling scaling;
   double hidden_dropout = 0.0, self_attention_dropout = 0.0, cross_attention_dropout = 0.0;
   std::map<std::string, Tensor> host;               // this layer's params by key (relative)
   std::vector<std::map<std::string, DTensor>> dev;  // per tensor-parallel rank: its shards
   std::unique_ptr<Block> encoder;                   // Cross::Decoder of the first Retro layer
 
-  const void* w(const Exec& ex, const std::string& key) const {
+  const void* w(const RankContext& ex, const std::string& key) const {
     const auto& m = dev.at(static_cast<std::size_t>(ex.rank));
     auto it = m.find(key);
     return it == m.end() ? nullptr : it->second.get();
   }
-  int np_l(const Exec& ex) const { return np / ex.tp; }
+  int np_l(const RankContext& ex) const { return np / ex.tp; }
   const Tensor* host_param(const std::string& key) const {
     auto it = host.find(key);
     return it == host.end() ? nullptr : &it->second;
   }
 
-  std::pair<DTensor, std::optional<DTensor>> forward(const Exec& ex, const DTensor& x, std::optional<DTensor> context,
-                                                     const DTensor* mask, const Shape& mask_shape, std::uint64_t offset,
+  std::pair<DTensor, std::optional<DTensor>> forward(const RankContext& ex, const DTensor& x,
+                                                     std::optional<DTensor> context, const DTensor* mask,
+                                                     const Shape& mask_shape, std::uint64_t offset,
                                                      const std::string& pre) const;
 
  private:
-  DTensor norm(const Exec& ex, const DTensor& x, const std::string& key) const {
+  DTensor norm(const RankContext& ex, const DTensor& x, const std::string& key) const {
     DTensor y = ex.alloc(x.shape);
     norm_forward(false, ex.dt, x.get(), y.get(), w(ex, key + ".weight"), w(ex, key + ".bias"),
                  NormRows::dense(x.numel() / h, h), c.layernorm_epsilon, c.layernorm_zero_centered_gamma, ex.st());
     return y;
   }
-  DTensor linear(const Exec& ex, const DTensor& x, const std::string& key, bool bias_in_epilogue,
+  DTensor linear(const RankContext& ex, const DTensor& x, const std::string& key, bool bias_in_epilogue,
                  std::int64_t out_features) const {
     const std::int64_t in = x.shape.back(), rows = x.numel() / in;
     Shape shape = x.shape;
@@ -223,7 +227,7 @@ struct Layer {
   }
   // A row-parallel linear (linear_proj, fc2): each rank's product summed over the ranks
   // (all-reduce); the bias is left to the bias-dropout-add, as in Megatron.
-  DTensor row_parallel_linear(const Exec& ex, const DTensor& x, const std::string& key) const {
+  DTensor row_parallel_linear(const RankContext& ex, const DTensor& x, const std::string& key) const {
     DTensor y = linear(ex, x, key, false, h);
     if (ex.tp == 1) return y;
     rounding_store(ex.dt);  // counts: the sum over ranks, stored in T
@@ -231,7 +235,8 @@ struct Layer {
     ex.comm->all_reduce(y.get(), sum.get(), std::size_t(y.numel()), ex.dt, ex.st());
     return sum;
   }
-  AttnParams attn_params(const Exec& ex, int sq, int sk, int b, double dropout, std::uint64_t drop_offset) const {
+  AttnParams attn_params(const RankContext& ex, int sq, int sk, int b, double dropout,
+                         std::uint64_t drop_offset) const {
     const bool training = ex.training;
     const std::uint64_t seed = ex.seed;
     AttnParams ap;
@@ -242,15 +247,15 @@ struct Layer {
     ap.np_total = np;
     ap.head_offset = ex.rank * np_l(ex);
     ap.hn = hn;
-    ap.alpha = alpha;
-    ap.coeff = coeff;
-    ap.softmax_fp32 = softmax_fp32;
+    ap.alpha = scaling.alpha;
+    ap.coeff = scaling.coeff;
+    ap.softmax_fp32 = scaling.softmax_fp32;
     ap.drop = DropoutArgs::make(dropout, training, seed, drop_offset);
     return ap;
   }
   // Row-parallel linear output and its bias as taps: <module>.<linear>.0/.1 and <module>.0/.1.
   // `module`: the layer-relative module path (its bias key), `pre`: the tap prefix.
-  void proj_taps(const Exec& ex, const DTensor& y, const std::string& pre, const std::string& module,
+  void proj_taps(const RankContext& ex, const DTensor& y, const std::string& pre, const std::string& module,
                  const std::string& linear) const {
     if (!ex.rec) return;
     const Tensor* bias = host_param(module + "." + linear + ".bias");
@@ -260,14 +265,14 @@ struct Layer {
     ex.tap(m + "0", y);
     ex.tap_param(m + "1", bias);
   }
-  DTensor decoder_cross_attention(const Exec& ex, const DTensor& ln, const DTensor& residual,
+  DTensor decoder_cross_attention(const RankContext& ex, const DTensor& ln, const DTensor& residual,
                                   std::optional<DTensor>& context, const DTensor* mask, const Shape& mask_shape,
                                   std::uint64_t offset, const std::string& pre) const;
-  DTensor encoder_cross_attention(const Exec& ex, const DTensor& ln, const DTensor& chunked, std::uint64_t offset,
-                                  const std::string& pre) const;
+  DTensor encoder_cross_attention(const RankContext& ex, const DTensor& ln, const DTensor& chunked,
+                                  std::uint64_t offset, const std::string& pre) const;
 };
 
-std::pair<DTensor, std::optional<DTensor>> Layer::forward(const Exec& ex, const DTensor& x,
+std::pair<DTensor, std::optional<DTensor>> Layer::forward(const RankContext& ex, const DTensor& x,
                                                           std::optional<DTensor> context, const DTensor* mask,
                                                           const Shape& mask_shape, std::uint64_t offset,
                                                           const std::string& pre) const {
@@ -281,14 +286,14 @@ std::pair<DTensor, std::optional<DTensor>> Layer::forward(const Exec& ex, const 
   ex.tap(pre + "self_attention.linear_qkv.0", qkv);
   // The decoder's self attention is causal (the GPT spec); the encoder's is padding: the
   // context_mask when given, else none.
-  AttnParams ap = attn_params(ex, s, s, b, self_attention_dropout, offset + 0);
+  AttnParams ap = attn_params(ex, s, s, b, self_attention_dropout, dropout_offset(offset, DropoutSite::SelfAttention));
   if (encoder_layer && mask) {
     ap.mask = MaskMode::Explicit;
     ap.mask_ptr = static_cast<const std::uint8_t*>(mask->get());
     ap.mask_b = static_cast<int>(mask_shape[0]);
     ap.mask_h = static_cast<int>(mask_shape[1]);
   } else {
-    ap.mask = !encoder_layer && s > 1 ? MaskMode::Causal : MaskMode::None;
+    ap.mask = self_attention_mask_mode(false, encoder_layer ? "padding" : "causal", s);
   }
   const DTensor core = ex.alloc({s, b, std::int64_t(np_l(ex)) * hn});
   dot_product_attention_forward(ex.dt, qkv.get(), QkvLayout{qkv_w, (hpg + 2) * hn, int(hpg)}, core.get(), ap, ex.st());
@@ -297,8 +302,10 @@ std::pair<DTensor, std::optional<DTensor>> Layer::forward(const Exec& ex, const 
   proj_taps(ex, proj, pre, "self_attention", "linear_proj");
   // ---- self_attn_bda                                   // [s, b, h]
   DTensor h1 = ex.alloc(x.shape);
-  bias_dropout_add_forward(ex.dt, proj.get(), w(ex, "self_attention.linear_proj.bias"), x.get(), h1.get(), n, h,
-                           DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 1), 0, ex.st());
+  bias_dropout_add_forward(
+      ex.dt, proj.get(), w(ex, "self_attention.linear_proj.bias"), x.get(), h1.get(), n, h,
+      DropoutArgs::make(hidden_dropout, ex.training, ex.seed, dropout_offset(offset, DropoutSite::SelfAttnBda)), 0,
+      ex.st());
 
   // ---- pre_cross_attn_layernorm, cross_attention, cross_attn_bda (IdentityOps in a GPT layer)
   DTensor h2 = h1;
@@ -330,15 +337,16 @@ std::pair<DTensor, std::optional<DTensor>> Layer::forward(const Exec& ex, const 
   const DTensor fc2 = row_parallel_linear(ex, act, "mlp.linear_fc2");
   proj_taps(ex, fc2, pre, "mlp", "linear_fc2");
   DTensor out = ex.alloc(x.shape);
-  bias_dropout_add_forward(ex.dt, fc2.get(), w(ex, "mlp.linear_fc2.bias"), h2.get(), out.get(), n, h,
-                           DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 4), 0, ex.st());
+  bias_dropout_add_forward(
+      ex.dt, fc2.get(), w(ex, "mlp.linear_fc2.bias"), h2.get(), out.get(), n, h,
+      DropoutArgs::make(hidden_dropout, ex.training, ex.seed, dropout_offset(offset, DropoutSite::MlpBda)), 0, ex.st());
   return {out, context};
 }
 
 // RetroDecoderCrossAttention + RetroDecoderBiasDropoutAdd. ln: the pre_cross_attn_layernorm
 // output [ns, bs, d]; residual: the self_attn_bda output. `context` in: the neighbour embeddings
 // (with the encoder) or the encoder output; out: the encoder output [r*k, bs*l, d].
-DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const DTensor& residual,
+DTensor Layer::decoder_cross_attention(const RankContext& ex, const DTensor& ln, const DTensor& residual,
                                        std::optional<DTensor>& context, const DTensor* mask, const Shape& mask_shape,
                                        std::uint64_t offset, const std::string& pre) const {
   const std::int64_t m = rs.m, k = rs.k, r = rs.r, ns = ln.shape[0], bs = ln.shape[1], d = h;
@@ -350,8 +358,8 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   if (!context)
     throw std::invalid_argument(std::string("RetroDecoderCrossAttention: key_value_states (") +
                                 (encoder ? "the neighbour embeddings" : "the encoder output") + ") cannot be None");
-  const std::uint64_t attn_offset = offset + 2;  // the cross attention's stream
-  DTensor kv_in;                                 // [r*k, N, d]
+  const std::uint64_t attn_offset = dropout_offset(offset, DropoutSite::CrossAttention);
+  DTensor kv_in;  // [r*k, N, d]
   if (encoder) {
     const Shape want{r, k * N, d};
     if (context->shape != want)
@@ -368,8 +376,8 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
     DTensor chunked = ex.alloc({m, N, d});  // [m, bs*l, d]
     retro_gather_rows(ex.dt, ln.get(), chunked.get(), chunk, ns * bs, int(d), ex.st());
     const RoundingCount hidden_rounding = rounding_now();
-    auto [encoded, enc_context] = encoder->forward(ex, *context, chunked, mask, mask_shape,
-                                                   attn_offset + (std::uint64_t{1} << 40), pre + "encoder.");
+    auto [encoded, enc_context] =
+        encoder->forward(ex, *context, chunked, mask, mask_shape, attn_offset + kRetroEncoderBlock, pre + "encoder.");
     ex.tap(pre + "encoder", encoded);  // [r, k*bs*l, d]
     rounding_join(hidden_rounding);
     kv_in = view(encoded, {r * k, N, d});
@@ -420,17 +428,18 @@ DTensor Layer::decoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   unchunk.l = l;
   unchunk.pad = pad;
   DTensor out = ex.alloc(residual.shape);
-  retro_decoder_bias_dropout_add(ex.dt, proj.get(), w(ex, "cross_attention.attn.linear_proj.bias"), residual.get(),
-                                 out.get(), unchunk, int(d),
-                                 DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3), ex.st());
+  retro_decoder_bias_dropout_add(
+      ex.dt, proj.get(), w(ex, "cross_attention.attn.linear_proj.bias"), residual.get(), out.get(), unchunk, int(d),
+      DropoutArgs::make(hidden_dropout, ex.training, ex.seed, dropout_offset(offset, DropoutSite::CrossAttnBda)),
+      ex.st());
   return out;
 }
 
 // RetroEncoderCrossAttention + RetroEncoderBiasDropoutAdd. ln: the pre_cross_attn_layernorm
 // output [r, N*k, d] (column j*k + n); chunked: the decoder chunks [m, N, d]. Returns [r, k*N, d]
 // neighbour-major.
-DTensor Layer::encoder_cross_attention(const Exec& ex, const DTensor& ln, const DTensor& chunked, std::uint64_t offset,
-                                       const std::string& pre) const {
+DTensor Layer::encoder_cross_attention(const RankContext& ex, const DTensor& ln, const DTensor& chunked,
+                                       std::uint64_t offset, const std::string& pre) const {
   const std::int64_t k = rs.k, r = rs.r, d = h;
   if (chunked.shape.size() != 3 || chunked.shape[2] != d)
     throw ShapeError("RetroEncoderCrossAttention: key_value_states expected shape [m, bs*l, " + std::to_string(d) +
@@ -440,7 +449,7 @@ DTensor Layer::encoder_cross_attention(const Exec& ex, const DTensor& ln, const 
     throw ShapeError("RetroEncoderCrossAttention: neighbour hidden states " + shape_str(ln.shape) +
                      " do not fit [r, k * bs*l, d] = [" + std::to_string(r) + ", " + std::to_string(k * N) + ", " +
                      std::to_string(d) + "]");
-  const std::uint64_t attn_offset = offset + 2;
+  const std::uint64_t attn_offset = dropout_offset(offset, DropoutSite::CrossAttention);
   const std::int64_t D = std::int64_t(np_l(ex)) * hn;  // this rank's heads
   // Each neighbour is a branch from the input: all have the same count, joined after the loop.
   const RoundingCount at_input = rounding_now();
@@ -454,7 +463,7 @@ DTensor Layer::encoder_cross_attention(const Exec& ex, const DTensor& ln, const 
     const AttnOperands ops =
         cross_attention_operands(static_cast<const char*>(q.get()) + std::size_t(n * D) * dtype_size(ex.dt), N * k * D,
                                  kv.get(), N, D, int(hn), ex.dt);
-    const std::uint64_t neighbour_offset = attn_offset + (std::uint64_t(n) + 1) * (std::uint64_t{1} << 32);
+    const std::uint64_t neighbour_offset = retro_neighbour_offset(attn_offset, std::uint64_t(n));
     dot_product_attention_forward(
         ex.dt, ops, static_cast<char*>(core.get()) + std::size_t(n * r * N * D) * dtype_size(ex.dt),
         attn_params(ex, int(r), int(sk), int(N), cross_attention_dropout, neighbour_offset), ex.st());
@@ -484,20 +493,22 @@ DTensor Layer::encoder_cross_attention(const Exec& ex, const DTensor& ln, const 
   }
   rounding_set(neighbours_end);
   DTensor out = ex.alloc({r, k * N, d});
-  retro_encoder_bias_dropout_add(ex.dt, proj.get(), w(ex, "cross_attention.attn.linear_proj.bias"), ln.get(), out.get(),
-                                 r, N, k, int(d), DropoutArgs::make(hidden_dropout, ex.training, ex.seed, offset + 3),
-                                 ex.st());
+  retro_encoder_bias_dropout_add(
+      ex.dt, proj.get(), w(ex, "cross_attention.attn.linear_proj.bias"), ln.get(), out.get(), r, N, k, int(d),
+      DropoutArgs::make(hidden_dropout, ex.training, ex.seed, dropout_offset(offset, DropoutSite::CrossAttnBda)),
+      ex.st());
   return out;
 }
 
-std::pair<DTensor, std::optional<DTensor>> Block::forward(const Exec& ex, DTensor x, std::optional<DTensor> context,
-                                                          const DTensor* mask, const Shape& mask_shape,
-                                                          std::uint64_t offset, const std::string& prefix) const {
+std::pair<DTensor, std::optional<DTensor>> Block::forward(const RankContext& ex, DTensor x,
+                                                          std::optional<DTensor> context, const DTensor* mask,
+                                                          const Shape& mask_shape, std::uint64_t offset,
+                                                          const std::string& prefix) const {
   const RoundingCount inputs_rounding = rounding_now();
   for (std::size_t i = 0; i < layers.size(); ++i) {
     rounding_join(inputs_rounding);
     const std::string l = prefix + "layers." + std::to_string(i) + ".";
-    auto [h, c] = layers[i]->forward(ex, x, context, mask, mask_shape, offset + 8 * i, l);
+    auto [h, c] = layers[i]->forward(ex, x, context, mask, mask_shape, block_layer_offset(offset, i), l);
     x = h;
     ex.tap(prefix + "layers." + std::to_string(i) + ".0", x);
     context = c;
@@ -556,68 +567,13 @@ std::map<std::string, Shape> param_shapes(const TransformerConfig& c) {
           {"mlp.linear_fc2.bias", {h}}};
 }
 
-// Rows [r0, r1) of a [rows, ...] tensor / columns [c0, c1) of a [rows, cols] tensor.
-Tensor take_rows(const Tensor& t, std::int64_t r0, std::int64_t r1) {
-  const std::size_t row = std::size_t(t.numel() / t.size(0)) * dtype_size(t.dtype());
-  Shape shape = t.shape();
-  shape[0] = r1 - r0;
-  Tensor out = Tensor::empty(t.dtype(), shape);
-  std::memcpy(out.raw_mut(), t.raw() + std::size_t(r0) * row, std::size_t(r1 - r0) * row);
-  return out;
-}
-Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1) {
-  const std::int64_t rows = t.size(0), cols = t.size(1);
-  const std::size_t es = dtype_size(t.dtype());
-  Tensor out = Tensor::empty(t.dtype(), {rows, c1 - c0});
-  for (std::int64_t r = 0; r < rows; ++r)
-    std::memcpy(out.raw_mut() + std::size_t(r * (c1 - c0)) * es, t.raw() + std::size_t(r * cols + c0) * es,
-                std::size_t(c1 - c0) * es);
-  return out;
-}
-
-// Rank r's shard of a layer parameter (layer-relative key): linear_qkv rows by query groups,
-// linear_q / linear_kv rows by heads (linear_kv's [np, 2 hn] rows), fc1 rows by columns of both
-// GLU halves (column parallel); linear_proj / fc2 weight columns (row parallel); their biases and
-// the norms whole.
-Tensor shard(const TransformerConfig& c, const std::string& key, const Tensor& t, int r, int tp) {
-  if (tp == 1) return t;
-  const std::int64_t np = c.num_attention_heads, ng = c.query_groups(), hn = c.head_dim(), ffn = c.ffn();
-  const std::int64_t np_l = np / tp, ng_l = ng / tp, f_l = ffn / tp;
-  auto ends_with = [&](const std::string& suffix) {
-    return key.size() >= suffix.size() && key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
-  const bool weight = ends_with(".weight");
-  if (key.rfind("self_attention.linear_qkv.", 0) == 0) {
-    const std::int64_t gs = (np / ng + 2) * hn;
-    return take_rows(t, r * ng_l * gs, (r + 1) * ng_l * gs);
-  }
-  if (key.rfind("cross_attention.attn.linear_q.", 0) == 0) return take_rows(t, r * np_l * hn, (r + 1) * np_l * hn);
-  if (key.rfind("cross_attention.attn.linear_kv.", 0) == 0)
-    return take_rows(t, r * np_l * 2 * hn, (r + 1) * np_l * 2 * hn);
-  if (weight && (key == "self_attention.linear_proj.weight" || key == "cross_attention.attn.linear_proj.weight"))
-    return take_cols(t, r * np_l * hn, (r + 1) * np_l * hn);
-  if (weight && key == "mlp.linear_fc2.weight") return take_cols(t, r * f_l, (r + 1) * f_l);
-  if (key.rfind("mlp.linear_fc1.", 0) == 0) {
-    Tensor first = take_rows(t, r * f_l, (r + 1) * f_l);
-    if (!c.gated_linear_unit) return first;
-    const Tensor second = take_rows(t, ffn + r * f_l, ffn + (r + 1) * f_l);
-    Shape shape = first.shape();
-    shape[0] = 2 * f_l;
-    Tensor both = Tensor::empty(t.dtype(), shape);
-    std::memcpy(both.raw_mut(), first.raw(), first.nbytes());
-    std::memcpy(both.raw_mut() + first.nbytes(), second.raw(), second.nbytes());
-    return both;
-  }
-  return t;  // norms, the row-parallel biases
-}
-
 // Builds one layer from params under `prefix`; `used` collects the keys it took.
 std::unique_ptr<Layer> build_layer(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
                                    const std::string& prefix, Cross cross, bool encoder_layer, bool owns_encoder,
-                                   int layer_number, const Exec& ex, std::set<std::string>& used);
+                                   int layer_number, const RankContext& ex, std::set<std::string>& used);
 
 std::unique_ptr<Block> build_encoder(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
-                                     const std::string& prefix, const Exec& ex, std::set<std::string>& used) {
+                                     const std::string& prefix, const RankContext& ex, std::set<std::string>& used) {
   auto block = std::make_unique<Block>();
   const RetroSizes rs = retro_sizes(c);
   for (int i = 0; i < rs.encoder_layers; ++i)
@@ -628,7 +584,7 @@ std::unique_ptr<Block> build_encoder(const TransformerConfig& c, const std::map<
 
 std::unique_ptr<Layer> build_layer(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
                                    const std::string& prefix, Cross cross, bool encoder_layer, bool owns_encoder,
-                                   int layer_number, const Exec& ex, std::set<std::string>& used) {
+                                   int layer_number, const RankContext& ex, std::set<std::string>& used) {
   auto L = std::make_unique<Layer>();
   L->c = c;
   L->rs = retro_sizes(c);
@@ -643,13 +599,7 @@ std::unique_ptr<Layer> build_layer(const TransformerConfig& c, const std::map<st
   if (cross != Cross::None)
     reject(L->ng != L->np, "Group query attention is not currently supported in cross attention (num_query_groups " +
                                std::to_string(L->ng) + " != num_attention_heads " + std::to_string(L->np) + ")");
-  double scale = c.softmax_scale ? *c.softmax_scale : 1.0 / std::sqrt(static_cast<double>(L->hn));
-  if (c.apply_query_key_layer_scaling) {
-    L->coeff = static_cast<float>(std::max(1, layer_number));
-    scale /= std::max(1, layer_number);
-  }
-  L->alpha = static_cast<float>(scale);
-  L->softmax_fp32 = !(c.fp16 || c.bf16) || c.attention_softmax_in_fp32 || c.apply_query_key_layer_scaling;
+  L->scaling = attention_scaling(c, layer_number);
   L->hidden_dropout = encoder_layer ? L->rs.encoder_hidden_dropout : c.hidden_dropout;
   L->self_attention_dropout = encoder_layer ? L->rs.encoder_attention_dropout : c.attention_dropout;
   L->cross_attention_dropout = c.attention_dropout;
@@ -666,7 +616,7 @@ std::unique_ptr<Layer> build_layer(const TransformerConfig& c, const std::map<st
   const int tp = c.tensor_model_parallel_size;
   L->dev.resize(static_cast<std::size_t>(tp));
   for (int r = 0; r < tp; ++r)
-    for (const auto& [key, t] : L->host) L->dev[r][key] = ex.upload(shard(c, key, t, r, tp));
+    for (const auto& [key, t] : L->host) L->dev[r][key] = ex.upload(tensor_parallel_shard(c, key, t, r, tp));
   if (owns_encoder) L->encoder = build_encoder(c, params, prefix + "cross_attention.encoder.", ex, used);
   return L;
 }
@@ -678,7 +628,10 @@ void check_all_used(const std::map<std::string, Tensor>& params, const std::set<
     if (!used.count(key)) throw ShapeError("optimized Retro decoder: parameter '" + key + "' is not one it owns");
 }
 
-struct Shared {
+// The tensor-parallel ranks of a built layer or block (device, a stream and a communicator each)
+// and the steps of a forward the layer and the block share: inputs checked and uploaded, the ranks
+// run, the output and record put together.
+struct RankGroup {
   TransformerConfig config;
   DType dt = DType::F32;
   rt::Device* dev = nullptr;
@@ -695,8 +648,8 @@ struct Shared {
     for (int r = 0; r < tp; ++r) streams.push_back(std::make_unique<rt::Stream>(*dev));
     if (tp > 1) comms = rt::make_threaded_group(tp);
   }
-  Exec exec(Record* rec, const RetroForwardOptions& o, int rank = 0) const {
-    Exec ex;
+  RankContext exec(Record* rec, const RetroForwardOptions& o, int rank = 0) const {
+    RankContext ex;
     ex.dev = dev;
     ex.stream = streams.at(static_cast<std::size_t>(rank)).get();
     ex.dt = dt;
@@ -708,26 +661,16 @@ struct Shared {
     ex.comm = tp > 1 ? comms[static_cast<std::size_t>(rank)].get() : nullptr;
     return ex;
   }
-  // Runs `f(exec of the rank)` on every rank (one thread per rank when tp > 1, each counting
-  // rounding points from the caller's count) and returns rank 0's output; the caller's count
-  // continues from rank 0's (every rank executes the same rounding points).
-  RetroOutput run(const RetroForwardOptions& o, const std::function<RetroOutput(const Exec&)>& f) const {
+  // Runs `f(exec of the rank)` on every rank (layer/rank_runner.h: the rounding counts joined as
+  // every layer kind joins them) and returns rank 0's output.
+  RetroOutput run(const RetroForwardOptions& o, const std::function<RetroOutput(const RankContext&)>& f) const {
     if (o.record_taps && tp != 1)
       throw std::invalid_argument("optimized Retro decoder: taps are recorded at tensor_model_parallel_size 1 only");
-    if (tp == 1) return f(exec(nullptr, o, 0));
-    const RoundingCount start = rounding_now();
-    RoundingCount end;
     RetroOutput out;
-    rt::run_ranks(tp, [&](int r) {
-      CountRoundings counting;
-      rounding_set(start);
+    run_ranks_counted(tp, [&](int r) {
       RetroOutput mine = f(exec(nullptr, o, r));
-      if (r == 0) {
-        out = std::move(mine);
-        end = rounding_now();
-      }
+      if (r == 0) out = std::move(mine);
     });
-    rounding_set(end);
     return out;
   }
   // Inputs on the device, checked: hidden_states [ns, bs, d] in dt, context rank 3 in dt, mask BOOL rank 4.
@@ -761,7 +704,8 @@ struct Shared {
                          " is neither 1 nor the neighbour batch k*bs*l = " + std::to_string(context->size(1)));
     }
   }
-  Inputs upload(const Exec& ex, const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask) const {
+  Inputs upload(const RankContext& ex, const Tensor& hidden_states, const Tensor* context,
+                const Tensor* context_mask) const {
     check(hidden_states, context, context_mask);
     Inputs in;
     in.x = ex.upload(hidden_states);
@@ -773,7 +717,7 @@ struct Shared {
     }
     return in;
   }
-  RetroOutput finish(const Exec& ex, const DTensor& x, const std::optional<DTensor>& context, Record rec) const {
+  RetroOutput finish(const RankContext& ex, const DTensor& x, const std::optional<DTensor>& context, Record rec) const {
     RetroOutput out;
     out.hidden_states = ex.download(x);
     if (context) out.context = ex.download(*context);
@@ -782,7 +726,7 @@ struct Shared {
   }
 
   // ---- graph capture and replay (RetroForwardOptions::use_graph)
-  using Forward = std::function<std::pair<DTensor, std::optional<DTensor>>(const Exec&, const Inputs&)>;
+  using Forward = std::function<std::pair<DTensor, std::optional<DTensor>>(const RankContext&, const Inputs&)>;
   // What a captured graph bakes in: the input shapes (its buffers) and the dropout arguments.
   struct GraphKey {
     Shape x, context, mask;
@@ -846,7 +790,7 @@ struct Shared {
     key.seed = o.seed;
     key.offset = o.offset;
     if (graphs.size() != static_cast<std::size_t>(tp)) graphs.resize(static_cast<std::size_t>(tp));
-    return run(o, [&](const Exec& rank_exec) {
+    return run(o, [&](const RankContext& rank_exec) {
       std::unique_ptr<RankGraph>& g = graphs[static_cast<std::size_t>(rank_exec.rank)];
       if (g && g->key == key) {
         g->in.x.buf->upload(hidden_states.raw(), hidden_states.nbytes(), rank_exec.st());
@@ -857,7 +801,7 @@ struct Shared {
         auto fresh = std::make_unique<RankGraph>();
         fresh->key = key;
         fresh->in = upload(rank_exec, hidden_states, context, context_mask);
-        Exec ex = rank_exec;
+        RankContext ex = rank_exec;
         ex.arena = &fresh->arena;
         const RoundingCount start = rounding_now();
         fwd(ex, fresh->in);  // warm-up
@@ -892,17 +836,18 @@ struct Shared {
 };
 
 struct LayerRunner : retro::detail::Runner {
-  Shared sh;
+  RankGroup sh;
   std::unique_ptr<Layer> layer;
   RetroOutput forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                       const RetroForwardOptions& o) override {
     if (o.use_graph)
-      return sh.run_graph(o, hidden_states, context, context_mask, [&](const Exec& ex, const Shared::Inputs& in) {
-        return layer->forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
-      });
-    return sh.run(o, [&](const Exec& rank_exec) {
+      return sh.run_graph(
+          o, hidden_states, context, context_mask, [&](const RankContext& ex, const RankGroup::Inputs& in) {
+            return layer->forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
+          });
+    return sh.run(o, [&](const RankContext& rank_exec) {
       Record rec;
-      Exec ex = rank_exec;
+      RankContext ex = rank_exec;
       if (o.record_taps) ex.rec = &rec;
       const auto in = sh.upload(ex, hidden_states, context, context_mask);
       auto [x, ctx] = layer->forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
@@ -912,17 +857,18 @@ struct LayerRunner : retro::detail::Runner {
 };
 
 struct BlockRunner : retro::detail::Runner {
-  Shared sh;
+  RankGroup sh;
   Block block;
   RetroOutput forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                       const RetroForwardOptions& o) override {
     if (o.use_graph)
-      return sh.run_graph(o, hidden_states, context, context_mask, [&](const Exec& ex, const Shared::Inputs& in) {
-        return block.forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
-      });
-    return sh.run(o, [&](const Exec& rank_exec) {
+      return sh.run_graph(
+          o, hidden_states, context, context_mask, [&](const RankContext& ex, const RankGroup::Inputs& in) {
+            return block.forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
+          });
+    return sh.run(o, [&](const RankContext& rank_exec) {
       Record rec;
-      Exec ex = rank_exec;
+      RankContext ex = rank_exec;
       if (o.record_taps) ex.rec = &rec;
       const auto in = sh.upload(ex, hidden_states, context, context_mask);
       auto [x, ctx] = block.forward(ex, in.x, in.context, in.mask ? &*in.mask : nullptr, in.mask_shape, o.offset, "");
@@ -962,7 +908,7 @@ inline std::unique_ptr<retro::detail::Runner> make_layer_impl(const TransformerC
   auto run = std::make_unique<LayerRunner>();
   run->sh.init(c);
   std::set<std::string> used;
-  const Exec ex = run->sh.exec(nullptr, {});
+  const RankContext ex = run->sh.exec(nullptr, {});
   run->layer = build_layer(c, params, "", cross_of(kind), false, kind == RetroLayerKind::RetroWithEncoder, layer_number,
                            ex, used);
   check_all_used(params, used);
@@ -976,7 +922,7 @@ inline std::unique_ptr<retro::detail::Runner> make_block_impl(const TransformerC
   run->sh.init(c);
   reject(layout.empty(), "an empty block layout");
   std::set<std::string> used;
-  const Exec ex = run->sh.exec(nullptr, {});
+  const RankContext ex = run->sh.exec(nullptr, {});
   for (std::size_t i = 0; i < layout.size(); ++i)
     run->block.layers.push_back(build_layer(c, params, "layers." + std::to_string(i) + ".", cross_of(layout[i]), false,
                                             layout[i] == RetroLayerKind::RetroWithEncoder, int(i) + 1, ex, used));
@@ -986,7 +932,7 @@ inline std::unique_ptr<retro::detail::Runner> make_block_impl(const TransformerC
 
 }  // namespace twin::opt::TWIN_BACKEND::retro_impl
 
-// The backend's entry points (retro_runner.h), defined once here for both compilations.
+// The backend's entry points (layer/backend_entries.h), defined once here for both compilations.
 namespace twin::opt::TWIN_BACKEND {
 std::unique_ptr<retro::detail::Runner> make_retro_layer(const TransformerConfig& config,
                                                         const std::map<std::string, Tensor>& params,

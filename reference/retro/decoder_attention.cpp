@@ -84,7 +84,7 @@ AttentionOutput RetroDecoderCrossAttention::forward_saving(const Mat& hidden_sta
     encoder_inputs.attention_mask = args.attention_mask;
     encoder_inputs.context = &chunked_output;
     encoder_inputs.context_mask = nullptr;  // get_all_true_mask returns None
-    DropoutRng encoder_rng = args.rng.with_offset(args.rng.offset + (std::uint64_t{1} << 40));
+    DropoutRng encoder_rng = args.rng.with_offset(args.rng.offset + kRetroEncoderBlock);
     const RoundingCount hidden_states_rounding = rounding_now();
     const Tensor encoded =
         taps.record("encoder", encoder->forward(kv_in, encoder_inputs, args.training, encoder_rng,

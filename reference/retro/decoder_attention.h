@@ -23,8 +23,9 @@
 // after its layers' "encoder.layers.N.*", then "attn.*", then the dict entries
 // "attention_output", "attention_bias" (when present) and "context".
 //
-// Dropout streams: the encoder block's layer i uses offset rng.offset + 2^40 + 8 i of the
-// attention stream the layer hands this module; the chunked cross attention uses the stream itself.
+// Dropout streams (core/dropout_site.h): the encoder block runs at rng.offset + kRetroEncoderBlock
+// of the attention stream the layer hands this module; the chunked cross attention uses the stream
+// itself.
 //
 // Backward (RetroDecoderCrossAttention with RetroDecoderBiasDropoutAdd, CrossAttentionBackward):
 //   d residual = d out; d x = the unchunking's transpose of d out (zero where no token attends),

@@ -41,9 +41,9 @@
 
 namespace twin::reference::retro {
 
-// The offset of neighbour n's dropout call within a stream.
+// Neighbour n's dropout stream within the encoder cross attention's stream.
 inline DropoutRng neighbour_rng(const DropoutRng& rng, std::int64_t n) {
-  return rng.with_offset(rng.offset + (static_cast<std::uint64_t>(n) + 1) * (std::uint64_t{1} << 32));
+  return rng.with_offset(retro_neighbour_offset(rng.offset, static_cast<std::uint64_t>(n)));
 }
 
 struct RetroEncoderAttentionTuple {

@@ -177,7 +177,7 @@ void run_case(const AttnCase& c) {
   ap.hn = c.hn;
   ap.alpha = static_cast<float>(1.0 / std::sqrt(double(c.hn)));
   ap.softmax_fp32 = true;  // attention_softmax_in_fp32 (the config's default)
-  ap.mask = c.causal && c.s > 1 ? k::MaskMode::Causal : k::MaskMode::None;
+  ap.mask = c.causal && c.s > 1 ? twin::opt::MaskMode::Causal : twin::opt::MaskMode::None;
   ap.drop = k::DropoutArgs::make(c.p, c.p > 0, attn_rng.seed, attn_rng.offset);
   a.drop = k::DropoutArgs::make(c.p, c.p > 0, bda_rng.seed, bda_rng.offset);
   // The forward's softmax statistics on the same q, k, v (its context is not used).
@@ -270,8 +270,8 @@ TEST(OptimizedBackward, AttentionHalfMatchesReference) {
 
 // What the attention half's backward refuses, each with its reason.
 TEST(OptimizedBackward, AttentionHalfRefusesWhatItDoesNotCover) {
-  EXPECT_EQ("", k::attention_half_backward_unsupported(false));
-  EXPECT_NE(std::string::npos, k::attention_half_backward_unsupported(true).find("post_layernorm"));
+  EXPECT_EQ("", twin::opt::attention_half_backward_unsupported(false));
+  EXPECT_NE(std::string::npos, twin::opt::attention_half_backward_unsupported(true).find("post_layernorm"));
   k::AttentionHalfBackward a;
   a.post_ln_residual = true;
   try {

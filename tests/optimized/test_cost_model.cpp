@@ -162,7 +162,8 @@ TEST(CostModel, AttentionReadsKTwiceAndVOncePerQueryTileAndNoScores) {
   for (auto [dt, hn, bq] :
        {std::tuple{DType::BF16, 64, 64}, std::tuple{DType::F16, 32, 64}, std::tuple{DType::F32, 64, 16},
         std::tuple{DType::BF16, 40, 64}, std::tuple{DType::F32, 40, 16}})
-    for (k::MaskMode mask : {k::MaskMode::None, k::MaskMode::Causal, k::MaskMode::Explicit}) {
+    for (twin::opt::MaskMode mask :
+         {twin::opt::MaskMode::None, twin::opt::MaskMode::Causal, twin::opt::MaskMode::Explicit}) {
       const int ld = ng * (hpg + 2) * hn;
       const double e = dtype_size(dt);
       rt::DeviceBuffer qkv(d, std::size_t(s) * b * ld * dtype_size(dt)), ctx(d, std::size_t(s) * b * np * hn * 4),
@@ -181,13 +182,13 @@ TEST(CostModel, AttentionReadsKTwiceAndVOncePerQueryTileAndNoScores) {
       ASSERT_EQ(scope.kernels().size(), 1u);
       double keys_read = 0, pairs = 0;  // per (batch, head): key rows per query tile, (row, key) products
       for (int q0 = 0; q0 < s; q0 += bq) {
-        const int rows = std::min(bq, s - q0), keys = mask == k::MaskMode::Causal ? q0 + rows : s;
+        const int rows = std::min(bq, s - q0), keys = mask == twin::opt::MaskMode::Causal ? q0 + rows : s;
         keys_read += keys;
         pairs += double(rows) * keys;
       }
       const double q_and_context = 2.0 * e * b * np * s * hn;
       const double k_twice_v_once = 3.0 * e * b * np * keys_read * hn;
-      const double mask_once = mask == k::MaskMode::Explicit ? double(s) * s : 0.0;
+      const double mask_once = mask == twin::opt::MaskMode::Explicit ? double(s) * s : 0.0;
       SCOPED_TRACE(std::string(dtype_name(dt)) + " hn " + std::to_string(hn) + " mask " + std::to_string(int(mask)));
       EXPECT_EQ(scope.kernels()[0].bytes, q_and_context + k_twice_v_once + mask_once);
       EXPECT_EQ(scope.kernels()[0].flops, b * np * pairs * (3 * 2.0 * hn + 5.0));

@@ -132,7 +132,7 @@ void run_case(const MlpCase& c) {
   a.ffn = c.ffn;
   a.glu = c.glu;
   a.rms = c.rms;
-  a.act = k::act_from_name(c.act);
+  a.act = twin::opt::act_from_name(c.act);
   a.drop = k::DropoutArgs::make(c.p, c.p > 0, rng.seed, rng.offset);
   a.hidden = d_hidden.get();
   a.ln2 = d_ln2.get();

@@ -105,7 +105,7 @@ TEST(MoEKernels, FusedRouterEqualsReferenceSteps) {
     a.tokens = c.T;
     a.experts = c.E;
     a.topk = c.topk;
-    a.score = c.score == "sigmoid" ? k::ScoreFunction::Sigmoid : k::ScoreFunction::Softmax;
+    a.score = c.score == "sigmoid" ? twin::opt::ScoreFunction::Sigmoid : twin::opt::ScoreFunction::Softmax;
     a.pre_softmax = c.pre_softmax;
     a.num_groups = c.num_groups;
     a.group_topk = c.group_topk;

@@ -206,7 +206,7 @@ TEST(OptimizedOps, BiasActivationMatchesReference) {
           auto dx = to_device(x), db = to_device(bias);
           rt::DeviceBuffer dy(sim(), std::size_t(n) * f * dtype_size(dt));
           k::bias_activation_forward(dt, dx.get(), with_bias ? db.get() : nullptr, dy.get(), n, f,
-                                     k::act_from_name(act), glu, nullptr);
+                                     twin::opt::act_from_name(act), glu, nullptr);
           const Tensor y = from_device(dy, dt, {n, f});
           // mlp.py: intermediate = fc1 + bias (stored), then act / glu.
           ref::Mat m = ref::to_mat(x, n, w, "x");
@@ -224,7 +224,7 @@ TEST(OptimizedOps, BiasActivationMatchesReference) {
           else  // stores: bias add, up to two inside the activation, the GLU product; no reduction.
             expect_pass(compare(id, y, e, parity::op_bound(dt, 4, 1, max_abs(e))), id);
         }
-  EXPECT_THROW(k::act_from_name("tanh"), std::invalid_argument);
+  EXPECT_THROW(twin::opt::act_from_name("tanh"), std::invalid_argument);
 }
 
 // ---- rotary_pos_embedding.cuh ---------------------------------------------------------------
@@ -318,8 +318,8 @@ void run_attention_case(const AttnCase& c) {
   p.np_local = p.np_total = c.np;
   p.hn = c.hn;
   p.alpha = static_cast<float>(dpa.softmax_scale);
-  p.mask = mask.defined() ? k::MaskMode::Explicit
-                          : (c.mask == "causal" && c.s > 1 ? k::MaskMode::Causal : k::MaskMode::None);
+  p.mask = mask.defined() ? twin::opt::MaskMode::Explicit
+                          : (c.mask == "causal" && c.s > 1 ? twin::opt::MaskMode::Causal : twin::opt::MaskMode::None);
   p.mask_ptr = static_cast<const std::uint8_t*>(dmask.get());
   p.mask_b = c.b;
   p.drop = k::DropoutArgs::make(c.dropout, training, 99, 3);
@@ -417,7 +417,7 @@ TEST(OptimizedOps, AttentionRejectsBadArguments) {
     EXPECT_NE(std::string(e.what()).find("head dim 300"), std::string::npos) << e.what();
   }
   p.hn = 8;
-  p.mask = k::MaskMode::Causal;
+  p.mask = twin::opt::MaskMode::Causal;
   p.sk = 5;
   EXPECT_THROW(k::dot_product_attention_forward(DType::F32, d.get(), k::QkvLayout{32, 32, 2}, d.get(), p, nullptr),
                std::invalid_argument);

@@ -229,7 +229,7 @@ TEST(OptimizedBackward, BiasActivationMatchesReference) {
           rt::DeviceBuffer d_dx(sim(), x.nbytes());
           auto run = [&] {
             k::bias_activation_backward(dt, d_x.get(), with_bias ? d_b.get() : nullptr, d_dy.get(), d_dx.get(), n, f,
-                                        k::act_from_name(act), glu, nullptr);
+                                        twin::opt::act_from_name(act), glu, nullptr);
           };
           const RoundingCount count = counted(run);
           const Tensor dx = from_device(d_dx, dt, {n, w});
@@ -256,13 +256,14 @@ TEST(OptimizedBackward, BiasActivationMatchesReference) {
 
 TEST(OptimizedBackward, BiasActivationRejectsBadArguments) {
   rt::DeviceBuffer a(sim(), 256), b(sim(), 256);
-  EXPECT_THROW(
-      k::bias_activation_backward(DType::F32, a.get(), nullptr, b.get(), b.get(), 2, 4, k::Act::Gelu, true, nullptr),
-      std::invalid_argument);  // GLU: din aliasing dy
-  EXPECT_THROW(
-      k::bias_activation_backward(DType::F32, a.get(), nullptr, nullptr, b.get(), 2, 4, k::Act::Gelu, false, nullptr),
-      std::invalid_argument);
-  EXPECT_NO_THROW(k::bias_activation_backward(DType::F32, a.get(), nullptr, b.get(), a.get(), 2, 4, k::Act::Gelu, true,
+  EXPECT_THROW(k::bias_activation_backward(DType::F32, a.get(), nullptr, b.get(), b.get(), 2, 4, twin::opt::Act::Gelu,
+                                           true, nullptr),
+               std::invalid_argument);  // GLU: din aliasing dy
+  EXPECT_THROW(k::bias_activation_backward(DType::F32, a.get(), nullptr, nullptr, b.get(), 2, 4, twin::opt::Act::Gelu,
+                                           false, nullptr),
+               std::invalid_argument);
+  EXPECT_NO_THROW(k::bias_activation_backward(DType::F32, a.get(), nullptr, b.get(), a.get(), 2, 4,
+                                              twin::opt::Act::Gelu, true,
                                               nullptr));  // in place on fc1's output
 }
 
@@ -518,7 +519,9 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
   p.coeff = dpa.coeff ? static_cast<float>(*dpa.coeff) : 0.0f;
   p.softmax_fp32 = c.sm32 || c.coeff;  // TransformerConfig: layer scaling turns the fp32 softmax on
   rt::DeviceBuffer dmask = mask.defined() ? to_device(mask) : rt::DeviceBuffer();
-  p.mask = mask.defined() ? k::MaskMode::Explicit : causal ? k::MaskMode::Causal : k::MaskMode::None;
+  p.mask = mask.defined() ? twin::opt::MaskMode::Explicit
+           : causal       ? twin::opt::MaskMode::Causal
+                          : twin::opt::MaskMode::None;
   p.mask_ptr = static_cast<const std::uint8_t*>(dmask.get());
   p.mask_b = c.b;
   p.drop = k::DropoutArgs::make(c.dropout, training, 99, 3);
@@ -770,9 +773,9 @@ TEST(OptimizedBackward, AttentionSoftmaxStatsLeaveForwardBitsUnchanged) {
       p.np_local = p.np_total = np;
       p.hn = hn;
       p.alpha = 0.15f;
-      p.mask = std::string(mask) == "none"     ? k::MaskMode::None
-               : std::string(mask) == "causal" ? k::MaskMode::Causal
-                                               : k::MaskMode::Explicit;
+      p.mask = std::string(mask) == "none"     ? twin::opt::MaskMode::None
+               : std::string(mask) == "causal" ? twin::opt::MaskMode::Causal
+                                               : twin::opt::MaskMode::Explicit;
       p.mask_ptr = static_cast<const std::uint8_t*>(d_mask.get());
       p.mask_b = b;
       p.drop = k::DropoutArgs::make(0.1, true, 5, 6);
@@ -819,7 +822,7 @@ TEST(OptimizedBackward, AttentionRejectsBadArguments) {
   bad.hn = 300;
   EXPECT_NE(message(bad, qkv.get(), dqkv.get(), st, ws_bytes).find("head dim 300"), std::string::npos);
   bad = p;
-  bad.mask = k::MaskMode::Causal;
+  bad.mask = twin::opt::MaskMode::Causal;
   bad.sk = 5;
   EXPECT_NE(message(bad, qkv.get(), dqkv.get(), st, ws_bytes).find("causal"), std::string::npos);
   bad = p;
@@ -827,7 +830,7 @@ TEST(OptimizedBackward, AttentionRejectsBadArguments) {
   bad.softmax_fp32 = false;
   EXPECT_NE(message(bad, qkv.get(), dqkv.get(), st, ws_bytes, DType::BF16).find("fp32"), std::string::npos);
   bad = p;
-  bad.mask = k::MaskMode::Explicit;
+  bad.mask = twin::opt::MaskMode::Explicit;
   EXPECT_NE(message(bad, qkv.get(), dqkv.get(), st, ws_bytes).find("mask"), std::string::npos);
   EXPECT_NE(message(p, qkv.get(), dqkv.get(), st, ws_bytes, DType::I64).find("dtype"), std::string::npos);
 }
@@ -849,7 +852,7 @@ TEST(OptimizedBackward, EveryKernelLaunchIsDeclared) {
   for (bool rms : {false, true})
     k::norm_backward(rms, dt, dy.get(), x.get(), dx.get(), w.get(), dw.get(), rms ? nullptr : db.get(),
                      k::NormRows::dense(n, 2 * f), 1e-5, false, ws.get(), ws_bytes, nullptr);
-  k::bias_activation_backward(dt, x.get(), w.get(), dy.get(), dx.get(), n, f, k::Act::Silu, true, nullptr);
+  k::bias_activation_backward(dt, x.get(), w.get(), dy.get(), dx.get(), n, f, twin::opt::Act::Silu, true, nullptr);
   k::bias_dropout_add_backward(dt, dy.get(), dx.get(), nullptr, db.get(), n, h, k::DropoutArgs::make(0.1, true, 1, 2),
                                0, ws.get(), ws_bytes, nullptr);
   k::rotary_pos_emb_backward(dt, dx.get(), static_cast<const float*>(freqs.get()), k::NormRows::dense(n, 8), 1, 8,
@@ -863,7 +866,7 @@ TEST(OptimizedBackward, EveryKernelLaunchIsDeclared) {
     p.b = 2;
     p.np_local = p.np_total = 2;
     p.hn = 8;
-    p.mask = k::MaskMode::Causal;
+    p.mask = twin::opt::MaskMode::Causal;
     const k::QkvLayout lay{p.np_local * 3 * p.hn, 3 * p.hn, 1};
     rt::DeviceBuffer stats(sim(), sizeof(float) * 2 * p.b * p.np_local * p.sq),
         aws(sim(), k::dot_product_attention_backward_workspace_bytes(p));

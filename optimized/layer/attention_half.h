@@ -1,0 +1,85 @@
+// The attention half every optimized layer kind with a RankPlan runs before its MLP
+// (input_layernorm -> self_attention -> self_attn_bda -> pre_mlp_layernorm, Megatron's
+// TransformerLayer._forward_attention): its parameters' shapes, the config's numbers in the plan,
+// a forward's input checks, dropout streams and mask, and its q/k-layernorm taps. The dense and
+// the MoE layer fill their RankPlan here; Retro's layers take the same attention scaling.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/config.h"
+#include "core/tensor.h"
+#include "optimized/layer/options.h"
+#include "optimized/transformer_layer_plan.h"
+
+namespace twin::opt {
+
+// Megatron's state-dict keys of the attention half for `c` (biases and norms included or not).
+std::vector<std::string> attention_half_param_keys(const TransformerConfig& c);
+// The state-dict shapes of the attention half (input_layernorm through pre_mlp_layernorm) of a
+// layer of hidden size h, np heads in ng query groups of head dim hn.
+std::map<std::string, Shape> attention_half_param_shapes(std::int64_t h, std::int64_t np, std::int64_t ng,
+                                                         std::int64_t hn);
+
+// The attention half's weight slots in a RankPlan by state-dict key (a slot stays null where the
+// config has no such parameter).
+struct PlanWeight {
+  const char* key;
+  const void* RankPlan::*slot;
+};
+inline constexpr PlanWeight kAttentionHalfWeights[] = {
+    {"input_layernorm.weight", &RankPlan::ln1_w},
+    {"input_layernorm.bias", &RankPlan::ln1_b},
+    {"self_attention.linear_qkv.weight", &RankPlan::qkv_w},
+    {"self_attention.linear_qkv.bias", &RankPlan::qkv_b},
+    {"self_attention.q_layernorm.weight", &RankPlan::qln_w},
+    {"self_attention.q_layernorm.bias", &RankPlan::qln_b},
+    {"self_attention.k_layernorm.weight", &RankPlan::kln_w},
+    {"self_attention.k_layernorm.bias", &RankPlan::kln_b},
+    {"self_attention.linear_proj.weight", &RankPlan::proj_w},
+    {"self_attention.linear_proj.bias", &RankPlan::proj_b},
+    {"pre_mlp_layernorm.weight", &RankPlan::ln2_w},
+    {"pre_mlp_layernorm.bias", &RankPlan::ln2_b},
+};
+
+// A core_attention's softmax scale, Megatron's query-key layer scaling coefficient and the
+// softmax's dtype (DotProductAttention.__init__: scale 1 / sqrt(hn) or softmax_scale, divided by
+// the layer number under apply_query_key_layer_scaling, which FusedScaleMaskSoftmax multiplies
+// back in fp32; TransformerConfig.__post_init__: that scaling sets attention_softmax_in_fp32).
+struct AttentionScaling {
+  float alpha = 1.0f;  // the scale q k^T is multiplied by
+  float coeff = 0.0f;  // 0: no query-key layer scaling
+  bool softmax_fp32 = true;
+};
+AttentionScaling attention_scaling(const TransformerConfig& c, int layer_number);
+
+// The config's numbers in the attention half of `p`: heads, norms, activation, scaling, dropout
+// rates. The rank's split (tp, rank, sp), the ffn size and the pointers are the caller's.
+void plan_attention_half(RankPlan& p, const TransformerConfig& c, int layer_number);
+
+// A forward's inputs, checked before anything runs ("<who>: ..." ShapeErrors): hidden_states
+// [s, b, h] in dt; attention_mask BOOL [b | 1, 1 | np, s, s] or null; rotary_pos_emb F32
+// [s, 1, 1, rot_dim] with rot_dim even, > 0 and <= hn, or null.
+struct AttentionInputs {
+  int s = 0, b = 0;
+  int mask_b = 1, mask_h = 1;  // the mask's broadcast dims
+  int rot = 0;                 // rot_dim, 0 without RoPE
+};
+AttentionInputs check_attention_inputs(const std::string& who, const Tensor& hidden_states, DType dt, int h, int np,
+                                       int hn, const Tensor* attention_mask, const Tensor* rotary_pos_emb);
+
+// This forward's dropout streams (one per DropoutSite, from fo.offset), training flag, seed and
+// self-attention mask in `p`. Returns whether a value a captured graph bakes in changed.
+bool set_forward_streams(RankPlan& p, const ForwardOptions& fo, MaskMode mask_mode, int mask_b, int mask_h);
+
+// The q/k-layernorm taps out of the grouped linear_qkv output [S * B, ng * (hpg + 2) * hn] of
+// ng query groups (after the norms, which work in place): q [S, B, ng * hpg, hn] and
+// k [S, B, ng, hn].
+std::pair<Tensor, Tensor> qk_layernorm_taps(const Tensor& qkv, std::int64_t S, std::int64_t B, int ng, int hpg,
+                                            int hn);
+
+}  // namespace twin::opt

@@ -1,0 +1,33 @@
+// The entry points each backend compiles (twin::opt::sim always, twin::opt::cuda with nvcc),
+// declared once for both. Read only by the backend boundary: layer/kernels.cpp, which puts them in
+// each backend's LayerKernels, and the entry files that define them (*_sim.cpp, *_cuda.cu).
+#pragma once
+
+#include "optimized/layer/kernels.h"
+#include "optimized/moe/moe_transformer_layer_plan.h"
+#include "optimized/retro/retro_runner.h"
+#include "optimized/transformer_layer_plan.h"
+
+#define TWIN_LAYER_BACKEND_ENTRIES(ns)                                                                       \
+  namespace twin::opt::ns {                                                                                  \
+  void rank_forward(const RankPlan& p, cudaStream_t stream);                                                 \
+  void rank_backward(const RankPlan& p, const RankGrads& g, cudaStream_t stream);                            \
+  std::size_t rank_backward_workspace_bytes(const RankPlan& p);                                              \
+  void moe_router_phase(MoEPlan& p, cudaStream_t stream);                                                    \
+  void moe_expert_compute(MoEPlan& p, cudaStream_t stream);                                                  \
+  void moe_postprocess(MoEPlan& p, cudaStream_t stream);                                                     \
+  std::unique_ptr<retro::detail::Runner> make_retro_layer(const TransformerConfig& config,                   \
+                                                          const std::map<std::string, Tensor>& params,       \
+                                                          retro::RetroLayerKind kind, int layer_number);     \
+  std::unique_ptr<retro::detail::Runner> make_retro_block(const TransformerConfig& config,                   \
+                                                          const std::map<std::string, Tensor>& params,       \
+                                                          const std::vector<retro::RetroLayerKind>& layout); \
+  std::vector<std::pair<std::string, Shape>> retro_param_shapes(const TransformerConfig& config,             \
+                                                                retro::RetroLayerKind kind);                 \
+  std::string retro_unsupported(const TransformerConfig& config);                                            \
+  }
+TWIN_LAYER_BACKEND_ENTRIES(sim)
+#if TWIN_HAVE_CUDA
+TWIN_LAYER_BACKEND_ENTRIES(cuda)
+#endif
+#undef TWIN_LAYER_BACKEND_ENTRIES

@@ -1,0 +1,28 @@
+#include "optimized/layer/kernels.h"
+
+#include "optimized/layer/backend_entries.h"
+
+namespace twin::opt {
+
+#define TWIN_LAYER_KERNELS(ns)                                                                                \
+  LayerKernels {                                                                                              \
+    ns::rank_forward, ns::rank_backward, ns::rank_backward_workspace_bytes, ns::moe_router_phase,             \
+        ns::moe_expert_compute, ns::moe_postprocess, ns::make_retro_layer, ns::make_retro_block,              \
+        ns::retro_param_shapes, ns::retro_unsupported                                                         \
+  }
+
+const LayerKernels& layer_kernels(rt::Backend backend) {
+  static const LayerKernels sim_kernels = TWIN_LAYER_KERNELS(sim);
+#if TWIN_HAVE_CUDA
+  static const LayerKernels cuda_kernels = TWIN_LAYER_KERNELS(cuda);
+  if (backend == rt::Backend::Cuda) return cuda_kernels;
+#else
+  if (backend == rt::Backend::Cuda)
+    throw ConfigError("this build has no CUDA backend (run on the simulator, Backend::Sim)");
+#endif
+  return sim_kernels;
+}
+
+#undef TWIN_LAYER_KERNELS
+
+}  // namespace twin::opt

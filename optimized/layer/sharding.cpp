@@ -1,0 +1,76 @@
+#include "optimized/layer/sharding.h"
+
+#include <cstring>
+
+namespace twin::opt {
+
+std::map<std::string, Tensor> checked_params(const std::string& who, const std::map<std::string, Tensor>& params,
+                                             const std::vector<std::string>& keys,
+                                             const std::map<std::string, Shape>& shapes, DType dt) {
+  std::map<std::string, Tensor> out;
+  for (const std::string& key : keys) {
+    auto it = params.find(key);
+    if (it == params.end()) throw ShapeError(who + ": missing parameter '" + key + "'");
+    it->second.expect(shapes.at(key), dt, who + ": parameter '" + key + "'");
+    out[key] = it->second;
+  }
+  return out;
+}
+
+Tensor take_rows(const Tensor& t, std::int64_t r0, std::int64_t r1) {
+  const std::size_t row = std::size_t(t.numel() / t.size(0)) * dtype_size(t.dtype());
+  Shape shape = t.shape();
+  shape[0] = r1 - r0;
+  Tensor out = Tensor::empty(t.dtype(), shape);
+  std::memcpy(out.raw_mut(), t.raw() + std::size_t(r0) * row, std::size_t(r1 - r0) * row);
+  return out;
+}
+
+Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1) {
+  const std::int64_t rows = t.size(0), cols = t.size(1);
+  const std::size_t es = dtype_size(t.dtype());
+  Tensor out = Tensor::empty(t.dtype(), {rows, c1 - c0});
+  for (std::int64_t r = 0; r < rows; ++r)
+    std::memcpy(out.raw_mut() + std::size_t(r * (c1 - c0)) * es, t.raw() + std::size_t(r * cols + c0) * es,
+                std::size_t(c1 - c0) * es);
+  return out;
+}
+
+namespace {
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+// Rank r's rows of both GLU halves of a [2 ffn, ...] fc1 tensor: [its gate rows | its linear rows].
+Tensor glu_rows(const Tensor& t, std::int64_t ffn, std::int64_t f_l, int r) {
+  const Tensor first = take_rows(t, r * f_l, (r + 1) * f_l);
+  const Tensor second = take_rows(t, ffn + r * f_l, ffn + (r + 1) * f_l);
+  Shape shape = first.shape();
+  shape[0] = 2 * f_l;
+  Tensor both = Tensor::empty(t.dtype(), shape);
+  std::memcpy(both.raw_mut(), first.raw(), first.nbytes());
+  std::memcpy(both.raw_mut() + first.nbytes(), second.raw(), second.nbytes());
+  return both;
+}
+
+}  // namespace
+
+Tensor tensor_parallel_shard(const TransformerConfig& c, const std::string& key, const Tensor& t, int r, int tp) {
+  if (tp == 1) return t;
+  const std::int64_t np = c.num_attention_heads, ng = c.query_groups(), hn = c.head_dim(), ffn = c.ffn();
+  const std::int64_t np_l = np / tp, ng_l = ng / tp, f_l = ffn / tp;
+  if (starts_with(key, "self_attention.linear_qkv.")) {
+    const std::int64_t group_rows = (np / ng + 2) * hn;
+    return take_rows(t, r * ng_l * group_rows, (r + 1) * ng_l * group_rows);
+  }
+  if (starts_with(key, "cross_attention.attn.linear_q.")) return take_rows(t, r * np_l * hn, (r + 1) * np_l * hn);
+  if (starts_with(key, "cross_attention.attn.linear_kv."))
+    return take_rows(t, r * np_l * 2 * hn, (r + 1) * np_l * 2 * hn);
+  if (key == "self_attention.linear_proj.weight" || key == "cross_attention.attn.linear_proj.weight")
+    return take_cols(t, r * np_l * hn, (r + 1) * np_l * hn);
+  if (key == "mlp.linear_fc2.weight") return take_cols(t, r * f_l, (r + 1) * f_l);
+  if (starts_with(key, "mlp.linear_fc1."))
+    return c.gated_linear_unit ? glu_rows(t, ffn, f_l, r) : take_rows(t, r * f_l, (r + 1) * f_l);
+  return t;  // norms, the row-parallel biases
+}
+
+}  // namespace twin::opt

@@ -1,0 +1,37 @@
+// Megatron's tensor-parallel sharding of a layer's full state dict, by parameter-key rules, for
+// every layer kind: rank r of tp holds
+//   column parallel (rows of the weight and its bias): self_attention.linear_qkv by query groups
+//     (contiguous in the grouped layout), cross_attention.attn.linear_q / linear_kv by heads
+//     (linear_kv's [np, 2 hn] rows), mlp.linear_fc1 by output columns of both GLU halves
+//     ([its gate rows | its linear rows]);
+//   row parallel (columns of the weight): the linear_proj and mlp.linear_fc2 weights by input
+//     columns;
+//   replicated: the norms and the row-parallel linears' biases.
+// Expert parallelism keeps whole experts per rank (each MoE rank uploads its local experts).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/tensor.h"
+
+namespace twin::opt {
+
+// The parameters under `keys` of a full state dict, each present with its shape in `shapes` and
+// dtype dt ("<who>: missing parameter '<key>'" / the shape or dtype, as ShapeErrors).
+std::map<std::string, Tensor> checked_params(const std::string& who, const std::map<std::string, Tensor>& params,
+                                             const std::vector<std::string>& keys,
+                                             const std::map<std::string, Shape>& shapes, DType dt);
+
+// Rows [r0, r1) of a [rows, ...] tensor.
+Tensor take_rows(const Tensor& t, std::int64_t r0, std::int64_t r1);
+// Columns [c0, c1) of a [rows, cols] tensor.
+Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1);
+
+// Rank r's shard of the parameter under layer-relative `key` (rules above; the whole tensor at tp 1).
+Tensor tensor_parallel_shard(const TransformerConfig& c, const std::string& key, const Tensor& t, int r, int tp);
+
+}  // namespace twin::opt
