@@ -79,7 +79,6 @@ bool set_forward_streams(RankPlan& p, const ForwardOptions& fo, MaskMode mask_mo
 // The q/k-layernorm taps out of the grouped linear_qkv output [S * B, ng * (hpg + 2) * hn] of
 // ng query groups (after the norms, which work in place): q [S, B, ng * hpg, hn] and
 // k [S, B, ng, hn].
-std::pair<Tensor, Tensor> qk_layernorm_taps(const Tensor& qkv, std::int64_t S, std::int64_t B, int ng, int hpg,
-                                            int hn);
+std::pair<Tensor, Tensor> qk_layernorm_taps(const Tensor& qkv, std::int64_t S, std::int64_t B, int ng, int hpg, int hn);
 
 }  // namespace twin::opt

@@ -56,21 +56,21 @@ Mat activation(ActivationFunc f, const Mat& x, const Precision& p) {
 
 Mat glu(ActivationFunc f, const Mat& x, const Precision& p) {
   const Eigen::Index half = x.cols() / 2;
-    RowArrayF a(x.rows(), half), lin(x.rows(), half);  // torch.chunk(x, 2, dim=-1)
-    for (Eigen::Index r = 0; r < x.rows(); ++r) {
-      to_float(x.data() + r * x.cols(), a.data() + r * half, half);
-      to_float(x.data() + r * x.cols() + half, lin.data() + r * half, half);
-    }
-    activation_inplace(f, a, p);
-    Mat y(x.rows(), half);
-    if (p.params_dtype == DType::BF16) {
-      glu_product_bf16(a.data(), lin.data(), y.data(), a.size());  // rounds: act(x_glu) * x_linear
-      return y;
-    }
-    a *= lin;
-    p.act_inplace(a.data(), a.size());  // rounds: act(x_glu) * x_linear
-    to_double(a.data(), y.data(), a.size());
+  RowArrayF a(x.rows(), half), lin(x.rows(), half);  // torch.chunk(x, 2, dim=-1)
+  for (Eigen::Index r = 0; r < x.rows(); ++r) {
+    to_float(x.data() + r * x.cols(), a.data() + r * half, half);
+    to_float(x.data() + r * x.cols() + half, lin.data() + r * half, half);
+  }
+  activation_inplace(f, a, p);
+  Mat y(x.rows(), half);
+  if (p.params_dtype == DType::BF16) {
+    glu_product_bf16(a.data(), lin.data(), y.data(), a.size());  // rounds: act(x_glu) * x_linear
     return y;
+  }
+  a *= lin;
+  p.act_inplace(a.data(), a.size());  // rounds: act(x_glu) * x_linear
+  to_double(a.data(), y.data(), a.size());
+  return y;
 }
 
 }  // namespace twin::reference::fast

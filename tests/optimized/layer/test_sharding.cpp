@@ -50,8 +50,8 @@ std::vector<ShardedKey> keys_of(const Sizes& z) {
 }
 
 TEST(TensorParallelShard, RanksShardsReassembleEveryParameterInMegatronsLayout) {
-  for (const Sizes& z : {Sizes{8, 4, 2, 4, 12, 2, false}, Sizes{8, 4, 2, 4, 12, 2, true}, Sizes{16, 8, 4, 2, 8, 4, true},
-                         Sizes{8, 4, 4, 2, 8, 4, false}}) {
+  for (const Sizes& z : {Sizes{8, 4, 2, 4, 12, 2, false}, Sizes{8, 4, 2, 4, 12, 2, true},
+                         Sizes{16, 8, 4, 2, 8, 4, true}, Sizes{8, 4, 4, 2, 8, 4, false}}) {
     TransformerConfig c;
     c.hidden_size = z.h;
     c.num_attention_heads = z.np;
