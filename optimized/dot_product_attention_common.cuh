@@ -18,63 +18,6 @@ constexpr int kAttnRowsPerWarp = kAttnBQ / kAttnWarps;
 constexpr int kAttnMaxHeadDim = kMaxHeadDim;
 constexpr int kAttnMaxChunks = kAttnMaxHeadDim / 32;
 
-// Where q, k and v live inside the fused linear_qkv output [s, b, ng_local, (hpg + 2) * hn]:
-// token t = s_idx * b + b_idx; q of local head h at t * ld + (h / hpg) * group_stride + (h % hpg) * hn;
-// k of local group g at t * ld + g * group_stride + hpg * hn; v right after k.
-struct QkvLayout {
-  std::int64_t ld = 0;            // elements per token
-  std::int64_t group_stride = 0;  // (hpg + 2) * hn
-  int hpg = 1;                    // query heads per group
-};
-
-// Separate query and key/value layouts (cross attention, Retro's chunks and neighbours): query
-// head h of batch column bi at query position i is at
-//   q + i * q_tok + bi * q_batch + (h / hpg) * q_group + (h % hpg) * q_head,
-// key / value of group g at key position j at k / v + j * kv_tok + bi * kv_batch + g * kv_group.
-// Each tensor is read in place by index: a strided batch column (a neighbour's rows inside the
-// [r, bs*l*k] layout) costs no copy.
-struct AttnOperands {
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-  std::int64_t q_tok = 0, q_batch = 0, q_group = 0, q_head = 0;
-  int hpg = 1;
-  std::int64_t kv_tok = 0, kv_batch = 0, kv_group = 0;
-  // The fused linear_qkv output of a self attention (QkvLayout) as operands.
-  static AttnOperands from_qkv(const void* qkv, const QkvLayout& lay, int b, int hn, std::size_t elem_bytes) {
-    AttnOperands o;
-    const char* base = static_cast<const char*>(qkv);
-    o.q = base;
-    o.k = base + std::size_t(lay.hpg) * hn * elem_bytes;
-    o.v = base + std::size_t(lay.hpg + 1) * hn * elem_bytes;
-    o.q_tok = o.kv_tok = std::int64_t(b) * lay.ld;
-    o.q_batch = o.kv_batch = lay.ld;
-    o.q_group = o.kv_group = lay.group_stride;
-    o.q_head = hn;
-    o.hpg = lay.hpg;
-    return o;
-  }
-};
-
-struct AttnParams {
-  int sq = 0, sk = 0, b = 0;
-  int np_local = 0;     // heads on this rank
-  int np_total = 0;     // heads of the layer (mask head dim, dropout numbering)
-  int head_offset = 0;  // global index of local head 0
-  int hn = 0;
-  float alpha = 1.0f;        // softmax_scale (already divided by coeff)
-  float coeff = 0.0f;        // apply_query_key_layer_scaling: layer_number; 0 when off
-  bool softmax_fp32 = true;  // softmax input/output in fp32 (attention_softmax_in_fp32 for bf16/fp16)
-  MaskMode mask = MaskMode::None;
-  const std::uint8_t* mask_ptr = nullptr;  // [mask_b, mask_h, sq, sk], nonzero = masked
-  int mask_b = 1, mask_h = 1;
-  DropoutArgs drop;  // attention dropout over the flat [b, np_total, sq, sk] probabilities
-  // [b, np_local, sq, 2]: each row's online max m and sum l of exp(s - m) after pass 1 (what pass 2
-  // divides by), written by the forward when not null; the backward recomputes the probabilities
-  // from them. Null: not saved (the forward's output is the same either way).
-  float* softmax_stats = nullptr;
-};
-
 // Whether the score of query row i and key j (batch bi, global head h_global) is masked.
 __device__ inline bool attn_masked(const AttnParams& p, int bi, int h_global, int i, int j) {
   if (p.mask == MaskMode::Causal) return j > i;

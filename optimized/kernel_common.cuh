@@ -17,6 +17,7 @@
 #include "core/dtype.h"
 #include "core/rounding.h"
 #include "cuda_compat.h"
+#include "optimized/layer/kernel_args.h"  // the launchers' argument types, shared by both backends
 #include "optimized/runtime/cost_model.h"
 
 namespace twin::opt::TWIN_BACKEND {

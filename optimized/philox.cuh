@@ -53,32 +53,4 @@ __host__ __device__ inline float dropout_scaled(float x, double scale) {
   return round_to<T>(static_cast<float>(static_cast<double>(x) * scale));
 }
 
-// Host: the threshold of reference::dropout_keep_threshold (p in [0, 1]).
-inline std::uint32_t dropout_threshold(double p) {
-  require(p >= 0.0 && p <= 1.0, "dropout probability must be in [0, 1], got " + std::to_string(p));
-  double t = (1.0 - p) * 16777216.0;
-  std::uint32_t i = static_cast<std::uint32_t>(t);
-  if (static_cast<double>(i) < t) ++i;  // ceil
-  return i;
-}
-
-// One dropout call: active when training with p > 0. Elements are numbered globally (flat index
-// of the whole unsharded tensor), so TP/SP ranks draw the same mask as TP = 1.
-struct DropoutArgs {
-  bool active = false;
-  std::uint64_t seed = 0;
-  std::uint64_t offset = 0;
-  std::uint32_t threshold = 0;
-  double scale = 1.0;  // 1 / (1 - p) in double: the product x * scale rounds once to fp32, as the reference's
-  static DropoutArgs make(double p, bool training, std::uint64_t seed, std::uint64_t offset) {
-    DropoutArgs d;
-    d.threshold = dropout_threshold(p);
-    d.active = training && p > 0.0;
-    d.seed = seed;
-    d.offset = offset;
-    d.scale = p == 1.0 ? 0.0 : 1.0 / (1.0 - p);
-    return d;
-  }
-};
-
 }  // namespace twin::opt::TWIN_BACKEND

@@ -24,20 +24,6 @@
 
 namespace twin::opt::TWIN_BACKEND {
 
-// Row r starts at (r / rows_per_chunk) * chunk_stride + (r % rows_per_chunk) * row_stride
-// elements from the base pointer and holds `width` contiguous elements.
-struct NormRows {
-  std::int64_t n_rows = 0;
-  int width = 0;
-  std::int64_t rows_per_chunk = 1;
-  std::int64_t chunk_stride = 0;
-  std::int64_t row_stride = 0;
-  __host__ __device__ std::int64_t offset(std::int64_t r) const {
-    return (r / rows_per_chunk) * chunk_stride + (r % rows_per_chunk) * row_stride;
-  }
-  static NormRows dense(std::int64_t n_rows, int width) { return NormRows{n_rows, width, 1, width, 0}; }
-};
-
 constexpr int kNormWarpRowsPerBlock = 4;
 constexpr int kNormBlockThreads = 256;
 

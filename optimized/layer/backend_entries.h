@@ -5,26 +5,17 @@
 
 #include "optimized/layer/kernels.h"
 #include "optimized/moe/moe_transformer_layer_plan.h"
-#include "optimized/retro/retro_runner.h"
 #include "optimized/transformer_layer_plan.h"
 
-#define TWIN_LAYER_BACKEND_ENTRIES(ns)                                                                       \
-  namespace twin::opt::ns {                                                                                  \
-  void rank_forward(const RankPlan& p, cudaStream_t stream);                                                 \
-  void rank_backward(const RankPlan& p, const RankGrads& g, cudaStream_t stream);                            \
-  std::size_t rank_backward_workspace_bytes(const RankPlan& p);                                              \
-  void moe_router_phase(MoEPlan& p, cudaStream_t stream);                                                    \
-  void moe_expert_compute(MoEPlan& p, cudaStream_t stream);                                                  \
-  void moe_postprocess(MoEPlan& p, cudaStream_t stream);                                                     \
-  std::unique_ptr<retro::detail::Runner> make_retro_layer(const TransformerConfig& config,                   \
-                                                          const std::map<std::string, Tensor>& params,       \
-                                                          retro::RetroLayerKind kind, int layer_number);     \
-  std::unique_ptr<retro::detail::Runner> make_retro_block(const TransformerConfig& config,                   \
-                                                          const std::map<std::string, Tensor>& params,       \
-                                                          const std::vector<retro::RetroLayerKind>& layout); \
-  std::vector<std::pair<std::string, Shape>> retro_param_shapes(const TransformerConfig& config,             \
-                                                                retro::RetroLayerKind kind);                 \
-  std::string retro_unsupported(const TransformerConfig& config);                                            \
+#define TWIN_LAYER_BACKEND_ENTRIES(ns)                                            \
+  namespace twin::opt::ns {                                                       \
+  void rank_forward(const RankPlan& p, cudaStream_t stream);                      \
+  void rank_backward(const RankPlan& p, const RankGrads& g, cudaStream_t stream); \
+  std::size_t rank_backward_workspace_bytes(const RankPlan& p);                   \
+  void moe_router_phase(MoEPlan& p, cudaStream_t stream);                         \
+  void moe_expert_compute(MoEPlan& p, cudaStream_t stream);                       \
+  void moe_postprocess(MoEPlan& p, cudaStream_t stream);                          \
+  OpLaunchers op_launchers();                                                     \
   }
 TWIN_LAYER_BACKEND_ENTRIES(sim)
 #if TWIN_HAVE_CUDA

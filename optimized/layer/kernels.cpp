@@ -7,8 +7,7 @@ namespace twin::opt {
 #define TWIN_LAYER_KERNELS(ns)                                                                    \
   LayerKernels {                                                                                  \
     ns::rank_forward, ns::rank_backward, ns::rank_backward_workspace_bytes, ns::moe_router_phase, \
-        ns::moe_expert_compute, ns::moe_postprocess, ns::make_retro_layer, ns::make_retro_block,  \
-        ns::retro_param_shapes, ns::retro_unsupported                                             \
+        ns::moe_expert_compute, ns::moe_postprocess, ns::op_launchers()                           \
   }
 
 const LayerKernels& layer_kernels(rt::Backend backend) {

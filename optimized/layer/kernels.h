@@ -14,19 +14,39 @@
 
 #include <cuda_runtime_api.h>  // cudaStream_t (the toolkit's type; the simulator's streams are handles too)
 
-#include "core/config.h"
-#include "core/tensor.h"
-#include "optimized/retro/retro_layer.h"  // RetroLayerKind
-#include "optimized/runtime/device.h"     // rt::Backend
+#include "core/dtype.h"
+#include "optimized/layer/kernel_args.h"
+#include "optimized/runtime/device.h"  // rt::Backend
 
 namespace twin::opt {
 
 struct RankPlan;
 struct RankGrads;
 struct MoEPlan;
-namespace retro::detail {
-struct Runner;
-}
+
+// One backend's single-op launchers (the .cuh of each op), for a layer whose host side launches
+// its ops one at a time (Retro's layers, with taps and reshuffles between them). Each throws
+// std::invalid_argument naming the op for arguments it cannot take.
+struct OpLaunchers {
+  void (*norm_forward)(bool rms, DType, const void* x, void* y, const void* weight, const void* bias, const NormRows&,
+                       double eps, bool zero_centered_gamma, cudaStream_t);
+  // y [rows, out] = x [rows, in] W^T (+ bias in the epilogue when not null)
+  void (*linear_forward)(DType, const void* x, const void* weight, const void* bias, void* y, std::int64_t rows,
+                         std::int64_t in, std::int64_t out, cudaStream_t);
+  void (*dot_product_attention_forward)(DType, const AttnOperands&, void* context, const AttnParams&, cudaStream_t);
+  void (*bias_dropout_add_forward)(DType, const void* x, const void* bias, const void* residual, void* out,
+                                   std::int64_t n_rows, int h, const DropoutArgs&, std::uint64_t element_base,
+                                   cudaStream_t);
+  void (*bias_activation_forward)(DType, const void* in, const void* bias, void* out, std::int64_t n, int f, Act,
+                                  bool glu, cudaStream_t);
+  void (*retro_gather_rows)(DType, const void* x, void* out, const RetroMapArgs&, std::int64_t in_rows, int d,
+                            cudaStream_t);
+  void (*retro_decoder_bias_dropout_add)(DType, const void* x, const void* bias, const void* residual, void* out,
+                                         const RetroMapArgs& unchunk, int d, const DropoutArgs&, cudaStream_t);
+  void (*retro_encoder_bias_dropout_add)(DType, const void* x, const void* bias, const void* residual, void* out,
+                                         std::int64_t r, std::int64_t N, std::int64_t k, int d, const DropoutArgs&,
+                                         cudaStream_t);
+};
 
 struct LayerKernels {
   // The dense layer (transformer_layer.cuh): one rank's forward and backward.
@@ -38,16 +58,8 @@ struct LayerKernels {
   void (*moe_router_phase)(MoEPlan&, cudaStream_t);
   void (*moe_expert_compute)(MoEPlan&, cudaStream_t);
   void (*moe_postprocess)(MoEPlan&, cudaStream_t);
-  // The Retro decoder (retro_layer_impl.cuh): a built layer or block, its parameters' keys and
-  // shapes, what it does not implement.
-  std::unique_ptr<retro::detail::Runner> (*make_retro_layer)(const TransformerConfig&,
-                                                             const std::map<std::string, Tensor>&,
-                                                             retro::RetroLayerKind, int layer_number);
-  std::unique_ptr<retro::detail::Runner> (*make_retro_block)(const TransformerConfig&,
-                                                             const std::map<std::string, Tensor>&,
-                                                             const std::vector<retro::RetroLayerKind>&);
-  std::vector<std::pair<std::string, Shape>> (*retro_param_shapes)(const TransformerConfig&, retro::RetroLayerKind);
-  std::string (*retro_unsupported)(const TransformerConfig&);
+  // Single ops, for the layers that launch them one by one (op_launchers.cuh).
+  OpLaunchers ops;
 };
 
 // The table of `backend`; ConfigError when this build has no such backend.

@@ -1,10 +1,7 @@
-# The optimized Retro decoder (retro_layer.h): the Retro kernels (retro_kernels.cuh) and the layer
-# and block kernel sequence (retro_layer_impl.cuh), compiled for the simulator and, when nvcc
-# exists, for the GPU, into twin_optimized.
+# The optimized Retro decoder (retro_layer.h): its host side compiled once (retro_layer_impl.h
+# names the files, one per Megatron module), its kernels (retro_kernels.cuh) launched through
+# the backend's launchers (layer/op_launchers.cuh), into twin_optimized.
 target_sources(twin_optimized PRIVATE ${CMAKE_CURRENT_LIST_DIR}/retro_layer.cpp
-                                      ${CMAKE_CURRENT_LIST_DIR}/retro_layer_sim.cpp)
-if(TWIN_HAVE_CUDA)
-  target_sources(twin_optimized PRIVATE ${CMAKE_CURRENT_LIST_DIR}/retro_layer_cuda.cu)
-  set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/retro_layer_cuda.cu PROPERTIES COMPILE_OPTIONS
-    "$<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr;-Xcudafe=--diag_suppress=20012>")
-endif()
+                                      ${CMAKE_CURRENT_LIST_DIR}/decoder_attention.cpp
+                                      ${CMAKE_CURRENT_LIST_DIR}/encoder_attention.cpp
+                                      ${CMAKE_CURRENT_LIST_DIR}/decoder_spec.cpp)

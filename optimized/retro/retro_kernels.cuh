@@ -20,35 +20,6 @@
 
 namespace twin::opt::TWIN_BACKEND {
 
-enum class RetroMap : int {
-  ChunkEncoderContext,   // [ns, bs] -> [m, N]: first ns % m tokens right-padded into chunk 0
-  PadAttendingChunks,    // [ns, bs] -> [m, N]: tokens from pad = (ns - 1) % m, right-padded to l*m
-  UnchunkDecoderOutput,  // [m, N] -> [ns, bs]: pad zero rows prepended, cut to ns
-  SplitNeighbors,        // [r, N*k] -> [r, N] of neighbour n (column j*k + n)
-  StackNeighbors,        // k parts [r, N] one after another -> [r, k*N] (column n*N + j)
-};
-
-struct RetroMapArgs {
-  RetroMap map = RetroMap::ChunkEncoderContext;
-  std::int64_t ns = 0, bs = 0, m = 1, l = 0, pad = 0;  // chunking
-  std::int64_t r = 0, N = 0, k = 1, n = 0;             // neighbours
-  // Rows of the map's output.
-  __host__ __device__ std::int64_t out_rows() const {
-    switch (map) {
-      case RetroMap::ChunkEncoderContext:
-      case RetroMap::PadAttendingChunks:
-        return m * bs * l;
-      case RetroMap::UnchunkDecoderOutput:
-        return ns * bs;
-      case RetroMap::SplitNeighbors:
-        return r * N;
-      case RetroMap::StackNeighbors:
-        return r * k * N;
-    }
-    return 0;
-  }
-};
-
 // The input row output row o takes, or -1 (zeros).
 __host__ __device__ inline std::int64_t retro_src_row(const RetroMapArgs& a, std::int64_t o) {
   switch (a.map) {

@@ -1,57 +1,376 @@
-// The optimized Retro decoder's public classes (retro_layer.h): each holds the runner of its
-// backend (retro_layer_impl.cuh, built for the simulator and, with nvcc, for the GPU), made
-// through the backend boundary (layer/kernels.h).
+// The optimized Retro decoder's layer and block (retro_layer.h), host side compiled once: a layer
+// runs Megatron's TransformerLayer steps (input_layernorm, self_attention, self_attn_bda,
+// pre_cross_attn_layernorm, cross_attention, cross_attn_bda, pre_mlp_layernorm, mlp, mlp_bda) on
+// each rank, launching the backend's ops one at a time (layer/rank_context.h); the ranks run as
+// every layer kind runs them (layer/rank_runner.h), and use_graph captures a rank's forward
+// (layer/graph_cache.h).
 #include "optimized/retro/retro_layer.h"
 
-#include "optimized/layer/kernels.h"
-#include "optimized/retro/retro_runner.h"
+#include <functional>
+
+#include "core/dropout_site.h"
+#include "optimized/layer/graph_cache.h"
+#include "optimized/layer/rank_runner.h"
+#include "optimized/retro/retro_layer_impl.h"
 
 namespace twin::opt::retro {
 
-std::vector<std::pair<std::string, Shape>> retro_layer_param_shapes(const TransformerConfig& c, RetroLayerKind kind) {
-  return layer_kernels(rt::Backend::Sim).retro_param_shapes(c, kind);  // the same for every backend
+// ---- a layer's ops on one rank --------------------------------------------------------------
+
+const void* Layer::w(const RankContext& ex, const std::string& key) const {
+  const auto& m = dev.at(static_cast<std::size_t>(ex.rank));
+  auto it = m.find(key);
+  return it == m.end() ? nullptr : it->second.get();
 }
 
-std::string retro_decoder_unsupported(const TransformerConfig& c) {
-  return layer_kernels(rt::Backend::Sim).retro_unsupported(c);  // the same on every backend
+const Tensor* Layer::host_param(const std::string& key) const {
+  auto it = host.find(key);
+  return it == host.end() ? nullptr : &it->second;
 }
 
-std::vector<std::string> retro_layer_param_keys(const TransformerConfig& c, RetroLayerKind kind) {
-  std::vector<std::string> keys;
-  for (const auto& [key, shape] : retro_layer_param_shapes(c, kind)) keys.push_back(key);
-  return keys;
+DTensor Layer::norm(const RankContext& ex, const DTensor& x, const std::string& key) const {
+  DTensor y = ex.alloc(x.shape);
+  ex.ops->norm_forward(false, ex.dt, x.get(), y.get(), w(ex, key + ".weight"), w(ex, key + ".bias"),
+                       NormRows::dense(x.numel() / h, h), c.layernorm_epsilon, c.layernorm_zero_centered_gamma,
+                       ex.st());
+  return y;
 }
+
+DTensor Layer::linear(const RankContext& ex, const DTensor& x, const std::string& key, bool bias_in_epilogue,
+                      std::int64_t out_features) const {
+  const std::int64_t in = x.shape.back(), rows = x.numel() / in;
+  Shape shape = x.shape;
+  shape.back() = out_features;
+  DTensor y = ex.alloc(shape);
+  ex.ops->linear_forward(ex.dt, x.get(), w(ex, key + ".weight"), bias_in_epilogue ? w(ex, key + ".bias") : nullptr,
+                         y.get(), rows, in, out_features, ex.st());
+  return y;
+}
+
+// A row-parallel linear (linear_proj, fc2): each rank's product summed over the ranks
+// (all-reduce); the bias is left to the bias-dropout-add, as in Megatron.
+DTensor Layer::row_parallel_linear(const RankContext& ex, const DTensor& x, const std::string& key) const {
+  DTensor y = linear(ex, x, key, false, h);
+  if (ex.tp == 1) return y;
+  rounding_store(ex.dt);  // counts: the sum over ranks, stored in T
+  DTensor sum = ex.alloc(y.shape);
+  ex.comm->all_reduce(y.get(), sum.get(), std::size_t(y.numel()), ex.dt, ex.st());
+  return sum;
+}
+
+AttnParams Layer::attn_params(const RankContext& ex, int sq, int sk, int b, double dropout,
+                              std::uint64_t drop_offset) const {
+  AttnParams ap;
+  ap.sq = sq;
+  ap.sk = sk;
+  ap.b = b;
+  ap.np_local = np_l(ex);
+  ap.np_total = np;
+  ap.head_offset = ex.rank * np_l(ex);
+  ap.hn = hn;
+  ap.alpha = scaling.alpha;
+  ap.coeff = scaling.coeff;
+  ap.softmax_fp32 = scaling.softmax_fp32;
+  ap.drop = DropoutArgs::make(dropout, ex.training, ex.seed, drop_offset);
+  return ap;
+}
+
+DropoutArgs Layer::hidden_dropout_args(const RankContext& ex, std::uint64_t drop_offset) const {
+  return DropoutArgs::make(hidden_dropout, ex.training, ex.seed, drop_offset);
+}
+
+// Row-parallel linear output and its bias as taps: <module>.<linear>.0/.1 and <module>.0/.1.
+// `module`: the layer-relative module path (its bias key), `pre`: the tap prefix.
+void Layer::proj_taps(const RankContext& ex, const DTensor& y, const std::string& pre, const std::string& module,
+                      const std::string& linear) const {
+  if (!ex.rec) return;
+  const Tensor* bias = host_param(module + "." + linear + ".bias");
+  const std::string m = pre + module + ".";
+  ex.tap(m + linear + ".0", y);
+  ex.tap_param(m + linear + ".1", bias);
+  ex.tap(m + "0", y);
+  ex.tap_param(m + "1", bias);
+}
+
+AttnOperands cross_attention_operands(const void* q, std::int64_t q_tok, const void* kv, std::int64_t N, std::int64_t D,
+                                      int hn, DType dt) {
+  AttnOperands ops;
+  ops.q = q;
+  ops.q_tok = q_tok;
+  ops.q_batch = q_tok / N;
+  ops.q_group = hn;
+  ops.q_head = hn;
+  ops.hpg = 1;
+  ops.k = kv;
+  ops.v = static_cast<const char*>(kv) + std::size_t(hn) * dtype_size(dt);
+  ops.kv_tok = N * 2 * D;
+  ops.kv_batch = 2 * D;
+  ops.kv_group = 2 * hn;
+  return ops;
+}
+
+// ---- the layer's forward ---------------------------------------------------------------------
+
+// input_layernorm, self_attention (linear_qkv with its bias in the epilogue), self_attn_bda.
+// x [s, b, h] -> [s, b, h].
+DTensor Layer::self_attention(const RankContext& ex, const DTensor& x, const DTensor* mask, std::uint64_t offset,
+                              const std::string& pre) const {
+  const int s = static_cast<int>(x.shape[0]), b = static_cast<int>(x.shape[1]);
+  const DTensor ln1 = norm(ex, x, "input_layernorm");
+  ex.tap(pre + "input_layernorm", ln1);
+  const std::int64_t hpg = np / ng, qkv_w = std::int64_t(ng / ex.tp) * (hpg + 2) * hn;
+  const DTensor qkv = linear(ex, ln1, "self_attention.linear_qkv", true, qkv_w);  // [s, b, ng (hpg + 2) hn]
+  ex.tap(pre + "self_attention.linear_qkv.0", qkv);
+  // The decoder's self attention is causal (the GPT spec); the encoder's is padding: the
+  // context_mask when given, else none.
+  AttnParams ap = attn_params(ex, s, s, b, self_attention_dropout, dropout_offset(offset, DropoutSite::SelfAttention));
+  if (encoder_layer && mask) {
+    ap.mask = MaskMode::Explicit;
+    ap.mask_ptr = static_cast<const std::uint8_t*>(mask->get());
+    ap.mask_b = static_cast<int>(mask->shape[0]);
+    ap.mask_h = static_cast<int>(mask->shape[1]);
+  } else {
+    ap.mask = self_attention_mask_mode(false, encoder_layer ? "padding" : "causal", s);
+  }
+  const DTensor core = ex.alloc({s, b, std::int64_t(np_l(ex)) * hn});
+  const QkvLayout layout{qkv_w, (hpg + 2) * hn, int(hpg)};
+  ex.ops->dot_product_attention_forward(ex.dt, AttnOperands::from_qkv(qkv.get(), layout, b, hn, dtype_size(ex.dt)),
+                                        core.get(), ap, ex.st());
+  ex.tap(pre + "self_attention.core_attention", core);
+  const DTensor proj = row_parallel_linear(ex, core, "self_attention.linear_proj");
+  proj_taps(ex, proj, pre, "self_attention", "linear_proj");
+  DTensor out = ex.alloc(x.shape);
+  ex.ops->bias_dropout_add_forward(
+      ex.dt, proj.get(), w(ex, "self_attention.linear_proj.bias"), x.get(), out.get(), x.numel() / h, h,
+      hidden_dropout_args(ex, dropout_offset(offset, DropoutSite::SelfAttnBda)), 0, ex.st());
+  return out;
+}
+
+// pre_mlp_layernorm (the encoder's RetroEncoderLayerNorm norms every row), mlp, mlp_bda.
+// h2 [s, b, h] -> [s, b, h].
+DTensor Layer::mlp(const RankContext& ex, const DTensor& h2, std::uint64_t offset, const std::string& pre) const {
+  const std::int64_t n = h2.numel() / h;
+  const std::string ln2_key = cross == Cross::Encoder ? "pre_mlp_layernorm.norm" : "pre_mlp_layernorm";
+  const DTensor ln2 = norm(ex, h2, ln2_key);
+  ex.tap(pre + "pre_mlp_layernorm", ln2);
+  const bool glu = c.gated_linear_unit;
+  const int f_l = ffn / ex.tp;
+  const DTensor fc1 = linear(ex, ln2, "mlp.linear_fc1", false, (glu ? 2 : 1) * std::int64_t(f_l));
+  ex.tap(pre + "mlp.linear_fc1.0", fc1);
+  ex.tap_param(pre + "mlp.linear_fc1.1", host_param("mlp.linear_fc1.bias"));
+  Shape act_shape = h2.shape;
+  act_shape.back() = f_l;
+  const DTensor act = ex.alloc(act_shape);
+  ex.ops->bias_activation_forward(ex.dt, fc1.get(), w(ex, "mlp.linear_fc1.bias"), act.get(), n, f_l,
+                                  act_from_name(c.activation_func), glu, ex.st());
+  const DTensor fc2 = row_parallel_linear(ex, act, "mlp.linear_fc2");
+  proj_taps(ex, fc2, pre, "mlp", "linear_fc2");
+  DTensor out = ex.alloc(h2.shape);
+  ex.ops->bias_dropout_add_forward(ex.dt, fc2.get(), w(ex, "mlp.linear_fc2.bias"), h2.get(), out.get(), n, h,
+                                   hidden_dropout_args(ex, dropout_offset(offset, DropoutSite::MlpBda)), 0, ex.st());
+  return out;
+}
+
+std::pair<DTensor, std::optional<DTensor>> Layer::forward(const RankContext& ex, const DTensor& x,
+                                                          std::optional<DTensor> context, const DTensor* mask,
+                                                          std::uint64_t offset, const std::string& pre) const {
+  const DTensor h1 = self_attention(ex, x, mask, offset, pre);
+  // pre_cross_attn_layernorm, cross_attention, cross_attn_bda (IdentityOps in a GPT layer)
+  DTensor h2 = h1;
+  if (cross != Cross::None) {
+    const DTensor lnc = norm(ex, h1, "pre_cross_attn_layernorm");
+    ex.tap(pre + "pre_cross_attn_layernorm", lnc);
+    if (cross == Cross::Decoder) {
+      h2 = decoder_cross_attention(ex, lnc, h1, context, mask, offset, pre + "cross_attention.");
+    } else {
+      if (!context) throw std::invalid_argument("RetroEncoderCrossAttention: key_value_states cannot be None");
+      h2 = encoder_cross_attention(ex, lnc, *context, offset, pre + "cross_attention.");
+    }
+  }
+  return {mlp(ex, h2, offset, pre), context};
+}
+
+std::pair<DTensor, std::optional<DTensor>> Block::forward(const RankContext& ex, DTensor x,
+                                                          std::optional<DTensor> context, const DTensor* mask,
+                                                          std::uint64_t offset, const std::string& prefix) const {
+  const RoundingCount inputs_rounding = rounding_now();
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    rounding_join(inputs_rounding);
+    const std::string l = prefix + "layers." + std::to_string(i) + ".";
+    auto [h, c] = layers[i]->forward(ex, x, context, mask, block_layer_offset(offset, i), l);
+    x = h;
+    ex.tap(prefix + "layers." + std::to_string(i) + ".0", x);
+    context = c;
+    if (context) ex.tap(prefix + "layers." + std::to_string(i) + ".1", *context);
+  }
+  return {x, context};
+}
+
+// ---- the ranks of a built layer or block ----------------------------------------------------
+
+namespace {
+
+// The tensor-parallel ranks of a built layer or block (device, a stream and a communicator each)
+// and the steps of a forward the layer and the block share: inputs checked and uploaded, the ranks
+// run eagerly or from their captured graphs, the output and record put together.
+struct RankGroup {
+  TransformerConfig config;
+  DType dt = DType::F32;
+  rt::Device* dev = nullptr;
+  const OpLaunchers* ops = nullptr;
+  int tp = 1;
+  std::vector<std::unique_ptr<rt::Stream>> streams;      // per rank
+  std::vector<std::unique_ptr<rt::Communicator>> comms;  // tp > 1
+  std::vector<GraphCache> graphs;                        // per rank (use_graph)
+
+  RankGroup(const TransformerConfig& c, rt::Backend backend) : config(c) {
+    validate(c);
+    dt = params_dtype(c);
+    dev = &rt::device(backend);
+    ops = &layer_kernels(backend).ops;
+    tp = c.tensor_model_parallel_size;
+    for (int r = 0; r < tp; ++r) streams.push_back(std::make_unique<rt::Stream>(*dev));
+    if (tp > 1) comms = rt::make_threaded_group(tp);
+    graphs.resize(static_cast<std::size_t>(tp));
+  }
+
+  RankContext rank_context(int rank, const RetroForwardOptions& o = {}) const {
+    RankContext ex;
+    ex.dev = dev;
+    ex.stream = streams.at(static_cast<std::size_t>(rank)).get();
+    ex.ops = ops;
+    ex.dt = dt;
+    ex.training = o.training;
+    ex.seed = o.seed;
+    ex.rank = rank;
+    ex.tp = tp;
+    ex.comm = tp > 1 ? comms[static_cast<std::size_t>(rank)].get() : nullptr;
+    ex.what = "optimized Retro decoder";
+    return ex;
+  }
+
+  // hidden_states [ns, bs, d] in dt, context rank 3 in dt, context_mask BOOL rank 4.
+  void check(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask) const {
+    const std::int64_t d = config.hidden_size;
+    if (hidden_states.dim() != 3 || hidden_states.size(2) != d || hidden_states.size(0) <= 0 ||
+        hidden_states.size(1) <= 0)
+      throw ShapeError("optimized Retro decoder: hidden_states expected [ns, bs, " + std::to_string(d) + "], got " +
+                       shape_str(hidden_states.shape()));
+    if (hidden_states.dtype() != dt)
+      throw ShapeError(std::string("optimized Retro decoder: hidden_states dtype ") +
+                       dtype_name(hidden_states.dtype()) + " differs from the params dtype " + dtype_name(dt));
+    if (context && (context->dim() != 3 || context->size(2) != d || context->dtype() != dt))
+      throw ShapeError("optimized Retro decoder: context expected " + std::string(dtype_name(dt)) + " [*, *, " +
+                       std::to_string(d) + "], got " + context->describe());
+    if (context_mask) {
+      const Shape& ms = context_mask->shape();
+      const RetroSizes rs = retro_sizes(config);
+      if (context_mask->dtype() != DType::BOOL || ms.size() != 4 || ms[2] != rs.r || ms[3] != rs.r ||
+          (ms[1] != 1 && ms[1] != config.num_attention_heads))
+        throw ShapeError("optimized Retro decoder: context_mask expected BOOL [k*bs*l or 1, 1 or np, r, r] with r = " +
+                         std::to_string(rs.r) + ", got " + context_mask->describe());
+      if (context && ms[0] != 1 && ms[0] != context->size(1))
+        throw ShapeError("optimized Retro decoder: context_mask batch " + std::to_string(ms[0]) +
+                         " is neither 1 nor the neighbour batch k*bs*l = " + std::to_string(context->size(1)));
+    }
+  }
+
+  void check_graph(const RetroForwardOptions& o) const {
+    if (o.record_taps)
+      throw std::invalid_argument(
+          "optimized Retro decoder: use_graph records no taps (a tap copies to the host "
+          "mid-forward, which a captured stream cannot)");
+    if (dev->backend() == rt::Backend::Cuda && tp != 1)
+      throw std::invalid_argument(
+          "optimized Retro decoder: use_graph on the GPU is for tensor_model_parallel_size 1 (the ranks' threaded "
+          "collectives are host work a CUDA graph cannot capture)");
+  }
+
+  // Runs `forward` (inputs: hidden states, context, mask; outputs: hidden states, context) on
+  // every rank (layer/rank_runner.h: the rounding counts joined as every layer kind joins them),
+  // eagerly or from the rank's captured graph, and returns rank 0's output.
+  RetroOutput forward(const RetroForwardOptions& o, const Tensor& hidden_states, const Tensor* context,
+                      const Tensor* context_mask, const CapturableForward& forward) {
+    if (o.use_graph) check_graph(o);
+    if (o.record_taps && tp != 1)
+      throw std::invalid_argument("optimized Retro decoder: taps are recorded at tensor_model_parallel_size 1 only");
+    check(hidden_states, context, context_mask);
+    const std::vector<const Tensor*> inputs{&hidden_states, context, context_mask};
+    RetroOutput out;
+    run_ranks_counted(tp, [&](int r) {
+      RankContext ex = rank_context(r, o);
+      Record rec;
+      if (o.record_taps) ex.rec = &rec;
+      DeviceTensors outputs;
+      if (o.use_graph) {
+        outputs = graphs[static_cast<std::size_t>(r)].run(ex, inputs, {o.training, o.seed, o.offset}, forward);
+      } else {
+        DeviceTensors in;
+        for (const Tensor* t : inputs) in.push_back(t ? std::optional<DTensor>(ex.upload(*t)) : std::nullopt);
+        outputs = forward(ex, in);
+      }
+      if (r != 0) return;
+      out.hidden_states = ex.download(*outputs.at(0));
+      if (outputs.at(1)) out.context = ex.download(*outputs[1]);
+      out.record = std::move(rec);
+    });
+    return out;
+  }
+};
+
+}  // namespace
+
+// ---- the public classes ---------------------------------------------------------------------
 
 struct RetroDecoderLayer::Impl {
-  std::unique_ptr<detail::Runner> runner;
+  RankGroup ranks;
+  std::unique_ptr<Layer> layer;
 };
 
 RetroDecoderLayer::RetroDecoderLayer(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
                                      RetroLayerKind kind, int layer_number, rt::Backend backend)
-    : impl_(std::make_unique<Impl>()) {
-  impl_->runner = layer_kernels(backend).make_retro_layer(c, params, kind, layer_number);
+    : impl_(std::make_unique<Impl>(Impl{RankGroup(c, backend), nullptr})) {
+  std::set<std::string> used;
+  impl_->layer = build_layer(c, params, "", cross_of(kind), false, kind == RetroLayerKind::RetroWithEncoder,
+                             layer_number, impl_->ranks.rank_context(0), used);
+  check_all_used(params, used);
 }
 RetroDecoderLayer::~RetroDecoderLayer() = default;
 
 RetroOutput RetroDecoderLayer::forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                                        const RetroForwardOptions& o) {
-  return impl_->runner->forward(hidden_states, context, context_mask, o);
+  return impl_->ranks.forward(
+      o, hidden_states, context, context_mask, [&](const RankContext& ex, const DeviceTensors& in) {
+        auto [x, ctx] = impl_->layer->forward(ex, *in[0], in[1], in[2] ? &*in[2] : nullptr, o.offset, "");
+        return DeviceTensors{x, ctx};
+      });
 }
 
 struct RetroDecoderBlock::Impl {
-  std::unique_ptr<detail::Runner> runner;
+  RankGroup ranks;
+  Block block;
 };
 
 RetroDecoderBlock::RetroDecoderBlock(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
                                      const std::vector<RetroLayerKind>& layout, rt::Backend backend)
-    : impl_(std::make_unique<Impl>()) {
-  impl_->runner = layer_kernels(backend).make_retro_block(c, params, layout);
+    : impl_(std::make_unique<Impl>(Impl{RankGroup(c, backend), {}})) {
+  reject(layout.empty(), "an empty block layout");
+  std::set<std::string> used;
+  for (std::size_t i = 0; i < layout.size(); ++i)
+    impl_->block.layers.push_back(build_layer(c, params, "layers." + std::to_string(i) + ".", cross_of(layout[i]),
+                                              false, layout[i] == RetroLayerKind::RetroWithEncoder, int(i) + 1,
+                                              impl_->ranks.rank_context(0), used));
+  check_all_used(params, used);
 }
 RetroDecoderBlock::~RetroDecoderBlock() = default;
 
 RetroOutput RetroDecoderBlock::forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                                        const RetroForwardOptions& o) {
-  return impl_->runner->forward(hidden_states, context, context_mask, o);
+  return impl_->ranks.forward(
+      o, hidden_states, context, context_mask, [&](const RankContext& ex, const DeviceTensors& in) {
+        auto [x, ctx] = impl_->block.forward(ex, *in[0], in[1], in[2] ? &*in[2] : nullptr, o.offset, "");
+        return DeviceTensors{x, ctx};
+      });
 }
 
 }  // namespace twin::opt::retro

@@ -170,7 +170,7 @@ void run_case(const AttnCase& c) {
   a.rot_dim = rot;
   a.rope_interleaved = c.rope == Rope::Interleaved;
   a.freqs = rot ? static_cast<const float*>(d_freqs.get()) : nullptr;
-  k::AttnParams& ap = a.attn;
+  opt::AttnParams& ap = a.attn;
   ap.sq = ap.sk = c.s;
   ap.b = c.b;
   ap.np_local = ap.np_total = c.np;
@@ -178,11 +178,11 @@ void run_case(const AttnCase& c) {
   ap.alpha = static_cast<float>(1.0 / std::sqrt(double(c.hn)));
   ap.softmax_fp32 = true;  // attention_softmax_in_fp32 (the config's default)
   ap.mask = c.causal && c.s > 1 ? twin::opt::MaskMode::Causal : twin::opt::MaskMode::None;
-  ap.drop = k::DropoutArgs::make(c.p, c.p > 0, attn_rng.seed, attn_rng.offset);
-  a.drop = k::DropoutArgs::make(c.p, c.p > 0, bda_rng.seed, bda_rng.offset);
+  ap.drop = opt::DropoutArgs::make(c.p, c.p > 0, attn_rng.seed, attn_rng.offset);
+  a.drop = opt::DropoutArgs::make(c.p, c.p > 0, bda_rng.seed, bda_rng.offset);
   // The forward's softmax statistics on the same q, k, v (its context is not used).
   {
-    k::AttnParams fp = ap;
+    opt::AttnParams fp = ap;
     fp.softmax_stats = static_cast<float*>(stats.get());
     k::dot_product_attention_forward(dt, d_qkv.get(), a.layout(), ctx_again.get(), fp, nullptr);
   }

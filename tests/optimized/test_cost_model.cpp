@@ -170,7 +170,7 @@ TEST(CostModel, AttentionReadsKTwiceAndVOncePerQueryTileAndNoScores) {
           m(d, std::size_t(s) * s);
       qkv.zero();
       m.zero();
-      k::AttnParams p;
+      opt::AttnParams p;
       p.sq = p.sk = s;
       p.b = b;
       p.np_local = p.np_total = np;
@@ -178,7 +178,7 @@ TEST(CostModel, AttentionReadsKTwiceAndVOncePerQueryTileAndNoScores) {
       p.mask = mask;
       p.mask_ptr = static_cast<const std::uint8_t*>(m.get());
       rt::CostScope scope;
-      k::dot_product_attention_forward(dt, qkv.get(), k::QkvLayout{ld, (hpg + 2) * hn, hpg}, ctx.get(), p, nullptr);
+      k::dot_product_attention_forward(dt, qkv.get(), opt::QkvLayout{ld, (hpg + 2) * hn, hpg}, ctx.get(), p, nullptr);
       ASSERT_EQ(scope.kernels().size(), 1u);
       double keys_read = 0, pairs = 0;  // per (batch, head): key rows per query tile, (row, key) products
       for (int q0 = 0; q0 < s; q0 += bq) {

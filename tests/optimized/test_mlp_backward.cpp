@@ -133,7 +133,7 @@ void run_case(const MlpCase& c) {
   a.glu = c.glu;
   a.rms = c.rms;
   a.act = twin::opt::act_from_name(c.act);
-  a.drop = k::DropoutArgs::make(c.p, c.p > 0, rng.seed, rng.offset);
+  a.drop = opt::DropoutArgs::make(c.p, c.p > 0, rng.seed, rng.offset);
   a.hidden = d_hidden.get();
   a.ln2 = d_ln2.get();
   a.fc1 = d_fc1.get();

@@ -55,7 +55,7 @@ TEST(OptimizedOps, NormMatchesReference) {
         auto dx = to_device(x), dw = to_device(w), db = to_device(bias);
         rt::DeviceBuffer dy(sim(), x.nbytes());
         k::norm_forward(rms, dt, dx.get(), dy.get(), dw.get(), rms ? nullptr : db.get(),
-                        k::NormRows::dense(rows, width), 1e-5, false, nullptr);
+                        opt::NormRows::dense(rows, width), 1e-5, false, nullptr);
         const Tensor y = from_device(dy, dt, {rows, width});
         ref::StateDict sd({{"weight", w}, {"bias", bias}});
         std::unique_ptr<ref::Norm> norm;
@@ -80,7 +80,7 @@ TEST(OptimizedOps, NormOverStridedRowsEqualsDenseRowsBitwise) {
     const Tensor qkv = random_tensor(dt, {tokens, groups, gs}, -2, 2, 3);
     const Tensor w = random_tensor(dt, {hn}, 0.5, 1.5, 4), bias = random_tensor(dt, {hn}, -0.5, 0.5, 5);
     auto d = to_device(qkv), dw = to_device(w), db = to_device(bias);
-    const k::NormRows q_rows{std::int64_t(tokens) * groups * hpg, hn, hpg, gs, hn};
+    const opt::NormRows q_rows{std::int64_t(tokens) * groups * hpg, hn, hpg, gs, hn};
     k::norm_forward(false, dt, d.get(), d.get(), dw.get(), db.get(), q_rows, 1e-5, false, nullptr);  // in place
     const Tensor out = from_device(d, dt, {tokens, groups, gs});
     // The q heads, gathered densely, through the dense path; k and v untouched.
@@ -89,7 +89,7 @@ TEST(OptimizedOps, NormOverStridedRowsEqualsDenseRowsBitwise) {
     for (int t = 0; t < tokens * groups; ++t)
       std::memcpy(q.raw_mut() + t * hpg * hn * es, qkv.raw() + t * gs * es, hpg * hn * es);
     auto dq = to_device(q);
-    k::norm_forward(false, dt, dq.get(), dq.get(), dw.get(), db.get(), k::NormRows::dense(q.size(0), hn), 1e-5, false,
+    k::norm_forward(false, dt, dq.get(), dq.get(), dw.get(), db.get(), opt::NormRows::dense(q.size(0), hn), 1e-5, false,
                     nullptr);
     const Tensor qn = from_device(dq, dt, q.shape());
     for (int t = 0; t < tokens * groups; ++t) {
@@ -103,11 +103,11 @@ TEST(OptimizedOps, NormOverStridedRowsEqualsDenseRowsBitwise) {
 
 TEST(OptimizedOps, NormRejectsBadArguments) {
   auto x = to_device(random_tensor(DType::F32, {2, 4}, 0, 1, 1));
-  EXPECT_THROW(k::norm_forward(true, DType::F32, x.get(), x.get(), nullptr, nullptr, k::NormRows::dense(2, 4), 1e-5,
+  EXPECT_THROW(k::norm_forward(true, DType::F32, x.get(), x.get(), nullptr, nullptr, opt::NormRows::dense(2, 4), 1e-5,
                                false, nullptr),
                std::invalid_argument);
   try {
-    k::norm_forward(true, DType::I64, x.get(), x.get(), x.get(), nullptr, k::NormRows::dense(2, 4), 1e-5, false,
+    k::norm_forward(true, DType::I64, x.get(), x.get(), x.get(), nullptr, opt::NormRows::dense(2, 4), 1e-5, false,
                     nullptr);
     ADD_FAILURE() << "no error for an I64 norm";
   } catch (const std::invalid_argument& e) {
@@ -129,7 +129,7 @@ TEST(OptimizedOps, BiasDropoutAddEqualsReferenceBitwise) {
           const Tensor res = random_tensor(dt, {n, h}, -2, 2, 13);
           auto dx = to_device(x), db = to_device(bias), dr = to_device(res);
           rt::DeviceBuffer dout(sim(), x.nbytes());
-          const auto drop = k::DropoutArgs::make(p, training, 1234, 7);
+          const auto drop = opt::DropoutArgs::make(p, training, 1234, 7);
           k::bias_dropout_add_forward(dt, dx.get(), with_bias ? db.get() : nullptr, dr.get(), dout.get(), n, h, drop, 0,
                                       nullptr);
           const Tensor y = from_device(dout, dt, {n, h});
@@ -185,7 +185,7 @@ RC_GTEST_PROP(OptimizedOps, DropoutMasksOfBothTwinsAreIdentical, ()) {
   auto dx = to_device(ones), dr = to_device(zeros);
   rt::DeviceBuffer dout(sim(), ones.nbytes());
   k::bias_dropout_add_forward(DType::F32, dx.get(), nullptr, dr.get(), dout.get(), n, h,
-                              k::DropoutArgs::make(p, true, seed, offset), base, nullptr);
+                              opt::DropoutArgs::make(p, true, seed, offset), base, nullptr);
   const Tensor y = from_device(dout, DType::F32, {n, h});
   for (std::int64_t e = 0; e < n * h; ++e)
     RC_ASSERT((y.data<float>()[e] != 0.0f) == ref::dropout_keep(seed, offset, base + e, p));
@@ -242,7 +242,7 @@ TEST(OptimizedOps, RotaryPosEmbMatchesReference) {
         const Tensor t = random_tensor(dt, {s, b, heads, hn}, -2, 2, 31);
         auto dt_ = to_device(t), df = to_device(freqs);
         k::rotary_pos_emb_forward(dt, dt_.get(), static_cast<const float*>(df.get()),
-                                  k::NormRows::dense(s * b * heads, hn), b * heads, rot, interleaved, nullptr);
+                                  opt::NormRows::dense(s * b * heads, hn), b * heads, rot, interleaved, nullptr);
         const Tensor y = from_device(dt_, dt, {s, b, heads, hn});
         const ref::Mat r = ref::apply_rotary_pos_emb(ref::to_mat(t, s * b * heads, hn, "t"),
                                                      ref::rotary_freqs(freqs, s, hn), b * heads, interleaved, prec(dt));
@@ -312,7 +312,7 @@ void run_attention_case(const AttnCase& c) {
   auto dqkv = to_device(qkv);
   rt::DeviceBuffer dmask = mask.defined() ? to_device(mask) : rt::DeviceBuffer();
   rt::DeviceBuffer dctx(sim(), e.nbytes());
-  k::AttnParams p;
+  opt::AttnParams p;
   p.sq = p.sk = c.s;
   p.b = c.b;
   p.np_local = p.np_total = c.np;
@@ -322,8 +322,8 @@ void run_attention_case(const AttnCase& c) {
                           : (c.mask == "causal" && c.s > 1 ? twin::opt::MaskMode::Causal : twin::opt::MaskMode::None);
   p.mask_ptr = static_cast<const std::uint8_t*>(dmask.get());
   p.mask_b = c.b;
-  p.drop = k::DropoutArgs::make(c.dropout, training, 99, 3);
-  k::dot_product_attention_forward(c.dt, dqkv.get(), k::QkvLayout{ld, gs, hpg}, dctx.get(), p, nullptr);
+  p.drop = opt::DropoutArgs::make(c.dropout, training, 99, 3);
+  k::dot_product_attention_forward(c.dt, dqkv.get(), opt::QkvLayout{ld, gs, hpg}, dctx.get(), p, nullptr);
   const Tensor y = from_device(dctx, c.dt, e.shape());
   // context = sum_j p_j v_j: each p_j is stored in T after an fp32 softmax (one store, possibly an
   // ulp apart: 2u), a score stored in T one ulp apart moves exp(s - m) by a factor 1 + 2u|s|, the
@@ -382,13 +382,13 @@ TEST(OptimizedOps, AttentionChoosesTensorCoresWhereWmmaCoversThem) {
     const int s = 3, b = 1, np = 2, ld = np * 3 * hn;
     rt::DeviceBuffer qkv(sim(), std::size_t(s) * b * ld * dtype_size(dt)), ctx(sim(), std::size_t(s) * b * np * hn * 4);
     qkv.zero();
-    k::AttnParams p;
+    opt::AttnParams p;
     p.sq = p.sk = s;
     p.b = b;
     p.np_local = p.np_total = np;
     p.hn = hn;
     rt::CostScope scope;
-    k::dot_product_attention_forward(dt, qkv.get(), k::QkvLayout{ld, 3 * hn, 1}, ctx.get(), p, nullptr);
+    k::dot_product_attention_forward(dt, qkv.get(), opt::QkvLayout{ld, 3 * hn, 1}, ctx.get(), p, nullptr);
     ASSERT_EQ(scope.kernel_launches().size(), 1u);
     const bool wmma = scope.kernel_launches()[0].first.find("wmma") != std::string::npos;
     EXPECT_EQ(wmma, k::attention_wmma_supports(dt, hn)) << scope.kernel_launches()[0].first;
@@ -404,14 +404,14 @@ TEST(OptimizedOps, AttentionDropoutMatchesReference) {
 }
 
 TEST(OptimizedOps, AttentionRejectsBadArguments) {
-  k::AttnParams p;
+  opt::AttnParams p;
   p.sq = p.sk = 4;
   p.b = 1;
   p.np_local = p.np_total = 2;
   p.hn = 300;
   rt::DeviceBuffer d(sim(), 4096);
   try {
-    k::dot_product_attention_forward(DType::F32, d.get(), k::QkvLayout{1, 1, 1}, d.get(), p, nullptr);
+    k::dot_product_attention_forward(DType::F32, d.get(), opt::QkvLayout{1, 1, 1}, d.get(), p, nullptr);
     ADD_FAILURE() << "no error for head dim 300";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("head dim 300"), std::string::npos) << e.what();
@@ -419,6 +419,6 @@ TEST(OptimizedOps, AttentionRejectsBadArguments) {
   p.hn = 8;
   p.mask = twin::opt::MaskMode::Causal;
   p.sk = 5;
-  EXPECT_THROW(k::dot_product_attention_forward(DType::F32, d.get(), k::QkvLayout{32, 32, 2}, d.get(), p, nullptr),
+  EXPECT_THROW(k::dot_product_attention_forward(DType::F32, d.get(), opt::QkvLayout{32, 32, 2}, d.get(), p, nullptr),
                std::invalid_argument);
 }

@@ -83,7 +83,7 @@ void run_norm_case(bool rms, DType dt, int rows, int width, bool zcg) {
   rt::DeviceBuffer ws(sim(), ws_bytes);
   auto run = [&] {
     k::norm_backward(rms, dt, d_dy.get(), d_x.get(), d_dx.get(), d_w.get(), d_dw.get(), rms ? nullptr : d_db.get(),
-                     k::NormRows::dense(rows, width), 1e-5, zcg, ws.get(), ws_bytes, nullptr);
+                     opt::NormRows::dense(rows, width), 1e-5, zcg, ws.get(), ws_bytes, nullptr);
   };
   const RoundingCount count = counted(run);
   const Tensor dx = from_device(d_dx, dt, {rows, width}), dw = from_device(d_dw, dt, {width}),
@@ -182,13 +182,13 @@ TEST(OptimizedBackward, NormOverStridedRowsEqualsDenseRowsBitwise) {
       const std::size_t ws_bytes = k::norm_backward_workspace_bytes(rms, n_q, hn);
       rt::DeviceBuffer ws(sim(), ws_bytes);
       k::norm_backward(rms, dt, d_dy.get(), d_x.get(), d_dx.get(), d_w.get(), d_dw.get(), rms ? nullptr : d_db.get(),
-                       k::NormRows{n_q, hn, hpg, gs, hn}, 1e-5, false, ws.get(), ws_bytes, nullptr);
+                       opt::NormRows{n_q, hn, hpg, gs, hn}, 1e-5, false, ws.get(), ws_bytes, nullptr);
       const Tensor dx_strided = gather(from_device(d_dx, dt, qkv.shape()));
       const Tensor dw_strided = from_device(d_dw, dt, {hn}), db_strided = from_device(d_db, dt, {hn});
       auto q_x = to_device(gather(qkv)), q_dy = to_device(gather(dqkv));
       rt::DeviceBuffer q_dx(sim(), std::size_t(n_q) * hn * es);
       k::norm_backward(rms, dt, q_dy.get(), q_x.get(), q_dx.get(), d_w.get(), d_dw.get(), rms ? nullptr : d_db.get(),
-                       k::NormRows::dense(n_q, hn), 1e-5, false, ws.get(), ws_bytes, nullptr);
+                       opt::NormRows::dense(n_q, hn), 1e-5, false, ws.get(), ws_bytes, nullptr);
       EXPECT_TRUE(same_bits(dx_strided, from_device(q_dx, dt, {n_q, hn}))) << id << ": dx";
       EXPECT_TRUE(same_bits(dw_strided, from_device(d_dw, dt, {hn}))) << id << ": dweight";
       if (!rms) {
@@ -200,7 +200,7 @@ TEST(OptimizedBackward, NormOverStridedRowsEqualsDenseRowsBitwise) {
 TEST(OptimizedBackward, NormRejectsBadArguments) {
   const std::size_t ws_bytes = k::norm_backward_workspace_bytes(false, 2, 4);
   rt::DeviceBuffer a(sim(), 64), b(sim(), 64), c(sim(), 64), w(sim(), 16), dw(sim(), 16), ws(sim(), ws_bytes);
-  const auto rows = k::NormRows::dense(2, 4);
+  const auto rows = opt::NormRows::dense(2, 4);
   auto call = [&](void* dx, void* dbias, void* workspace, std::size_t bytes, bool rms = false) {
     k::norm_backward(rms, DType::F32, a.get(), b.get(), dx, w.get(), dw.get(), dbias, rows, 1e-5, false, workspace,
                      bytes, nullptr);
@@ -282,7 +282,7 @@ TEST(OptimizedBackward, BiasDropoutAddMatchesReference) {
           rt::DeviceBuffer d_dx(sim(), dout.nbytes()), d_dres(sim(), dout.nbytes()), d_db(sim(), h * dtype_size(dt));
           const std::size_t ws_bytes = k::bias_dropout_add_backward_workspace_bytes(n, h);
           rt::DeviceBuffer ws(sim(), ws_bytes);
-          const auto drop = k::DropoutArgs::make(p, training, 1234, 7);
+          const auto drop = opt::DropoutArgs::make(p, training, 1234, 7);
           auto run = [&](bool with_bias) {
             k::bias_dropout_add_backward(dt, d_dout.get(), d_dx.get(), d_dres.get(), with_bias ? d_db.get() : nullptr,
                                          n, h, drop, 0, ws.get(), ws_bytes, nullptr);
@@ -317,7 +317,7 @@ TEST(OptimizedBackward, DropoutMaskOfBackwardIsTheForwardsAtAnyElementBase) {
     const Tensor ones = Tensor::from_doubles(DType::F32, {n, h}, std::vector<double>(n * h, 1.0));
     auto d_ones = to_device(ones), d_zero = to_device(Tensor::zeros(DType::F32, {n, h}));
     rt::DeviceBuffer fwd(sim(), ones.nbytes()), bwd(sim(), ones.nbytes());
-    const auto drop = k::DropoutArgs::make(0.3, true, 99, 11);
+    const auto drop = opt::DropoutArgs::make(0.3, true, 99, 11);
     k::bias_dropout_add_forward(DType::F32, d_ones.get(), nullptr, d_zero.get(), fwd.get(), n, h, drop, base, nullptr);
     k::bias_dropout_add_backward(DType::F32, d_ones.get(), bwd.get(), nullptr, nullptr, n, h, drop, base, nullptr, 0,
                                  nullptr);
@@ -346,7 +346,7 @@ TEST(OptimizedBackward, RotaryPosEmbMatchesReference) {
         auto d_t = to_device(dout), d_f = to_device(freqs);
         auto run = [&] {
           k::rotary_pos_emb_backward(dt, d_t.get(), static_cast<const float*>(d_f.get()),
-                                     k::NormRows::dense(s * b * heads, hn), b * heads, rot, interleaved, nullptr);
+                                     opt::NormRows::dense(s * b * heads, hn), b * heads, rot, interleaved, nullptr);
         };
         const RoundingCount count = counted(run);
         const Tensor dt_ = from_device(d_t, dt, {s, b, heads, hn});
@@ -509,7 +509,7 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
   });
 
   // ---- the twin
-  k::AttnParams p;
+  opt::AttnParams p;
   p.sq = c.sq;
   p.sk = c.sk;
   p.b = c.b;
@@ -524,15 +524,15 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
                           : twin::opt::MaskMode::None;
   p.mask_ptr = static_cast<const std::uint8_t*>(dmask.get());
   p.mask_b = c.b;
-  p.drop = k::DropoutArgs::make(c.dropout, training, 99, 3);
+  p.drop = opt::DropoutArgs::make(c.dropout, training, 99, 3);
 
   const bool fused = c.sq == c.sk;
   const int gs = (hpg + 2) * c.hn, ld = c.ng * gs;
   const std::int64_t tokens_q = std::int64_t(c.sq) * c.b;
   rt::DeviceBuffer d_q, d_k, d_v, g_q, g_k, g_v, d_qkv, g_qkv;
-  k::AttnOperands ops;
+  opt::AttnOperands ops;
   k::AttnGradOperands grads;
-  const k::QkvLayout lay{ld, gs, hpg};
+  const opt::QkvLayout lay{ld, gs, hpg};
   if (fused) {  // q / k / v of token t, group gg at t * ld + gg * gs + (head, hpg, hpg + 1) * hn
     Tensor qkv = Tensor::empty(c.dt, {c.sq, c.b, ld});
     for (std::int64_t t = 0; t < tokens_q; ++t)
@@ -545,7 +545,7 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
       }
     d_qkv = to_device(qkv);
     g_qkv = poisoned(qkv.nbytes());
-    ops = k::AttnOperands::from_qkv(d_qkv.get(), lay, c.b, c.hn, es);
+    ops = opt::AttnOperands::from_qkv(d_qkv.get(), lay, c.b, c.hn, es);
     grads = k::AttnGradOperands::from_qkv(g_qkv.get(), lay, c.hn, es);
   } else {
     d_q = to_device(q);
@@ -767,7 +767,7 @@ TEST(OptimizedBackward, AttentionSoftmaxStatsLeaveForwardBitsUnchanged) {
       rt::DeviceBuffer ctx_a(sim(), std::size_t(s) * b * np * hn * dtype_size(dt)),
           ctx_b(sim(), std::size_t(s) * b * np * hn * dtype_size(dt));
       rt::DeviceBuffer stats = poisoned(sizeof(float) * 2 * std::size_t(b) * np * s);
-      k::AttnParams p;
+      opt::AttnParams p;
       p.sq = p.sk = s;
       p.b = b;
       p.np_local = p.np_total = np;
@@ -778,10 +778,10 @@ TEST(OptimizedBackward, AttentionSoftmaxStatsLeaveForwardBitsUnchanged) {
                                                : twin::opt::MaskMode::Explicit;
       p.mask_ptr = static_cast<const std::uint8_t*>(d_mask.get());
       p.mask_b = b;
-      p.drop = k::DropoutArgs::make(0.1, true, 5, 6);
-      k::dot_product_attention_forward(dt, d_qkv.get(), k::QkvLayout{ld, gs, hpg}, ctx_a.get(), p, nullptr);
+      p.drop = opt::DropoutArgs::make(0.1, true, 5, 6);
+      k::dot_product_attention_forward(dt, d_qkv.get(), opt::QkvLayout{ld, gs, hpg}, ctx_a.get(), p, nullptr);
       p.softmax_stats = static_cast<float*>(stats.get());
-      k::dot_product_attention_forward(dt, d_qkv.get(), k::QkvLayout{ld, gs, hpg}, ctx_b.get(), p, nullptr);
+      k::dot_product_attention_forward(dt, d_qkv.get(), opt::QkvLayout{ld, gs, hpg}, ctx_b.get(), p, nullptr);
       const Shape shape{s, b, std::int64_t(np) * hn};
       EXPECT_TRUE(same_bits(from_device(ctx_a, dt, shape), from_device(ctx_b, dt, shape))) << id;
       const Tensor st = from_device(stats, DType::F32, {b, np, s, 2});
@@ -794,18 +794,18 @@ TEST(OptimizedBackward, AttentionSoftmaxStatsLeaveForwardBitsUnchanged) {
 }
 
 TEST(OptimizedBackward, AttentionRejectsBadArguments) {
-  k::AttnParams p;
+  opt::AttnParams p;
   p.sq = p.sk = 4;
   p.b = 1;
   p.np_local = p.np_total = 2;
   p.hn = 8;
-  const k::QkvLayout lay{2 * 3 * 8, 3 * 8, 1};
+  const opt::QkvLayout lay{2 * 3 * 8, 3 * 8, 1};
   rt::DeviceBuffer qkv(sim(), 4096), dctx(sim(), 4096), dqkv(sim(), 4096), stats(sim(), 4096);
   const std::size_t ws_bytes = k::dot_product_attention_backward_workspace_bytes(p);
   rt::DeviceBuffer ws(sim(), ws_bytes);
   const float* st = static_cast<const float*>(stats.get());
   // The message of a rejected call (empty when it is accepted).
-  auto message = [&](const k::AttnParams& pp, const void* q, void* dq, const float* sts, std::size_t bytes,
+  auto message = [&](const opt::AttnParams& pp, const void* q, void* dq, const float* sts, std::size_t bytes,
                      DType dt = DType::F32) -> std::string {
     try {
       k::dot_product_attention_backward(dt, q, lay, dctx.get(), dq, sts, pp, ws.get(), bytes, nullptr);
@@ -818,7 +818,7 @@ TEST(OptimizedBackward, AttentionRejectsBadArguments) {
   EXPECT_NE(message(p, qkv.get(), dqkv.get(), nullptr, ws_bytes).find("softmax_stats"), std::string::npos);
   EXPECT_NE(message(p, qkv.get(), qkv.get(), st, ws_bytes).find("alias"), std::string::npos);
   EXPECT_NE(message(p, qkv.get(), dqkv.get(), st, ws_bytes - 4).find("workspace"), std::string::npos);
-  k::AttnParams bad = p;
+  opt::AttnParams bad = p;
   bad.hn = 300;
   EXPECT_NE(message(bad, qkv.get(), dqkv.get(), st, ws_bytes).find("head dim 300"), std::string::npos);
   bad = p;
@@ -851,23 +851,23 @@ TEST(OptimizedBackward, EveryKernelLaunchIsDeclared) {
   rt::CostScope scope;
   for (bool rms : {false, true})
     k::norm_backward(rms, dt, dy.get(), x.get(), dx.get(), w.get(), dw.get(), rms ? nullptr : db.get(),
-                     k::NormRows::dense(n, 2 * f), 1e-5, false, ws.get(), ws_bytes, nullptr);
+                     opt::NormRows::dense(n, 2 * f), 1e-5, false, ws.get(), ws_bytes, nullptr);
   k::bias_activation_backward(dt, x.get(), w.get(), dy.get(), dx.get(), n, f, twin::opt::Act::Silu, true, nullptr);
-  k::bias_dropout_add_backward(dt, dy.get(), dx.get(), nullptr, db.get(), n, h, k::DropoutArgs::make(0.1, true, 1, 2),
+  k::bias_dropout_add_backward(dt, dy.get(), dx.get(), nullptr, db.get(), n, h, opt::DropoutArgs::make(0.1, true, 1, 2),
                                0, ws.get(), ws_bytes, nullptr);
-  k::rotary_pos_emb_backward(dt, dx.get(), static_cast<const float*>(freqs.get()), k::NormRows::dense(n, 8), 1, 8,
+  k::rotary_pos_emb_backward(dt, dx.get(), static_cast<const float*>(freqs.get()), opt::NormRows::dense(n, 8), 1, 8,
                              false, nullptr);
   k::linear_backward_dgrad(dt, dy.get(), w.get(), dx.get(), n, h, f, nullptr);
   k::linear_backward_wgrad(dt, dy.get(), x.get(), dw.get(), n, h, f, nullptr);
   k::linear_backward_bias(dt, dy.get(), db.get(), n, f, ws.get(), ws_bytes, nullptr);
   {  // attention: the forward (saving its statistics) and both backward kernels
-    k::AttnParams p;
+    opt::AttnParams p;
     p.sq = p.sk = 20;
     p.b = 2;
     p.np_local = p.np_total = 2;
     p.hn = 8;
     p.mask = twin::opt::MaskMode::Causal;
-    const k::QkvLayout lay{p.np_local * 3 * p.hn, 3 * p.hn, 1};
+    const opt::QkvLayout lay{p.np_local * 3 * p.hn, 3 * p.hn, 1};
     rt::DeviceBuffer stats(sim(), sizeof(float) * 2 * p.b * p.np_local * p.sq),
         aws(sim(), k::dot_product_attention_backward_workspace_bytes(p));
     p.softmax_stats = static_cast<float*>(stats.get());

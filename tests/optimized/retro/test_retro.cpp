@@ -20,7 +20,7 @@ namespace ref = twin::reference::retro;
 
 namespace {
 
-std::vector<std::int64_t> device_map(const k::RetroMapArgs& a) {
+std::vector<std::int64_t> device_map(const opt::RetroMapArgs& a) {
   const std::int64_t rows = a.out_rows();
   rt::DeviceBuffer buf(sim(), std::max<std::size_t>(std::size_t(rows) * sizeof(std::int64_t), 1));
   k::retro_build_map(a, buf.as<std::int64_t>(), nullptr);
@@ -66,17 +66,17 @@ RC_GTEST_PROP(RetroMaps, ChunkingMapsEqualTheReference, ()) {
   }));
   const std::int64_t m = mc.m, ns = mc.ns, bs = mc.bs;
   const std::int64_t l = ref::num_chunks(ns, m), pad = ref::attending_pad(ns, m);
-  k::RetroMapArgs a;
+  opt::RetroMapArgs a;
   a.ns = ns;
   a.bs = bs;
   a.m = m;
   a.l = l;
   a.pad = pad;
-  a.map = k::RetroMap::ChunkEncoderContext;
+  a.map = opt::RetroMap::ChunkEncoderContext;
   RC_ASSERT(device_map(a) == ref::chunk_encoder_context_map(ns, bs, m));
-  a.map = k::RetroMap::PadAttendingChunks;
+  a.map = opt::RetroMap::PadAttendingChunks;
   RC_ASSERT(device_map(a) == ref::pad_attending_chunks_map(ns, bs, m));
-  a.map = k::RetroMap::UnchunkDecoderOutput;
+  a.map = opt::RetroMap::UnchunkDecoderOutput;
   RC_ASSERT(device_map(a) == ref::unchunk_decoder_output_map(m, ns, bs, l, pad));
 }
 
@@ -90,24 +90,24 @@ RC_GTEST_PROP(RetroMaps, NeighbourMapsEqualTheReference, ()) {
     return c;
   }));
   const std::int64_t r = nc.r, N = nc.N, kk = nc.k;
-  k::RetroMapArgs a;
+  opt::RetroMapArgs a;
   a.r = r;
   a.N = N;
   a.k = kk;
-  a.map = k::RetroMap::SplitNeighbors;
+  a.map = opt::RetroMap::SplitNeighbors;
   for (std::int64_t n = 0; n < kk; ++n) {
     a.n = n;
     RC_ASSERT(device_map(a) == ref::split_neighbors_map(r, N, kk, n));
   }
-  a.map = k::RetroMap::StackNeighbors;
+  a.map = opt::RetroMap::StackNeighbors;
   RC_ASSERT(device_map(a) == ref::stack_neighbors_map(r, N, kk));
 }
 
 // 64-bit indices: a map past 2^31 rows computes its entries without overflow (checked on the
 // host side of the same function the kernels call, at rows far beyond int32).
 TEST(RetroMaps, IndicesAre64Bit) {
-  k::RetroMapArgs a;
-  a.map = k::RetroMap::SplitNeighbors;
+  opt::RetroMapArgs a;
+  a.map = opt::RetroMap::SplitNeighbors;
   a.r = 3;
   a.N = std::int64_t{1} << 30;
   a.k = 4;
@@ -125,8 +125,8 @@ TEST(RetroMaps, GatherEqualsTheReferenceBitwise) {
       const Tensor x = random_tensor(dt, {ns, bs, d}, -2, 2, std::uint64_t(ns));
       const rt::DeviceBuffer xd = to_device(x);
       rt::DeviceBuffer out(sim(), std::size_t(m * bs * l * d) * dtype_size(dt));
-      k::RetroMapArgs a;
-      a.map = k::RetroMap::ChunkEncoderContext;
+      opt::RetroMapArgs a;
+      a.map = opt::RetroMap::ChunkEncoderContext;
       a.ns = ns;
       a.bs = bs;
       a.m = m;

@@ -1,0 +1,107 @@
+#include "optimized/layer/graph_cache.h"
+
+#include <stdexcept>
+
+#include "core/rounding.h"
+
+namespace twin::opt {
+
+namespace {
+
+RoundingCount minus(RoundingCount a, const RoundingCount& b) {
+  a.bf16 -= b.bf16;
+  a.fp16 -= b.fp16;
+  a.fp32 -= b.fp32;
+  a.reduction -= b.reduction;
+  return a;
+}
+
+RoundingCount plus(RoundingCount a, const RoundingCount& b) {
+  a.bf16 += b.bf16;
+  a.fp16 += b.fp16;
+  a.fp32 += b.fp32;
+  a.reduction += b.reduction;
+  return a;
+}
+
+// What a captured graph bakes in: which inputs are present and their shapes, and the dropout.
+struct GraphKey {
+  std::vector<std::optional<Shape>> inputs;
+  GraphDropout drop;
+  bool operator==(const GraphKey& o) const {
+    return inputs == o.inputs && drop.training == o.drop.training && drop.seed == o.drop.seed &&
+           drop.offset == o.drop.offset;
+  }
+};
+
+GraphKey key_of(const std::vector<const Tensor*>& inputs, const GraphDropout& drop) {
+  GraphKey key;
+  for (const Tensor* t : inputs) key.inputs.push_back(t ? std::optional<Shape>(t->shape()) : std::nullopt);
+  key.drop = drop;
+  return key;
+}
+
+}  // namespace
+
+// One rank's graph with every buffer it reads and writes.
+struct GraphCache::Captured {
+  GraphKey key;
+  DeviceTensors inputs;   // the input buffers the graph reads: refilled before each replay
+  Arena arena;            // its activations
+  DeviceTensors outputs;  // in the arena
+  std::optional<rt::Graph> graph;
+  RoundingCount rounding;  // the rounding points the captured forward executes, counted at capture
+
+  // Warm-up, then capture of `forward` on ex's stream, the inputs uploaded first.
+  void capture(const RankContext& rank_ex, const std::vector<const Tensor*>& host_inputs,
+               const CapturableForward& forward) {
+    for (const Tensor* t : host_inputs) inputs.push_back(t ? std::optional<DTensor>(rank_ex.upload(*t)) : std::nullopt);
+    RankContext ex = rank_ex;
+    ex.arena = &arena;
+    const RoundingCount start = rounding_now();
+    forward(ex, inputs);  // warm-up
+    ex.stream->synchronize();
+    rounding_set(start);
+    arena.capturing = true;
+    ex.stream->begin_capture();
+    try {
+      outputs = forward(ex, inputs);
+    } catch (...) {
+      try {
+        rt::Graph discarded = ex.stream->end_capture();
+      } catch (...) {
+      }
+      throw;
+    }
+    graph.emplace(ex.stream->end_capture());
+    if (arena.next != arena.bufs.size())
+      throw std::logic_error(ex.what + ": the captured forward allocated fewer buffers than its warm-up");
+    rounding = minus(rounding_now(), start);
+    rounding_set(start);
+  }
+};
+
+GraphCache::GraphCache() = default;
+GraphCache::~GraphCache() = default;
+GraphCache::GraphCache(GraphCache&&) noexcept = default;
+GraphCache& GraphCache::operator=(GraphCache&&) noexcept = default;
+
+const DeviceTensors& GraphCache::run(const RankContext& ex, const std::vector<const Tensor*>& inputs,
+                                     const GraphDropout& drop, const CapturableForward& forward) {
+  GraphKey key = key_of(inputs, drop);
+  if (captured_ && captured_->key == key) {
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      if (inputs[i]) captured_->inputs[i]->buf->upload(inputs[i]->raw(), inputs[i]->nbytes(), ex.st());
+  } else {
+    captured_.reset();  // the old graph and its buffers
+    auto fresh = std::make_unique<Captured>();
+    fresh->key = std::move(key);
+    fresh->capture(ex, inputs, forward);
+    captured_ = std::move(fresh);
+  }
+  rounding_set(plus(rounding_now(), captured_->rounding));
+  captured_->graph->launch(*ex.stream);
+  return captured_->outputs;
+}
+
+}  // namespace twin::opt
