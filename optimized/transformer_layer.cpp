@@ -106,7 +106,7 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
 // ---- the forward's steps -------------------------------------------------------------------------
 // (Re)allocates every rank's activations when the input's shape changes; graphs are recorded
 // against these buffers.
-void DenseTransformerLayer::Impl::ensure_activations(const AttentionInputs& in, bool mask, bool sp) {
+void DenseTransformerLayer::Impl::ensure_activations(const AttentionInputs& in, bool mask) {
   if (in.s == cur_s && in.b == cur_b && in.rot == cur_rot && mask == cur_mask) return;
   cur_s = in.s;
   cur_b = in.b;
@@ -114,32 +114,19 @@ void DenseTransformerLayer::Impl::ensure_activations(const AttentionInputs& in, 
   cur_mask = mask;
   inputs.clear();
   const int tp = static_cast<int>(ranks.size());
-  const std::size_t es = dtype_size(dt), tok = std::size_t(in.s) * in.b, tok_l = sp ? tok / tp : tok;
   for (Rank& R : ranks) {
     R.graph.reset();
     R.acts.clear();
     RankPlan& p = R.plan;
-    auto buf = [&](std::size_t elems) {
-      R.acts.emplace_back(*dev, std::max<std::size_t>(elems * es, 1));
-      return R.acts.back().get();
-    };
     p.s = in.s;
     p.b = in.b;
-    p.ln1 = buf(tok_l * h);                  // [s_local, b, h]
-    p.ln1_full = sp ? buf(tok * h) : p.ln1;  // [s, b, h]
-    p.qkv = buf(tok * p.qkv_width());        // [s, b, qkv_width]
-    p.ctx = buf(tok * p.np_local() * hn);    // [s, b, np_local * hn]
-    p.proj_partial = tp > 1 ? buf(tok * h) : nullptr;
-    p.proj = buf(tok_l * h);
-    p.h1 = buf(tok_l * h);
-    p.ln2 = buf(tok_l * h);
-    p.ln2_full = sp ? buf(tok * h) : p.ln2;
-    p.fc1 = buf(tok * (p.glu ? 2 : 1) * p.ffn_local());  // [s, b, (glu ? 2 : 1) * ffn_local]
-    p.act_out = buf(tok * p.ffn_local());
-    p.fc2_partial = tp > 1 ? buf(tok * h) : nullptr;
-    p.fc2 = buf(tok_l * h);
-    p.out = buf(tok_l * h);
-    inputs.emplace_back(*dev, tok_l * h * es);
+    const std::int64_t tok = std::int64_t(p.s) * p.b, tok_l = std::int64_t(p.s_local()) * p.b;
+    add_attention_half_buffers(R.acts, *dev, p);
+    p.fc1 = R.acts.add(*dev, "fc1", dt, tok, p.glu ? 2 : 1, p.ffn_local());
+    p.act_out = R.acts.add(*dev, "act_out", dt, tok, p.ffn_local());
+    p.fc2_partial = tp > 1 ? R.acts.add(*dev, "fc2_partial", dt, tok, h) : nullptr;
+    p.fc2 = R.acts.add(*dev, "fc2", dt, tok_l, h);
+    inputs.emplace_back(*dev, std::size_t(tok_l) * h * dtype_size(dt));
     p.x = inputs.back().get();
     p.comm = tp > 1 ? comms[&R - ranks.data()].get() : nullptr;
   }
@@ -300,7 +287,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   if (fo.use_graph && (tp != 1 || fo.record_taps))
     throw std::invalid_argument(std::string(kWho) + ": graph replay is for tp = 1 without taps");
 
-  m.ensure_activations(in, attention_mask != nullptr, sp);
+  m.ensure_activations(in, attention_mask != nullptr);
   if (attention_mask) {
     if (m.mask.bytes() != attention_mask->nbytes()) {
       for (auto& R : m.ranks) R.graph.reset();
@@ -322,7 +309,8 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   const LayerKernels& kernels = layer_kernels(options_.backend);
   run_ranks_counted(tp, [&](int r) {
     Impl::Rank& R = m.ranks[r];
-    Impl::run_on_stream(R, R.graph, fo.use_graph, [&] { kernels.rank_forward(R.plan, R.stream->handle()); });
+    R.graph.run(*R.stream, fo.use_graph, [&] { kernels.rank_forward(R.plan, R.stream->handle()); });
+    R.stream->synchronize();
   });
 
   LayerOutput result;
@@ -334,8 +322,9 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
 }
 
 double DenseTransformerLayer::time_forward_ms(int iters) {
-  return impl_->time_graph_ms(impl_->ranks.at(0).graph, iters,
-                              "time_forward_ms: call forward() with use_graph first (tp = 1)");
+  Impl::Rank& R = impl_->ranks.at(0);
+  return R.graph.time_ms(*impl_->dev, *R.stream, iters,
+                         "time_forward_ms: call forward() with use_graph first (tp = 1)");
 }
 
 }  // namespace twin::opt

@@ -140,39 +140,36 @@ void DenseTransformerLayer::Impl::ensure_grad_buffers(rt::Backend backend) {
   if (m.grads_s == p0.s && m.grads_b == p0.b) return;
   m.grads_s = m.grads_b = -1;
   m.backward_graph.reset();  // it wrote into the buffers released here
-  const std::size_t es = dtype_size(m.dt);
   for (Rank& R : m.ranks) {
     const RankPlan& p = R.plan;
-    const std::size_t n = std::size_t(p.s) * p.b, nl = std::size_t(p.s_local()) * p.b;
-    R.grad_bufs.clear();
-    R.grad_bufs.reserve(32);
-    auto buf = [&](std::size_t elems) {
-      R.grad_bufs.emplace_back(*m.dev, std::max<std::size_t>(elems * es, 1));
-      return R.grad_bufs.back().get();
+    const std::int64_t n = std::int64_t(p.s) * p.b, nl = std::int64_t(p.s_local()) * p.b;
+    BufferArena& A = R.grad_bufs;
+    A.clear();
+    auto buf_if = [&](bool want, const char* name, std::int64_t rows, std::int64_t cols) {
+      return want ? A.add(*m.dev, name, m.dt, rows, cols) : nullptr;
     };
-    auto buf_if = [&](bool want, std::size_t elems) { return want ? buf(elems) : nullptr; };
     RankGrads g;
-    g.dout = buf(nl * m.h);
-    g.dx = buf(nl * m.h);
+    g.dout = A.add(*m.dev, "dout", m.dt, nl, m.h);
+    g.dx = A.add(*m.dev, "dx", m.dt, nl, m.h);
     for (const GradSlot& s : kGradSlots)
-      if (m.full.count(s.key)) g.*s.slot = buf(std::size_t(m.full.at(s.key).numel()) / (s.shard_dim < 0 ? 1 : p.tp));
-    g.dh1 = buf(nl * m.h);
-    g.d_mlp = buf(nl * m.h);
-    g.d_mlp_full = buf_if(p.sp, n * m.h);
-    g.d_act = buf(n * p.ffn_local());
-    g.d_fc1 = buf(n * (p.glu ? 2 : 1) * p.ffn_local());
-    g.d_ln2_partial = buf_if(p.tp > 1, n * m.h);
-    g.d_ln2 = buf(nl * m.h);
-    g.d_proj = buf(nl * m.h);
-    g.d_proj_full = buf_if(p.sp, n * m.h);
-    g.d_ctx = buf(n * std::size_t(p.np_local()) * m.hn);
-    g.d_qkv = buf(n * std::size_t(p.qkv_width()));
-    g.d_qkv_pre = buf_if(p.qk_layernorm, n * std::size_t(p.qkv_width()));
-    g.d_ln1_partial = buf_if(p.tp > 1, n * m.h);
-    g.d_ln1 = buf(nl * m.h);
+      if (m.full.count(s.key))
+        g.*s.slot = A.add(*m.dev, s.key, m.dt, m.full.at(s.key).numel() / (s.shard_dim < 0 ? 1 : p.tp));
+    g.dh1 = A.add(*m.dev, "dh1", m.dt, nl, m.h);
+    g.d_mlp = A.add(*m.dev, "d_mlp", m.dt, nl, m.h);
+    g.d_mlp_full = buf_if(p.sp, "d_mlp_full", n, m.h);
+    g.d_act = A.add(*m.dev, "d_act", m.dt, n, p.ffn_local());
+    g.d_fc1 = A.add(*m.dev, "d_fc1", m.dt, n, (p.glu ? 2 : 1) * p.ffn_local());
+    g.d_ln2_partial = buf_if(p.tp > 1, "d_ln2_partial", n, m.h);
+    g.d_ln2 = A.add(*m.dev, "d_ln2", m.dt, nl, m.h);
+    g.d_proj = A.add(*m.dev, "d_proj", m.dt, nl, m.h);
+    g.d_proj_full = buf_if(p.sp, "d_proj_full", n, m.h);
+    g.d_ctx = A.add(*m.dev, "d_ctx", m.dt, n, std::int64_t(p.np_local()) * m.hn);
+    g.d_qkv = A.add(*m.dev, "d_qkv", m.dt, n, p.qkv_width());
+    g.d_qkv_pre = buf_if(p.qk_layernorm, "d_qkv_pre", n, p.qkv_width());
+    g.d_ln1_partial = buf_if(p.tp > 1, "d_ln1_partial", n, m.h);
+    g.d_ln1 = A.add(*m.dev, "d_ln1", m.dt, nl, m.h);
     g.workspace_bytes = layer_kernels(backend).rank_backward_workspace_bytes(p);
-    R.grad_bufs.emplace_back(*m.dev, std::max<std::size_t>(g.workspace_bytes, 1));
-    g.workspace = R.grad_bufs.back().get();
+    g.workspace = A.add<std::byte>(*m.dev, "workspace", g.workspace_bytes);
     R.grads = g;
   }
   m.grads_s = p0.s;
@@ -201,8 +198,8 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   const LayerKernels& kernels = layer_kernels(options_.backend);
   run_ranks_counted(tp, [&](int r) {
     Impl::Rank& R = m.ranks[r];
-    Impl::run_on_stream(R, m.backward_graph, use_graph,
-                        [&] { kernels.rank_backward(R.plan, R.grads, R.stream->handle()); });
+    m.backward_graph.run(*R.stream, use_graph, [&] { kernels.rank_backward(R.plan, R.grads, R.stream->handle()); });
+    R.stream->synchronize();
   });
 
   // A tensor each rank holds part of ([rows, cols] per rank, `layout`; dim < 0: rank 0's is the
@@ -302,8 +299,9 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
 
 // ---- timing it -----------------------------------------------------------------------------------
 double DenseTransformerLayer::time_backward_ms(int iters) {
-  return impl_->time_graph_ms(impl_->backward_graph, iters,
-                              "time_backward_ms: call backward() with use_graph first (tp = 1)");
+  Impl::Rank& R = impl_->ranks.at(0);
+  return impl_->backward_graph.time_ms(*impl_->dev, *R.stream, iters,
+                                       "time_backward_ms: call backward() with use_graph first (tp = 1)");
 }
 
 }  // namespace twin::opt

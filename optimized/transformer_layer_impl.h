@@ -16,6 +16,7 @@
 
 #include "core/rounding.h"
 #include "optimized/layer/attention_half.h"  // AttentionInputs
+#include "optimized/layer/graph_cache.h"     // StreamGraph
 #include "optimized/runtime/collectives.h"
 #include "optimized/runtime/device.h"
 #include "optimized/transformer_layer.h"
@@ -60,16 +61,16 @@ struct DenseTransformerLayer::Impl {
 
   struct Rank {
     std::vector<rt::DeviceBuffer> weights;
-    std::vector<rt::DeviceBuffer> acts;  // activation buffers for the current (s, b)
+    BufferArena acts;  // activations for the current (s, b)
     std::optional<rt::Stream> stream;
     RankPlan plan;
-    std::optional<rt::Graph> graph;
+    StreamGraph graph;  // its forward (use_graph)
     // What backward() reads beyond the activation buffers, kept by the last forward when it was
     // asked to (kept: for that forward's shape): the softmax statistics, and linear_qkv's output
     // before qk-layernorm (which works in place).
     rt::DeviceBuffer softmax_stats, qkv_pre_norm;
     // The backward's buffers for the current (s, b): gradients and scratch (grads points into them).
-    std::vector<rt::DeviceBuffer> grad_bufs;
+    BufferArena grad_bufs;
     RankGrads grads;
   };
   std::vector<Rank> ranks;
@@ -77,15 +78,15 @@ struct DenseTransformerLayer::Impl {
   int cur_s = -1, cur_b = -1, cur_rot = -1;
   bool cur_mask = false;
   rt::DeviceBuffer freqs, mask;
-  std::vector<rt::DeviceBuffer> inputs;     // per rank [s_local, b, h]
-  std::optional<rt::Graph> backward_graph;  // rank 0's backward (tp = 1), captured against the last forward's buffers
-  bool kept = false;                        // the last forward kept what backward() reads
-  int grads_s = -1, grads_b = -1;           // the shape the ranks' backward buffers are sized for
+  std::vector<rt::DeviceBuffer> inputs;  // per rank [s_local, b, h]
+  StreamGraph backward_graph;            // rank 0's backward (tp = 1), captured against the last forward's buffers
+  bool kept = false;                     // the last forward kept what backward() reads
+  int grads_s = -1, grads_b = -1;        // the shape the ranks' backward buffers are sized for
   // (Re)allocates every rank's backward buffers for the ranks' plans (transformer_layer_backward.cpp).
   void ensure_grad_buffers(rt::Backend backend);
 
   // The forward's steps (transformer_layer.cpp).
-  void ensure_activations(const AttentionInputs& in, bool mask, bool sp);
+  void ensure_activations(const AttentionInputs& in, bool mask);
   void set_rank_inputs(int r, const Tensor& hidden_states, const ForwardOptions& fo, MaskMode mask_mode,
                        const AttentionInputs& in, bool has_mask, bool rotary_interleaved);
   // One rank's part of a tap, with the rounding count of its thread when it was produced.
@@ -103,37 +104,6 @@ struct DenseTransformerLayer::Impl {
     r.weights.emplace_back(*dev, t.nbytes());
     r.weights.back().upload(t.raw(), t.nbytes());
     return r.weights.back().get();
-  }
-
-  // run() on rank R's stream: eagerly, or with use_graph captured into `graph` at the first call
-  // and replayed from then on; then waits for the stream.
-  static void run_on_stream(Rank& R, std::optional<rt::Graph>& graph, bool use_graph,
-                            const std::function<void()>& run) {
-    if (use_graph) {
-      if (!graph) {
-        R.stream->begin_capture();
-        run();
-        graph.emplace(R.stream->end_capture());
-      }
-      graph->launch(*R.stream);
-    } else {
-      run();
-    }
-    R.stream->synchronize();
-  }
-
-  // Device time of one replay of `graph` on rank 0's stream (ms), averaged over `iters` after one
-  // warm replay; `what` names the call for the error when nothing was captured.
-  double time_graph_ms(std::optional<rt::Graph>& graph, int iters, const std::string& what) {
-    if (!graph) throw std::logic_error(what);
-    rt::Stream& s = *ranks.at(0).stream;
-    rt::Event start(*dev), stop(*dev);
-    graph->launch(s);  // warm
-    start.record(s);
-    for (int i = 0; i < iters; ++i) graph->launch(s);
-    stop.record(s);
-    stop.synchronize();
-    return static_cast<double>(stop.elapsed_ms_since(start)) / std::max(1, iters);
   }
 };
 

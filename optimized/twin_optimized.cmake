@@ -3,6 +3,7 @@
 # compiled for the simulator (*_sim.cpp) and, when nvcc exists, for the GPU (*_cuda.cu).
 add_library(twin_optimized STATIC
   ${CMAKE_CURRENT_LIST_DIR}/layer/attention_half.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/layer/buffer_arena.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/features.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/graph_cache.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/kernels.cpp

@@ -80,6 +80,21 @@ void plan_attention_half(RankPlan& p, const TransformerConfig& c, int layer_numb
   p.attention_dropout = c.attention_dropout;
 }
 
+void add_attention_half_buffers(BufferArena& arena, rt::Device& dev, RankPlan& p) {
+  const std::int64_t tok = std::int64_t(p.s) * p.b, tok_l = std::int64_t(p.s_local()) * p.b;
+  const bool partial = p.tp > 1;
+  p.ln1 = arena.add(dev, "ln1", p.dt, tok_l, p.h);
+  p.ln1_full = p.sp ? arena.add(dev, "ln1_full", p.dt, tok, p.h) : p.ln1;
+  p.qkv = arena.add(dev, "qkv", p.dt, tok, p.qkv_width());
+  p.ctx = arena.add(dev, "ctx", p.dt, tok, p.np_local(), p.hn);
+  p.proj_partial = partial ? arena.add(dev, "proj_partial", p.dt, tok, p.h) : nullptr;
+  p.proj = arena.add(dev, "proj", p.dt, tok_l, p.h);
+  p.h1 = arena.add(dev, "h1", p.dt, tok_l, p.h);
+  p.ln2 = arena.add(dev, "ln2", p.dt, tok_l, p.h);
+  p.ln2_full = p.sp ? arena.add(dev, "ln2_full", p.dt, tok, p.h) : p.ln2;
+  p.out = arena.add(dev, "out", p.dt, tok_l, p.h);
+}
+
 AttentionInputs check_attention_inputs(const std::string& who, const Tensor& hidden_states, DType dt, int h, int np,
                                        int hn, const Tensor* attention_mask, const Tensor* rotary_pos_emb) {
   if (hidden_states.dim() != 3 || hidden_states.size(2) != h)

@@ -13,6 +13,7 @@
 
 #include "core/config.h"
 #include "core/tensor.h"
+#include "optimized/layer/buffer_arena.h"
 #include "optimized/layer/options.h"
 #include "optimized/transformer_layer_plan.h"
 
@@ -60,6 +61,11 @@ AttentionScaling attention_scaling(const TransformerConfig& c, int layer_number)
 // The config's numbers in the attention half of `p`: heads, norms, activation, scaling, dropout
 // rates. The rank's split (tp, rank, sp), the ffn size and the pointers are the caller's.
 void plan_attention_half(RankPlan& p, const TransformerConfig& c, int layer_number);
+
+// The attention half's activations of `p` (its shape, split and numbers set) as rows of `arena`:
+// ln1 through out, with the tensor-parallel partials and SP's all-gathered norms where the split
+// has them (else the local buffer). The input x and the MLP's buffers are the caller's.
+void add_attention_half_buffers(BufferArena& arena, rt::Device& dev, RankPlan& p);
 
 // A forward's inputs, checked before anything runs ("<who>: ..." ShapeErrors): hidden_states
 // [s, b, h] in dt; attention_mask BOOL [b | 1, 1 | np, s, s] or null; rotary_pos_emb F32

@@ -1,5 +1,6 @@
 #include "optimized/layer/graph_cache.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "core/rounding.h"
@@ -43,6 +44,37 @@ GraphKey key_of(const std::vector<const Tensor*>& inputs, const GraphDropout& dr
 
 }  // namespace
 
+rt::Graph capture_graph(rt::Stream& stream, const std::function<void()>& launch) {
+  stream.begin_capture();
+  try {
+    launch();
+  } catch (...) {
+    try {
+      rt::Graph discarded = stream.end_capture();
+    } catch (...) {
+    }
+    throw;
+  }
+  return stream.end_capture();
+}
+
+void StreamGraph::run(rt::Stream& stream, bool use_graph, const std::function<void()>& launch) {
+  if (!use_graph) return launch();
+  if (!graph_) graph_.emplace(capture_graph(stream, launch));
+  graph_->launch(stream);
+}
+
+double StreamGraph::time_ms(rt::Device& dev, rt::Stream& stream, int iters, const std::string& what) {
+  if (!graph_) throw std::logic_error(what);
+  rt::Event start(dev), stop(dev);
+  graph_->launch(stream);  // warm
+  start.record(stream);
+  for (int i = 0; i < iters; ++i) graph_->launch(stream);
+  stop.record(stream);
+  stop.synchronize();
+  return static_cast<double>(stop.elapsed_ms_since(start)) / std::max(1, iters);
+}
+
 // One rank's graph with every buffer it reads and writes.
 struct GraphCache::Captured {
   GraphKey key;
@@ -63,17 +95,7 @@ struct GraphCache::Captured {
     ex.stream->synchronize();
     rounding_set(start);
     arena.capturing = true;
-    ex.stream->begin_capture();
-    try {
-      outputs = forward(ex, inputs);
-    } catch (...) {
-      try {
-        rt::Graph discarded = ex.stream->end_capture();
-      } catch (...) {
-      }
-      throw;
-    }
-    graph.emplace(ex.stream->end_capture());
+    graph.emplace(capture_graph(*ex.stream, [&] { outputs = forward(ex, inputs); }));
     if (arena.next != arena.bufs.size())
       throw std::logic_error(ex.what + ": the captured forward allocated fewer buffers than its warm-up");
     rounding = minus(rounding_now(), start);

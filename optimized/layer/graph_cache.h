@@ -1,17 +1,41 @@
-// One rank's forward captured into a graph and replayed (use_graph), for a layer whose host side
-// launches its ops one at a time and allocates as it goes (layer/rank_context.h). A captured graph
-// bakes in its buffers and its dropout arguments, so the cache is keyed by what invalidates it:
-// the inputs' shapes (which ones are present) and training, seed and offset.
+// A rank's work captured into a graph and replayed (use_graph), for every layer kind. A captured
+// graph bakes in the buffers and arguments of its launches, so each graph goes when they change:
+//   StreamGraph  a plan's kernel sequence on fixed buffers (the dense layer's forward and backward,
+//                the MoE layer's router and postprocess phases): its owner resets it where its
+//                buffers, dropout and mask arguments or loss arguments change;
+//   GraphCache   a forward that launches op by op and allocates as it goes (Retro's,
+//                layer/rank_context.h): keyed by the inputs' shapes and the dropout arguments,
+//                with the activations it was captured on.
 #pragma once
 
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "optimized/layer/rank_context.h"
 
 namespace twin::opt {
+
+// `launch`'s work on `stream` captured into a graph (nothing executes). If `launch` throws, the
+// capture is ended and dropped, so the stream can run again.
+rt::Graph capture_graph(rt::Stream& stream, const std::function<void()>& launch);
+
+class StreamGraph {
+ public:
+  // `launch` on `stream`: eagerly, or with use_graph from the graph, captured first when there is none.
+  void run(rt::Stream& stream, bool use_graph, const std::function<void()>& launch);
+  // Whether run(stream, use_graph, ...) would capture (a plan may need to know it is being captured).
+  bool will_capture(bool use_graph) const { return use_graph && !graph_; }
+  void reset() { graph_.reset(); }
+  // Device time of one replay on `stream` (ms), averaged over `iters` after one warm replay;
+  // logic_error(`what`) when nothing was captured.
+  double time_ms(rt::Device& dev, rt::Stream& stream, int iters, const std::string& what);
+
+ private:
+  std::optional<rt::Graph> graph_;
+};
 
 // A forward's device inputs / outputs in a fixed order; nullopt for one it was not given / made.
 using DeviceTensors = std::vector<std::optional<DTensor>>;

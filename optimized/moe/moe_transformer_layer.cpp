@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "optimized/layer/attention_half.h"
+#include "optimized/layer/graph_cache.h"
 #include "optimized/layer/kernels.h"
 #include "optimized/layer/rank_runner.h"
 #include "optimized/layer/sharding.h"
@@ -125,7 +126,8 @@ struct MoETransformerLayer::Impl {
   int e0 = 0, local_E = 0;                    // this rank's experts: [e0, e0 + local_E)
   std::unique_ptr<rt::Communicator> ep_comm;  // ep > 1: this rank's handle to the expert-parallel group
   std::map<std::string, Tensor> full;
-  std::vector<rt::DeviceBuffer> weights, acts;
+  std::vector<rt::DeviceBuffer> weights;
+  BufferArena acts;  // activations of the current shape
   std::optional<rt::Stream> stream;
   MoEPlan plan;
   rt::DeviceBuffer global_tokens;  // global_aux_loss accumulator
@@ -135,7 +137,7 @@ struct MoETransformerLayer::Impl {
   // Buffers of the current shape, the inputs' device copies and the phases' graphs.
   BufferShape buffer_shape;
   rt::DeviceBuffer x_in, freqs, mask, pad;
-  std::optional<rt::Graph> router_graph, postprocess_graph;
+  StreamGraph router_graph, postprocess_graph;
   std::optional<AuxLossKind> graph_aux_kind;  // the router graph's loss kernel arguments
   bool graph_z_loss = false;
   // What one forward carries from phase to phase: the phase that ran last (a phase runs only after
@@ -490,77 +492,69 @@ void MoETransformerLayer::Impl::ensure_buffers(const BufferShape& shape) {
   router_graph.reset();
   postprocess_graph.reset();
   acts.clear();
-  acts.reserve(64);
-  auto buf = [&](std::size_t bytes) {
-    acts.emplace_back(*dev, std::max<std::size_t>(bytes, 1));
-    return acts.back().get();
-  };
   MoEPlan& P = plan;
   RankPlan& p = P.attn;
-  const std::size_t es = dtype_size(dt), rs = dtype_size(rdt), H = std::size_t(h), Es = std::size_t(E);
-  const std::size_t tok = std::size_t(shape.s) * shape.b, nmax = tok * Es, w1 = std::size_t((P.glu ? 2 : 1) * ffn);
   p.s = shape.s;
   p.b = shape.b;
-  x_in = rt::DeviceBuffer(*dev, tok * H * es);
+  rt::Device& d = *dev;
+  BufferArena& A = acts;
+  const std::int64_t T = std::int64_t(shape.s) * shape.b, H = h, Es = E, N = T * Es;  // N: routed rows at most
+  x_in = rt::DeviceBuffer(d, std::size_t(T * H) * dtype_size(dt));
   p.x = x_in.get();
-  p.ln1 = p.ln1_full = buf(tok * H * es);  // [T, h]
-  p.qkv = buf(tok * p.qkv_width() * es);   // [T, qkv_width]
-  p.ctx = buf(tok * p.np_local() * hn * es);
-  p.proj = buf(tok * H * es);
-  p.h1 = buf(tok * H * es);
-  p.ln2 = p.ln2_full = buf(tok * H * es);
-  p.out = buf(tok * H * es);
-  freqs = shape.rot ? rt::DeviceBuffer(*dev, std::size_t(shape.s) * shape.rot * sizeof(float)) : rt::DeviceBuffer();
-  mask = shape.mask_bytes ? rt::DeviceBuffer(*dev, shape.mask_bytes) : rt::DeviceBuffer();
-  pad = shape.padding ? rt::DeviceBuffer(*dev, tok) : rt::DeviceBuffer();
-  P.x_r = P.cast_input || rdt == DType::F64 ? buf(tok * H * rs) : nullptr;
-  P.logits = buf(tok * Es * rs);  // [T, E]
-  P.probs_pre = buf(tok * Es * rs);
-  P.map_pre = static_cast<std::uint8_t*>(buf(tok * Es));
-  P.probs = buf(tok * Es * rs);
-  P.routing_map = static_cast<std::uint8_t*>(buf(tok * Es));
-  P.aux_scores = static_cast<float*>(buf(tok * Es * sizeof(float)));
-  P.aux_map = static_cast<std::uint8_t*>(buf(tok * Es));
-  P.z = static_cast<float*>(buf(tok * sizeof(float)));
-  P.loss_scratch = static_cast<double*>(buf(2 * std::size_t(shape.b) * Es * sizeof(double)));
-  P.losses = static_cast<float*>(buf(2 * sizeof(float)));
-  P.tokens_per_expert_dev = static_cast<std::int64_t*>(buf(Es * sizeof(std::int64_t)));
-  P.offsets = static_cast<std::int64_t*>(buf((Es + 1) * sizeof(std::int64_t)));
-  P.row_id_map = static_cast<std::int64_t*>(buf(nmax * sizeof(std::int64_t)));
-  P.permuted = buf(nmax * H * es);  // [N_max, h]
-  P.permuted_probs = buf(nmax * rs);
-  P.fc1 = buf(nmax * w1 * es);
-  P.act_out = buf(nmax * ffn * es);
-  P.expert_out = buf(nmax * H * es);
-  P.combined = buf(tok * H * es);
-  P.mlp_out = buf(tok * H * es);
+  add_attention_half_buffers(A, d, p);
+  freqs = shape.rot ? rt::DeviceBuffer(d, std::size_t(shape.s) * shape.rot * sizeof(float)) : rt::DeviceBuffer();
+  mask = shape.mask_bytes ? rt::DeviceBuffer(d, shape.mask_bytes) : rt::DeviceBuffer();
+  pad = shape.padding ? rt::DeviceBuffer(d, std::size_t(T)) : rt::DeviceBuffer();
+  // the router
+  P.x_r = P.cast_input || rdt == DType::F64 ? A.add(d, "x_r", rdt, T, H) : nullptr;
+  P.logits = A.add(d, "logits", rdt, T, Es);
+  P.probs_pre = A.add(d, "probs_pre", rdt, T, Es);
+  P.map_pre = A.add<std::uint8_t>(d, "map_pre", T, Es);
+  P.probs = A.add(d, "probs", rdt, T, Es);
+  P.routing_map = A.add<std::uint8_t>(d, "routing_map", T, Es);
+  P.aux_scores = A.add<float>(d, "aux_scores", T, Es);
+  P.aux_map = A.add<std::uint8_t>(d, "aux_map", T, Es);
+  P.z = A.add<float>(d, "z", T);
+  P.loss_scratch = A.add<double>(d, "loss_scratch", 2, shape.b, Es);
+  P.losses = A.add<float>(d, "losses", 2);
+  // the dispatcher and the experts
+  P.tokens_per_expert_dev = A.add<std::int64_t>(d, "tokens_per_expert", Es);
+  P.offsets = A.add<std::int64_t>(d, "offsets", Es + 1);
+  P.row_id_map = A.add<std::int64_t>(d, "row_id_map", N);
+  P.permuted = A.add(d, "permuted", dt, N, H);
+  P.permuted_probs = A.add(d, "permuted_probs", rdt, N);
+  P.fc1 = A.add(d, "fc1", dt, N, P.glu ? 2 : 1, ffn);
+  P.act_out = A.add(d, "act_out", dt, N, ffn);
+  P.expert_out = A.add(d, "expert_out", dt, N, H);
+  P.combined = A.add(d, "combined", dt, T, H);
+  P.mlp_out = A.add(d, "mlp_out", dt, T, H);
   if (shared_ffn > 0) {
-    P.shared_fc1 = buf(tok * (P.glu ? 2 : 1) * shared_ffn * es);
-    P.shared_act = buf(tok * shared_ffn * es);
-    P.shared_out = buf(tok * H * es);
-    P.gate_logits = buf(tok * es);
+    P.shared_fc1 = A.add(d, "shared_fc1", dt, T, P.glu ? 2 : 1, shared_ffn);
+    P.shared_act = A.add(d, "shared_act", dt, T, shared_ffn);
+    P.shared_out = A.add(d, "shared_out", dt, T, H);
+    P.gate_logits = A.add(d, "gate_logits", dt, T);
   }
   if (P.ep > 1) {
-    P.ep_counts = static_cast<std::int64_t*>(buf(std::size_t(P.ep) * Es * sizeof(std::int64_t)));
-    P.ep_recv = buf(nmax * H * es);
-    P.ep_recv_probs = buf(nmax * rs);
-    P.ep_in = buf(nmax * H * es);
-    P.ep_in_probs = buf(nmax * rs);
-    P.ep_out = buf(nmax * H * es);
-    P.ep_offsets = static_cast<std::int64_t*>(buf((std::size_t(local_E) + 1) * sizeof(std::int64_t)));
+    P.ep_counts = A.add<std::int64_t>(d, "ep_counts", P.ep, Es);
+    P.ep_recv = A.add(d, "ep_recv", dt, N, H);
+    P.ep_recv_probs = A.add(d, "ep_recv_probs", rdt, N);
+    P.ep_in = A.add(d, "ep_in", dt, N, H);
+    P.ep_in_probs = A.add(d, "ep_in_probs", rdt, N);
+    P.ep_out = A.add(d, "ep_out", dt, N, H);
+    P.ep_offsets = A.add<std::int64_t>(d, "ep_offsets", local_E + 1);
   }
   if (P.ep > 1 && P.allgather) {
-    const std::size_t tg = tok * std::size_t(P.ep), el = std::size_t(local_E);
-    P.ag_x = buf(tg * H * es);  // [TG, h]
-    P.ag_map = static_cast<std::uint8_t*>(buf(tg * Es));
-    P.ag_probs = buf(tg * Es * rs);
-    P.ag_local_map = static_cast<std::uint8_t*>(buf(tg * el));
-    P.ag_local_probs = buf(tg * el * rs);
-    P.ag_tokens_per_expert = static_cast<std::int64_t*>(buf(el * sizeof(std::int64_t)));
-    P.ag_row_id_map = static_cast<std::int64_t*>(buf(el * tg * sizeof(std::int64_t)));
-    P.ag_partial = buf(tg * H * es);
-    P.ag_partial_r = rdt != dt ? buf(tg * H * rs) : nullptr;
-    P.ag_combined_r = rdt != dt ? buf(tok * H * rs) : nullptr;
+    const std::int64_t TG = T * P.ep, el = local_E;  // the gathered tokens, this rank's experts
+    P.ag_x = A.add(d, "ag_x", dt, TG, H);
+    P.ag_map = A.add<std::uint8_t>(d, "ag_map", TG, Es);
+    P.ag_probs = A.add(d, "ag_probs", rdt, TG, Es);
+    P.ag_local_map = A.add<std::uint8_t>(d, "ag_local_map", TG, el);
+    P.ag_local_probs = A.add(d, "ag_local_probs", rdt, TG, el);
+    P.ag_tokens_per_expert = A.add<std::int64_t>(d, "ag_tokens_per_expert", el);
+    P.ag_row_id_map = A.add<std::int64_t>(d, "ag_row_id_map", el, TG);
+    P.ag_partial = A.add(d, "ag_partial", dt, TG, H);
+    P.ag_partial_r = rdt != dt ? A.add(d, "ag_partial_r", rdt, TG, H) : nullptr;
+    P.ag_combined_r = rdt != dt ? A.add(d, "ag_combined_r", rdt, T, H) : nullptr;
   }
 }
 
@@ -735,7 +729,7 @@ void MoETransformerLayer::Impl::moe_tap(MoETapPoint t) {
 void MoETransformerLayer::run_graph_phase(Impl& m, PhaseKind kind) {
   const LayerKernels& kernels = layer_kernels(options_.backend);
   void (*fn)(MoEPlan&, cudaStream_t) = nullptr;
-  std::optional<rt::Graph>* graph = nullptr;
+  StreamGraph* graph = nullptr;
   switch (kind) {
     case PhaseKind::Router:
       fn = kernels.moe_router_phase;
@@ -751,15 +745,10 @@ void MoETransformerLayer::run_graph_phase(Impl& m, PhaseKind kind) {
   }
   MoEPlan& P = m.plan;
   const cudaStream_t st = m.stream->handle();
-  if (!graph || !m.fo.use_graph) return fn(P, st);
-  if (!*graph) {
-    P.capturing = true;
-    m.stream->begin_capture();
-    fn(P, st);
-    graph->emplace(m.stream->end_capture());
-    P.capturing = false;
-  }
-  (*graph)->launch(*m.stream);
+  if (!graph) return fn(P, st);
+  P.capturing = graph->will_capture(m.fo.use_graph);
+  graph->run(*m.stream, m.fo.use_graph, [&] { fn(P, st); });
+  P.capturing = false;
 }
 
 // The expert-compute phase (_forward_mlp_expert_compute): the tokens per expert to the host, the
