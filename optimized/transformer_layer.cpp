@@ -166,99 +166,28 @@ void DenseTransformerLayer::Impl::set_rank_inputs(int r, const Tensor& hidden_st
   p.on_tap = nullptr;
 }
 
-// ---- taps. Each rank records, in its own thread, the part of each tap it holds, with the
-// rounding points its thread counted; after the ranks finish, the host puts every tap back
-// together in the reference's full logical shape, shards in rank order (gather_shards), so the
-// one comparison applies at any tp. What each rank holds, as Megatron shards it:
-//   input_layernorm, pre_mlp_layernorm, the row-parallel outputs after their reduction
-//     [s_local, b, h]: with SP each rank's sequence slice, else the same tensor on every rank
-//     (rank 0's is recorded, as a rank-0 hook in Megatron records it);
-//   linear_qkv.0 [s, b, ng_l * (hpg + 2) * hn]: this rank's query groups, contiguous in the
-//     grouped layout; q/k_layernorm [s, b, np_l | ng_l, hn] and core_attention [s, b, np_l * hn]:
-//     this rank's heads;
+// ---- taps: the attention half's as every kind records them (layer/attention_half.h); the MLP's
 //   linear_fc1.0 [s, b, f_l] or with GLU [s, b, 2 * f_l] = [this rank's gate columns | its
 //     linear columns]: the full tensor is [all gate columns | all linear columns];
-//   biases (skip_bias_add outputs): the full parameter, no rounding point.
+//   linear_fc2 as a row-parallel linear.
 void DenseTransformerLayer::Impl::record_tap(int r, TapPoint t, std::vector<RankTap>& taps) {
   Rank& R = ranks[r];
   const RankPlan& p = R.plan;
-  const std::int64_t S = p.s, S_l = p.s_local(), B = p.b, H = h;
-  const ShardLayout seq_layout = p.sp ? ShardLayout{0, 1} : ShardLayout{};
   auto download = [&](const void* ptr, Shape shape) {
     Tensor v = Tensor::empty(dt, std::move(shape));
     dev->copy(v.raw_mut(), ptr, v.nbytes(), rt::CopyKind::DeviceToHost, R.stream->handle());
     R.stream->synchronize();
     return v;
   };
-  auto add = [&](std::string name, Tensor v, ShardLayout layout) {
-    taps.push_back({std::move(name), std::move(v), rounding_now(), layout});
-  };
-  auto bias = [&](const std::string& name, const std::string& key) {
-    if (full.count(key)) taps.push_back({name, full.at(key).clone(), RoundingCount{}, ShardLayout{}});
-  };
-  // A row-parallel linear's output (after the reduction) and bias (<module>.<linear>.0 / .1),
-  // which are also its module's (<module>.0 / .1): the bias is added later, in the
-  // bias-dropout-add.
-  auto row_parallel = [&](const void* y_dev, const std::string& module, const std::string& linear) {
-    const Tensor y = download(y_dev, {S_l, B, H});  // [s_local, b, h]
-    const std::string bias_key = module + "." + linear + ".bias";
-    add(module + "." + linear + ".0", y, seq_layout);
-    bias(module + "." + linear + ".1", bias_key);
-    add(module + ".0", y, seq_layout);
-    bias(module + ".1", bias_key);
-  };
-  switch (t) {
-    case TapPoint::InputLayernorm:
-      add("input_layernorm", download(p.ln1, {S_l, B, H}), seq_layout);
-      break;
-    case TapPoint::LinearQkv:
-      add("self_attention.linear_qkv.0", download(p.qkv, {S, B, p.qkv_width()}), ShardLayout{2, 1});
-      break;
-    case TapPoint::QkLayernorm: {
-      auto [q, k] = qk_layernorm_taps(download(p.qkv, {S * B, p.qkv_width()}), S, B, p.ng_local(), p.hpg(), hn);
-      add("self_attention.q_layernorm", std::move(q), ShardLayout{2, 1});
-      add("self_attention.k_layernorm", std::move(k), ShardLayout{2, 1});
-      break;
-    }
-    case TapPoint::CoreAttention:
-      add("self_attention.core_attention", download(p.ctx, {S, B, std::int64_t(p.np_local()) * hn}), ShardLayout{2, 1});
-      break;
-    case TapPoint::LinearProj:
-      row_parallel(p.proj, "self_attention", "linear_proj");
-      break;
-    case TapPoint::PreMlpLayernorm:
-      add("pre_mlp_layernorm", download(p.ln2, {S_l, B, H}), seq_layout);
-      break;
-    case TapPoint::LinearFc1:
-      add("mlp.linear_fc1.0", download(p.fc1, {S, B, (p.glu ? 2 : 1) * std::int64_t(p.ffn_local())}),
-          ShardLayout{2, p.glu ? 2 : 1});
-      bias("mlp.linear_fc1.1", "mlp.linear_fc1.bias");
-      break;
-    case TapPoint::LinearFc2:
-      row_parallel(p.fc2, "mlp", "linear_fc2");
-      break;
+  RankTapRecorder rec{p, full, download, taps};
+  if (rec.attention_half(t)) return;
+  if (t == TapPoint::LinearFc1) {
+    rec.add("mlp.linear_fc1.0", download(p.fc1, {p.s, p.b, (p.glu ? 2 : 1) * std::int64_t(p.ffn_local())}),
+            ShardLayout{2, p.glu ? 2 : 1});
+    rec.bias("mlp.linear_fc1.1", "mlp.linear_fc1.bias");
+  } else if (t == TapPoint::LinearFc2) {
+    rec.row_parallel(p.fc2, "mlp", "linear_fc2");
   }
-}
-
-// Every rank recorded the same taps in the same order; each becomes one full tensor, its rounding
-// count the join of the ranks'.
-Record DenseTransformerLayer::Impl::gather_rank_taps(const std::vector<std::vector<RankTap>>& rank_taps) {
-  Record record;
-  for (std::size_t i = 0; i < rank_taps[0].size(); ++i) {
-    const RankTap& first = rank_taps[0][i];
-    std::vector<const Tensor*> shards;
-    RoundingCount rounding = first.rounding;
-    for (std::size_t r = 0; r < rank_taps.size(); ++r) {
-      const RankTap& t = rank_taps[r].at(i);
-      if (t.name != first.name)
-        throw std::logic_error(std::string(kWho) + ": rank " + std::to_string(r) + " recorded tap '" + t.name +
-                               "' where rank 0 recorded '" + first.name + "'");
-      shards.push_back(&t.value);
-      rounding.join(t.rounding);
-    }
-    record.add(Role::Tap, first.name, gather_shards(shards, first.layout)).rounding = rounding;
-  }
-  return record;
 }
 
 // The output: rank 0's full tensor, or (SP) the ranks' sequence slices in rank order.
@@ -302,7 +231,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   for (int r = 0; r < tp; ++r)
     m.set_rank_inputs(r, hidden_states, fo, mask_mode, in, attention_mask != nullptr, config_.rotary_interleaved);
 
-  std::vector<std::vector<Impl::RankTap>> rank_taps(tp);
+  std::vector<std::vector<RankTap>> rank_taps(tp);
   if (fo.record_taps)
     for (int r = 0; r < tp; ++r)
       m.ranks[r].plan.on_tap = [&m, &rank_taps, r](TapPoint t) { m.record_tap(r, t, rank_taps[r]); };
@@ -316,7 +245,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   LayerOutput result;
   result.hidden_states = m.download_output(sp);
   for (auto& R : m.ranks) R.plan.on_tap = nullptr;
-  result.record = m.gather_rank_taps(rank_taps);
+  result.record = gather_rank_taps(rank_taps, kWho);
   m.kept = fo.keep_for_backward;
   return result;
 }

@@ -24,35 +24,6 @@
 
 namespace twin::opt {
 
-// How one rank holds its part of a tap: dim < 0, the whole tensor (the same on every rank);
-// else each rank's tensor, its dims from `dim` on split into `blocks` equal consecutive blocks,
-// holds one slice of each block along `dim` (blocks = 2: linear_fc1 with GLU, whose output is
-// [gate | linear] both on a rank and in the full tensor).
-struct ShardLayout {
-  int dim = -1;
-  int blocks = 1;
-};
-
-// The full tensor from the ranks' shards in rank order: for each index before `dim`, for each
-// block, rank 0's slice, rank 1's, ... (a concatenation along `dim` block by block).
-inline Tensor gather_shards(const std::vector<const Tensor*>& shards, ShardLayout layout) {
-  const Tensor& s0 = *shards.at(0);
-  if (layout.dim < 0 || shards.size() == 1) return s0;
-  Shape shape = s0.shape();
-  std::int64_t outer = 1;
-  for (int d = 0; d < layout.dim; ++d) outer *= shape[d];
-  const std::size_t chunk = s0.nbytes() / static_cast<std::size_t>(outer * layout.blocks);
-  shape[layout.dim] *= static_cast<std::int64_t>(shards.size());
-  Tensor out = Tensor::empty(s0.dtype(), shape);
-  std::byte* dst = out.raw_mut();
-  for (std::int64_t o = 0; o < outer * layout.blocks; ++o)
-    for (const Tensor* t : shards) {
-      std::memcpy(dst, t->raw() + static_cast<std::size_t>(o) * chunk, chunk);
-      dst += chunk;
-    }
-  return out;
-}
-
 struct DenseTransformerLayer::Impl {
   rt::Device* dev = nullptr;
   DType dt = DType::F32;
@@ -89,15 +60,7 @@ struct DenseTransformerLayer::Impl {
   void ensure_activations(const AttentionInputs& in, bool mask);
   void set_rank_inputs(int r, const Tensor& hidden_states, const ForwardOptions& fo, MaskMode mask_mode,
                        const AttentionInputs& in, bool has_mask, bool rotary_interleaved);
-  // One rank's part of a tap, with the rounding count of its thread when it was produced.
-  struct RankTap {
-    std::string name;
-    Tensor value;
-    RoundingCount rounding;
-    ShardLayout layout;
-  };
   void record_tap(int r, TapPoint t, std::vector<RankTap>& taps);
-  Record gather_rank_taps(const std::vector<std::vector<RankTap>>& rank_taps);
   Tensor download_output(bool sp);
 
   const void* upload(Rank& r, const Tensor& t) {

@@ -160,4 +160,52 @@ std::pair<Tensor, Tensor> qk_layernorm_taps(const Tensor& qkv, std::int64_t S, s
   return {std::move(q), std::move(k)};
 }
 
+void RankTapRecorder::add(std::string name, Tensor value, ShardLayout layout) {
+  taps.push_back({std::move(name), std::move(value), rounding_now(), layout});
+}
+
+void RankTapRecorder::bias(const std::string& name, const std::string& key) {
+  if (full.count(key)) taps.push_back({name, full.at(key).clone(), RoundingCount{}, ShardLayout{}});
+}
+
+void RankTapRecorder::row_parallel(const void* y, const std::string& module, const std::string& linear) {
+  const ShardLayout seq_layout = p.sp ? ShardLayout{0, 1} : ShardLayout{};
+  const Tensor out = download(y, {p.s_local(), p.b, p.h});
+  const std::string bias_key = module + "." + linear + ".bias";
+  add(module + "." + linear + ".0", out, seq_layout);
+  bias(module + "." + linear + ".1", bias_key);
+  add(module + ".0", out, seq_layout);
+  bias(module + ".1", bias_key);
+}
+
+bool RankTapRecorder::attention_half(TapPoint t) {
+  const std::int64_t S = p.s, S_l = p.s_local(), B = p.b, H = p.h;
+  const ShardLayout seq_layout = p.sp ? ShardLayout{0, 1} : ShardLayout{}, heads{2, 1};
+  switch (t) {
+    case TapPoint::InputLayernorm:
+      add("input_layernorm", download(p.ln1, {S_l, B, H}), seq_layout);
+      return true;
+    case TapPoint::LinearQkv:
+      add("self_attention.linear_qkv.0", download(p.qkv, {S, B, p.qkv_width()}), heads);
+      return true;
+    case TapPoint::QkLayernorm: {
+      auto [q, k] = qk_layernorm_taps(download(p.qkv, {S * B, p.qkv_width()}), S, B, p.ng_local(), p.hpg(), p.hn);
+      add("self_attention.q_layernorm", std::move(q), heads);
+      add("self_attention.k_layernorm", std::move(k), heads);
+      return true;
+    }
+    case TapPoint::CoreAttention:
+      add("self_attention.core_attention", download(p.ctx, {S, B, std::int64_t(p.np_local()) * p.hn}), heads);
+      return true;
+    case TapPoint::LinearProj:
+      row_parallel(p.proj, "self_attention", "linear_proj");
+      return true;
+    case TapPoint::PreMlpLayernorm:
+      add("pre_mlp_layernorm", download(p.ln2, {S_l, B, H}), seq_layout);
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace twin::opt

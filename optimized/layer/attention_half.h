@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -15,6 +16,7 @@
 #include "core/tensor.h"
 #include "optimized/layer/buffer_arena.h"
 #include "optimized/layer/options.h"
+#include "optimized/layer/rank_runner.h"  // RankTap
 #include "optimized/transformer_layer_plan.h"
 
 namespace twin::opt {
@@ -81,6 +83,32 @@ AttentionInputs check_attention_inputs(const std::string& who, const Tensor& hid
 // This forward's dropout streams (one per DropoutSite, from fo.offset), training flag, seed and
 // self-attention mask in `p`. Returns whether a value a captured graph bakes in changed.
 bool set_forward_streams(RankPlan& p, const ForwardOptions& fo, MaskMode mask_mode, int mask_b, int mask_h);
+
+// A rank's taps of a layer with an attention half, recorded in the rank's thread: each tensor
+// downloaded where the rank's forward produced it (RankPlan::on_tap), its part as Megatron shards
+// it (layer/rank_runner.h gathers the ranks' parts):
+//   input_layernorm, pre_mlp_layernorm, the row-parallel outputs after their reduction
+//     [s_local, b, h]: with SP each rank's sequence slice, else the same tensor on every rank
+//     (rank 0's is recorded, as a rank-0 hook in Megatron records it);
+//   linear_qkv.0 [s, b, ng_l * (hpg + 2) * hn]: this rank's query groups, contiguous in the
+//     grouped layout; q/k_layernorm [s, b, np_l | ng_l, hn] and core_attention [s, b, np_l * hn]:
+//     this rank's heads;
+//   biases (skip_bias_add outputs): the full parameter, no rounding point.
+struct RankTapRecorder {
+  const RankPlan& p;
+  const std::map<std::string, Tensor>& full;                     // the layer's full params (the biases)
+  std::function<Tensor(const void* ptr, Shape shape)> download;  // in the plan's dtype
+  std::vector<RankTap>& taps;
+
+  void add(std::string name, Tensor value, ShardLayout layout);
+  void bias(const std::string& name, const std::string& key);
+  // A row-parallel linear's output [s_local, b, h] (after the reduction) and bias as
+  // <module>.<linear>.0 / .1, which are also its module's (<module>.0 / .1): the bias is added
+  // later, in the bias-dropout-add.
+  void row_parallel(const void* y, const std::string& module, const std::string& linear);
+  // The attention half's taps at `t`; false when `t` is not the attention half's.
+  bool attention_half(TapPoint t);
+};
 
 // The q/k-layernorm taps out of the grouped linear_qkv output [S * B, ng * (hpg + 2) * hn] of
 // ng query groups (after the norms, which work in place): q [S, B, ng * hpg, hn] and

@@ -1,8 +1,8 @@
 #include "optimized/layer/rank_runner.h"
 
+#include <stdexcept>
 #include <vector>
 
-#include "core/rounding.h"
 #include "optimized/runtime/collectives.h"
 
 namespace twin::opt {
@@ -20,6 +20,25 @@ void run_ranks_counted(int nranks, const std::function<void(int)>& rank) {
   RoundingCount joined = at_start;
   for (const RoundingCount& e : at_end) joined.join(e);
   rounding_set(joined);
+}
+
+Record gather_rank_taps(const std::vector<std::vector<RankTap>>& rank_taps, const std::string& who) {
+  Record record;
+  for (std::size_t i = 0; i < rank_taps.at(0).size(); ++i) {
+    const RankTap& first = rank_taps[0][i];
+    std::vector<const Tensor*> shards;
+    RoundingCount rounding = first.rounding;
+    for (std::size_t r = 0; r < rank_taps.size(); ++r) {
+      const RankTap& t = rank_taps[r].at(i);
+      if (t.name != first.name)
+        throw std::logic_error(who + ": rank " + std::to_string(r) + " recorded tap '" + t.name +
+                               "' where rank 0 recorded '" + first.name + "'");
+      shards.push_back(&t.value);
+      rounding.join(t.rounding);
+    }
+    record.add(Role::Tap, first.name, gather_shards(shards, first.layout)).rounding = rounding;
+  }
+  return record;
 }
 
 }  // namespace twin::opt

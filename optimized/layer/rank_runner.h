@@ -6,9 +6,30 @@
 #pragma once
 
 #include <functional>
+#include <string>
+#include <vector>
+
+#include "core/record.h"
+#include "core/rounding.h"
+#include "optimized/layer/sharding.h"  // ShardLayout
 
 namespace twin::opt {
 
 void run_ranks_counted(int nranks, const std::function<void(int)>& rank);
+
+// One rank's part of a tap, recorded in the rank's thread with the rounding count of that thread
+// when it was produced, and how the ranks' parts make the full tensor.
+struct RankTap {
+  std::string name;
+  Tensor value;
+  RoundingCount rounding;
+  ShardLayout layout;
+};
+
+// Every rank's taps put back together after the ranks ran: each rank recorded the same taps in the
+// same order; each becomes one full tensor in the reference's logical shape (gather_shards), its
+// rounding count the join of the ranks', so the one comparison applies at any split. logic_error
+// naming `who` when the ranks' taps differ.
+Record gather_rank_taps(const std::vector<std::vector<RankTap>>& rank_taps, const std::string& who);
 
 }  // namespace twin::opt

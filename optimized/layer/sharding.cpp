@@ -73,4 +73,22 @@ Tensor tensor_parallel_shard(const TransformerConfig& c, const std::string& key,
   return t;  // norms, the row-parallel biases
 }
 
+Tensor gather_shards(const std::vector<const Tensor*>& shards, ShardLayout layout) {
+  const Tensor& s0 = *shards.at(0);
+  if (layout.dim < 0 || shards.size() == 1) return s0;
+  Shape shape = s0.shape();
+  std::int64_t outer = 1;
+  for (int d = 0; d < layout.dim; ++d) outer *= shape[d];
+  const std::size_t chunk = s0.nbytes() / static_cast<std::size_t>(outer * layout.blocks);
+  shape[layout.dim] *= static_cast<std::int64_t>(shards.size());
+  Tensor out = Tensor::empty(s0.dtype(), shape);
+  std::byte* dst = out.raw_mut();
+  for (std::int64_t o = 0; o < outer * layout.blocks; ++o)
+    for (const Tensor* t : shards) {
+      std::memcpy(dst, t->raw() + static_cast<std::size_t>(o) * chunk, chunk);
+      dst += chunk;
+    }
+  return out;
+}
+
 }  // namespace twin::opt

@@ -34,4 +34,17 @@ Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1);
 // Rank r's shard of the parameter under layer-relative `key` (rules above; the whole tensor at tp 1).
 Tensor tensor_parallel_shard(const TransformerConfig& c, const std::string& key, const Tensor& t, int r, int tp);
 
+// How one rank holds its part of an activation: dim < 0, the whole tensor (the same on every
+// rank); else each rank's tensor, its dims from `dim` on split into `blocks` equal consecutive
+// blocks, holds one slice of each block along `dim` (blocks = 2: linear_fc1 with GLU, whose output
+// is [gate | linear] both on a rank and in the full tensor).
+struct ShardLayout {
+  int dim = -1;
+  int blocks = 1;
+};
+
+// The full tensor from the ranks' shards in rank order: for each index before `dim`, for each
+// block, rank 0's slice, rank 1's, ... (a concatenation along `dim` block by block).
+Tensor gather_shards(const std::vector<const Tensor*>& shards, ShardLayout layout);
+
 }  // namespace twin::opt

@@ -596,44 +596,12 @@ void MoETransformerLayer::Impl::count_routed_tokens() {
   }
 }
 
-// The attention half's taps (tp = 1: every tensor whole).
+// The attention half's taps as every kind records them (tp = 1: every tensor whole).
 void MoETransformerLayer::Impl::attention_tap(TapPoint t) {
-  RankPlan& p = plan.attn;
-  Record& rec = pending.record;
-  const std::int64_t H = h;
-  auto bias_tap = [&](const std::string& name, const std::string& key) {
-    if (full.count(key)) rec.add_exact(Role::Tap, name, full.at(key).clone());
-  };
-  switch (t) {
-    case TapPoint::InputLayernorm:
-      rec.add(Role::Tap, "input_layernorm", download(p.ln1, dt, {S, B, H}));
-      break;
-    case TapPoint::LinearQkv:
-      rec.add(Role::Tap, "self_attention.linear_qkv.0", download(p.qkv, dt, {S, B, p.qkv_width()}));
-      break;
-    case TapPoint::QkLayernorm: {
-      auto [q, k] = qk_layernorm_taps(download(p.qkv, dt, {S * B, p.qkv_width()}), S, B, ng, p.hpg(), hn);
-      rec.add(Role::Tap, "self_attention.q_layernorm", std::move(q));
-      rec.add(Role::Tap, "self_attention.k_layernorm", std::move(k));
-      break;
-    }
-    case TapPoint::CoreAttention:
-      rec.add(Role::Tap, "self_attention.core_attention", download(p.ctx, dt, {S, B, std::int64_t(np) * hn}));
-      break;
-    case TapPoint::LinearProj: {
-      const Tensor y = download(p.proj, dt, {S, B, H});
-      rec.add(Role::Tap, "self_attention.linear_proj.0", y);
-      bias_tap("self_attention.linear_proj.1", "self_attention.linear_proj.bias");
-      rec.add(Role::Tap, "self_attention.0", y);
-      bias_tap("self_attention.1", "self_attention.linear_proj.bias");
-      break;
-    }
-    case TapPoint::PreMlpLayernorm:
-      rec.add(Role::Tap, "pre_mlp_layernorm", download(p.ln2, dt, {S, B, H}));
-      break;
-    default:
-      break;
-  }
+  std::vector<RankTap> taps;
+  RankTapRecorder rec{plan.attn, full, [&](const void* ptr, Shape shape) { return download(ptr, dt, shape); }, taps};
+  rec.attention_half(t);
+  for (RankTap& tap : taps) pending.record.add(Role::Tap, tap.name, std::move(tap.value)).rounding = tap.rounding;
 }
 
 // The MoE MLP's taps, inputs, losses and state.
