@@ -20,7 +20,7 @@
 #include "optimized/runtime/collectives.h"
 #include "optimized/runtime/device.h"
 #include "optimized/transformer_layer.h"
-#include "optimized/transformer_layer_plan.h"
+#include "optimized/layer/rank_plan.h"
 
 namespace twin::opt {
 

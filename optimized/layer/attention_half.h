@@ -17,7 +17,7 @@
 #include "optimized/layer/buffer_arena.h"
 #include "optimized/layer/options.h"
 #include "optimized/layer/rank_runner.h"  // RankTap
-#include "optimized/transformer_layer_plan.h"
+#include "optimized/layer/rank_plan.h"
 
 namespace twin::opt {
 

@@ -5,7 +5,7 @@
 
 #include "optimized/layer/kernels.h"
 #include "optimized/moe/moe_transformer_layer_plan.h"
-#include "optimized/transformer_layer_plan.h"
+#include "optimized/layer/rank_plan.h"
 
 #define TWIN_LAYER_BACKEND_ENTRIES(ns)                                            \
   namespace twin::opt::ns {                                                       \

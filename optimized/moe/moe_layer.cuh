@@ -23,7 +23,7 @@
 #include "optimized/moe/moe_transformer_layer_plan.h"
 #include "optimized/moe/router.cuh"
 #include "optimized/moe/token_dispatcher.cuh"
-#include "optimized/transformer_layer.cuh"
+#include "optimized/layer/attention_half.cuh"
 
 namespace twin::opt::TWIN_BACKEND {
 

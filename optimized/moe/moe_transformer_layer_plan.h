@@ -10,7 +10,7 @@
 #include <optional>
 #include <vector>
 
-#include "optimized/transformer_layer_plan.h"
+#include "optimized/layer/rank_plan.h"
 
 namespace twin::opt {
 

@@ -1,7 +1,9 @@
-// The work of one tensor-parallel rank of the optimized dense layer, as plain numbers and device
-// pointers (no host tensors, no Eigen), so the same struct crosses from the host-side layer
-// (transformer_layer.cpp) into the per-backend kernel sequence (transformer_layer.cuh, compiled
-// once for the simulator and once by nvcc; called through layer/kernels.h).
+// The work of one tensor-parallel rank of a layer with an attention half, as plain numbers and
+// device pointers (no host tensors, no Eigen), so the same struct crosses from the host side
+// (compiled once) into the per-backend kernel sequences (compiled once for the simulator and once
+// by nvcc; called through layer/kernels.h). The attention half's fields are filled by
+// layer/attention_half.h for the dense and the MoE layer (the MoE plan holds one); the MLP's are
+// the dense layer's (transformer_layer.cpp), as is the backward's RankGrads.
 #pragma once
 
 #include <cstddef>
