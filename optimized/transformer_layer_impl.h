@@ -31,7 +31,7 @@ struct DenseTransformerLayer::Impl {
   std::map<std::string, Tensor> full;  // host copies of the full params (taps of the biases)
 
   struct Rank {
-    std::vector<rt::DeviceBuffer> weights;
+    DeviceWeights weights;
     BufferArena acts;  // activations for the current (s, b)
     std::optional<rt::Stream> stream;
     RankPlan plan;
@@ -63,11 +63,7 @@ struct DenseTransformerLayer::Impl {
   void record_tap(int r, TapPoint t, std::vector<RankTap>& taps);
   Tensor download_output(bool sp);
 
-  const void* upload(Rank& r, const Tensor& t) {
-    r.weights.emplace_back(*dev, t.nbytes());
-    r.weights.back().upload(t.raw(), t.nbytes());
-    return r.weights.back().get();
-  }
+  const void* upload(Rank& r, const Tensor& t) { return r.weights.upload(*dev, t); }
 };
 
 }  // namespace twin::opt

@@ -21,4 +21,10 @@ std::size_t BufferArena::bytes() const {
   return total;
 }
 
+const void* DeviceWeights::upload(rt::Device& dev, const void* host, std::size_t bytes) {
+  buffers_.emplace_back(dev, std::max<std::size_t>(bytes, 1));
+  buffers_.back().upload(host, bytes);
+  return buffers_.back().get();
+}
+
 }  // namespace twin::opt

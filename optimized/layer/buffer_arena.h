@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/tensor.h"
 #include "optimized/runtime/device.h"
 
 namespace twin::opt {
@@ -42,6 +43,17 @@ class BufferArena {
   void* allocate(rt::Device& dev, const char* name, std::size_t bytes);
   std::vector<rt::DeviceBuffer> buffers_;
   std::vector<std::pair<std::string, std::size_t>> rows_;
+};
+
+// A layer's weights on the device, as long as the layer lives: each upload its own buffer.
+class DeviceWeights {
+ public:
+  // `bytes` bytes from the host (at least one byte on the device).
+  const void* upload(rt::Device& dev, const void* host, std::size_t bytes);
+  const void* upload(rt::Device& dev, const Tensor& t) { return upload(dev, t.raw(), t.nbytes()); }
+
+ private:
+  std::vector<rt::DeviceBuffer> buffers_;
 };
 
 }  // namespace twin::opt
