@@ -37,10 +37,6 @@ class StreamGraph {
   std::optional<rt::Graph> graph_;
 };
 
-// A forward's device inputs / outputs in a fixed order; nullopt for one it was not given / made.
-using DeviceTensors = std::vector<std::optional<DTensor>>;
-using CapturableForward = std::function<DeviceTensors(const RankContext&, const DeviceTensors& inputs)>;
-
 // The dropout arguments a captured forward bakes in.
 struct GraphDropout {
   bool training = false;

@@ -1,11 +1,14 @@
 // What a layer whose host side launches its ops one at a time (Retro's) runs a rank's forward on:
-// device tensors (a buffer and its shape), the activations of a captured forward (Arena), and the
-// rank's context (device, stream, dtype, taps, rank and communicator, the backend's launchers).
-// Backend-neutral: the launchers come from the backend boundary (layer/kernels.h).
+// device tensors (a buffer and its shape), the activations of a captured forward (Arena), the
+// rank's context (device, stream, dtype, taps, rank and communicator, the backend's launchers)
+// with the ops such a layer composes, and the group of tensor-parallel ranks that runs a forward
+// on every rank. Backend-neutral: the launchers come from the backend boundary (layer/kernels.h).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,6 +64,61 @@ struct RankContext {
   // The tensor under `name`, with the rounding points counted so far (TP = 1: the full tensor).
   void tap(const std::string& name, const DTensor& d) const;
   void tap_param(const std::string& name, const Tensor* t) const;
+
+  // ---- ops: each output a new tensor of x's leading shape
+  // LayerNorm over x's last dim (torch_norm.cuh).
+  DTensor layer_norm(const DTensor& x, const void* weight, const void* bias, double eps,
+                     bool zero_centered_gamma) const;
+  // x [..., in] W^T [..., out_features] (+ bias in the GEMM's epilogue when not null).
+  DTensor linear(const DTensor& x, const void* weight, const void* bias, std::int64_t out_features) const;
+  // A row-parallel linear (linear_proj, fc2): each rank's product summed over the ranks
+  // (all-reduce, one store in dt); the bias is left to the bias-dropout-add, as in Megatron.
+  DTensor row_parallel_linear(const DTensor& x, const void* weight, std::int64_t out_features) const;
+};
+
+// A forward's options as the group runs it.
+struct GroupRun {
+  bool training = false;
+  std::uint64_t seed = 0, offset = 0;
+  bool record_taps = false;  // tp = 1 only
+  bool use_graph = false;    // capture each rank's forward once, then replay (layer/graph_cache.h)
+};
+
+// A forward's device inputs / outputs in a fixed order; nullopt for one it was not given / made.
+using DeviceTensors = std::vector<std::optional<DTensor>>;
+using CapturableForward = std::function<DeviceTensors(const RankContext&, const DeviceTensors& inputs)>;
+
+class GraphCache;
+
+// The tensor-parallel ranks of a built layer (a stream and a communicator each) and a forward run
+// on every rank (layer/rank_runner.h: the rounding counts joined as every kind joins them),
+// eagerly or from each rank's captured graph.
+class RankGroup {
+ public:
+  // `what`: the layer's name in errors; dt its params dtype.
+  RankGroup(std::string what, DType dt, int tp, rt::Backend backend);
+  ~RankGroup();
+  RankGroup(RankGroup&&) noexcept;
+  RankGroup& operator=(RankGroup&&) noexcept;
+
+  RankContext context(int rank, const GroupRun& run = {}) const;
+  // invalid_argument for what `run` asks that the group cannot do (forward() checks it first too).
+  void check_run(const GroupRun& run) const;
+  // Runs `forward` on every rank on the uploaded `inputs` (null: not given) and returns rank 0's
+  // outputs on the host (nullopt where it made none) and its taps. invalid_argument for taps at
+  // tp > 1, use_graph with taps, and use_graph on the GPU at tp > 1.
+  std::vector<std::optional<Tensor>> forward(const std::vector<const Tensor*>& inputs, const GroupRun& run,
+                                             const CapturableForward& forward, Record* record);
+
+ private:
+  std::string what_;
+  DType dt_;
+  int tp_;
+  rt::Device* dev_;
+  const OpLaunchers* ops_;
+  std::vector<std::unique_ptr<rt::Stream>> streams_;      // per rank
+  std::vector<std::unique_ptr<rt::Communicator>> comms_;  // tp > 1
+  std::vector<GraphCache> graphs_;                        // per rank (use_graph)
 };
 
 }  // namespace twin::opt

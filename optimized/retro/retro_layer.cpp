@@ -1,16 +1,13 @@
 // The optimized Retro decoder's layer and block (retro_layer.h), host side compiled once: a layer
 // runs Megatron's TransformerLayer steps (input_layernorm, self_attention, self_attn_bda,
 // pre_cross_attn_layernorm, cross_attention, cross_attn_bda, pre_mlp_layernorm, mlp, mlp_bda) on
-// each rank, launching the backend's ops one at a time (layer/rank_context.h); the ranks run as
-// every layer kind runs them (layer/rank_runner.h), and use_graph captures a rank's forward
-// (layer/graph_cache.h).
+// each rank, launching the backend's ops one at a time; a RankGroup runs it on every rank, eagerly
+// or from each rank's captured graph (layer/rank_context.h).
 #include "optimized/retro/retro_layer.h"
 
 #include <functional>
 
 #include "core/dropout_site.h"
-#include "optimized/layer/graph_cache.h"
-#include "optimized/layer/rank_runner.h"
 #include "optimized/retro/retro_layer_impl.h"
 
 namespace twin::opt::retro {
@@ -29,33 +26,17 @@ const Tensor* Layer::host_param(const std::string& key) const {
 }
 
 DTensor Layer::norm(const RankContext& ex, const DTensor& x, const std::string& key) const {
-  DTensor y = ex.alloc(x.shape);
-  ex.ops->norm_forward(false, ex.dt, x.get(), y.get(), w(ex, key + ".weight"), w(ex, key + ".bias"),
-                       NormRows::dense(x.numel() / h, h), c.layernorm_epsilon, c.layernorm_zero_centered_gamma,
-                       ex.st());
-  return y;
+  return ex.layer_norm(x, w(ex, key + ".weight"), w(ex, key + ".bias"), c.layernorm_epsilon,
+                       c.layernorm_zero_centered_gamma);
 }
 
 DTensor Layer::linear(const RankContext& ex, const DTensor& x, const std::string& key, bool bias_in_epilogue,
                       std::int64_t out_features) const {
-  const std::int64_t in = x.shape.back(), rows = x.numel() / in;
-  Shape shape = x.shape;
-  shape.back() = out_features;
-  DTensor y = ex.alloc(shape);
-  ex.ops->linear_forward(ex.dt, x.get(), w(ex, key + ".weight"), bias_in_epilogue ? w(ex, key + ".bias") : nullptr,
-                         y.get(), rows, in, out_features, ex.st());
-  return y;
+  return ex.linear(x, w(ex, key + ".weight"), bias_in_epilogue ? w(ex, key + ".bias") : nullptr, out_features);
 }
 
-// A row-parallel linear (linear_proj, fc2): each rank's product summed over the ranks
-// (all-reduce); the bias is left to the bias-dropout-add, as in Megatron.
 DTensor Layer::row_parallel_linear(const RankContext& ex, const DTensor& x, const std::string& key) const {
-  DTensor y = linear(ex, x, key, false, h);
-  if (ex.tp == 1) return y;
-  rounding_store(ex.dt);  // counts: the sum over ranks, stored in T
-  DTensor sum = ex.alloc(y.shape);
-  ex.comm->all_reduce(y.get(), sum.get(), std::size_t(y.numel()), ex.dt, ex.st());
-  return sum;
+  return ex.row_parallel_linear(x, w(ex, key + ".weight"), h);
 }
 
 AttnParams Layer::attn_params(const RankContext& ex, int sq, int sk, int b, double dropout,
@@ -206,171 +187,121 @@ std::pair<DTensor, std::optional<DTensor>> Block::forward(const RankContext& ex,
   return {x, context};
 }
 
-// ---- the ranks of a built layer or block ----------------------------------------------------
+// ---- a forward of a built layer or block on its ranks ----------------------------------------
 
 namespace {
 
-// The tensor-parallel ranks of a built layer or block (device, a stream and a communicator each)
-// and the steps of a forward the layer and the block share: inputs checked and uploaded, the ranks
-// run eagerly or from their captured graphs, the output and record put together.
-struct RankGroup {
-  TransformerConfig config;
-  DType dt = DType::F32;
-  rt::Device* dev = nullptr;
-  const OpLaunchers* ops = nullptr;
-  int tp = 1;
-  std::vector<std::unique_ptr<rt::Stream>> streams;      // per rank
-  std::vector<std::unique_ptr<rt::Communicator>> comms;  // tp > 1
-  std::vector<GraphCache> graphs;                        // per rank (use_graph)
-
-  RankGroup(const TransformerConfig& c, rt::Backend backend) : config(c) {
-    validate(c);
-    dt = params_dtype(c);
-    dev = &rt::device(backend);
-    ops = &layer_kernels(backend).ops;
-    tp = c.tensor_model_parallel_size;
-    for (int r = 0; r < tp; ++r) streams.push_back(std::make_unique<rt::Stream>(*dev));
-    if (tp > 1) comms = rt::make_threaded_group(tp);
-    graphs.resize(static_cast<std::size_t>(tp));
+// hidden_states [ns, bs, d] in dt, context rank 3 in dt, context_mask BOOL rank 4.
+void check_inputs(const TransformerConfig& config, const Tensor& hidden_states, const Tensor* context,
+                  const Tensor* context_mask) {
+  const std::int64_t d = config.hidden_size;
+  const DType dt = params_dtype(config);
+  if (hidden_states.dim() != 3 || hidden_states.size(2) != d || hidden_states.size(0) <= 0 ||
+      hidden_states.size(1) <= 0)
+    throw ShapeError("optimized Retro decoder: hidden_states expected [ns, bs, " + std::to_string(d) + "], got " +
+                     shape_str(hidden_states.shape()));
+  if (hidden_states.dtype() != dt)
+    throw ShapeError(std::string("optimized Retro decoder: hidden_states dtype ") + dtype_name(hidden_states.dtype()) +
+                     " differs from the params dtype " + dtype_name(dt));
+  if (context && (context->dim() != 3 || context->size(2) != d || context->dtype() != dt))
+    throw ShapeError("optimized Retro decoder: context expected " + std::string(dtype_name(dt)) + " [*, *, " +
+                     std::to_string(d) + "], got " + context->describe());
+  if (context_mask) {
+    const Shape& ms = context_mask->shape();
+    const RetroSizes rs = retro_sizes(config);
+    if (context_mask->dtype() != DType::BOOL || ms.size() != 4 || ms[2] != rs.r || ms[3] != rs.r ||
+        (ms[1] != 1 && ms[1] != config.num_attention_heads))
+      throw ShapeError("optimized Retro decoder: context_mask expected BOOL [k*bs*l or 1, 1 or np, r, r] with r = " +
+                       std::to_string(rs.r) + ", got " + context_mask->describe());
+    if (context && ms[0] != 1 && ms[0] != context->size(1))
+      throw ShapeError("optimized Retro decoder: context_mask batch " + std::to_string(ms[0]) +
+                       " is neither 1 nor the neighbour batch k*bs*l = " + std::to_string(context->size(1)));
   }
+}
 
-  RankContext rank_context(int rank, const RetroForwardOptions& o = {}) const {
-    RankContext ex;
-    ex.dev = dev;
-    ex.stream = streams.at(static_cast<std::size_t>(rank)).get();
-    ex.ops = ops;
-    ex.dt = dt;
-    ex.training = o.training;
-    ex.seed = o.seed;
-    ex.rank = rank;
-    ex.tp = tp;
-    ex.comm = tp > 1 ? comms[static_cast<std::size_t>(rank)].get() : nullptr;
-    ex.what = "optimized Retro decoder";
-    return ex;
-  }
+RankGroup make_ranks(const TransformerConfig& c, rt::Backend backend) {
+  validate(c);
+  return RankGroup("optimized Retro decoder", params_dtype(c), c.tensor_model_parallel_size, backend);
+}
 
-  // hidden_states [ns, bs, d] in dt, context rank 3 in dt, context_mask BOOL rank 4.
-  void check(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask) const {
-    const std::int64_t d = config.hidden_size;
-    if (hidden_states.dim() != 3 || hidden_states.size(2) != d || hidden_states.size(0) <= 0 ||
-        hidden_states.size(1) <= 0)
-      throw ShapeError("optimized Retro decoder: hidden_states expected [ns, bs, " + std::to_string(d) + "], got " +
-                       shape_str(hidden_states.shape()));
-    if (hidden_states.dtype() != dt)
-      throw ShapeError(std::string("optimized Retro decoder: hidden_states dtype ") +
-                       dtype_name(hidden_states.dtype()) + " differs from the params dtype " + dtype_name(dt));
-    if (context && (context->dim() != 3 || context->size(2) != d || context->dtype() != dt))
-      throw ShapeError("optimized Retro decoder: context expected " + std::string(dtype_name(dt)) + " [*, *, " +
-                       std::to_string(d) + "], got " + context->describe());
-    if (context_mask) {
-      const Shape& ms = context_mask->shape();
-      const RetroSizes rs = retro_sizes(config);
-      if (context_mask->dtype() != DType::BOOL || ms.size() != 4 || ms[2] != rs.r || ms[3] != rs.r ||
-          (ms[1] != 1 && ms[1] != config.num_attention_heads))
-        throw ShapeError("optimized Retro decoder: context_mask expected BOOL [k*bs*l or 1, 1 or np, r, r] with r = " +
-                         std::to_string(rs.r) + ", got " + context_mask->describe());
-      if (context && ms[0] != 1 && ms[0] != context->size(1))
-        throw ShapeError("optimized Retro decoder: context_mask batch " + std::to_string(ms[0]) +
-                         " is neither 1 nor the neighbour batch k*bs*l = " + std::to_string(context->size(1)));
-    }
-  }
+// A layer's or block's forward (hidden states, context, mask -> hidden states, context).
+using RetroForward = std::function<std::pair<DTensor, std::optional<DTensor>>(
+    const RankContext&, const DTensor& x, std::optional<DTensor> context, const DTensor* mask)>;
 
-  void check_graph(const RetroForwardOptions& o) const {
-    if (o.record_taps)
-      throw std::invalid_argument(
-          "optimized Retro decoder: use_graph records no taps (a tap copies to the host "
-          "mid-forward, which a captured stream cannot)");
-    if (dev->backend() == rt::Backend::Cuda && tp != 1)
-      throw std::invalid_argument(
-          "optimized Retro decoder: use_graph on the GPU is for tensor_model_parallel_size 1 (the ranks' threaded "
-          "collectives are host work a CUDA graph cannot capture)");
-  }
-
-  // Runs `forward` (inputs: hidden states, context, mask; outputs: hidden states, context) on
-  // every rank (layer/rank_runner.h: the rounding counts joined as every layer kind joins them),
-  // eagerly or from the rank's captured graph, and returns rank 0's output.
-  RetroOutput forward(const RetroForwardOptions& o, const Tensor& hidden_states, const Tensor* context,
-                      const Tensor* context_mask, const CapturableForward& forward) {
-    if (o.use_graph) check_graph(o);
-    if (o.record_taps && tp != 1)
-      throw std::invalid_argument("optimized Retro decoder: taps are recorded at tensor_model_parallel_size 1 only");
-    check(hidden_states, context, context_mask);
-    const std::vector<const Tensor*> inputs{&hidden_states, context, context_mask};
-    RetroOutput out;
-    run_ranks_counted(tp, [&](int r) {
-      RankContext ex = rank_context(r, o);
-      Record rec;
-      if (o.record_taps) ex.rec = &rec;
-      DeviceTensors outputs;
-      if (o.use_graph) {
-        outputs = graphs[static_cast<std::size_t>(r)].run(ex, inputs, {o.training, o.seed, o.offset}, forward);
-      } else {
-        DeviceTensors in;
-        for (const Tensor* t : inputs) in.push_back(t ? std::optional<DTensor>(ex.upload(*t)) : std::nullopt);
-        outputs = forward(ex, in);
-      }
-      if (r != 0) return;
-      out.hidden_states = ex.download(*outputs.at(0));
-      if (outputs.at(1)) out.context = ex.download(*outputs[1]);
-      out.record = std::move(rec);
-    });
-    return out;
-  }
-};
+RetroOutput run_forward(RankGroup& ranks, const TransformerConfig& c, const RetroForwardOptions& o,
+                        const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
+                        const RetroForward& forward) {
+  const GroupRun run{o.training, o.seed, o.offset, o.record_taps, o.use_graph};
+  ranks.check_run(run);
+  check_inputs(c, hidden_states, context, context_mask);
+  RetroOutput out;
+  auto outputs = ranks.forward(
+      {&hidden_states, context, context_mask}, run,
+      [&](const RankContext& ex, const DeviceTensors& in) {
+        auto [x, ctx] = forward(ex, *in[0], in[1], in[2] ? &*in[2] : nullptr);
+        return DeviceTensors{x, ctx};
+      },
+      &out.record);
+  out.hidden_states = std::move(*outputs.at(0));
+  out.context = std::move(outputs.at(1));
+  return out;
+}
 
 }  // namespace
 
 // ---- the public classes ---------------------------------------------------------------------
 
 struct RetroDecoderLayer::Impl {
+  TransformerConfig config;
   RankGroup ranks;
   std::unique_ptr<Layer> layer;
 };
 
 RetroDecoderLayer::RetroDecoderLayer(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
                                      RetroLayerKind kind, int layer_number, rt::Backend backend)
-    : impl_(std::make_unique<Impl>(Impl{RankGroup(c, backend), nullptr})) {
+    : impl_(std::make_unique<Impl>(Impl{c, make_ranks(c, backend), nullptr})) {
   std::set<std::string> used;
   impl_->layer = build_layer(c, params, "", cross_of(kind), false, kind == RetroLayerKind::RetroWithEncoder,
-                             layer_number, impl_->ranks.rank_context(0), used);
+                             layer_number, impl_->ranks.context(0), used);
   check_all_used(params, used);
 }
 RetroDecoderLayer::~RetroDecoderLayer() = default;
 
 RetroOutput RetroDecoderLayer::forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                                        const RetroForwardOptions& o) {
-  return impl_->ranks.forward(
-      o, hidden_states, context, context_mask, [&](const RankContext& ex, const DeviceTensors& in) {
-        auto [x, ctx] = impl_->layer->forward(ex, *in[0], in[1], in[2] ? &*in[2] : nullptr, o.offset, "");
-        return DeviceTensors{x, ctx};
-      });
+  const Layer& layer = *impl_->layer;
+  return run_forward(impl_->ranks, impl_->config, o, hidden_states, context, context_mask,
+                     [&](const RankContext& ex, const DTensor& x, std::optional<DTensor> ctx, const DTensor* mask) {
+                       return layer.forward(ex, x, std::move(ctx), mask, o.offset, "");
+                     });
 }
 
 struct RetroDecoderBlock::Impl {
+  TransformerConfig config;
   RankGroup ranks;
   Block block;
 };
 
 RetroDecoderBlock::RetroDecoderBlock(const TransformerConfig& c, const std::map<std::string, Tensor>& params,
                                      const std::vector<RetroLayerKind>& layout, rt::Backend backend)
-    : impl_(std::make_unique<Impl>(Impl{RankGroup(c, backend), {}})) {
+    : impl_(std::make_unique<Impl>(Impl{c, make_ranks(c, backend), {}})) {
   reject(layout.empty(), "an empty block layout");
   std::set<std::string> used;
   for (std::size_t i = 0; i < layout.size(); ++i)
     impl_->block.layers.push_back(build_layer(c, params, "layers." + std::to_string(i) + ".", cross_of(layout[i]),
                                               false, layout[i] == RetroLayerKind::RetroWithEncoder, int(i) + 1,
-                                              impl_->ranks.rank_context(0), used));
+                                              impl_->ranks.context(0), used));
   check_all_used(params, used);
 }
 RetroDecoderBlock::~RetroDecoderBlock() = default;
 
 RetroOutput RetroDecoderBlock::forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                                        const RetroForwardOptions& o) {
-  return impl_->ranks.forward(
-      o, hidden_states, context, context_mask, [&](const RankContext& ex, const DeviceTensors& in) {
-        auto [x, ctx] = impl_->block.forward(ex, *in[0], in[1], in[2] ? &*in[2] : nullptr, o.offset, "");
-        return DeviceTensors{x, ctx};
-      });
+  const Block& block = impl_->block;
+  return run_forward(impl_->ranks, impl_->config, o, hidden_states, context, context_mask,
+                     [&](const RankContext& ex, const DTensor& x, std::optional<DTensor> ctx, const DTensor* mask) {
+                       return block.forward(ex, x, std::move(ctx), mask, o.offset, "");
+                     });
 }
 
 }  // namespace twin::opt::retro
