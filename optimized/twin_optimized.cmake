@@ -5,6 +5,7 @@ add_library(twin_optimized STATIC
   ${CMAKE_CURRENT_LIST_DIR}/layer/attention_half.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/buffer_arena.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/features.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/layer/grad_magnitudes.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/graph_cache.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/kernels.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/op_launchers_sim.cpp

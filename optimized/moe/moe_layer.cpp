@@ -106,7 +106,7 @@ void MoEMlpRank::add_param_shapes(const TransformerConfig& c, std::map<std::stri
   }
 }
 
-void MoEMlpRank::bind(MoEPlan& P, const TransformerConfig& c, const std::map<std::string, Tensor>& full, int rank,
+void MoEMlpRank::bind(MoELayerPlan& P, const TransformerConfig& c, const std::map<std::string, Tensor>& full, int rank,
                       rt::Communicator* ep_comm, DeviceWeights& weights, rt::Device& dev) {
   auto upload_opt = [&](const std::string& key) {
     return full.count(key) ? weights.upload(dev, full.at(key)) : nullptr;
@@ -175,7 +175,7 @@ void MoEMlpRank::bind(MoEPlan& P, const TransformerConfig& c, const std::map<std
   P.global_tokens = global_tokens.as<double>();
 }
 
-void MoEMlpRank::add_buffers(MoEPlan& P, BufferArena& A, rt::Device& d, int s, int b) const {
+void MoEMlpRank::add_buffers(MoELayerPlan& P, BufferArena& A, rt::Device& d, int s, int b) const {
   const std::int64_t T = std::int64_t(s) * b, H = h, Es = E, N = T * Es;  // N: routed rows at most
   // the router
   P.x_r = P.cast_input || rdt == DType::F64 ? A.add(d, "x_r", rdt, T, H) : nullptr;
@@ -230,7 +230,7 @@ void MoEMlpRank::add_buffers(MoEPlan& P, BufferArena& A, rt::Device& d, int s, i
   }
 }
 
-bool MoEMlpRank::set_losses(MoEPlan& P, const TransformerConfig& c, const ForwardOptions& fo) {
+bool MoEMlpRank::set_losses(MoELayerPlan& P, const TransformerConfig& c, const ForwardOptions& fo) {
   P.aux_kind = aux_loss_kind(c, fo.training);
   P.aux_coeff = c.moe_aux_loss_coeff;
   P.z_loss = fo.training && c.moe_z_loss_coeff.has_value();
@@ -253,7 +253,7 @@ void MoEMlpRank::count_routed_tokens(const Tensor& map, const std::vector<std::u
   }
 }
 
-void MoEMlpRank::tap(MoETapPoint t, const MoEPlan& P, std::int64_t S, std::int64_t B,
+void MoEMlpRank::tap(MoETapPoint t, const MoELayerPlan& P, std::int64_t S, std::int64_t B,
                      const std::function<Tensor(const void*, DType, Shape)>& download, Record& rec) {
   const std::int64_t T = S * B, H = h, Es = E;
   const std::size_t es = dtype_size(dt);

@@ -1,6 +1,6 @@
 // MoELayer's host side on one expert-parallel rank (megatron/core/transformer/moe/moe_layer.py:
 // TopKRouter, the token dispatcher, the experts and the shared experts): its parameters, its
-// fields of the MoEPlan and its buffers, the router's losses and expert-bias counter, its inputs
+// MoELayerPlan (moe_layer_plan.h) and its buffers, the router's losses and expert-bias counter, its inputs
 // and taps. Its kernel sequence is moe_layer.cuh; MoETransformerLayer (moe_transformer_layer.cpp)
 // runs it after the attention half, in Megatron's three phases.
 #pragma once
@@ -17,7 +17,7 @@
 #include "core/tensor.h"
 #include "optimized/layer/buffer_arena.h"
 #include "optimized/layer/options.h"
-#include "optimized/moe/moe_transformer_layer_plan.h"
+#include "optimized/moe/moe_layer_plan.h"
 
 namespace twin::opt {
 
@@ -47,20 +47,20 @@ struct MoEMlpRank {
   // The MoE MLP's parameter shapes (the expert bias aside) into `shapes`.
   void add_param_shapes(const TransformerConfig& c, std::map<std::string, Shape>& shapes) const;
   // The MoE fields of `P` from `c` and the full params, this rank's weights uploaded.
-  void bind(MoEPlan& P, const TransformerConfig& c, const std::map<std::string, Tensor>& full, int rank,
+  void bind(MoELayerPlan& P, const TransformerConfig& c, const std::map<std::string, Tensor>& full, int rank,
             rt::Communicator* ep_comm, DeviceWeights& weights, rt::Device& dev);
   // Its buffers for T = s * b tokens as rows of `arena`.
-  void add_buffers(MoEPlan& P, BufferArena& arena, rt::Device& dev, int s, int b) const;
+  void add_buffers(MoELayerPlan& P, BufferArena& arena, rt::Device& dev, int s, int b) const;
   // The router's losses of this forward (only while training, as Megatron's router) and the
   // expert-bias counter. Returns whether a loss kernel's argument a captured router graph bakes
   // in changed.
-  bool set_losses(MoEPlan& P, const TransformerConfig& c, const ForwardOptions& fo);
+  bool set_losses(MoELayerPlan& P, const TransformerConfig& c, const ForwardOptions& fo);
   // The expert-bias counter after a graph replay (the replay skips the host's count): every
   // non-padding token's routed experts from the routing map [T, E].
   void count_routed_tokens(const Tensor& routing_map, const std::vector<std::uint8_t>& padding);
   // The taps, inputs, losses and state at `t` of the forward of S x B tokens into `rec`;
   // `download(ptr, dtype, shape)` reads a device buffer.
-  void tap(MoETapPoint t, const MoEPlan& P, std::int64_t S, std::int64_t B,
+  void tap(MoETapPoint t, const MoELayerPlan& P, std::int64_t S, std::int64_t B,
            const std::function<Tensor(const void*, DType, Shape)>& download, Record& rec);
 };
 

@@ -1,137 +1,16 @@
 // The work of the optimized MoETransformerLayer at one rank as plain numbers and device pointers,
 // crossing from the host side (moe_transformer_layer.cpp) into the per-backend kernel sequence
 // (moe_layer.cuh, compiled once for the simulator and once by nvcc; its three phases are called
-// through layer/kernels.h). The attention half is the
-// dense layer's RankPlan; the MoE MLP's fields follow.
+// through layer/kernels.h): the attention half's RankPlan and MoELayer's fields.
 #pragma once
 
-#include <cstdint>
-#include <functional>
-#include <optional>
-#include <vector>
-
 #include "optimized/layer/rank_plan.h"
+#include "optimized/moe/moe_layer_plan.h"
 
 namespace twin::opt {
 
-// Where the MoE forward has just produced what a tap names (the host downloads it there).
-enum class MoETapPoint {
-  SharedFc1,      // mlp.shared_experts.linear_fc1.0
-  SharedFc2,      // mlp.shared_experts.linear_fc2.0
-  SharedExperts,  // mlp.shared_experts
-  RouterLogits,   // mlp.router.logits
-  RouterProbs,    // mlp.router.0 / .1, the losses, the token counter
-  ExpertInputs,   // tap_in.mlp.experts.*
-  ExpertsOutput,  // mlp.experts.local_experts.<i>.0, mlp.experts.0
-  MlpOutput       // mlp.0
-};
-
-struct MoEPlan {
+struct MoEPlan : MoELayerPlan {
   RankPlan attn;  // the attention half; attn.ln2 is the MoE's input, attn.h1 the residual, attn.out the output
-
-  // ---- router
-  int E = 0, topk = 1;
-  DType rdt = DType::F32;   // router dtype
-  bool cast_input = false;  // the gating input is cast from the params dtype to rdt first
-  ScoreFunction score = ScoreFunction::Softmax;
-  bool pre_softmax = false;
-  int num_groups = 0, group_topk = 0;
-  float scaling_factor = 0.0f;
-  bool drop = false;  // capacity factor set
-  double capacity_factor = 0.0;
-  bool drop_by_probs = true, pad_to_capacity = false;
-  std::optional<AuxLossKind> aux_kind;  // the load-balancing loss, none when off (or not training)
-  double aux_coeff = 0.0;
-  bool z_loss = false;
-  double z_coeff = 0.0;
-  const void* router_w = nullptr;              // [E, h] rdt
-  const void* router_b = nullptr;              // [E] rdt
-  const float* expert_bias = nullptr;          // [E] fp32
-  const std::uint8_t* padding = nullptr;       // [T] device, 1 = padding (token order t = s * b + b_idx)
-  const std::uint8_t* recorded_map = nullptr;  // host [T, E]: the post-drop map a golden fixes (ties)
-  double* global_tokens = nullptr;             // [E] device, global_aux_loss accumulator
-  double ga_steps = 0.0;                       // forwards since the accumulator's reset (incl. this)
-
-  // ---- experts
-  int ffn = 0;  // moe_ffn_hidden_size
-  bool glu = false;
-  Act act = Act::Gelu;
-  const void* fc1_w = nullptr;  // [E, (glu ? 2 : 1) * ffn, h]
-  const void* fc1_b = nullptr;  // [E, (glu ? 2 : 1) * ffn] or null
-  const void* fc2_w = nullptr;  // [E, h, ffn]
-  const void* fc2_b = nullptr;  // [E, h] or null
-  // ---- shared experts
-  int shared_ffn = 0;  // 0: none
-  bool shared_gate = false;
-  const void* shared_fc1_w = nullptr;   // [(glu ? 2 : 1) * shared_ffn, h]
-  const void* shared_fc2_w = nullptr;   // [h, shared_ffn]
-  const void* shared_gate_w = nullptr;  // [1, h]
-
-  // ---- activations (device), T = s * b tokens, N_max = T * E rows
-  void* x_r = nullptr;                            // [T, h] rdt (cast_input)
-  void* logits = nullptr;                         // [T, E] rdt
-  void* probs_pre = nullptr;                      // [T, E] rdt (before the capacity drop)
-  std::uint8_t* map_pre = nullptr;                // [T, E]
-  void* probs = nullptr;                          // [T, E] rdt
-  std::uint8_t* routing_map = nullptr;            // [T, E]
-  float* aux_scores = nullptr;                    // [T, E]
-  std::uint8_t* aux_map = nullptr;                // [T, E]
-  float* z = nullptr;                             // [T]
-  double* loss_scratch = nullptr;                 // [2 * b * E]
-  float* losses = nullptr;                        // [2]: load-balancing loss / coeff, z_loss / coeff
-  std::int64_t* tokens_per_expert_dev = nullptr;  // [E]
-  std::int64_t* offsets = nullptr;                // [E + 1]
-  std::int64_t* row_id_map = nullptr;             // [E, T]
-  void* permuted = nullptr;                       // [N_max, h]
-  void* permuted_probs = nullptr;                 // [N_max] rdt
-  void* fc1 = nullptr;                            // [N_max, (glu ? 2 : 1) * ffn]
-  void* act_out = nullptr;                        // [N_max, ffn]
-  void* expert_out = nullptr;                     // [N_max, h]
-  void* combined = nullptr;                       // [T, h]
-  void* shared_fc1 = nullptr;                     // [T, (glu ? 2 : 1) * shared_ffn]
-  void* shared_act = nullptr;                     // [T, shared_ffn]
-  void* shared_out = nullptr;                     // [T, h]
-  void* gate_logits = nullptr;                    // [T]
-  void* mlp_out = nullptr;                        // [T, h]
-
-  // ---- expert parallelism, ep > 1: this rank holds the local experts
-  // [ep_rank * local_E, (ep_rank + 1) * local_E) (fc1_w .. fc2_b above are those experts only).
-  // A rank receives at most ep * T rows for each of its local_E experts: ep * T * local_E = T * E
-  // = N_max rows, so every buffer below has the N_max rows of the ep = 1 ones.
-  int ep = 1, ep_rank = 0, local_E = 0;
-  rt::Communicator* ep_comm = nullptr;
-  std::int64_t* ep_counts = nullptr;          // [ep, E] device: every rank's tokens per expert
-  void* ep_recv = nullptr;                    // [N_max, h] rows by source rank, then local expert
-  void* ep_recv_probs = nullptr;              // [N_max] rdt
-  void* ep_in = nullptr;                      // [N_max, h] rows by local expert, then source rank
-  void* ep_in_probs = nullptr;                // [N_max] rdt
-  void* ep_out = nullptr;                     // [N_max, h] the local experts' outputs
-  std::int64_t* ep_offsets = nullptr;         // [local_E + 1] device: exclusive prefix of local tokens per expert
-  std::vector<std::int64_t> ep_offsets_host;  // [local_E + 1] (the upload's source stays alive)
-  std::vector<std::int64_t> local_tokens_per_expert;  // [local_E] rows this rank's experts computed
-  // The allgather dispatcher (else alltoall); TG = ep * T gathered tokens, rank q's at [q T, (q + 1) T).
-  bool allgather = false;
-  bool gather_expert_taps = false;               // rank 0 assembles the ep = 1 expert outputs for its taps
-  void* ag_x = nullptr;                          // [TG, h] the gathered pre_mlp_layernorm outputs
-  std::uint8_t* ag_map = nullptr;                // [TG, E] the gathered routing maps
-  void* ag_probs = nullptr;                      // [TG, E] rdt
-  std::uint8_t* ag_local_map = nullptr;          // [TG, local_E] local_map: the local experts' columns
-  void* ag_local_probs = nullptr;                // [TG, local_E] rdt
-  std::int64_t* ag_tokens_per_expert = nullptr;  // [local_E] device
-  std::int64_t* ag_row_id_map = nullptr;         // [local_E, TG]
-  void* ag_partial = nullptr;                    // [TG, h] the local experts' rows unpermuted
-  void* ag_partial_r = nullptr;                  // [TG, h] rdt (router dtype != dt)
-  void* ag_combined_r = nullptr;                 // [T, h] rdt (router dtype != dt)
-  std::vector<std::uint8_t> ag_local_map_host;   // the uploads' sources stay alive
-  std::vector<unsigned char> ag_local_probs_host;
-
-  // ---- host results of the forward
-  std::vector<std::int64_t> tokens_per_expert;        // [E] this rank's tokens, routed
-  std::vector<double>* local_tokens = nullptr;        // expert-bias counter (non-padding routed tokens), or null
-  std::vector<std::uint8_t>* padding_host = nullptr;  // [T] or null
-
-  std::function<void(MoETapPoint)> on_tap;
-  bool capturing = false;  // the phase is being captured into a graph: no host synchronisation
 };
 
 }  // namespace twin::opt
