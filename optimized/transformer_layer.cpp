@@ -59,14 +59,7 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
   // ---- what this twin implements (everything else is rejected, never silently ignored)
   if (const std::string why = layer_unsupported(LayerKind::Dense, c, o); !why.empty())
     reject(true, "unsupported: " + why);
-  reject(m.h <= 0 || m.np <= 0 || m.ng <= 0 || m.hn <= 0 || m.ffn <= 0,
-         "hidden_size, heads, query groups, kv_channels and ffn must be > 0");
-  reject(m.np % m.ng != 0,
-         "num_attention_heads " + std::to_string(m.np) + " not divisible by num_query_groups " + std::to_string(m.ng));
-  reject(tp < 1, "tp must be >= 1");
-  reject(m.np % tp != 0 || m.ng % tp != 0, "tp " + std::to_string(tp) + " must divide num_attention_heads " +
-                                               std::to_string(m.np) + " and num_query_groups " + std::to_string(m.ng));
-  reject(m.ffn % tp != 0, "tp " + std::to_string(tp) + " must divide ffn_hidden_size " + std::to_string(m.ffn));
+  check_tensor_parallel_sizes(kWho, c, tp, "tp");
   reject(o.sp && tp == 1, "sequence parallelism needs tp > 1");
   reject(o.attn_mask_type != "causal" && o.attn_mask_type != "no_mask" && o.attn_mask_type != "padding" &&
              o.attn_mask_type != "arbitrary" && o.attn_mask_type != "padding_causal",

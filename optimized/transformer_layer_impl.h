@@ -4,23 +4,18 @@
 // transformer_layer_backward.cpp.
 #pragma once
 
-#include <algorithm>
-#include <cstring>
-#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "core/rounding.h"
-#include "optimized/layer/attention_half.h"  // AttentionInputs
+#include "optimized/layer/attention_half.h"  // AttentionInputs, RankTap, BufferArena
 #include "optimized/layer/graph_cache.h"     // StreamGraph
+#include "optimized/layer/rank_plan.h"
 #include "optimized/runtime/collectives.h"
 #include "optimized/runtime/device.h"
 #include "optimized/transformer_layer.h"
-#include "optimized/layer/rank_plan.h"
 
 namespace twin::opt {
 

@@ -104,6 +104,25 @@ struct AttnOperands {
     o.hpg = lay.hpg;
     return o;
   }
+  // A cross attention's (Megatron's CrossAttention: linear_q, linear_kv) read in place: queries q
+  // [sq, N, q_tok / N] with this rank's heads (D = np_l * hn columns) starting at column 0 of q's
+  // pointer, keys and values interleaved per head in the linear_kv output kv [sk, N, np_l * 2hn].
+  // One head per group.
+  static AttnOperands from_q_kv(const void* q, std::int64_t q_tok, const void* kv, std::int64_t N, std::int64_t D,
+                                int hn, std::size_t elem_bytes) {
+    AttnOperands o;
+    o.q = q;
+    o.q_tok = q_tok;
+    o.q_batch = q_tok / N;
+    o.q_group = o.q_head = hn;
+    o.hpg = 1;
+    o.k = kv;
+    o.v = static_cast<const char*>(kv) + std::size_t(hn) * elem_bytes;
+    o.kv_tok = N * 2 * D;
+    o.kv_batch = 2 * D;
+    o.kv_group = 2 * hn;
+    return o;
+  }
 };
 
 struct AttnParams {

@@ -17,6 +17,22 @@ std::map<std::string, Tensor> checked_params(const std::string& who, const std::
   return out;
 }
 
+void check_tensor_parallel_sizes(const std::string& who, const TransformerConfig& c, int tp,
+                                 const std::string& tp_name) {
+  const int np = c.num_attention_heads, ng = c.query_groups(), ffn = c.ffn();
+  auto reject = [&](bool bad, const std::string& what) {
+    if (bad) throw ConfigError(who + ": " + what);
+  };
+  reject(c.hidden_size <= 0 || np <= 0 || ng <= 0 || c.head_dim() <= 0 || ffn <= 0,
+         "hidden_size, heads, query groups, kv_channels and ffn must be > 0");
+  reject(np % ng != 0,
+         "num_attention_heads " + std::to_string(np) + " not divisible by num_query_groups " + std::to_string(ng));
+  reject(tp < 1, tp_name + " must be >= 1");
+  reject(np % tp != 0 || ng % tp != 0, tp_name + " " + std::to_string(tp) + " must divide num_attention_heads " +
+                                           std::to_string(np) + " and num_query_groups " + std::to_string(ng));
+  reject(ffn % tp != 0, tp_name + " " + std::to_string(tp) + " must divide ffn_hidden_size " + std::to_string(ffn));
+}
+
 Tensor take_rows(const Tensor& t, std::int64_t r0, std::int64_t r1) {
   const std::size_t row = std::size_t(t.numel() / t.size(0)) * dtype_size(t.dtype());
   Shape shape = t.shape();

@@ -31,6 +31,11 @@ Tensor take_rows(const Tensor& t, std::int64_t r0, std::int64_t r1);
 // Columns [c0, c1) of a [rows, cols] tensor.
 Tensor take_cols(const Tensor& t, std::int64_t c0, std::int64_t c1);
 
+// ConfigError "<who>: ..." unless the layer's sizes are positive, its heads divide into its query
+// groups, and tp (named `tp_name` in the message) divides the heads, the query groups and ffn.
+void check_tensor_parallel_sizes(const std::string& who, const TransformerConfig& c, int tp,
+                                 const std::string& tp_name);
+
 // Rank r's shard of the parameter under layer-relative `key` (rules above; the whole tensor at tp 1).
 Tensor tensor_parallel_shard(const TransformerConfig& c, const std::string& key, const Tensor& t, int r, int tp);
 

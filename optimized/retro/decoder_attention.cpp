@@ -75,7 +75,7 @@ DTensor Layer::decoder_cross_attention(const RankContext& ex, const DTensor& ln,
   ex.tap(pre + "attn.linear_kv.0", kv);
   const DTensor q = linear(ex, padded, "cross_attention.attn.linear_q", true, D);  // [m, N, np_l * hn]
   ex.tap(pre + "attn.linear_q.0", q);
-  const AttnOperands ops = cross_attention_operands(q.get(), N * D, kv.get(), N, D, int(hn), ex.dt);
+  const AttnOperands ops = AttnOperands::from_q_kv(q.get(), N * D, kv.get(), N, D, int(hn), dtype_size(ex.dt));
   const DTensor core = ex.alloc({m, N, D});
   ex.ops->dot_product_attention_forward(
       ex.dt, ops, core.get(), attn_params(ex, int(m), int(r * k), int(N), cross_attention_dropout, attn_offset),

@@ -42,16 +42,7 @@ void validate(const TransformerConfig& c) {
   reject(c.normalization != "LayerNorm",
          "normalization '" + c.normalization + "': the local Retro spec's FusedLayerNorm supports LayerNorm only");
   if (const std::string why = retro_decoder_unsupported(c); !why.empty()) reject(true, "unsupported: " + why);
-  const int tp = c.tensor_model_parallel_size;
-  reject(tp < 1, "tensor_model_parallel_size must be >= 1");
-  reject(c.num_attention_heads % tp != 0 || c.query_groups() % tp != 0,
-         "tensor_model_parallel_size " + std::to_string(tp) + " must divide num_attention_heads " +
-             std::to_string(c.num_attention_heads) + " and num_query_groups " + std::to_string(c.query_groups()));
-  reject(c.ffn() % tp != 0, "tensor_model_parallel_size " + std::to_string(tp) + " must divide ffn_hidden_size " +
-                                std::to_string(c.ffn()));
-  reject(c.hidden_size <= 0 || c.num_attention_heads <= 0 || c.head_dim() <= 0 || c.ffn() <= 0,
-         "hidden_size, heads, kv_channels and ffn must be > 0");
-  reject(c.num_attention_heads % c.query_groups() != 0, "num_attention_heads not divisible by num_query_groups");
+  check_tensor_parallel_sizes("optimized Retro decoder", c, c.tensor_model_parallel_size, "tensor_model_parallel_size");
   retro_sizes(c);
 }
 

@@ -35,8 +35,8 @@ DTensor Layer::encoder_cross_attention(const RankContext& ex, const DTensor& ln,
     rounding_set(after_q);
     // Neighbour n's queries are column j*k + n of every retrieved position: read in place.
     const AttnOperands ops =
-        cross_attention_operands(static_cast<const char*>(q.get()) + std::size_t(n * D) * dtype_size(ex.dt), N * k * D,
-                                 kv.get(), N, D, int(hn), ex.dt);
+        AttnOperands::from_q_kv(static_cast<const char*>(q.get()) + std::size_t(n * D) * dtype_size(ex.dt), N * k * D,
+                                kv.get(), N, D, int(hn), dtype_size(ex.dt));
     const std::uint64_t neighbour_offset = retro_neighbour_offset(attn_offset, std::uint64_t(n));
     ex.ops->dot_product_attention_forward(
         ex.dt, ops, static_cast<char*>(core.get()) + std::size_t(n * r * N * D) * dtype_size(ex.dt),

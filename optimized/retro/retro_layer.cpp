@@ -73,23 +73,6 @@ void Layer::proj_taps(const RankContext& ex, const DTensor& y, const std::string
   ex.tap_param(m + "1", bias);
 }
 
-AttnOperands cross_attention_operands(const void* q, std::int64_t q_tok, const void* kv, std::int64_t N, std::int64_t D,
-                                      int hn, DType dt) {
-  AttnOperands ops;
-  ops.q = q;
-  ops.q_tok = q_tok;
-  ops.q_batch = q_tok / N;
-  ops.q_group = hn;
-  ops.q_head = hn;
-  ops.hpg = 1;
-  ops.k = kv;
-  ops.v = static_cast<const char*>(kv) + std::size_t(hn) * dtype_size(dt);
-  ops.kv_tok = N * 2 * D;
-  ops.kv_batch = 2 * D;
-  ops.kv_group = 2 * hn;
-  return ops;
-}
-
 // ---- the layer's forward ---------------------------------------------------------------------
 
 // input_layernorm, self_attention (linear_qkv with its bias in the epilogue), self_attn_bda.

@@ -93,12 +93,6 @@ struct Layer {
                                   std::uint64_t offset, const std::string& pre) const;
 };
 
-// Cross-attention read in place: queries q [sq, N, q_tok / N] with this rank's heads (D = np_l * hn
-// columns) starting at column 0 of q's pointer, keys and values interleaved per head in the
-// linear_kv output kv [sk, N, np_l * 2hn]. One head per group (no GQA in Retro's cross-attention).
-AttnOperands cross_attention_operands(const void* q, std::int64_t q_tok, const void* kv, std::int64_t N, std::int64_t D,
-                                      int hn, DType dt);
-
 // ---- decoder_spec.cpp ----
 // The layer's parameter keys of a layer with `cross` (relative to the layer).
 std::vector<std::string> layer_keys(const TransformerConfig& c, Cross cross);
