@@ -99,12 +99,10 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
 // ---- the forward's steps -------------------------------------------------------------------------
 // (Re)allocates every rank's activations when the input's shape changes; graphs are recorded
 // against these buffers.
-void DenseTransformerLayer::Impl::ensure_activations(const AttentionInputs& in, bool mask) {
-  if (in.s == cur_s && in.b == cur_b && in.rot == cur_rot && mask == cur_mask) return;
-  cur_s = in.s;
-  cur_b = in.b;
-  cur_rot = in.rot;
-  cur_mask = mask;
+void DenseTransformerLayer::Impl::ensure_activations(const AttentionInputs& in, std::size_t mask_bytes) {
+  const BufferShape shape{in.s, in.b, in.rot, mask_bytes, false};
+  if (shape == buffer_shape) return;
+  buffer_shape = shape;
   inputs.clear();
   const int tp = static_cast<int>(ranks.size());
   for (Rank& R : ranks) {
@@ -124,6 +122,7 @@ void DenseTransformerLayer::Impl::ensure_activations(const AttentionInputs& in, 
     p.comm = tp > 1 ? comms[&R - ranks.data()].get() : nullptr;
   }
   freqs = in.rot ? rt::DeviceBuffer(*dev, std::size_t(in.s) * in.rot * sizeof(float)) : rt::DeviceBuffer();
+  mask = mask_bytes ? rt::DeviceBuffer(*dev, mask_bytes) : rt::DeviceBuffer();
 }
 
 // Rank r's plan for this forward: its slice of hidden_states, the dropout streams and mask, RoPE,
@@ -166,12 +165,7 @@ void DenseTransformerLayer::Impl::set_rank_inputs(int r, const Tensor& hidden_st
 void DenseTransformerLayer::Impl::record_tap(int r, TapPoint t, std::vector<RankTap>& taps) {
   Rank& R = ranks[r];
   const RankPlan& p = R.plan;
-  auto download = [&](const void* ptr, Shape shape) {
-    Tensor v = Tensor::empty(dt, std::move(shape));
-    dev->copy(v.raw_mut(), ptr, v.nbytes(), rt::CopyKind::DeviceToHost, R.stream->handle());
-    R.stream->synchronize();
-    return v;
-  };
+  auto download = [&](const void* ptr, Shape shape) { return download_tensor(*dev, *R.stream, ptr, dt, shape); };
   RankTapRecorder rec{p, full, download, taps};
   if (rec.attention_half(t)) return;
   if (t == TapPoint::LinearFc1) {
@@ -209,16 +203,10 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   if (fo.use_graph && (tp != 1 || fo.record_taps))
     throw std::invalid_argument(std::string(kWho) + ": graph replay is for tp = 1 without taps");
 
-  m.ensure_activations(in, attention_mask != nullptr);
-  if (attention_mask) {
-    if (m.mask.bytes() != attention_mask->nbytes()) {
-      for (auto& R : m.ranks) R.graph.reset();
-      m.mask = rt::DeviceBuffer(*m.dev, attention_mask->nbytes());
-    }
-    m.mask.upload(attention_mask->raw(), attention_mask->nbytes());  // BOOL is one byte per element
-  }
-  if (in.rot) m.freqs.upload(rotary_pos_emb->raw(), rotary_pos_emb->nbytes());  // [s, 1, 1, rot] == [s, rot]
-  m.kept = false;                                                               // set again once this forward has run
+  m.ensure_activations(in, attention_mask ? attention_mask->nbytes() : 0);
+  if (attention_mask) m.mask.upload(attention_mask->raw(), attention_mask->nbytes());  // BOOL: one byte per element
+  if (in.rot) m.freqs.upload(rotary_pos_emb->raw(), rotary_pos_emb->nbytes());         // [s, 1, 1, rot] == [s, rot]
+  m.kept = false;            // set again once this forward has run
   m.backward_graph.reset();  // captured against the buffers and plan of the forward before
   const MaskMode mask_mode = self_attention_mask_mode(attention_mask != nullptr, options_.attn_mask_type, in.s);
   for (int r = 0; r < tp; ++r)

@@ -51,13 +51,6 @@ ShardLayout shard_layout(const GradSlot& s, bool glu) {
   return ShardLayout{s.shard_dim, fc1 && glu ? 2 : 1};
 }
 
-// A [rows, cols] device tensor of dt, on the host.
-Tensor download(rt::Device& dev, const void* ptr, DType dt, std::int64_t rows, std::int64_t cols, cudaStream_t st) {
-  Tensor t = Tensor::empty(dt, {rows, cols});
-  dev.copy(t.raw_mut(), ptr, t.nbytes(), rt::CopyKind::DeviceToHost, st);
-  dev.synchronize(st);
-  return t;
-}
 }  // namespace
 
 // ---- what it supports ----------------------------------------------------------------------------
@@ -141,7 +134,7 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   auto gathered = [&](auto ptr_of, std::int64_t rows, std::int64_t cols, ShardLayout layout) {
     std::vector<Tensor> parts;
     for (int r = 0; r < (layout.dim < 0 ? 1 : tp); ++r)
-      parts.push_back(download(dev, ptr_of(m.ranks[r]), m.dt, rows, cols, m.ranks[r].stream->handle()));
+      parts.push_back(download_tensor(dev, *m.ranks[r].stream, ptr_of(m.ranks[r]), m.dt, {rows, cols}));
     std::vector<const Tensor*> shards;
     for (const Tensor& t : parts) shards.push_back(&t);
     return gather_shards(shards, layout);

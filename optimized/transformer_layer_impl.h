@@ -41,8 +41,7 @@ struct DenseTransformerLayer::Impl {
   };
   std::vector<Rank> ranks;
   std::vector<std::unique_ptr<rt::Communicator>> comms;
-  int cur_s = -1, cur_b = -1, cur_rot = -1;
-  bool cur_mask = false;
+  BufferShape buffer_shape;  // what the activations are allocated for
   rt::DeviceBuffer freqs, mask;
   std::vector<rt::DeviceBuffer> inputs;  // per rank [s_local, b, h]
   StreamGraph backward_graph;            // rank 0's backward (tp = 1), captured against the last forward's buffers
@@ -52,7 +51,7 @@ struct DenseTransformerLayer::Impl {
   void ensure_grad_buffers(rt::Backend backend);
 
   // The forward's steps (transformer_layer.cpp).
-  void ensure_activations(const AttentionInputs& in, bool mask);
+  void ensure_activations(const AttentionInputs& in, std::size_t mask_bytes);
   void set_rank_inputs(int r, const Tensor& hidden_states, const ForwardOptions& fo, MaskMode mask_mode,
                        const AttentionInputs& in, bool has_mask, bool rotary_interleaved);
   void record_tap(int r, TapPoint t, std::vector<RankTap>& taps);

@@ -4,6 +4,15 @@
 
 namespace twin::opt {
 
+Tensor download_tensor(rt::Device& dev, rt::Stream& stream, const void* ptr, DType dt, Shape shape) {
+  Tensor t = Tensor::empty(dt, std::move(shape));
+  if (t.nbytes()) {
+    dev.copy(t.raw_mut(), ptr, t.nbytes(), rt::CopyKind::DeviceToHost, stream.handle());
+    stream.synchronize();
+  }
+  return t;
+}
+
 void BufferArena::clear() {
   buffers_.clear();
   rows_.clear();

@@ -17,6 +17,19 @@
 
 namespace twin::opt {
 
+// What a forward's buffers, and the graphs captured on them, are made for: a change reallocates them.
+struct BufferShape {
+  int s = -1, b = -1, rot = -1;  // sequence, batch, RoPE's rot_dim
+  std::size_t mask_bytes = 0;    // the attention mask's, 0 without one
+  bool padding = false;          // a padding mask (the MoE router's)
+  bool operator==(const BufferShape& o) const {
+    return s == o.s && b == o.b && rot == o.rot && mask_bytes == o.mask_bytes && padding == o.padding;
+  }
+};
+
+// A device tensor of `shape` in `dt` on the host, after `stream`'s work so far.
+Tensor download_tensor(rt::Device& dev, rt::Stream& stream, const void* ptr, DType dt, Shape shape);
+
 class BufferArena {
  public:
   // Drops every buffer and row.

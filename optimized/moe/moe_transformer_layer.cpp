@@ -24,16 +24,6 @@ namespace {
 
 constexpr char kWho[] = "optimized MoE layer";
 
-// What a forward's buffers and captured graphs are made for: a change reallocates them.
-struct BufferShape {
-  int s = -1, b = -1, rot = -1;
-  std::size_t mask_bytes = 0;
-  bool padding = false;
-  bool operator==(const BufferShape& o) const {
-    return std::tie(s, b, rot, mask_bytes, padding) == std::tie(o.s, o.b, o.rot, o.mask_bytes, o.padding);
-  }
-};
-
 }  // namespace
 
 std::string moe_layer_unsupported(const TransformerConfig& c, const LayerOptions& o) {
@@ -87,12 +77,7 @@ struct MoETransformerLayer::Impl {
   LayerOutput pending;
 
   Tensor download(const void* ptr, DType type, Shape shape) {
-    Tensor t = Tensor::empty(type, shape);
-    if (t.nbytes()) {
-      dev->copy(t.raw_mut(), ptr, t.nbytes(), rt::CopyKind::DeviceToHost, stream->handle());
-      stream->synchronize();
-    }
-    return t;
+    return download_tensor(*dev, *stream, ptr, type, std::move(shape));
   }
   // Forgets a forward in flight (after the postprocess, or when a phase threw).
   void end_forward() {
