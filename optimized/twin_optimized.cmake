@@ -1,6 +1,7 @@
 # twin_optimized: the optimized layers. layer/ is the host code every kind shares (compiled once,
-# backend-neutral; layer/kernels.cpp the backend boundary); each kind's kernels (*.cuh) are
-# compiled for the simulator (*_sim.cpp) and, when nvcc exists, for the GPU (*_cuda.cu).
+# backend-neutral; layer/kernels.cpp the backend boundary); each kind's files keep its parameter
+# keys, plan binding and phases; the kernel sequences and single-op launchers (*.cuh) are compiled
+# for the simulator (*_sim.cpp) and, when nvcc exists, for the GPU (*_cuda.cu).
 add_library(twin_optimized STATIC
   ${CMAKE_CURRENT_LIST_DIR}/layer/attention_half.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/buffer_arena.cpp
