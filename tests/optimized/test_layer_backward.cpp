@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -33,13 +34,12 @@ namespace ref = twin::reference;
 
 namespace {
 
-// The reference's gradients by name ("input.hidden_states", "param.<key>").
-std::map<std::string, Tensor> reference_grads(const parity::DenseInputs& in, const Tensor& dout,
-                                              ref::ComputeMode mode) {
+// The reference's backward of the case's layer (its forward first, on the case's inputs).
+ref::TransformerLayerGrads reference_backward(const parity::DenseInputs& in, const Tensor& dout,
+                                              const ref::Precision& p) {
   TransformerConfig cfg = in.config;
   cfg.tensor_model_parallel_size = 1;
   cfg.sequence_parallel = false;
-  const ref::Precision p = ref::Precision::from_config(cfg, mode);
   const ref::ModuleSpec spec =
       ref::get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
                                     ref::attn_mask_type_from_name(cfg.attn_mask_type));
@@ -52,7 +52,21 @@ std::map<std::string, Tensor> reference_grads(const parity::DenseInputs& in, con
   li.rotary_pos_emb = in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr;
   ref::TransformerLayerSaved saved;
   layer.forward(in.hidden_states, li, ref::Taps(), &saved);
-  const ref::TransformerLayerGrads g = layer.backward(dout, saved);
+  return layer.backward(dout, saved);
+}
+
+ref::Precision precision_of(const parity::DenseInputs& in, ref::ComputeMode mode) {
+  TransformerConfig cfg = in.config;
+  cfg.tensor_model_parallel_size = 1;
+  cfg.sequence_parallel = false;
+  return ref::Precision::from_config(cfg, mode);
+}
+
+// The reference's gradients by name ("input.hidden_states", "param.<key>").
+std::map<std::string, Tensor> reference_grads(const parity::DenseInputs& in, const Tensor& dout,
+                                              ref::ComputeMode mode) {
+  const ref::Precision p = precision_of(in, mode);
+  const ref::TransformerLayerGrads g = reference_backward(in, dout, p);
   std::map<std::string, Tensor> out = {{"input.hidden_states", g.hidden_states}};
   for (const ref::ParamGrad& pg : g.params) out["param." + pg.name] = p.to_tensor(pg.value, pg.shape);
   return out;
@@ -315,6 +329,39 @@ RC_GTEST_PROP(OptimizedBackwardProperty, GraphReplayIsBitwiseEqualToEager, ()) {
 
 // What the layer's backward refuses, each with its reason: a graph replay at tp > 1, and a
 // backward without a kept forward.
+// Each parameter gradient's magnitude (the sum of absolute terms its rounding error scales with,
+// which sets its bound) as the reference's ParamGrad computes it in its fp64 run: the twin computes
+// it from the activations and gradients its ranks left in their buffers, gathered over tp 1, 2 or
+// 4 (with or without SP). fp32 layers, whose buffers hold the fp64 values to ~1e-6 relative; each
+// magnitude is a sum of non-negative terms (no cancellation), so 1e-3 relative holds with room,
+// while a rule that sums the wrong terms, or a fraction of them, fails: a twin cannot shrink its
+// own bound. relu is left out (a pre-activation within fp32 rounding of the kink may switch a term
+// on or off).
+RC_GTEST_PROP(OptimizedBackwardProperty, ParamGradientMagnitudesAreTheReferences, ()) {
+  parity::CaseLimits lim;
+  lim.any_dtype = false;
+  lim.dtype = DType::F32;
+  const DenseCase c = *parity::gen_dense_case(lim);
+  RC_PRE(c.act != "relu");
+  RC_TAG("tp " + std::to_string(c.tp) + (c.sp ? " + sp" : ""));
+  const parity::DenseInputs in = parity::make_inputs(c);
+  const Tensor dout = random_tensor(c.dtype, {c.s, c.b, c.hidden}, -1, 1, 99);
+  std::map<std::string, double> want;
+  for (const ref::ParamGrad& pg : reference_backward(in, dout, precision_of(in, ref::ComputeMode::Exact)).params)
+    want[pg.name] = pg.magnitude >= 0 ? pg.magnitude : pg.value.cwiseAbs().maxCoeff();
+  opt::DenseTransformerLayer layer = make_layer(c, in);
+  RC_PRE(!layer.backward_unsupported().has_value());
+  forward_kept(layer, in);
+  const opt::LayerGradients got = layer.backward(dout, /*with_magnitudes=*/true);
+  RC_ASSERT(got.params.size() == want.size());
+  for (const opt::ParamGradient& g : got.params) {
+    RC_ASSERT(want.count(g.name) == 1u);
+    const double w = want.at(g.name);
+    RC_LOG() << g.name << ": twin " << g.magnitude << ", reference " << w << "\n";
+    RC_ASSERT(std::fabs(g.magnitude - w) <= 1e-3 * w);
+  }
+}
+
 TEST(OptimizedBackward, DenseLayerBackwardSaysWhatItDoesNotCover) {
   {
     DenseCase c = base(DType::F32);

@@ -329,17 +329,26 @@ TEST(RetroGraph, RecapturesWhenShapesOrDropoutChange) {
   auto bits = [](const Tensor& a, const Tensor& b) {
     return a.shape() == b.shape() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
   };
-  // m = 2, r = 2, k = 2, bs = 1: ns 5 -> l = 3, ns 7 -> l = 4; neighbours [r, k*bs*l, d].
-  const std::vector<std::pair<std::int64_t, std::uint64_t>> calls = {{5, 1}, {5, 1}, {7, 1}, {7, 2}, {7, 2}, {5, 1}};
+  // m = 2, r = 2, k = 2, bs = 1: ns 5 -> l = 3, ns 7 -> l = 4; neighbours [r, k*bs*l, d]. Each
+  // call changes one thing a captured graph bakes in (shape, seed, offset, training) or none.
+  struct Call {
+    std::int64_t ns;
+    std::uint64_t seed, offset;
+    bool training;
+  };
+  const std::vector<Call> calls = {{5, 1, 0, true}, {5, 1, 0, true}, {7, 1, 0, true},  {7, 2, 0, true},
+                                   {7, 2, 0, true}, {7, 2, 9, true}, {7, 2, 9, false}, {5, 1, 0, true}};
   for (std::size_t n = 0; n < calls.size(); ++n) {
-    const auto [ns, seed] = calls[n];
-    SCOPED_TRACE("call " + std::to_string(n) + ": ns " + std::to_string(ns) + " seed " + std::to_string(seed));
+    const auto [ns, seed, offset, training] = calls[n];
+    SCOPED_TRACE("call " + std::to_string(n) + ": ns " + std::to_string(ns) + " seed " + std::to_string(seed) +
+                 " offset " + std::to_string(offset) + (training ? " training" : " eval"));
     const std::int64_t l = (ns + 1) / 2;
     const Tensor h = random_tensor(DType::F32, {ns, 1, 8}, -1, 1, 100 + n);
     const Tensor neighbours = random_tensor(DType::F32, {2, 2 * l, 8}, -1, 1, 200 + n);
     opt::retro::RetroForwardOptions o;
-    o.training = true;
+    o.training = training;
     o.seed = seed;
+    o.offset = offset;
     const auto want = eager.forward(h, &neighbours, nullptr, o);
     o.use_graph = true;
     const auto got = graph.forward(h, &neighbours, nullptr, o);
