@@ -1,5 +1,7 @@
 #include "optimized/layer/kernels.h"
 
+#include "core/config.h"  // ConfigError
+
 #include "optimized/layer/backend_entries.h"
 
 namespace twin::opt {
