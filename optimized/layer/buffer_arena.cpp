@@ -1,6 +1,8 @@
 #include "optimized/layer/buffer_arena.h"
 
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 
 namespace twin::opt {
 
@@ -13,21 +15,14 @@ Tensor download_tensor(rt::Device& dev, rt::Stream& stream, const void* ptr, DTy
   return t;
 }
 
-void BufferArena::clear() {
-  buffers_.clear();
-  rows_.clear();
-}
-
 void* BufferArena::allocate(rt::Device& dev, const char* name, std::size_t bytes) {
-  buffers_.emplace_back(dev, std::max<std::size_t>(bytes, 1));
-  rows_.emplace_back(name, bytes);
+  try {
+    buffers_.emplace_back(dev, std::max<std::size_t>(bytes, 1));
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("cannot allocate the activation buffer '") + name + "' (" +
+                             std::to_string(bytes) + " bytes): " + e.what());
+  }
   return buffers_.back().get();
-}
-
-std::size_t BufferArena::bytes() const {
-  std::size_t total = 0;
-  for (const auto& [name, b] : rows_) total += b;
-  return total;
 }
 
 const void* DeviceWeights::upload(rt::Device& dev, const void* host, std::size_t bytes) {

@@ -7,8 +7,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
-#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -32,9 +30,10 @@ Tensor download_tensor(rt::Device& dev, rt::Stream& stream, const void* ptr, DTy
 
 class BufferArena {
  public:
-  // Drops every buffer and row.
-  void clear();
-  // A buffer of prod(dims) elements of `dt` (at least one byte), under `name`.
+  // Drops every buffer.
+  void clear() { buffers_.clear(); }
+  // A buffer of prod(dims) elements of `dt` (at least one byte); `name` says which in the error
+  // when the device cannot allocate it.
   template <class... Dims>
   void* add(rt::Device& dev, const char* name, DType dt, Dims... dims) {
     return allocate(dev, name, dtype_size(dt) * elements(dims...));
@@ -44,9 +43,6 @@ class BufferArena {
   T* add(rt::Device& dev, const char* name, Dims... dims) {
     return static_cast<T*>(allocate(dev, name, sizeof(T) * elements(dims...)));
   }
-  // The rows so far: name and bytes, in the order added.
-  const std::vector<std::pair<std::string, std::size_t>>& rows() const { return rows_; }
-  std::size_t bytes() const;
 
  private:
   template <class... Dims>
@@ -55,7 +51,6 @@ class BufferArena {
   }
   void* allocate(rt::Device& dev, const char* name, std::size_t bytes);
   std::vector<rt::DeviceBuffer> buffers_;
-  std::vector<std::pair<std::string, std::size_t>> rows_;
 };
 
 // A layer's weights on the device, as long as the layer lives: each upload its own buffer.

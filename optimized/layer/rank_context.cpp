@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "core/rounding.h"
+#include "optimized/layer/buffer_arena.h"  // download_tensor
 #include "optimized/layer/graph_cache.h"
 #include "optimized/layer/rank_runner.h"
 
@@ -32,10 +33,7 @@ DTensor RankContext::upload(const Tensor& t) const {
 }
 
 Tensor RankContext::download(const DTensor& d, DType as) const {
-  Tensor t = Tensor::empty(as, d.shape);
-  dev->copy(t.raw_mut(), d.get(), t.nbytes(), rt::CopyKind::DeviceToHost, st());
-  stream->synchronize();
-  return t;
+  return download_tensor(*dev, *stream, d.get(), as, d.shape);
 }
 
 void RankContext::tap(const std::string& name, const DTensor& d) const {

@@ -307,10 +307,8 @@ void MoETransformerLayer::router_rank_body(Impl& m, const Tensor& hidden_states,
                             : nullptr;
 
   run_graph_phase(m, PhaseKind::Router);
-  if (fo.use_graph && P.local_tokens) {  // the counter is host work, kept out of the graph
-    m.stream->synchronize();
+  if (fo.use_graph && P.local_tokens)  // the counter is host work, kept out of the graph
     m.mlp.count_routed_tokens(m.download(P.routing_map, DType::BOOL, {T, m.mlp.E}), m.padding);
-  }
   P.recorded_map = nullptr;  // read by the router phase alone
   P.padding_host = nullptr;
 }
