@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <map>
 #include <set>
 #include <utility>
@@ -18,12 +22,13 @@ namespace {
 
 bool starts_with(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }
 
-// The role of a compared tensor name, or false for one that is not compared (grad.*, grad_in.*,
-// names of no known prefix).
+// The role of a compared tensor name, or false for names of no known prefix. The given tensors
+// (inputs, parameters, the upstream gradient) are Role::Input / Role::Param; grad_in.* is an input.
 bool role_of(const std::string& name, Role& role) {
   static const std::pair<const char*, Role> roles[] = {
-      {"input.", Role::Input}, {"param.", Role::Param}, {"output.", Role::Output}, {"tap_in.", Role::TapIn},
-      {"tap.", Role::Tap},     {"aux.", Role::Aux},     {"state.", Role::State},
+      {"input.", Role::Input},   {"param.", Role::Param},  {"grad_in.", Role::Input},
+      {"output.", Role::Output}, {"tap_in.", Role::TapIn}, {"tap.", Role::Tap},
+      {"aux.", Role::Aux},       {"state.", Role::State},  {"grad.", Role::Grad},
   };
   for (const auto& [prefix, r] : roles)
     if (starts_with(name, prefix)) {
@@ -42,17 +47,47 @@ std::string some(const std::vector<std::string>& names) {
   return s;
 }
 
-// The compared names of a capture in file order; counts the ones left out.
-std::vector<std::string> compared_names(const Fixture& f, int* left_out) {
+// The compared names of a capture in file order.
+std::vector<std::string> compared_names(const Fixture& f) {
   std::vector<std::string> names;
   for (const auto& n : f.file->names()) {
     Role r;
-    if (role_of(n, r))
-      names.push_back(n);
-    else if (left_out)
-      ++*left_out;
+    if (role_of(n, r)) names.push_back(n);
   }
   return names;
+}
+
+Role role_of(const std::string& name) {
+  Role r = Role::Input;
+  role_of(name, r);
+  return r;
+}
+
+// Bit for bit: every element's bytes. The first differing element is the row's worst, with both
+// bit patterns in its reason.
+Comparison bitwise(const std::string& name, const Tensor& a, const Tensor& b) {
+  Comparison c;
+  c.name = name;
+  c.shape = a.shape();
+  const std::size_t size = dtype_size(a.dtype());
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    const std::byte *x = a.raw() + i * size, *y = b.raw() + i * size;
+    if (std::memcmp(x, y, size) == 0) continue;
+    c.max_abs = std::max(c.max_abs, std::fabs(a.at_f64(i) - b.at_f64(i)));
+    if (c.mismatches++ == 0) {
+      c.worst_index = i;
+      c.worst_actual = a.at_f64(i);
+      c.worst_expected = b.at_f64(i);
+      std::uint64_t bx = 0, by = 0;
+      std::memcpy(&bx, x, size);
+      std::memcpy(&by, y, size);
+      c.tol.reason = fmt::format("bit for bit: the first differing element is 0x{:0{}x} in A, 0x{:0{}x} in B", bx,
+                                 2 * size, by, 2 * size);
+    }
+  }
+  c.pass = c.mismatches == 0;
+  if (c.pass) c.tol.reason = "bit for bit";
+  return c;
 }
 
 // A capture's `tap_order` metadata: a JSON list of names it has. Empty when absent.
@@ -82,19 +117,19 @@ std::string CaptureDiff::first_divergence_name() const {
   return first_divergence < 0 ? std::string() : rows[static_cast<std::size_t>(first_divergence)].name;
 }
 
-CaptureDiff diff_captures(const Fixture& a, const Fixture& b) {
+namespace {
+
+// The same tensors on both sides, each of one dtype and shape; returns A's compared names.
+std::vector<std::string> check_same_tensors(const Fixture& a, const Fixture& b) {
   for (const Fixture* f : {&a, &b})
     if (!f->file) bad(f->path + " is a JSON table; twin diff compares layer captures (.safetensors)");
   if (a.kind != b.kind)
     bad(fmt::format("{} is kind '{}' but {} is kind '{}': not captures of the same layer", a.path, a.kind, b.path,
                     b.kind));
-
-  // The same tensors on both sides, each of one dtype and shape.
-  CaptureDiff d;
-  const std::vector<std::string> names = compared_names(a, &d.not_compared);
+  const std::vector<std::string> names = compared_names(a);
   const std::set<std::string> in_a(names.begin(), names.end());
   std::vector<std::string> only_a, only_b;
-  for (const auto& n : compared_names(b, nullptr))
+  for (const auto& n : compared_names(b))
     if (!in_a.count(n)) only_b.push_back(n);
   for (const auto& n : names)
     if (!b.has(n)) only_a.push_back(n);
@@ -106,73 +141,119 @@ CaptureDiff diff_captures(const Fixture& a, const Fixture& b) {
     if (x.dtype() != y.dtype() || x.shape() != y.shape())
       bad(fmt::format("{}: {} in {} but {} in {}", n, x.describe(), a.path, y.describe(), b.path));
   }
+  return names;
+}
 
-  // The computation order and the rounding counts: the reference twin on A.
+// The rows' order (see the header): the given tensors, then `listed` (A's or B's tap_order, else
+// `forward`), the other forward tensors, then `backward`, then the other gradients; file order
+// where no order is given; only names in `names`.
+std::vector<std::string> row_order(const Fixture& a, const Fixture& b, const std::vector<std::string>& names,
+                                   const std::vector<std::string>& forward, const std::vector<std::string>& backward) {
+  const std::set<std::string> in_a(names.begin(), names.end());
+  std::vector<std::string> order;
+  std::set<std::string> placed;
+  auto place = [&](const std::string& n) {
+    if (in_a.count(n) && placed.insert(n).second) order.push_back(n);
+  };
+  for (const auto& n : names)
+    if (given(role_of(n))) place(n);
+  std::vector<std::string> listed = tap_order(a, in_a);
+  if (listed.empty()) listed = tap_order(b, in_a);
+  for (const auto& n : listed.empty() ? forward : listed) place(n);
+  for (const auto& n : names)
+    if (role_of(n) != Role::Grad) place(n);
+  for (const auto& n : backward) place(n);
+  for (const auto& n : names) place(n);
+  return order;
+}
+
+void mark_divergence(CaptureDiff& d, bool given_diverges) {
+  for (std::size_t i = 0; i < d.rows.size(); ++i) {
+    if (d.rows[i].pass) continue;
+    const bool is_given = static_cast<int>(i) < d.given;
+    if (is_given) d.differing_given.push_back(d.rows[i].name);
+    if (d.first_divergence < 0 && (!is_given || given_diverges)) d.first_divergence = static_cast<int>(i);
+  }
+}
+
+CaptureDiff diff_exact(const Fixture& a, const Fixture& b, const std::vector<std::string>& names) {
+  CaptureDiff d;
+  for (const auto& n : row_order(a, b, names, {}, {})) {
+    d.given += given(role_of(n));
+    d.rows.push_back(bitwise(n, a.tensor(n), b.tensor(n)));
+  }
+  const bool any_grad =
+      std::any_of(names.begin(), names.end(), [](const std::string& n) { return role_of(n) == Role::Grad; });
+  d.grads = any_grad ? "compared" : "none in the captures";
+  mark_divergence(d, true);
+  return d;
+}
+
+}  // namespace
+
+CaptureDiff diff_captures(const Fixture& a, const Fixture& b, const DiffMode& mode) {
+  std::vector<std::string> names = check_same_tensors(a, b);
+  if (mode.exact) return diff_exact(a, b, names);
+
+  // The computation order and the rounding counts: the reference twin on A, forward and backward.
   const FixtureHandler handler = find_fixture_handler(a.kind, TwinKind::Reference);
   if (!handler)
     bad("the reference twin does not know kind '" + a.kind +
         "': the comparison needs its computation order and rounding counts");
   const TwinRun run = handler(a, RunMode{});
+  CaptureDiff d;
+  const auto grad_end = std::remove_if(names.begin(), names.end(),
+                                       [&](const std::string& n) { return !run.backward && role_of(n) == Role::Grad; });
+  d.not_compared = static_cast<int>(names.end() - grad_end);
+  names.erase(grad_end, names.end());
+  d.grads = d.not_compared ? "not compared: " + (run.no_backward_reason.empty()
+                                                     ? "the reference twin has no backward for kind " + a.kind
+                                                     : run.no_backward_reason)
+            : run.backward ? "compared"
+                           : "none in the captures";
+
   std::map<std::string, const RecordEntry*> twin_entry;
+  std::vector<std::string> forward, backward;
   RoundingCount layer;  // every count the twin recorded, joined: the whole layer
   for (const RecordEntry& e : run.record.entries) {
     twin_entry.emplace(e.key(), &e);
+    (e.role == Role::Grad ? backward : forward).push_back(e.key());
     layer.join(e.rounding);
   }
 
-  std::vector<std::string> order;
-  std::set<std::string> placed;
-  auto place = [&](const std::string& n) {
-    if (placed.insert(n).second) order.push_back(n);
-  };
-  for (const auto& n : names) {
-    Role r;
-    role_of(n, r);
-    if (given(r)) place(n);
-  }
-  d.given = static_cast<int>(order.size());
-  std::vector<std::string> listed = tap_order(a, in_a);
-  if (listed.empty()) listed = tap_order(b, in_a);
-  if (listed.empty())
-    for (const RecordEntry& e : run.record.entries) listed.push_back(e.key());
-  for (const auto& n : listed)
-    if (in_a.count(n)) place(n);
-  for (const auto& n : names) place(n);
-
-  // A's tensors as the record compared, with the twin's counts.
+  // The given tensors exactly; A's computed tensors as the record compared, with the twin's counts.
   Record record;
+  Expected expected;
   std::set<std::string> unknown;
-  for (const auto& n : order) {
+  for (const auto& n : row_order(a, b, names, forward, backward)) {
     RecordEntry e;
-    role_of(n, e.role);
+    e.role = role_of(n);
+    if (given(e.role)) {
+      d.rows.push_back(compare_exact(n, a.tensor(n), b.tensor(n)));
+      continue;
+    }
     e.name = n.substr(std::string(role_prefix(e.role)).size());
     e.value = a.tensor(n);
-    if (!given(e.role)) {
-      auto it = twin_entry.find(n);
-      if (it != twin_entry.end()) {
-        e.rounding = it->second->rounding;
-        e.magnitude = it->second->magnitude;
-      } else {
-        e.rounding = layer;
-        unknown.insert(n);
-      }
+    auto it = twin_entry.find(n);
+    if (it != twin_entry.end()) {
+      e.rounding = it->second->rounding;
+      e.magnitude = it->second->magnitude;
+    } else {
+      e.rounding = layer;
+      unknown.insert(n);
     }
     record.entries.push_back(std::move(e));
+    expected.emplace_back(n, b.tensor(n));
   }
-  Expected expected;
-  for (const auto& n : names) expected.emplace_back(n, b.tensor(n));
-  d.rows = compare_record(record, expected, "capture A", [&](const RecordEntry& e, const Tensor& x) {
-    Tolerance t = golden_bound(e, x);
-    if (unknown.count(e.key())) t.reason += " (the reference twin does not compute it: the whole layer's count)";
-    return t;
-  });
-  for (std::size_t i = 0; i < d.rows.size(); ++i) {
-    if (d.rows[i].pass) continue;
-    if (static_cast<int>(i) < d.given)
-      d.differing_given.push_back(d.rows[i].name);
-    else if (d.first_divergence < 0)
-      d.first_divergence = static_cast<int>(i);
-  }
+  d.given = static_cast<int>(d.rows.size());
+  const std::vector<Comparison> computed =
+      compare_record(record, expected, "capture A", [&](const RecordEntry& e, const Tensor& x) {
+        Tolerance t = golden_bound(e, x);
+        if (unknown.count(e.key())) t.reason += " (the reference twin does not compute it: the whole layer's count)";
+        return t;
+      });
+  d.rows.insert(d.rows.end(), computed.begin(), computed.end());
+  mark_divergence(d, false);
   return d;
 }
 

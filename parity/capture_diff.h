@@ -9,14 +9,22 @@
 // each store, which is exactly what a count bounds, so two captures of one layer must agree
 // within the bound `twin fixture` holds a twin to.
 //
-//   - Order: input.* and param.* first (file order), compared exactly: a capture's given tensors
-//     should be the same; they are reported but never "the first divergence". Then the computed
-//     tensors (output.*, tap.*, tap_in.*, aux.*, state.*) in the order of A's metadata `tap_order`
-//     (a JSON list of tensor names) when it has one (else B's), else in the twin's order; then
-//     those neither names, in A's file order.
+//   - Order: the given tensors first (input.*, param.* and the upstream gradient grad_in.*, file
+//     order), compared exactly: a capture's given tensors should be the same; they are reported
+//     but never "the first divergence". Then the computed forward tensors (output.*, tap.*,
+//     tap_in.*, aux.*, state.*) in the order of A's metadata `tap_order` (a JSON list of tensor
+//     names) when it has one (else B's), else in the twin's order, then the other forward tensors
+//     in A's file order; then the gradients (grad.input.*, grad.param.*) in the order the twin's
+//     backward produced them, then the other gradients in A's file order.
+//   - Gradients are bounded by the counts of the reference twin's backward on A (the count of
+//     every rounding point of the forward and the backward before each gradient). Where that twin
+//     runs no backward on A (a golden its kink rule leaves out), they are not compared and
+//     `grads` says why.
 //   - A computed tensor the twin does not produce gets the whole layer's count (the join of every
-//     count the twin recorded): it lies somewhere inside the layer.
-//   - grad.* and grad_in.* are not compared: the twins run forward only, so no count bounds them.
+//     count the twin recorded, backward included): it lies somewhere inside the layer.
+//   - Exact (`--exact`, for determinism: two runs of one job, one commit, one machine): every
+//     tensor bit for bit, in the same order, with no twin run; the first differing tensor, given or
+//     computed, is the divergence, named with its first differing element and both bit patterns.
 //   - Bad input (FixtureError, one line): a JSON table, different kinds, a tensor only one capture
 //     has, a tensor whose dtype or shape differs, a bad `tap_order`, a kind the reference twin does
 //     not know (no order and no counts).
@@ -35,12 +43,18 @@ struct CaptureDiff {
   int given = 0;                             // how many leading rows are input.* / param.* tensors
   int first_divergence = -1;                 // index into rows of the first computed row out of bound, -1: none
   std::vector<std::string> differing_given;  // input.* / param.* names whose values differ
-  int not_compared = 0;                      // grad.* / grad_in.* tensors left out
+  int not_compared = 0;                      // gradients left out (see grads)
+  // What happened to the gradients: "compared", "none in the captures", or "not compared: <why>".
+  std::string grads;
 
   bool diverges() const { return first_divergence >= 0; }
   std::string first_divergence_name() const;  // "" when none
 };
 
-CaptureDiff diff_captures(const Fixture& a, const Fixture& b);
+struct DiffMode {
+  bool exact = false;  // bit for bit, no bounds (above)
+};
+
+CaptureDiff diff_captures(const Fixture& a, const Fixture& b, const DiffMode& mode = {});
 
 }  // namespace twin::parity

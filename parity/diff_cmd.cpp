@@ -29,7 +29,7 @@ int run_diff(const DiffOptions& opt, std::ostream& out, std::ostream& err) {
   try {
     const Fixture a = load_fixture(opt.a), b = load_fixture(opt.b);
     kind = a.kind;
-    d = parity::diff_captures(a, b);
+    d = parity::diff_captures(a, b, parity::DiffMode{opt.exact});
   } catch (...) {
     const std::string message = describe_exception(std::current_exception());
     if (opt.json)
@@ -50,7 +50,13 @@ int run_diff(const DiffOptions& opt, std::ostream& out, std::ostream& err) {
 
   const int computed = static_cast<int>(d.rows.size()) - d.given;
   std::string message;
-  if (d.diverges()) {
+  if (opt.exact) {
+    int differ = 0;
+    for (const auto& r : d.rows) differ += !r.pass;
+    message = d.diverges() ? fmt::format("{} of {} tensors differ; first difference: {} at {}", differ, d.rows.size(),
+                                         d.first_divergence_name(), d.rows[d.first_divergence].worst_index_str())
+                           : fmt::format("{} tensors equal bit for bit", d.rows.size());
+  } else if (d.diverges()) {
     int out_of_bound = 0;
     for (std::size_t i = static_cast<std::size_t>(d.given); i < d.rows.size(); ++i) out_of_bound += !d.rows[i].pass;
     message = fmt::format("{} of {} computed tensors out of bound; first divergence: {}", out_of_bound, computed,
@@ -58,7 +64,7 @@ int run_diff(const DiffOptions& opt, std::ostream& out, std::ostream& err) {
   } else {
     message = fmt::format("{} computed tensors within bound", computed);
   }
-  if (!d.differing_given.empty())
+  if (!d.differing_given.empty() && !opt.exact)
     message += fmt::format("; {} of {} inputs and parameters differ", d.differing_given.size(), d.given);
   const Status status = d.diverges() ? Status::Fail : Status::Pass;
 
@@ -70,19 +76,21 @@ int run_diff(const DiffOptions& opt, std::ostream& out, std::ostream& err) {
                 {"message", message},
                 {"first_divergence", d.diverges() ? json(d.first_divergence_name()) : json(nullptr)},
                 {"differing_given", d.differing_given},
+                {"grads", d.grads},
+                {"exact", opt.exact},
                 {"tensors", rows_json(d.rows)}}
                .dump()
         << "\n";
   } else {
-    out << fmt::format("{} vs {}  [kind {}; bounds from the reference twin's rounding counts on A]\n", opt.a, opt.b,
-                       *kind);
-    print_rows(out, d.rows, d.first_divergence, RowWords{"first divergence", "A", "B"});
+    out << fmt::format("{} vs {}  [kind {}; {}]\n", opt.a, opt.b, *kind,
+                       opt.exact ? "bit for bit" : "bounds from the reference twin's rounding counts on A");
+    print_rows(out, d.rows, d.first_divergence,
+               RowWords{opt.exact ? "first difference" : "first divergence", "A", "B"});
     out << (d.differing_given.empty()
                 ? fmt::format("  inputs and parameters: all {} equal\n", d.given)
                 : fmt::format("  inputs and parameters that differ: {}\n", list(d.differing_given)));
-    if (d.not_compared)
-      out << fmt::format("  not compared: {} grad.* / grad_in.* tensors (the twins run forward only: no bound)\n",
-                         d.not_compared);
+    out << fmt::format("  gradients: {}{}\n", d.grads,
+                       d.not_compared ? fmt::format(" ({} grad.* tensors)", d.not_compared) : "");
     out << fmt::format("  {}: {}\n", d.diverges() ? "DIVERGE" : "SAME", message);
   }
   return d.diverges() ? 1 : 0;

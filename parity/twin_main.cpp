@@ -60,8 +60,8 @@ int main(int argc, char** argv) {
   auto* diff_cmd = app.add_subcommand(
       "diff",
       "Compare two captures of one layer (golden files of one kind: two runs, TP sizes, commits, GPU and CPU) "
-      "tensor by tensor in computation order, each within the bound of its rounding points; name the first that "
-      "diverges");
+      "tensor by tensor in computation order (forward, then gradients), each within the bound of its rounding "
+      "points; name the first that diverges");
   diff_cmd
       ->add_option("A", diff.a,
                    "The first capture (.safetensors); the reference twin runs on it for the order "
@@ -69,7 +69,11 @@ int main(int argc, char** argv) {
       ->required();
   diff_cmd->add_option("B", diff.b, "The second capture (.safetensors), of the same kind")->required();
   diff_cmd->add_flag("--json", diff.json,
-                     "One JSON object: a, b, kind, status, message, first_divergence, differing_given, tensors[]");
+                     "One JSON object: a, b, kind, status, message, first_divergence, differing_given, grads, "
+                     "exact, tensors[]");
+  diff_cmd->add_flag("--exact", diff.exact,
+                     "Bit for bit, every tensor (two runs that should be deterministic): name the first differing "
+                     "tensor and element");
 
   CheckOptions check;
   auto* check_cmd =

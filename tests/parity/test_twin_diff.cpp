@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -100,15 +102,18 @@ std::vector<std::string> row_names(const json& v) {
 TEST(TwinDiff, ACaptureAgainstItselfIsTheSame) {
   const CliRun text = run_twin("diff " + quote(golden(kDense)) + " " + quote(golden(kDense)));
   EXPECT_EQ(text.code, 0) << text.out << text.err;
-  EXPECT_NE(text.out.find("SAME: 15 computed tensors within bound"), std::string::npos) << text.out;
-  EXPECT_NE(text.out.find("inputs and parameters: all 13 equal"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("SAME: 28 computed tensors within bound"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("inputs and parameters: all 14 equal"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("gradients: compared"), std::string::npos) << text.out;
   const CliRun j = run_twin("diff --json " + quote(golden(kDense)) + " " + quote(golden(kDense)));
   EXPECT_EQ(j.code, 0);
   const json v = json::parse(j.out);
   EXPECT_EQ(v["status"], "pass");
   EXPECT_EQ(v["kind"], "dense_layer");
   EXPECT_TRUE(v["first_divergence"].is_null());
-  EXPECT_EQ(v["tensors"].size(), 28u);  // 13 inputs and parameters, 15 computed
+  EXPECT_EQ(v["grads"], "compared");
+  // 13 inputs and parameters and the upstream gradient; 15 forward tensors and 13 gradients.
+  EXPECT_EQ(v["tensors"].size(), 42u);
 }
 
 // Megatron's capture against the reference twin's of the same layer: two implementations, each
@@ -118,7 +123,7 @@ TEST(TwinDiff, TwoImplementationsOfOneLayerAgree) {
   const std::string b = twin_capture(dir, kDense, "", 1.0);
   const CliRun r = run_twin("diff --json " + quote(golden(kDense)) + " " + quote(b));
   EXPECT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_EQ(json::parse(r.out)["message"], "15 computed tensors within bound");
+  EXPECT_EQ(json::parse(r.out)["message"], "28 computed tensors within bound");
 }
 
 // The acceptance case: B's linear_fc1 weight x 1.01 and everything after it recomputed. The
@@ -147,11 +152,113 @@ TEST(TwinDiff, NamesTheFirstComputedTensorThatDiverges) {
   }
   const CliRun text = run_twin("diff " + quote(golden(kDense)) + " " + quote(b));
   EXPECT_EQ(text.code, 1);
-  EXPECT_EQ(twin::testing::lines(text.out).size(), 28u + 1 + 1 + 4) << text.out;  // title, header, rows, 4 notes
+  EXPECT_EQ(twin::testing::lines(text.out).size(), 42u + 1 + 1 + 4) << text.out;  // title, header, rows, 4 notes
   EXPECT_NE(text.out.find(">>tap.mlp.linear_fc1.0"), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("first divergence: tap.mlp.linear_fc1.0 at ["), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("inputs and parameters that differ: param.mlp.linear_fc1.weight"), std::string::npos);
-  EXPECT_NE(text.out.find("DIVERGE: 4 of 15 computed tensors out of bound"), std::string::npos) << text.out;
+  // fc1's output and the 3 forward tensors after it, and 12 of the 13 gradients: linear_fc2's bias
+  // gradient is the upstream gradient summed over tokens, which fc1 does not touch.
+  EXPECT_NE(text.out.find("DIVERGE: 16 of 28 computed tensors out of bound"), std::string::npos) << text.out;
+}
+
+// Gradients are rows of their own, after the forward, each within the bound of the rounding points
+// of the forward and the backward before it: one gradient changed alone is the first divergence,
+// and every forward row still passes.
+TEST(TwinDiff, GradientsAreComparedWithTheBackwardsCountedBounds) {
+  TempDir dir;
+  const std::string b = twin_capture(dir, kDense, "", 1.0);
+  const std::string grad = "grad.param.mlp.linear_fc2.weight";
+  const std::string changed = edited_file(dir, b, "changed.safetensors", {}, [&](Tensors& t) {
+    for (auto& [n, x] : t)
+      if (n == grad) x = scaled(x, 1.01);
+  });
+  const CliRun r = run_twin("diff --json " + quote(golden(kDense)) + " " + quote(changed));
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  const json v = json::parse(r.out);
+  EXPECT_EQ(v["first_divergence"], grad);
+  EXPECT_EQ(v["grads"], "compared");
+  for (const auto& t : v["tensors"]) {
+    const std::string n = t["name"];
+    if (n.rfind("grad.", 0) != 0) {
+      EXPECT_TRUE(t["pass"].get<bool>()) << n;
+    }
+  }
+  // A different upstream gradient is a given tensor that differs: reported, never the divergence.
+  const std::string upstream = edited_file(dir, b, "upstream.safetensors", {}, [&](Tensors& t) {
+    for (auto& [n, x] : t)
+      if (n == "grad_in.output") x = scaled(x, 2.0);
+  });
+  const CliRun u = run_twin("diff --json " + quote(golden(kDense)) + " " + quote(upstream));
+  EXPECT_EQ(json::parse(u.out)["differing_given"], json::array({"grad_in.output"})) << u.out;
+}
+
+namespace {
+
+// The capture at `source` with the last element of `name` moved one ulp up (its bit pattern + 1).
+std::string one_ulp_off(const TempDir& dir, const std::string& source, const std::string& name) {
+  return edited_file(dir, source, "ulp.safetensors", {}, [&](Tensors& t) {
+    for (auto& [n, x] : t) {
+      if (n != name) continue;
+      Tensor y = x.to(x.dtype());
+      std::byte* last = y.raw_mut() + (y.numel() - 1) * static_cast<std::int64_t>(dtype_size(y.dtype()));
+      if (dtype_size(y.dtype()) == 4) {
+        std::uint32_t bits;
+        std::memcpy(&bits, last, 4);
+        ++bits;
+        std::memcpy(last, &bits, 4);
+      } else {
+        std::uint16_t bits;
+        std::memcpy(&bits, last, 2);
+        ++bits;
+        std::memcpy(last, &bits, 2);
+      }
+      x = y;
+    }
+  });
+}
+
+std::string last_index(const Shape& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i] - 1);
+  return s + "]";
+}
+
+}  // namespace
+
+// `--exact`: two runs that should be deterministic. Every tensor bit for bit; one ulp anywhere,
+// given or computed, is a difference named with its tensor and element; the bounded diff lets the
+// same ulp pass.
+TEST(TwinDiff, ExactComparesEveryTensorBitForBit) {
+  TempDir dir;
+  const std::string a = golden(kDense);
+  const CliRun same = run_twin("diff --exact --json " + quote(a) + " " + quote(a));
+  EXPECT_EQ(same.code, 0) << same.out << same.err;
+  EXPECT_EQ(json::parse(same.out)["message"], "42 tensors equal bit for bit");
+  // Two runs of one implementation on one machine: the reference twin twice.
+  const std::string run1 = twin_capture(dir, kDense, "", 1.0);
+  const std::string run2 =
+      edited_file(dir, twin_capture(dir, kDense, "", 1.0), "run2.safetensors", {}, [](Tensors&) {});
+  EXPECT_EQ(run_twin("diff --exact " + quote(run1) + " " + quote(run2)).code, 0);
+
+  const Shape fc1_shape = read_safetensors(a).at("tap.mlp.linear_fc1.0").shape();
+  for (const std::string name :
+       {"tap.mlp.linear_fc1.0", "grad.param.self_attention.linear_qkv.weight", "param.pre_mlp_layernorm.weight"}) {
+    SCOPED_TRACE(name);
+    const std::string off = one_ulp_off(dir, a, name);
+    const CliRun j = run_twin("diff --exact --json " + quote(a) + " " + quote(off));
+    EXPECT_EQ(j.code, 1) << j.out << j.err;
+    const json v = json::parse(j.out);
+    EXPECT_EQ(v["first_divergence"], name);
+    EXPECT_NE(v["message"].get<std::string>().find("1 of 42 tensors differ; first difference: " + name + " at ["),
+              std::string::npos)
+        << v["message"];
+  }
+  const std::string off = one_ulp_off(dir, a, "tap.mlp.linear_fc1.0");
+  const CliRun text = run_twin("diff --exact " + quote(a) + " " + quote(off));
+  EXPECT_NE(text.out.find("first difference: tap.mlp.linear_fc1.0 at " + last_index(fc1_shape)), std::string::npos)
+      << text.out;
+  EXPECT_NE(text.out.find("bit for bit: the first differing element is 0x"), std::string::npos) << text.out;
+  EXPECT_EQ(run_twin("diff " + quote(a) + " " + quote(off)).code, 0) << "one ulp is within the counted bound";
 }
 
 TEST(TwinDiff, TapOrderMetadataOrdersTheRowsAndUnknownTensorsComeLast) {
@@ -163,11 +270,15 @@ TEST(TwinDiff, TapOrderMetadataOrdersTheRowsAndUnknownTensorsComeLast) {
   const CliRun r = run_twin("diff --json " + quote(a) + " " + quote(a));
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   const std::vector<std::string> names = row_names(json::parse(r.out));
-  ASSERT_EQ(names.size(), 29u);
-  EXPECT_EQ(names[13], "output.hidden_states");  // after the 13 inputs and parameters
-  EXPECT_EQ(names[14], "tap.mlp.linear_fc1.0");
-  EXPECT_EQ(names[15], "tap.input_layernorm");  // then the twin's order
-  EXPECT_EQ(names.back(), "tap.not_a_module_of_the_twin");
+  ASSERT_EQ(names.size(), 43u);
+  EXPECT_EQ(names[0], "grad_in.output");         // the given tensors in file order
+  EXPECT_EQ(names[14], "output.hidden_states");  // after the 14 given tensors, tap_order's
+  EXPECT_EQ(names[15], "tap.mlp.linear_fc1.0");
+  EXPECT_EQ(names[16], "tap.input_layernorm");  // then the other forward tensors in file order
+  const auto unknown = std::find(names.begin(), names.end(), "tap.not_a_module_of_the_twin");
+  EXPECT_LT(unknown - names.begin(), 30);
+  for (std::size_t i = 30; i < names.size(); ++i)  // then the 13 gradients
+    EXPECT_EQ(names[i].rfind("grad.", 0), 0u) << names[i];
 
   // A tensor the twin does not compute is bounded by the whole layer's count: an error of 1e-3
   // relative is far outside an fp32 layer's (a few hundred 2^-24).
