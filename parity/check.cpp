@@ -151,7 +151,8 @@ Row fixture_row(const std::string& path, TwinKind twin, const RunMode& mode, con
       r.detail = std::string(twin_kind_name(twin)) + " twin has no " + f.kind + (mode.ep > 1 ? " at " + ranks : "");
       return r;
     }
-    const auto cmps = compare_fixture(h, f, twin, mode);
+    std::string routing;
+    const auto cmps = compare_fixture(h, f, twin, mode, nullptr, &routing);
     r.dtype = !f.config_json.is_object() ? "-" : short_dtype(params_dtype(f.config));
     for (const auto& c : cmps) {
       if (c.share_used >= r.share) {
@@ -164,6 +165,7 @@ Row fixture_row(const std::string& path, TwinKind twin, const RunMode& mode, con
         if (r.detail.empty()) r.detail = "first failing: " + c.name + (c.message.empty() ? "" : " (" + c.message + ")");
       }
     }
+    if (!routing.empty()) r.detail += (r.detail.empty() ? "routing " : "; routing ") + routing;
   } catch (const FixtureUnsupported& e) {
     r.status = Status::Unsupported;
     r.detail = e.what();

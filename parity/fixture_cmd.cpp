@@ -31,6 +31,7 @@ struct Result {
   std::vector<Comparison> rows;
   int first_failure = -1;  // index into rows
   std::string grads;       // what happened to the golden's grad.* tensors (compare_fixture)
+  std::string routing;     // where the twin's routing map differs from the golden's ("" when not)
 };
 
 Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
@@ -59,12 +60,13 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
     return r;
   }
   try {
-    r.rows = compare_fixture(handler, fx, twin, mode, &r.grads);
+    r.rows = compare_fixture(handler, fx, twin, mode, &r.grads, &r.routing);
   } catch (const FixtureUnsupported& e) {
     r.status = Status::Unsupported;
     r.message = e.what();
     r.rows.clear();
     r.grads = {};
+    r.routing = {};
     return r;
   } catch (...) {
     r.status = Status::Error;
@@ -92,6 +94,7 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
     r.message = fmt::format("{} tensors within tolerance", r.rows.size());
     if (r.grads.rfind("not compared", 0) == 0) r.message += "; gradients " + r.grads;
   }
+  if (!r.routing.empty()) r.message += "; routing " + r.routing;
   return r;
 }
 
@@ -106,6 +109,7 @@ json to_json(const Result& r) {
           {"status", status_name(r.status)},
           {"message", r.message},
           {"grads", r.grads.empty() ? json(nullptr) : json(r.grads)},
+          {"routing", r.routing.empty() ? json(nullptr) : json(r.routing)},
           {"tensors", rows_json(r.rows)}};
 }
 
@@ -124,6 +128,7 @@ void print_text(const Result& r, std::ostream& out, std::ostream& err) {
                      r.ep > 1 ? fmt::format(", ep {}", r.ep) : "", r.isolated ? ", isolated" : "");
   print_rows(out, r.rows, r.first_failure);
   if (!r.grads.empty()) out << fmt::format("  gradients: {}\n", r.grads);
+  if (!r.routing.empty()) out << fmt::format("  routing: {}\n", r.routing);
   out << fmt::format("  {}: {}\n", r.status == Status::Pass ? "PASS" : "FAIL", r.message);
 }
 

@@ -5,6 +5,8 @@
 #include <map>
 #include <utility>
 
+#include "parity/routing_ties.h"
+
 namespace twin {
 
 const char* twin_kind_name(TwinKind t) { return t == TwinKind::Reference ? "reference" : "optimized"; }
@@ -42,9 +44,22 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
   return it->second.handler;
 }
 
-std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin,
-                                        [[maybe_unused]] const RunMode& mode, std::string* grads) {
-  const TwinRun run = handler(f, mode);
+std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin, const RunMode& mode,
+                                        std::string* grads, std::string* routing) {
+  TwinRun run = handler(f, mode);
+  std::string routing_note;
+  if (const auto flips = parity::routing_flips(f, run.record)) {
+    routing_note = flips->describe();
+    if (flips->all_near() && flips->takes_golden_routing) {
+      RunMode on_golden = mode;
+      on_golden.golden_routing = true;
+      run = handler(f, on_golden);
+      routing_note += ": compared downstream on the golden's routing";
+    } else if (flips->all_near()) {
+      routing_note += "; not continued on the golden's routing: " + flips->why_not;
+    }
+  }
+  if (routing) *routing = routing_note;
   parity::Expected expected = run.expected ? *run.expected : parity::expected_of(f);
   const bool golden_has_grads = !f.names_with_prefix("grad.").empty();
   if (run.backward) {
@@ -75,6 +90,14 @@ void check_inputs(const Fixture& f, const std::set<std::string>& known) {
   for (const auto& n : f.names_with_prefix("input."))
     if (!known.count(n.substr(6)))
       throw FixtureError(f.path + ": unexpected input tensor " + n + " for kind " + f.kind);
+}
+
+const Tensor* golden_routing_map(const Fixture& f, const RunMode& mode) {
+  const std::string tie = f.meta("tie_break_dependent", "false");
+  if (tie != "true" && tie != "false")
+    throw FixtureError(f.path + ": __metadata__.tie_break_dependent must be \"true\" or \"false\", got \"" + tie +
+                       "\"");
+  return tie == "true" || mode.golden_routing ? &f.tensor("tap.mlp.router.1") : nullptr;
 }
 
 std::map<std::string, Tensor> params_of(const Fixture& f, const std::string& prefix) {

@@ -51,6 +51,9 @@ struct RunMode {
   // The optimized twin's expert-parallel size over simulated ranks (the MoE layer's experts split
   // among them, the alltoall dispatcher between them); a handler that cannot is not found for ep > 1.
   int ep = 1;
+  // Run the MoE router on the golden's routing map (tap.mlp.router.1) instead of its own top-k
+  // choice: set by the engine when the twin's choice flipped on near ties (parity/routing_ties.h).
+  bool golden_routing = false;
 };
 
 // A twin's handler finds, before running anything, that the golden's config asks for something the
@@ -69,8 +72,12 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
 // `grads`, when given, receives what happened to the golden's grad.* tensors: "compared", "none in
 // the golden", or "not compared: ..." with the reason (no backward for this kind in this twin).
 // Gradients are never dropped silently: a run that did not produce them says so there.
+// Routing decided on near ties (parity/routing_ties.h) runs the handler again on the golden's
+// routing; `routing`, when given, receives what happened ("" when the twin's routing map is the
+// golden's): the near-tie tokens, or the first token far from a tie.
 std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin,
-                                        const RunMode& mode = {}, std::string* grads = nullptr);
+                                        const RunMode& mode = {}, std::string* grads = nullptr,
+                                        std::string* routing = nullptr);
 // The same with the handler of the golden's kind; FixtureError when that twin has none.
 std::vector<Comparison> compare_fixture(const Fixture& f, TwinKind twin, const RunMode& mode = {});
 
@@ -79,6 +86,10 @@ namespace parity {
 // What the handlers share: reading a layer golden's inputs, and in isolation its taps.
 // Throws FixtureError naming any input.* tensor outside `known` (bad input, not something to ignore).
 void check_inputs(const Fixture& f, const std::set<std::string>& known);
+// The MoE router's map the golden fixes (tap.mlp.router.1), or null: where the golden says a tie
+// decided it (tie_break_dependent: torch.topk's order among tied values at the capacity cut or the
+// top-k) or the engine runs on the golden's routing (RunMode::golden_routing).
+const Tensor* golden_routing_map(const Fixture& f, const RunMode& mode);
 // param.<key> tensors under their state-dict keys.
 std::map<std::string, Tensor> params_of(const Fixture& f, const std::string& prefix = "param.");
 // input.<name>, checked to have `rank` dimensions (-1: any), or null when the golden has none.

@@ -35,12 +35,7 @@ TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode) {
   in.attention_mask = optional_input(f, "attention_mask");
   in.rotary_pos_emb = rope;
   in.padding_mask = optional_input(f, "padding_mask");
-  // tie_break_dependent: the golden's post-drop map (tap.mlp.router.1) is the input, as for the reference.
-  const std::string tie = f.meta("tie_break_dependent", "false");
-  if (tie != "true" && tie != "false")
-    throw FixtureError(f.path + ": __metadata__.tie_break_dependent must be \"true\" or \"false\", got \"" + tie +
-                       "\"");
-  if (tie == "true") in.recorded_routing_map = &f.tensor("tap.mlp.router.1");
+  in.recorded_routing_map = golden_routing_map(f, mode);
   opt::ForwardOptions fo;
   fo.training = f.training;  // the fixtures' dropout probabilities are 0
   fo.record_taps = true;

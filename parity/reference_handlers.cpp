@@ -153,13 +153,7 @@ TwinRun run_reference_moe_layer(const Fixture& f, const RunMode& mode) {
   moe::MoETransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
   LayerInputs in = layer_inputs(f);
   in.padding_mask = optional_input(f, "padding_mask");
-  // tie_break_dependent: which tied tokens survive the capacity cut is torch.topk's
-  // implementation-defined order; the golden's post-drop map (tap.mlp.router.1) is then the input.
-  const std::string tie = f.meta("tie_break_dependent", "false");
-  if (tie != "true" && tie != "false")
-    throw FixtureError(f.path + ": __metadata__.tie_break_dependent must be \"true\" or \"false\", got \"" + tie +
-                       "\"");
-  if (tie == "true") in.recorded_routing_map = &f.tensor("tap.mlp.router.1");
+  in.recorded_routing_map = golden_routing_map(f, mode);
   return run_layer_with_backward(layer, f, in, mode);
 }
 

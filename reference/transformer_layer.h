@@ -159,8 +159,9 @@ struct LayerInputs {
   const Tensor* context_mask = nullptr;
   const Tensor* rotary_pos_emb = nullptr;  // [s, 1, 1, rot_dim] angles
   const Tensor* padding_mask = nullptr;    // MoE [b, s], True = padding
-  // MoE: BOOL [T, E], the post-drop routing map a golden fixes where torch.topk's order among tied
-  // values decides which tokens an expert drops (the router checks it is a valid outcome).
+  // MoE: BOOL [T, E], Megatron's routing map from a golden (TopKRouter::forward): with capacity
+  // dropping the post-drop map where torch.topk's order among tied values decides which tokens an
+  // expert drops (checked to be a valid outcome); without, the top-k choice itself.
   const Tensor* recorded_routing_map = nullptr;
 };
 

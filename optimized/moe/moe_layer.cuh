@@ -119,6 +119,20 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
   ra.scaling_factor = p.scaling_factor;
   ra.aux_scores = p.aux_kind.has_value();
   ra.z_loss = p.z_loss;
+  if (p.recorded_map && !p.drop) {
+    // Without capacity dropping a golden's map is Megatron's top-k choice itself (its choice flipped
+    // on a near tie): k experts per token, read by the top-k kernel from the routing map buffer.
+    if (p.capturing) throw std::invalid_argument("a recorded routing map is checked on the host: not in a graph");
+    for (std::int64_t t = 0; t < T; ++t) {
+      int n = 0;
+      for (int e = 0; e < E; ++e) n += p.recorded_map[t * E + e] != 0;
+      if (n != p.topk)
+        throw std::invalid_argument("recorded routing map gives token " + std::to_string(t) + " " + std::to_string(n) +
+                                    " experts, moe_router_topk is " + std::to_string(p.topk));
+    }
+    rt::device(this_backend()).copy(p.routing_map, p.recorded_map, std::size_t(T * E), rt::CopyKind::HostToDevice, st);
+    ra.selection = p.routing_map;
+  }
   router_topk_forward(rdt, p.logits, p.expert_bias, p.padding, p.drop ? p.probs_pre : p.probs,
                       p.drop ? p.map_pre : p.routing_map, p.aux_scores, p.aux_map, p.z, ra, st);
   if (p.z_loss) {

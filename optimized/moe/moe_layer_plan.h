@@ -51,7 +51,7 @@ struct MoELayerPlan {
   const void* router_b = nullptr;              // [E] rdt
   const float* expert_bias = nullptr;          // [E] fp32
   const std::uint8_t* padding = nullptr;       // [T] device, 1 = padding (token order t = s * b + b_idx)
-  const std::uint8_t* recorded_map = nullptr;  // host [T, E]: the post-drop map a golden fixes (ties)
+  const std::uint8_t* recorded_map = nullptr;  // host [T, E]: Megatron's map a golden fixes (MoEForwardInputs)
   double* global_tokens = nullptr;             // [E] device, global_aux_loss accumulator
   double ga_steps = 0.0;                       // forwards since the accumulator's reset (incl. this)
 

@@ -42,8 +42,9 @@ struct MoEForwardInputs {
   const Tensor* attention_mask = nullptr;  // BOOL [b or 1, 1 or np, s, s]
   const Tensor* rotary_pos_emb = nullptr;  // F32 [s, 1, 1, rot_dim]
   const Tensor* padding_mask = nullptr;    // BOOL [b, s], True = padding
-  // The post-drop routing map [T, E] a golden fixes where the capacity cut depends on
-  // torch.topk's order among ties; checked to be a valid outcome, then used.
+  // Megatron's routing map [T, E] from a golden: with capacity dropping, the post-drop map a golden
+  // fixes where the capacity cut depends on torch.topk's order among ties (checked to be a valid
+  // outcome, then used); without, the top-k choice itself (k experts per token).
   const Tensor* recorded_routing_map = nullptr;
 };
 

@@ -62,6 +62,10 @@ struct RouterArgs {
   float scaling_factor = 0.0f;         // 0: none
   bool aux_scores = false;             // compute the aux-loss scores and map
   bool z_loss = false;                 // compute logsumexp^2 per token
+  // Megatron's top-k choice [T, E] (0/1, k per token) from a golden, taken instead of the top-k
+  // (the reference's RoutingOptions::selection); may alias the routing map written: each token's
+  // row is read before it is written, by the same thread. Null: choose.
+  const std::uint8_t* selection = nullptr;
 };
 
 // Indices of the k largest of v[0..n) into out (largest first; equal values: lower index first;
@@ -118,7 +122,11 @@ __global__ void router_topk_kernel(const R* logits, const float* expert_bias, co
     int idx[kRouterMaxExperts];   // the chosen experts
     C top[kRouterMaxExperts];     // their probabilities
     auto choose = [&](const C* s) {
-      if (a.group_topk > 0) {
+      if (a.selection) {  // the given experts, largest score first as torch.topk orders them
+        C given[kRouterMaxExperts];
+        for (int e = 0; e < E; ++e) given[e] = a.selection[t * E + e] ? s[e] : static_cast<C>(-INFINITY);
+        topk_select(given, E, k, idx);
+      } else if (a.group_topk > 0) {
         // group_limited_topk: each group scored by the sum of its top (k / group_topk), stored in R
         const int G = a.num_groups, per = E / G, inner = k / a.group_topk;
         C gs[kRouterMaxExperts];

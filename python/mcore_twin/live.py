@@ -12,10 +12,9 @@ checked by a twin.
   nothing: it is skipped and counted by reason.
 - A failing case prints its case seed and config and is kept in `--kept` (the file reruns with
   `twin fixture FILE`; `--replay SEED` redraws and recaptures it).
-- Reported apart and not failing the run, because a discrete choice has no bound: a routing
-  decision that flipped on a near tie (every tensor before it within its bound), and router top-k
-  ties (the capture's `router_topk_ties`: the reference takes Megatron's recorded routing map only
-  for ties at the capacity cut, not for ties in the expert choice).
+- A routing decision the twin took otherwise on a near tie is the golden engine's finding (its
+  JSON `routing`, parity/routing_ties.h): the case is compared on Megatron's routing and passes or
+  fails on that; such cases are counted.
 - Dense cases with a feature the optimized twin does not implement (OPTIMIZED_UNSUPPORTED) run the
   reference twin alone (counted).
 - The capture API's promises are checked on the first case of each kind: a second capture of the
@@ -257,19 +256,6 @@ def optimized_unsupported(cfg):
     return [k for k, bad in OPTIMIZED_UNSUPPORTED.items() if k in cfg and bad(cfg[k])]
 
 
-def routing_near_tie_flip(result):
-    """A routing decision flipped on a near tie: every tensor before the first failing one is
-    within its bound (the twin's logits are Megatron's up to rounding), and the first failing one
-    is a routing decision; or, in a tie-break-dependent golden, the twin's own routing disagrees
-    with Megatron's recorded map and the handler stops before it reports rows. A discrete choice
-    has no bound: it is reported and kept, not failed."""
-    if result["status"] == "error" and "recorded routing map" in result.get("message", ""):
-        return True
-    rows = result.get("tensors", [])
-    first = next((i for i, t in enumerate(rows) if not t.get("pass")), None)
-    return first is not None and ".router." in rows[first]["name"]
-
-
 def describe_failure(result):
     rows = [t for t in result.get("tensors", []) if not t.get("pass")]
     out = [f"{result['twin']} twin: {result['status']}: {result.get('message', '')}"]
@@ -401,7 +387,6 @@ def main(argv=None):
     warnings.filterwarnings("ignore")
     torch.set_num_threads(max(1, a.threads))
     state = bootstrap.bootstrap()
-    from . import st_io
     from .capture import NonFiniteError
     from .cli import capture_config
 
@@ -425,6 +410,7 @@ def main(argv=None):
     max_attempts = len(seeds) if seeds else (a.max_attempts or 3 * a.cases)
 
     counts = {"pass": 0, "fail": 0}
+    near_ties = 0
     skips = {}
     opt_unsupported = {}
     failures = []
@@ -453,23 +439,16 @@ def main(argv=None):
             for f in unsupported:
                 opt_unsupported[f] = opt_unsupported.get(f, 0) + 1
             results = run_twin(a.twin, path, both=kind == "dense_layer" and not unsupported)
-            meta = st_io.read(path)[1]
-            topk_ties = json.loads(meta.get("router_topk_ties", "[]"))
-            case_ok, known = True, None
+            case_ok = True
             lines = []
+            if any(res.get("routing") for res in results):
+                near_ties += 1
+                lines += [f"{res['twin']} twin: routing {res['routing']}" for res in results if res.get("routing")]
             for res in results:
-                st = res["status"]
-                if st == "pass":
-                    continue
-                if st in ("fail", "error") and routing_near_tie_flip(res):
-                    known = known or "routing-near-tie-flip"
-                elif topk_ties and st in ("fail", "error"):
-                    # The reference takes the recorded routing map only for capacity-cut ties.
-                    known = known or "router-topk-tie"
-                else:
+                if res["status"] != "pass":
                     case_ok = False
-                lines.append(describe_failure(res))
-            if kind not in api_done and case_ok and not known:
+                    lines.append(describe_failure(res))
+            if kind not in api_done and case_ok:
                 api_done.add(kind)
                 try:
                     problems = api_checks(kind, cfg, case_seed, opts, path, workdir)
@@ -481,20 +460,14 @@ def main(argv=None):
                 if problems:
                     case_ok = False
                     lines.append("capture API: " + "; ".join(problems[:5]))
-            if case_ok and not known:
+            if case_ok:
                 counts["pass"] += 1
                 print(f"{tag}: pass")
-                continue
-            sub = a.kept if not case_ok else os.path.join(a.kept, known)
-            os.makedirs(sub, exist_ok=True)
-            kept = os.path.join(sub, os.path.basename(path))
-            shutil.copyfile(path, kept)
-            if case_ok:
-                counts[known] = counts.get(known, 0) + 1
-                print(f"{tag}: known class {known}, kept {kept}")
                 for line in lines:
-                    print("    " + line.replace("\n", "\n    "))
+                    print("    " + line)
                 continue
+            kept = os.path.join(a.kept, os.path.basename(path))
+            shutil.copyfile(path, kept)
             counts["fail"] += 1
             failures.append(case_seed)
             print(f"{tag}: FAIL, kept {kept}")
@@ -509,8 +482,8 @@ def main(argv=None):
     elapsed = time.time() - t_start
     print(f"megatron-live: {checked} cases checked ({', '.join(f'{k} {v}' for k, v in sorted(by_kind.items()))}) "
           f"of {attempts} drawn in {elapsed:.0f}s: {counts['pass']} pass, {counts['fail']} fail, "
-          f"{counts.get('routing-near-tie-flip', 0)} routing near-tie flip, "
-          f"{counts.get('router-topk-tie', 0)} router top-k tie, {sum(map(len, skips.values()))} skipped")  # fmt: skip
+          f"{sum(map(len, skips.values()))} skipped; {near_ties} routed otherwise by a twin on near ties "
+          "(compared on Megatron's routing)")  # fmt: skip
     for reason, case_seeds in sorted(skips.items(), key=lambda kv: -len(kv[1])):
         print(f"  skipped {len(case_seeds)}: {reason} (e.g. case {case_seeds[0]})")
     for reason, n in sorted(opt_unsupported.items(), key=lambda kv: -kv[1]):

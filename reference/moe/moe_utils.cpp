@@ -170,7 +170,23 @@ Routing topk_routing_with_score_function(const Mat& logits, const RoutingOptions
   if (k < 1 || k > E)
     throw MoEError("moe_router_topk (" + std::to_string(k) + ") must be in [1, num_moe_experts (" + std::to_string(E) +
                    ")]");
+  if (opt.selection && (opt.selection->rows() != T || opt.selection->cols() != E))
+    throw MoEError("a given top-k selection is [" + std::to_string(opt.selection->rows()) + ", " +
+                   std::to_string(opt.selection->cols()) + "], the logits [" + std::to_string(T) + ", " +
+                   std::to_string(E) + "]");
   auto compute_topk = [&](const Mat& scores) {
+    if (opt.selection) {  // the given experts, largest score first as torch.topk orders them
+      Mat given = Mat::Constant(T, E, -std::numeric_limits<double>::infinity());
+      for (Index t = 0; t < T; ++t) {
+        if (opt.selection->row(t).count() != k)
+          throw MoEError("a given top-k selection gives token " + std::to_string(t) + " " +
+                         std::to_string(opt.selection->row(t).count()) + " experts, moe_router_topk is " +
+                         std::to_string(k));
+        for (Index e = 0; e < E; ++e)
+          if ((*opt.selection)(t, e)) given(t, e) = scores(t, e);
+      }
+      return topk_rows(given, k);
+    }
     if (opt.group_topk && *opt.group_topk)
       return group_limited_topk(scores, k, opt.num_groups.value_or(0), *opt.group_topk, rdt, rnd);
     return topk_rows(scores, k);

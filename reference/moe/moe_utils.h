@@ -100,6 +100,10 @@ struct RoutingOptions {
   std::optional<int> group_topk;
   std::optional<double> scaling_factor;
   std::string score_function = "softmax";  // softmax | sigmoid
+  // Megatron's own top-k choice [T, E] (k experts per token), taken instead of the twin's: a golden
+  // whose choice flipped on a near tie is compared downstream on its routing. The probabilities
+  // are computed over these experts as over a choice of the twin's.
+  const BoolMat* selection = nullptr;
 };
 
 struct Routing {

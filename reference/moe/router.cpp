@@ -242,7 +242,11 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
 
   RouterOutput r;
   r.logits = logits;
+  // A recorded map without capacity dropping is Megatron's top-k choice itself (a golden whose
+  // choice flipped on a near tie): it chooses instead of the top-k.
+  const BoolMat* selection = config_.moe_expert_capacity_factor ? nullptr : recorded_routing_map;
   if (config_.moe_router_load_balancing_type == "sinkhorn") {
+    if (selection) throw MoEError("a recorded top-k choice with sinkhorn routing (its choice is not the top-k's)");
     const RouterOutput s = sinkhorn_load_balancing(logits);
     r.probs = s.probs;
     r.routing_map = s.routing_map;
@@ -254,6 +258,7 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
     opt.group_topk = config_.moe_router_group_topk;
     opt.scaling_factor = config_.moe_router_topk_scaling_factor;
     opt.score_function = config_.moe_router_score_function;
+    opt.selection = selection;
     const Routing routed =
         topk_routing_with_score_function(logits, opt, expert_bias ? &*expert_bias : nullptr, router_dtype_, rnd);
     r.probs = routed.probs;

@@ -65,8 +65,10 @@ class TopKRouter {
   // True = padding. Records taps "logits" [s, b, E], "0" (probs) and "1" (routing_map), the aux
   // losses this call logged and, with an expert bias, the token counter after the call (state
   // "local_tokens_per_expert_after").
-  // recorded_routing_map: the post-drop map a golden fixes where the drop depends on torch.topk's
-  // order among tied values (tie_break_dependent); checked to be a valid outcome, then used.
+  // recorded_routing_map: Megatron's map from a golden. With capacity dropping, the post-drop map
+  // a golden fixes where the drop depends on torch.topk's order among tied values
+  // (tie_break_dependent), checked to be a valid outcome, then used; without, the top-k choice
+  // itself (k experts per token), taken where the twin's choice flipped on a near tie.
   RouterOutput forward(const Mat& input, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
                        const Taps& taps, AuxLosses* aux_losses, const BoolMat* recorded_routing_map = nullptr,
                        RouterSaved* saved = nullptr);

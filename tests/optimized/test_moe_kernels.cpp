@@ -37,12 +37,14 @@ struct RouterCase {
   int num_groups = 0, group_topk = 0;
   double scaling = 0.0;
   bool expert_bias = false;
+  bool given_selection = false;  // a golden's top-k choice (random here) instead of the top-k's
   std::int64_t T = 16;
   std::uint64_t seed = 0;
   std::string id() const {
-    return fmt::format("router(dtype={},E={},k={},score={},pre={},groups={},gtopk={},scale={},bias={},T={},seed={})",
-                       twin::test::dt_name(dt), E, topk, score, pre_softmax ? 1 : 0, num_groups, group_topk, scaling,
-                       expert_bias ? 1 : 0, T, seed);
+    return fmt::format(
+        "router(dtype={},E={},k={},score={},pre={},groups={},gtopk={},scale={},bias={},sel={},T={},seed={})",
+        twin::test::dt_name(dt), E, topk, score, pre_softmax ? 1 : 0, num_groups, group_topk, scaling,
+        expert_bias ? 1 : 0, given_selection ? 1 : 0, T, seed);
   }
 };
 
@@ -71,6 +73,7 @@ RouterCase random_case(std::uint64_t seed) {
   if (pick(0, 2) == 0) c.scaling = 2.5;
   c.expert_bias = c.score == "sigmoid" && pick(0, 1);
   c.T = pick(1, 40);
+  c.given_selection = pick(0, 3) == 0;
   return c;
 }
 
@@ -100,8 +103,21 @@ TEST(MoEKernels, FusedRouterEqualsReferenceSteps) {
     std::vector<std::uint8_t> pad(std::size_t(c.T), 0);
     for (std::int64_t t = 0; t < c.T; t += 3) pad[std::size_t(t)] = 1;  // every third token is padding
 
+    // A given selection: k distinct random experts per token.
+    ref::BoolMat selection = ref::BoolMat::Constant(c.T, c.E, false);
+    for (std::int64_t t = 0; t < c.T; ++t)
+      for (int chosen = 0; chosen < c.topk;) {
+        const int e = std::uniform_int_distribution<int>(0, c.E - 1)(rng);
+        if (selection(t, e)) continue;
+        selection(t, e) = true;
+        ++chosen;
+      }
+    std::vector<bool> sel_bits(selection.data(), selection.data() + selection.size());
+    rt::DeviceBuffer d_sel = twin::test::to_device(Tensor::from_vector<bool>({c.T, c.E}, sel_bits));
+
     // ---- the kernel
     k::RouterArgs a;
+    if (c.given_selection) a.selection = d_sel.as<std::uint8_t>();
     a.tokens = c.T;
     a.experts = c.E;
     a.topk = c.topk;
@@ -138,6 +154,7 @@ TEST(MoEKernels, FusedRouterEqualsReferenceSteps) {
     }
     if (c.scaling != 0.0) opt.scaling_factor = c.scaling;
     opt.score_function = c.score;
+    if (c.given_selection) opt.selection = &selection;
     const ref::Mat L = to_mat(logits, c.T, c.E);
     const ref::Routing r = ref::topk_routing_with_score_function(L, opt, c.expert_bias ? &eb : nullptr, c.dt, rnd);
     std::vector<bool> padding(pad.begin(), pad.end());
@@ -154,6 +171,7 @@ TEST(MoEKernels, FusedRouterEqualsReferenceSteps) {
     for (std::int64_t i = 0; i < c.T * c.E; ++i) {
       ASSERT_EQ(map.at_f64(i) != 0.0, r.routing_map.data()[i])
           << "routing_map at token " << i / c.E << " expert " << i % c.E;
+      if (c.given_selection) ASSERT_EQ(r.routing_map.data()[i], selection.data()[i]) << "the given selection at " << i;
       ASSERT_LE(std::abs(probs.at_f64(i) - r.probs.data()[i]), tol.atol + tol.rtol * std::abs(r.probs.data()[i]))
           << "probs at " << i << ": " << tol.reason;
       ASSERT_EQ(aux_map.at_f64(i) != 0.0, ax.routing_map.data()[i]) << "aux routing_map at " << i;

@@ -1,0 +1,120 @@
+#include "parity/routing_ties.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "parity/bounds.h"
+
+namespace twin::parity {
+
+namespace {
+
+// The MoE layer's router, as the capture names its taps: probs .0, routing_map .1, logits .logits.
+const std::string kMap = "tap.mlp.router.1", kLogits = "tap.mlp.router.logits";
+
+const RecordEntry* entry(const Record& r, const std::string& key) {
+  for (const RecordEntry& e : r.entries)
+    if (e.key() == key) return &e;
+  return nullptr;
+}
+
+// One token's scores in the space the top-k compares, each with how far a correct implementation
+// may put it (see the header).
+struct Scores {
+  std::vector<double> value, bound;
+};
+
+Scores selection_scores(const TransformerConfig& cfg, const Tensor& logits, const Tolerance& tol,
+                        const std::vector<double>& expert_bias, std::int64_t t, std::int64_t E) {
+  const double u = unit_roundoff(logits.dtype());  // the router dtype: the scores are stored in it
+  const bool sigmoid = cfg.moe_router_score_function == "sigmoid";
+  Scores s;
+  for (std::int64_t e = 0; e < E; ++e) {
+    const double l = logits.at_f64(t * E + e), lb = tol.atol + tol.rtol * std::fabs(l);
+    if (sigmoid) {
+      const double p = 1.0 / (1.0 + std::exp(-l));
+      s.value.push_back(p + (expert_bias.empty() ? 0.0 : expert_bias[static_cast<std::size_t>(e)]));
+      s.bound.push_back(0.25 * lb + u * p);
+    } else {
+      s.value.push_back(l);
+      // softmax keeps the logits' order; pre-softmax scores stored in the router dtype may tie
+      // where the logits differ by up to 2u (p_d / p_c = exp(l_d - l_c)), u on each side.
+      s.bound.push_back(lb + (cfg.moe_router_pre_softmax ? u : 0.0));
+    }
+  }
+  return s;
+}
+
+// Why the twins cannot run on the golden's map ("" when they can): with capacity dropping the
+// golden records the map after the drop, not the top-k choice; sinkhorn does not choose by top-k.
+std::string why_not_golden_routing(const TransformerConfig& cfg) {
+  if (cfg.moe_expert_capacity_factor)
+    return "with capacity dropping the golden records the map after the drop, not the top-k choice";
+  if (cfg.moe_router_load_balancing_type == "sinkhorn") return "sinkhorn routing does not choose by top-k";
+  return "";
+}
+
+}  // namespace
+
+std::string RoutingFlips::describe() const {
+  if (!all_near()) return fmt::format("differs on {} tokens; {}", tokens, far);
+  std::string list;
+  for (std::size_t i = 0; i < near.size() && i < 8; ++i) list += (i ? ", " : "") + std::to_string(near[i]);
+  if (near.size() > 8) list += fmt::format(" and {} more", near.size() - 8);
+  return fmt::format("differs on {} near-tie token{} ({})", near.size(), near.size() == 1 ? "" : "s", list);
+}
+
+std::optional<RoutingFlips> routing_flips(const Fixture& f, const Record& twin) {
+  const RecordEntry* mine = entry(twin, kMap);
+  const RecordEntry* my_logits = entry(twin, kLogits);
+  if (!mine || !my_logits || !f.has(kMap) || !f.has(kLogits)) return std::nullopt;
+  const Tensor &golden = f.tensor(kMap), &logits = f.tensor(kLogits);
+  const Tensor& map = mine->value;
+  if (map.shape() != golden.shape() || golden.dim() != 2 || logits.numel() != golden.numel())
+    throw FixtureError(fmt::format("{}: the twin's routing map is {}, the golden's {} (logits {})", f.path,
+                                   shape_str(map.shape()), shape_str(golden.shape()), shape_str(logits.shape())));
+  const std::int64_t T = golden.shape()[0], E = golden.shape()[1];
+  const Tolerance tol = golden_bound(*my_logits, logits);
+  std::vector<double> bias;
+  if (f.config.moe_router_enable_expert_bias && f.has("param.mlp.router.expert_bias"))
+    bias = f.tensor("param.mlp.router.expert_bias").to_f64();
+
+  RoutingFlips r;
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::vector<std::int64_t> chosen, displaced;  // by the twin alone, by the golden alone
+    for (std::int64_t e = 0; e < E; ++e) {
+      const bool a = map.at_f64(t * E + e) != 0.0, g = golden.at_f64(t * E + e) != 0.0;
+      if (a && !g) chosen.push_back(e);
+      if (g && !a) displaced.push_back(e);
+    }
+    if (chosen.empty() && displaced.empty()) continue;
+    ++r.tokens;
+    const Scores s = selection_scores(f.config, logits, tol, bias, t, E);
+    std::string why = chosen.size() != displaced.size()
+                          ? fmt::format("token {}: the twin chose {} experts where the golden chose {}", t,
+                                        chosen.size(), displaced.size())
+                          : "";
+    for (std::int64_t c : chosen)
+      for (std::int64_t d : displaced) {
+        const auto ci = static_cast<std::size_t>(c), di = static_cast<std::size_t>(d);
+        const double gap = s.value[di] - s.value[ci], bound = s.bound[ci] + s.bound[di];
+        if (why.empty() && std::fabs(gap) > bound)
+          why = fmt::format(
+              "token {} is far from a tie: the twin chose expert {} (score {:.6g}) over the golden's expert {} "
+              "(score {:.6g}): gap {:.3g} > bound {:.3g}",
+              t, c, s.value[ci], d, s.value[di], gap, bound);
+      }
+    if (why.empty())
+      r.near.push_back(t);
+    else if (r.far.empty())
+      r.far = why;
+  }
+  if (r.tokens == 0) return std::nullopt;
+  r.why_not = why_not_golden_routing(f.config);
+  r.takes_golden_routing = r.why_not.empty();
+  return r;
+}
+
+}  // namespace twin::parity

@@ -1,0 +1,130 @@
+// Routing decided on a near tie (parity/routing_ties.h): a finding the engine reports and compares
+// past on the golden's routing, for both twins; a routing map changed far from any tie still fails.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/safetensors.h"
+#include "parity/fixture_kinds.h"
+#include "parity/routing_ties.h"
+#include "tests/core/corrupt_safetensors.h"
+
+using namespace twin;
+
+namespace {
+
+// Real Megatron-Core, bf16, top-3 of 6 experts with pre-softmax scores in an fp32 router: token 12's
+// logits for experts 2 and 5 lie 2e-4 apart, and upstream bf16 roundings move the twins' pair across.
+const std::string kNearTie = "moe_bf16_top3_near_tie_flip.safetensors";
+
+Fixture golden(const std::string& name) { return load_fixture(twin::golden_dir() + "/" + name); }
+
+struct Compared {
+  std::vector<Comparison> rows;
+  std::string grads, routing;
+};
+
+Compared compare(const Fixture& f, TwinKind twin) {
+  Compared c;
+  c.rows = compare_fixture(find_fixture_handler(f.kind, twin), f, twin, RunMode{}, &c.grads, &c.routing);
+  return c;
+}
+
+}  // namespace
+
+// The golden's own logits say the flip is a near tie, independently of any twin: the two experts'
+// logits differ by less than the bf16 rounding of a value of their size (u = 2^-8 x 0.24).
+TEST(RoutingTies, TheGoldensFlippedTokenIsANearTieInItsOwnLogits) {
+  const Fixture f = golden(kNearTie);
+  const Tensor& logits = f.tensor("tap.mlp.router.logits");
+  const std::int64_t E = 6, t = 12;
+  const double l2 = logits.at_f64(t * E + 2), l5 = logits.at_f64(t * E + 5);
+  EXPECT_LT(std::fabs(l2 - l5), std::ldexp(1.0, -8) * std::fabs(l5)) << l2 << " " << l5;
+  const Tensor& map = f.tensor("tap.mlp.router.1");
+  EXPECT_NE(map.at_f64(t * E + 2) != 0.0, map.at_f64(t * E + 5) != 0.0) << "one of the two is chosen";
+}
+
+// Both twins choose the other expert of the pair on token 12; the engine reports it and compares
+// the experts, the combine, the output and (reference) the gradients on the golden's routing.
+TEST(RoutingTies, NearTieFlipIsReportedAndComparedOnTheGoldensRouting) {
+  const Fixture f = golden(kNearTie);
+  for (const TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) {
+    SCOPED_TRACE(twin_kind_name(twin));
+    const TwinRun own = find_fixture_handler(f.kind, twin)(f, RunMode{});
+    const auto flips = parity::routing_flips(f, own.record);
+    ASSERT_TRUE(flips.has_value()) << "the twin's own routing equals the golden's: the golden no longer tests this";
+    EXPECT_EQ(flips->tokens, 1);
+    EXPECT_EQ(flips->near, std::vector<std::int64_t>{12});
+    const Compared c = compare(f, twin);
+    EXPECT_EQ(c.routing, "differs on 1 near-tie token (12): compared downstream on the golden's routing");
+    for (const Comparison& row : c.rows) EXPECT_TRUE(row.pass) << row.name << " " << row.message;
+    const auto has = [&](const std::string& name) {
+      return std::any_of(c.rows.begin(), c.rows.end(), [&](const Comparison& r) { return r.name == name; });
+    };
+    EXPECT_TRUE(has("tap.mlp.router.1"));
+    EXPECT_TRUE(has("output.hidden_states"));
+    if (twin == TwinKind::Reference) {
+      EXPECT_EQ(c.grads, "compared");
+      EXPECT_TRUE(has("grad.param.mlp.router.weight"));
+    }
+  }
+}
+
+// The golden's map moved on token 0 from its best-scored expert to its worst-scored one: no
+// rounding explains that, so the comparison fails at the routing map and names the token.
+TEST(RoutingTies, AMapChangedFarFromATieStillFails) {
+  const Fixture f = golden(kNearTie);
+  const std::int64_t E = 6;
+  const Tensor& logits = f.tensor("tap.mlp.router.logits");
+  std::vector<double> map = f.tensor("tap.mlp.router.1").to_f64();
+  int best = -1, worst = -1;
+  for (int e = 0; e < E; ++e) {
+    const double l = logits.at_f64(e);
+    if (map[std::size_t(e)] != 0.0 && (best < 0 || l > logits.at_f64(best))) best = e;
+    if (map[std::size_t(e)] == 0.0 && (worst < 0 || l < logits.at_f64(worst))) worst = e;
+  }
+  ASSERT_GE(best, 0);
+  ASSERT_GE(worst, 0);
+  map[std::size_t(best)] = 0.0;
+  map[std::size_t(worst)] = 1.0;
+  const SafetensorsFile src = read_safetensors(twin::golden_dir() + "/" + kNearTie);
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const auto& n : src.names())
+    tensors.emplace_back(n, n == "tap.mlp.router.1" ? Tensor::from_doubles(DType::BOOL, f.tensor(n).shape(), map)
+                                                    : src.at(n));
+  twin::testing::TempDir dir;
+  const std::string path = dir.file("far.safetensors");
+  write_safetensors(path, tensors, src.metadata());
+  const Fixture far = load_fixture(path);
+  for (const TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) {
+    SCOPED_TRACE(twin_kind_name(twin));
+    const Compared c = compare(far, twin);
+    EXPECT_NE(c.routing.find("differs on 2 tokens; token 0 is far from a tie: the twin chose expert " +
+                             std::to_string(best) + " "),
+              std::string::npos)
+        << c.routing;
+    // The first row out of bound is the router's (its probabilities come before its map), and the
+    // map's row fails.
+    const auto first = std::find_if(c.rows.begin(), c.rows.end(), [](const Comparison& r) { return !r.pass; });
+    ASSERT_NE(first, c.rows.end());
+    EXPECT_EQ(first->name.rfind("tap.mlp.router.", 0), 0u) << first->name;
+    const auto map_row =
+        std::find_if(c.rows.begin(), c.rows.end(), [](const Comparison& r) { return r.name == "tap.mlp.router.1"; });
+    ASSERT_NE(map_row, c.rows.end());
+    EXPECT_FALSE(map_row->pass);
+  }
+}
+
+// A golden whose routing the twin reproduces has nothing to report.
+TEST(RoutingTies, EqualRoutingReportsNothing) {
+  for (const std::string name : {"moe_top2_aux_allgather.safetensors", "moe_top2_shared_expert_swiglu.safetensors"}) {
+    SCOPED_TRACE(name);
+    const Compared c = compare(golden(name), TwinKind::Reference);
+    EXPECT_EQ(c.routing, "");
+    for (const Comparison& row : c.rows) EXPECT_TRUE(row.pass) << row.name;
+  }
+}
