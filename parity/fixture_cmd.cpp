@@ -42,8 +42,10 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   r.isolated = opt.isolate;
   // --tp / --sp shard the optimized twin; a golden is the unsharded layer, which the reference is.
   const bool sharded = twin == TwinKind::Optimized;
-  r.tp = sharded ? opt.tp : 1;
-  r.sp = sharded && opt.sp;
+  // Without --tp, the golden's own layout (a capture of a tensor-parallel job records it).
+  const bool golden_layout = opt.tp == 0;
+  r.tp = !sharded ? 1 : golden_layout ? std::max(1, fx.config.tensor_model_parallel_size) : opt.tp;
+  r.sp = sharded && (golden_layout ? fx.config.sequence_parallel && r.tp > 1 : opt.sp);
   r.ep = sharded ? opt.ep : 1;
   const RunMode mode{opt.isolate, r.tp, r.sp, r.ep};
   const FixtureHandler handler = opt.lookup(fx.kind, twin, mode);
@@ -142,7 +144,7 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
     err << "error: --twin must be reference, optimized or both, not '" << opt.twin << "'\n";
     return 2;
   }
-  if (opt.tp < 1 || (opt.sp && opt.tp == 1)) {
+  if (opt.tp < 0 || (opt.sp && opt.tp <= 1)) {
     err << "error: --tp must be >= 1, and --sp needs --tp > 1 (Megatron rejects sequence parallelism without "
            "tensor parallelism)\n";
     return 2;

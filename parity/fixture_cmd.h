@@ -2,7 +2,8 @@
 // fixture file through the named twin(s) and reports every compared tensor, in the order the layer
 // computes them. End to end by default; --isolate runs each module on the golden's own input to
 // it (parity/fixture_kinds.h), and the report says `isolated`. --tp N [--sp] runs the optimized twin
-// sharded over N simulated ranks (its taps gathered across them), against the same unsharded golden;
+// sharded over N simulated ranks (its taps gathered across them), against the same unsharded golden
+// (without --tp: at the golden's own layout, which a capture of a tensor-parallel job records);
 // --ep N runs its MoE layer over N expert-parallel ranks. A file that is not
 // .safetensors or .json (a README beside the fixtures) is reported `unsupported`: no twin runs it.
 //
@@ -24,9 +25,11 @@ struct FixtureOptions {
   std::string twin = "reference";  // reference | optimized | both
   bool json = false;               // one JSON object per file (and twin) per line on stdout
   bool isolate = false;            // each module on the golden's own input to it
-  int tp = 1;                      // the optimized twin sharded over tp simulated ranks (RunMode::tp)
-  bool sp = false;                 // with sequence parallelism
-  int ep = 1;                      // the optimized twin over ep expert-parallel ranks (RunMode::ep)
+  // The optimized twin sharded over tp simulated ranks (RunMode::tp), with sequence parallelism;
+  // tp 0: the golden's own layout (its config's tensor_model_parallel_size and sequence_parallel).
+  int tp = 0;
+  bool sp = false;
+  int ep = 1;  // the optimized twin over ep expert-parallel ranks (RunMode::ep)
   // Where handlers come from: the registry, or a test's own.
   FixtureHandler (*lookup)(const std::string& kind, TwinKind twin, const RunMode& mode) = find_fixture_handler;
 };

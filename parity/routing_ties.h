@@ -29,9 +29,9 @@
 namespace twin::parity {
 
 struct RoutingFlips {
-  std::int64_t tokens = 0;          // tokens whose chosen experts differ
-  std::vector<std::int64_t> near;   // those within the scores' bound (above), in token order
-  std::string far;                  // the first token beyond it, described ("" when none)
+  std::int64_t tokens = 0;           // tokens whose chosen experts differ
+  std::vector<std::int64_t> near;    // those within the scores' bound (above), in token order
+  std::string far;                   // the first token beyond it, described ("" when none)
   bool takes_golden_routing = true;  // the twins can run on the golden's map (false: why in `why_not`)
   std::string why_not;
 

@@ -44,9 +44,9 @@ int main(int argc, char** argv) {
   fixture_cmd
       ->add_option("--tp", fixture.tp,
                    "Shard the optimized twin's layer over N simulated tensor-parallel ranks (taps gathered across "
-                   "them); the golden and the reference stay the unsharded layer")
-      ->check(CLI::Range(1, 4096))
-      ->capture_default_str();
+                   "them); the golden and the reference stay the unsharded layer. Default: the golden's own layout "
+                   "(its config's tensor_model_parallel_size and sequence_parallel)")
+      ->check(CLI::Range(1, 4096));
   fixture_cmd->add_flag("--sp", fixture.sp, "With --tp: sequence parallelism");
   fixture_cmd
       ->add_option("--ep", fixture.ep,

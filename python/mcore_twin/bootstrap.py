@@ -1,4 +1,5 @@
-"""Makes the pinned Megatron-Core importable and initialises a one-rank process group.
+"""Makes the pinned Megatron-Core importable and initialises its process group (one rank, or a
+rank of a multi-rank run).
 
 Where Megatron-Core comes from, first match wins:
   1. $MCORE_SRC: a directory holding `megatron/core/`, or the shared directory with the tarball
@@ -89,10 +90,18 @@ def _free_port():
 _STATE = {}
 
 
-def bootstrap():
-    """Imports Megatron-Core (pinned copy, shims first) and initialises world size 1, once per
-    process. Returns a dict with `src`, `commit`, `shims` (the patches applied)."""
+def bootstrap(*, rank=0, world_size=1, tensor_parallel=1, master_port=None):
+    """Imports Megatron-Core (pinned copy, shims first) and initialises torch.distributed (gloo) and
+    Megatron's parallel state, once per process: world size 1 by default; a rank of a multi-rank
+    run (parallel.py) gives its rank, the world size, the tensor-parallel size and the port every
+    rank uses, and gets gloo_shims. Returns a dict with `src`, `commit`, `shims` (the patches
+    applied)."""
     if _STATE:
+        if (_STATE["world_size"], _STATE["tensor_parallel"]) != (world_size, tensor_parallel):
+            raise RuntimeError(
+                f"this process is set up for world size {_STATE['world_size']}, tensor parallel "
+                f"{_STATE['tensor_parallel']}: one layout per process"
+            )
         return _STATE
     src, shims_dir, commit = find_megatron()
     for p in (src, shims_dir):
@@ -109,18 +118,22 @@ def bootstrap():
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        os.environ["MASTER_PORT"] = str(master_port or _free_port())
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
+        ps.initialize_model_parallel(tensor_parallel, 1)
     if mcore_shims is not None:
         mcore_shims.post_import_patches()
+    if world_size > 1:
+        from . import gloo_shims
+
+        applied = list(applied) + gloo_shims.apply()
     from megatron.core.tensor_parallel import random as mrandom
 
     # No CUDA RNG on the CPU: the inference tracker draws from torch's CPU generator.
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    _STATE.update(src=src, commit=commit, shims=list(applied))
+    _STATE.update(src=src, commit=commit, shims=list(applied), world_size=world_size, tensor_parallel=tensor_parallel)
     return _STATE
 

@@ -109,14 +109,23 @@ def _spec(config, kind, attn_mask_type):
     return get_retro_decoder_block_spec(config, False)
 
 
-def _init_params(module, gen):
+def _init_params(module, gen, config):
+    """Draws every parameter at its full (unsharded) shape, in state-dict order, and keeps this
+    tensor-parallel rank's shard: a layer built at any tensor-parallel size holds the same weights
+    as the one-rank layer of the same seed."""
+    from megatron.core import parallel_state as ps
+
+    from .parallel import full_shape, shard
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for name, t in module.state_dict(keep_vars=True).items():
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 continue
             leaf = name.rsplit(".", 1)[-1]
             owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-            noise = torch.randn(tuple(t.shape), generator=gen, dtype=torch.float32)
+            noise = torch.randn(full_shape(t, name, tp), generator=gen, dtype=torch.float32)
+            noise = shard(noise, t, name, config, rank, tp)
             if leaf == "expert_bias":
                 v = 0.05 * noise
             elif "norm" in owner and leaf == "weight":
@@ -148,7 +157,7 @@ def build(kind, cfg, seed, *, layer_number=None, padding_mask=False, context_mas
             first = 6 if config.num_layers <= 15 else 9
             layer_number = {"retro_decoder_layer_first": first, "retro_decoder_layer": first + 3}.get(kind, 1)
         module = build_module(spec, config=config, layer_number=layer_number)
-    _init_params(module, gen)
+    _init_params(module, gen, config)
     dtype = torch.float32
     if config.bf16:
         module = module.bfloat16()
@@ -160,6 +169,11 @@ def build(kind, cfg, seed, *, layer_number=None, padding_mask=False, context_mas
 
     h = config.hidden_size
     kw = {"hidden_states": torch.randn(s, b, h, generator=gen).to(dtype)}
+    if config.sequence_parallel:  # this rank's slice of the sequence
+        from megatron.core import parallel_state as ps
+
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        kw["hidden_states"] = kw["hidden_states"].chunk(tp, dim=0)[rank].contiguous()
     if not is_retro:
         if attn_mask_type == "padding" or explicit_mask:
             if attn_mask_type == "padding":

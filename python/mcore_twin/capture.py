@@ -255,8 +255,8 @@ def _check_world_size_one(config):
     for f in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size"):
         if getattr(config, f, 1) not in (1, None):
             raise CaptureError(
-                f"config.{f} = {getattr(config, f)}: the twins run a layer on one rank; capture a model built "
-                "with tensor, context and expert parallel size 1"
+                f"config.{f} = {getattr(config, f)}: capture_layer takes a layer of one rank; a tensor-parallel "
+                "layer is captured on every rank with mcore_twin.parallel.capture_parallel"
             )
     etp = getattr(config, "expert_tensor_parallel_size", 1)
     if etp not in (1, None):
@@ -368,6 +368,7 @@ def capture_layer(
     attn_mask_type=None,
     megatron_commit=None,
     require_finite=True,
+    parallel=False,
 ):
     """Runs `layer` once forward and once backward on the given inputs and writes the golden to
     `path`. Inputs are Megatron's: hidden_states [s, b, h]; attention_mask bool [b, 1, s, s]
@@ -375,12 +376,15 @@ def capture_layer(
     padding); context / context_mask (Retro). The upstream gradient is `grad_output`, or normal
     noise from a CPU generator seeded with `grad_seed`. Returns a CaptureResult; raises
     NonFiniteError (and writes nothing) when Megatron's own tensors are not finite and
-    `require_finite`, CaptureError for a layer or input the twin cannot take."""
+    `require_finite`, CaptureError for a layer or input the twin cannot take. `parallel`: one
+    rank's part of a multi-rank capture (parallel.capture_parallel): nothing is written, the
+    CaptureResult holds this rank's tensors."""
     kind = kind or infer_kind(layer)
     if kind not in KINDS:
         raise CaptureError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     config = layer.config
-    _check_world_size_one(config)
+    if not parallel:
+        _check_world_size_one(config)
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
         raise CaptureError("hidden_states must be a tensor [s, b, h]")
     s, b, h = hidden_states.shape
@@ -694,7 +698,8 @@ def capture_layer(
     if bad:
         meta["non_finite"] = json.dumps(bad)
     written = dict(sorted(tensors.items()))
-    st_io.write(str(path), written, meta)
+    if not parallel:
+        st_io.write(str(path), written, meta)
     return CaptureResult(path=str(path), kind=kind, tensors=written, metadata=meta)
 
 

@@ -351,6 +351,13 @@ def golden_name_checks(workdir):
     return n, problems
 
 
+def missing_dependency(why):
+    """SKIP (exit 77) for a missing dependency, or FAIL under CI=true."""
+    ci = os.environ.get("CI", "").lower() == "true"
+    print(f"{'FAIL' if ci else 'SKIP'}: {why}" + (" (CI=true: a missing dependency fails)" if ci else ""))
+    return 1 if ci else SKIP
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m mcore_twin.live", description=__doc__.split("\n\n")[0])
     p.add_argument("--twin", required=True, help="the twin binary")
@@ -365,19 +372,14 @@ def main(argv=None):
 
     from . import bootstrap
 
-    def missing(why):
-        ci = os.environ.get("CI", "").lower() == "true"
-        print(f"{'FAIL' if ci else 'SKIP'}: {why}" + (" (CI=true: a missing dependency fails)" if ci else ""))
-        return 1 if ci else SKIP
-
     try:
         import torch
     except ImportError:
-        return missing(f"{sys.executable} cannot import torch (install python3-torch: ci/setup does)")
+        return missing_dependency(f"{sys.executable} cannot import torch (install python3-torch: ci/setup does)")
     try:
         loc = bootstrap.find_megatron()
     except bootstrap.MegatronNotFound as e:
-        return missing(str(e))
+        return missing_dependency(str(e))
     if not os.path.isfile(a.twin) or not os.access(a.twin, os.X_OK):
         print(f"FAIL: twin binary {a.twin} is not an executable file")
         return 1

@@ -94,8 +94,8 @@ TEST(RoutingTies, AMapChangedFarFromATieStillFails) {
   const SafetensorsFile src = read_safetensors(twin::golden_dir() + "/" + kNearTie);
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (const auto& n : src.names())
-    tensors.emplace_back(n, n == "tap.mlp.router.1" ? Tensor::from_doubles(DType::BOOL, f.tensor(n).shape(), map)
-                                                    : src.at(n));
+    tensors.emplace_back(
+        n, n == "tap.mlp.router.1" ? Tensor::from_doubles(DType::BOOL, f.tensor(n).shape(), map) : src.at(n));
   twin::testing::TempDir dir;
   const std::string path = dir.file("far.safetensors");
   write_safetensors(path, tensors, src.metadata());

@@ -3,8 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
 
+#include "core/safetensors.h"
 #include "fixtures/fixture.h"
 #include "tests/parity/twin_cli_util.h"
 
@@ -98,4 +103,37 @@ TEST(TwinCliFixtures, FixtureJsonOverTheDirectory) {
   EXPECT_GT(optimized_pass, 0u) << "the optimized twin runs the dense_layer goldens";
   // Every file passes or is unsupported by a twin: exit 3 while some kind is unsupported, else 0.
   EXPECT_EQ(r.code, optimized_unsupported ? 3 : 0) << r.err;
+}
+
+// A capture of a tensor-parallel job records its layout in its config: `twin fixture` runs the
+// optimized twin at that layout unless --tp says otherwise, and the reference unsharded.
+TEST(TwinCliFixtures, OptimizedRunsAtTheGoldensOwnLayoutByDefault) {
+  const std::string src = fixtures_dir() + "/dense_ln_mha_gelu_bias.safetensors";
+  const twin::SafetensorsFile f = twin::read_safetensors(src);
+  std::vector<std::pair<std::string, twin::Tensor>> tensors;
+  for (const auto& n : f.names()) tensors.emplace_back(n, f.at(n));
+  std::map<std::string, std::string> meta = f.metadata();
+  json cfg = json::parse(meta.at("config"));
+  cfg["tensor_model_parallel_size"] = 2;
+  cfg["sequence_parallel"] = true;
+  meta["config"] = cfg.dump();
+  TempDir dir;
+  const std::string path = dir.file("tp2sp.safetensors");
+  twin::write_safetensors(path, tensors, meta);
+
+  auto layouts = [&](const std::string& flags) {
+    const TwinRun r = run_twin("fixture --json --twin both " + flags + " " + quote(path));
+    EXPECT_EQ(r.code, 0) << r.out << r.err;
+    std::vector<std::string> out;
+    for (const auto& line : lines(r.out)) {
+      const json v = json::parse(line);
+      EXPECT_EQ(v["status"], "pass") << line;
+      out.push_back(v["twin"].get<std::string>() + " tp " + std::to_string(v["tp"].get<int>()) +
+                    (v["sp"].get<bool>() ? " sp" : ""));
+    }
+    return out;
+  };
+  EXPECT_EQ(layouts(""), (std::vector<std::string>{"reference tp 1", "optimized tp 2 sp"}));
+  EXPECT_EQ(layouts("--tp 4"), (std::vector<std::string>{"reference tp 1", "optimized tp 4"}));
+  EXPECT_EQ(layouts("--tp 1"), (std::vector<std::string>{"reference tp 1", "optimized tp 1"}));
 }

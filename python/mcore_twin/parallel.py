@@ -1,0 +1,276 @@
+"""Layers of multi-rank jobs: a layer captured on every rank of a tensor-parallel job (with or
+without sequence parallelism), its shards gathered in rank order into one golden of the full
+layer, as if it had run on one rank.
+
+Inside a running Megatron-Core job, on every rank of the tensor-parallel group:
+
+    from mcore_twin.parallel import capture_parallel
+    capture_parallel(model.decoder.layers[n], "layer_n.safetensors", hidden_states=h,
+                     attention_mask=mask, rotary_pos_emb=rope, grad_seed=0)
+
+`hidden_states` is the rank's own input to the layer (its slice of the sequence under sequence
+parallelism). Rank 0 writes the golden; every rank returns (rank 0 the CaptureResult, the others
+None). How each tensor is gathered follows Megatron's layout:
+
+- parameters and their gradients by the `tensor_model_parallel` / `partition_dim` attributes
+  Megatron sets on them (concatenated along that dimension in rank order; a gated linear unit's
+  fc1 holds [gate shard; up shard] on each rank and is put back as [gate; up]; core attention's
+  learnable softmax offset holds the rank's heads); a parameter with neither is replicated, and
+  where each rank's gradient is a part (a sequence-parallel parameter's over the rank's tokens, a
+  q/k layernorm's over the rank's heads) the parts are summed in rank order in fp32 and rounded
+  once, as Megatron's finalize_model_grads all-reduces them;
+- taps by the module that produced them: a column-parallel linear's output along its last
+  dimension (its bias along dim 0), core attention's along its last, q/k layernorm's along the
+  heads; a row-parallel linear's output (and SelfAttention's and MLP's) and every other tap
+  replicated, or under sequence parallelism along the sequence (dim 0);
+- inputs, outputs, the upstream gradient and the input gradient replicated, or along the sequence.
+
+A replicated tensor must be equal on every rank; where it is not (a tensor-parallel bug: a
+gradient left partial, a missing all-reduce), rank 0's is written and the metadata's
+`ranks_disagree` lists the names: `twin diff` against a one-rank capture then names the first.
+The upstream gradient is drawn at the full output shape from `grad_seed`, as a one-rank capture
+draws it, and each rank takes its slice: captures of one layer at any layout hold the same
+`grad_in.output`.
+
+Only dense layers, tensor and sequence parallel, for now: expert, context and pipeline
+parallelism are refused with a one-line message.
+"""
+
+import dataclasses
+import json
+
+import torch
+import torch.distributed as dist
+
+from .capture import CaptureError, CaptureResult, capture_layer, infer_kind
+
+COLUMN_PARALLEL = {"ColumnParallelLinear"}
+ROW_PARALLEL = {"RowParallelLinear", "SelfAttention", "MLP"}  # the last two return their row-parallel output
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    sp: bool = False
+
+    def metadata(self):
+        return {"tp": self.tp, "sp": self.sp, "ep": 1, "etp": 1, "dp": 1, "cp": 1, "world_size": self.tp,
+                "tokens": "every rank's: the sequence gathered in rank order" if self.sp else "the ranks share them"}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron's tensor-parallel layout of one tensor, and its inverse
+
+
+# Parameters Megatron shards without marking them: core attention's learnable softmax offset holds
+# the rank's heads (num_attention_heads_per_partition).
+UNMARKED_SHARDS = {"core_attention.softmax_offset": 0}
+
+
+def partition_dim(t, key):
+    """The dimension Megatron shards parameter `t` (state-dict key `key`) along, or None for a
+    replicated one."""
+    if getattr(t, "tensor_model_parallel", False):
+        return t.partition_dim
+    return next((d for suffix, d in UNMARKED_SHARDS.items() if key.endswith(suffix)), None)
+
+
+def is_glu_fc1(key, config):
+    """fc1 of a gated linear unit: each rank holds [its gate shard; its up shard]."""
+    return bool(config.gated_linear_unit) and key.rsplit(".", 1)[0].endswith("linear_fc1")
+
+
+def full_shape(t, key, tp):
+    shape = list(t.shape)
+    d = partition_dim(t, key)
+    if d is not None:
+        shape[d] *= tp
+    return tuple(shape)
+
+
+def shard(full, t, key, config, rank, tp):
+    """This rank's shard of the full tensor `full` of parameter `t` (state-dict key `key`)."""
+    d = partition_dim(t, key)
+    if d is None or tp == 1:
+        return full
+    halves = full.chunk(2, d) if is_glu_fc1(key, config) else (full,)
+    return torch.cat([h.chunk(tp, d)[rank] for h in halves], d)
+
+
+def unshard(shards, dim, glu):
+    if glu:
+        halves = [s.chunk(2, dim) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim)
+    return torch.cat(shards, dim)
+
+
+# --------------------------------------------------------------------------------------------
+# gathering a capture's tensors
+
+
+def _module_of(name, modules):
+    """(module path, output index) of a tap name: "tap.self_attention.linear_qkv.0#1" ->
+    ("self_attention.linear_qkv", "0")."""
+    parts = name.split("#")[0].split(".", 1)[1].split(".")
+    for i in range(len(parts), 0, -1):
+        path = ".".join(parts[:i])
+        if path in modules:
+            return path, ".".join(parts[i:])
+    return None, ".".join(parts)
+
+
+def _tap_rule(name, modules, config, layout):
+    """("cat", dim, glu) or ("same",) for a tap."""
+    along_sequence = ("cat", 0, False) if layout.sp else ("same",)
+    path, index = _module_of(name, modules)
+    cls = type(modules[path]).__name__ if path is not None else ""
+    if cls in COLUMN_PARALLEL:
+        return ("cat", -1 if index == "0" else 0, is_glu_fc1(path + ".weight", config))
+    if cls in ROW_PARALLEL:
+        return along_sequence if index in ("", "0") else ("same",)
+    if cls == "DotProductAttention":
+        return ("cat", -1, False)
+    if path is not None and path.endswith(("q_layernorm", "k_layernorm")):
+        return ("cat", 2, False)
+    return along_sequence
+
+
+def _rule(name, layer, modules, params, layout):
+    config = layer.config
+    along_sequence = ("cat", 0, False) if layout.sp else ("same",)
+    if name.startswith(("param.", "grad.param.")):
+        key = name.split("param.", 1)[1]
+        p = params.get(key)
+        d = partition_dim(p, key) if p is not None else None
+        if d is not None:
+            return ("cat", d, is_glu_fc1(key, config))
+        if name.startswith("grad.") and layout.tp > 1:
+            # A replicated parameter whose gradient each rank holds in part, reduced across the
+            # tensor-parallel ranks after the backward as finalize_model_grads does: summed for
+            # sequence-parallel parameters and q/k layernorms (each rank's heads), averaged where
+            # Megatron marks average_gradients_across_tp_domain.
+            if getattr(p, "average_gradients_across_tp_domain", False):
+                return ("mean",)
+            if (layout.sp and getattr(p, "sequence_parallel", False)) or (
+                config.qk_layernorm and ("q_layernorm" in key or "k_layernorm" in key)
+            ):
+                return ("sum",)
+        return ("same",)
+    if name in ("input.hidden_states", "output.hidden_states", "grad_in.output", "grad.input.hidden_states"):
+        return along_sequence
+    if name.startswith("tap."):
+        return _tap_rule(name, modules, config, layout)
+    return ("same",)
+
+
+def gather(parts, layer, layout):
+    """The full layer's tensors from every rank's (a list in rank order), and the names of the
+    replicated ones the ranks disagree on."""
+    modules = dict(layer.named_modules())
+    params = dict(layer.named_parameters())
+    out, disagree = {}, []
+    for name in parts[0]:
+        shards = [p[name] for p in parts]
+        rule = _rule(name, layer, modules, params, layout)
+        if rule[0] == "cat":
+            out[name] = unshard(shards, rule[1], rule[2]).contiguous()
+        elif rule[0] in ("sum", "mean"):  # in rank order in fp32, rounded once
+            total = shards[0].to(torch.float32)
+            for s in shards[1:]:
+                total = total + s.to(torch.float32)
+            out[name] = (total / len(shards) if rule[0] == "mean" else total).to(shards[0].dtype)
+        else:
+            out[name] = shards[0]
+            if any(s.shape != shards[0].shape or not torch.equal(s, shards[0]) for s in shards[1:]):
+                disagree.append(name)
+    return out, disagree
+
+
+# --------------------------------------------------------------------------------------------
+# the capture on every rank
+
+
+def _check_layout(config, kind):
+    from megatron.core import parallel_state as ps
+
+    for f in ("context_parallel_size", "expert_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(config, f, 1) not in (1, None):
+            raise CaptureError(f"config.{f} = {getattr(config, f)}: multi-rank capture takes tensor and sequence "
+                               "parallelism only (for now)")  # fmt: skip
+    if kind != "dense_layer":
+        raise CaptureError(f"multi-rank capture takes dense layers only (for now), not {kind}")
+    tp = ps.get_tensor_model_parallel_world_size()
+    if dist.get_world_size() != tp:
+        raise CaptureError(f"world size {dist.get_world_size()} is not the tensor-parallel size {tp}: data "
+                           "parallel ranks are not gathered (for now); call it in a job of one tensor-parallel group")  # fmt: skip
+    return Layout(tp=tp, sp=bool(config.sequence_parallel))
+
+
+def _all_or_none(ok, error):
+    """Every rank learns whether every rank succeeded; raises the first error on all of them."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (ok, error))
+    for rank, (ok_r, err_r) in enumerate(outcomes):
+        if not ok_r:
+            raise CaptureError(f"rank {rank}: {err_r}")
+
+
+def capture_parallel(layer, path, hidden_states, *, grad_seed=0, **kwargs):
+    """Captures `layer` on this rank and writes the gathered golden on rank 0 (see the module
+    docstring). Call on every rank with the same arguments but the rank's own hidden_states."""
+    from megatron.core import parallel_state as ps
+
+    error = None
+    try:
+        kind = kwargs.pop("kind", None) or infer_kind(layer)
+        layout = _check_layout(layer.config, kind)
+        rank = ps.get_tensor_model_parallel_rank()
+        s_local, b, h = hidden_states.shape
+        s = s_local * layout.tp if layout.sp else s_local
+        gen = torch.Generator().manual_seed(int(grad_seed))
+        grad = torch.randn((s, b, h), generator=gen, dtype=torch.float32)
+        if layout.sp:
+            grad = grad.chunk(layout.tp, dim=0)[rank]
+        mine = capture_layer(layer, path, hidden_states, grad_seed=grad_seed, grad_output=grad, kind=kind,
+                             parallel=True, **kwargs)  # fmt: skip
+    except Exception as e:  # every rank must reach the gather below, or the others wait forever
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    _all_or_none(error is None, error)
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine.tensors, parts, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    tensors, disagree = gather(parts, layer, layout)
+    meta = dict(mine.metadata)
+    cfg = json.loads(meta["config"])
+    cfg["seq_length"] = int(s)
+    meta["config"] = json.dumps(dict(sorted(cfg.items())))
+    meta["parallel"] = json.dumps(layout.metadata())
+    if disagree:
+        meta["ranks_disagree"] = json.dumps(disagree)
+    from . import st_io
+
+    written = dict(sorted(tensors.items()))
+    st_io.write(str(path), written, meta)
+    return CaptureResult(path=str(path), kind=kind, tensors=written, metadata=meta)
+
+
+# --------------------------------------------------------------------------------------------
+# running ranks as processes (the live parallel tests; a job of one's own has its own launcher)
+
+
+def _rank_main(rank, world, port, fn, args):
+    from . import bootstrap
+
+    bootstrap.bootstrap(rank=rank, world_size=world, tensor_parallel=world, master_port=port)
+    fn(rank, *args)
+
+
+def run_ranks(world, fn, *args):
+    """Runs fn(rank, *args) in `world` processes, one tensor-parallel group over gloo. A rank that
+    raises ends the others (torch.multiprocessing.spawn) and raises here."""
+    import torch.multiprocessing as mp
+
+    from .bootstrap import _free_port
+
+    mp.spawn(_rank_main, args=(world, _free_port(), fn, args), nprocs=world, join=True)
