@@ -13,6 +13,7 @@
 #include "parity/bounds.h"
 #include "parity/fixture_kinds.h"
 #include "parity/golden.h"
+#include "parity/routing_ties.h"
 
 namespace twin::parity {
 
@@ -254,6 +255,7 @@ CaptureDiff diff_captures(const Fixture& a, const Fixture& b, const DiffMode& mo
       });
   d.rows.insert(d.rows.end(), computed.begin(), computed.end());
   mark_divergence(d, false);
+  if (const auto flips = routing_flips(b, record)) d.routing = flips->describe();
   return d;
 }
 

@@ -22,6 +22,8 @@
 //     `grads` says why.
 //   - A computed tensor the twin does not produce gets the whole layer's count (the join of every
 //     count the twin recorded, backward included): it lies somewhere inside the layer.
+//   - Routing: where the router's maps differ, `routing` says whether each differing token is a
+//     near tie in B's logits (the captures are data: nothing reruns on either's routing).
 //   - Exact (`--exact`, for determinism: two runs of one job, one commit, one machine): every
 //     tensor bit for bit, in the same order, with no twin run; the first differing tensor, given or
 //     computed, is the divergence, named with its first differing element and both bit patterns.
@@ -46,6 +48,10 @@ struct CaptureDiff {
   int not_compared = 0;                      // gradients left out (see grads)
   // What happened to the gradients: "compared", "none in the captures", or "not compared: <why>".
   std::string grads;
+  // Where the MoE router's maps differ ("" when they do not), each token judged against B's logits
+  // within their counted bound (parity/routing_ties.h): near ties tell that the two captures
+  // chose differently where rounding decides, and the tensors downstream differ for those tokens.
+  std::string routing;
 
   bool diverges() const { return first_divergence >= 0; }
   std::string first_divergence_name() const;  // "" when none

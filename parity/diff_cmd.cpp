@@ -77,6 +77,7 @@ int run_diff(const DiffOptions& opt, std::ostream& out, std::ostream& err) {
                 {"first_divergence", d.diverges() ? json(d.first_divergence_name()) : json(nullptr)},
                 {"differing_given", d.differing_given},
                 {"grads", d.grads},
+                {"routing", d.routing.empty() ? json(nullptr) : json(d.routing)},
                 {"exact", opt.exact},
                 {"tensors", rows_json(d.rows)}}
                .dump()
@@ -89,6 +90,7 @@ int run_diff(const DiffOptions& opt, std::ostream& out, std::ostream& err) {
     out << (d.differing_given.empty()
                 ? fmt::format("  inputs and parameters: all {} equal\n", d.given)
                 : fmt::format("  inputs and parameters that differ: {}\n", list(d.differing_given)));
+    if (!d.routing.empty()) out << fmt::format("  routing: {}\n", d.routing);
     out << fmt::format("  gradients: {}{}\n", d.grads,
                        d.not_compared ? fmt::format(" ({} grad.* tensors)", d.not_compared) : "");
     out << fmt::format("  {}: {}\n", d.diverges() ? "DIVERGE" : "SAME", message);

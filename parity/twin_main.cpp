@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
   diff_cmd->add_option("B", diff.b, "The second capture (.safetensors), of the same kind")->required();
   diff_cmd->add_flag("--json", diff.json,
                      "One JSON object: a, b, kind, status, message, first_divergence, differing_given, grads, "
-                     "exact, tensors[]");
+                     "routing, exact, tensors[]");
   diff_cmd->add_flag("--exact", diff.exact,
                      "Bit for bit, every tensor (two runs that should be deterministic): name the first differing "
                      "tensor and element");

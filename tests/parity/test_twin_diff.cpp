@@ -362,3 +362,20 @@ TEST(TwinDiff, MoEAndRetroCapturesDiffAuxStateIntegerAndBoolRows) {
     }
   }
 }
+
+// Two captures of one MoE layer that chose differently on a near tie (Megatron's golden and the
+// reference twin's own run of it): the diff names the routing difference as near ties, and the
+// routing map is where the captures part.
+TEST(TwinDiff, RoutingThatDiffersOnANearTieIsNamedSo) {
+  TempDir dir;
+  const std::string name = "moe_bf16_top3_near_tie_flip.safetensors";
+  const std::string b = twin_capture(dir, name, "", 1.0);
+  const CliRun r = run_twin("diff --json " + quote(golden(name)) + " " + quote(b));
+  const json v = json::parse(r.out);
+  EXPECT_EQ(v["routing"], "differs on 1 near-tie token (12)") << r.out;
+  EXPECT_EQ(v["first_divergence"].get<std::string>().rfind("tap.mlp.router.", 0), 0u) << r.out;
+  const CliRun same = run_twin("diff --json " + quote(b) + " " + quote(b));
+  EXPECT_TRUE(json::parse(same.out)["routing"].is_null());
+  const CliRun text = run_twin("diff " + quote(golden(name)) + " " + quote(b));
+  EXPECT_NE(text.out.find("  routing: differs on 1 near-tie token (12)\n"), std::string::npos) << text.out;
+}
