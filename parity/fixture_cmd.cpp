@@ -42,11 +42,11 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   r.isolated = opt.isolate;
   // --tp / --sp shard the optimized twin; a golden is the unsharded layer, which the reference is.
   const bool sharded = twin == TwinKind::Optimized;
-  // Without --tp, the golden's own layout (a capture of a tensor-parallel job records it).
+  // Without --tp / --ep, the golden's own layout (a capture of a multi-rank job records it).
   const bool golden_layout = opt.tp == 0;
   r.tp = !sharded ? 1 : golden_layout ? std::max(1, fx.config.tensor_model_parallel_size) : opt.tp;
   r.sp = sharded && (golden_layout ? fx.config.sequence_parallel && r.tp > 1 : opt.sp);
-  r.ep = sharded ? opt.ep : 1;
+  r.ep = !sharded ? 1 : opt.ep == 0 ? std::max(1, fx.config.expert_model_parallel_size) : opt.ep;
   const RunMode mode{opt.isolate, r.tp, r.sp, r.ep};
   const FixtureHandler handler = opt.lookup(fx.kind, twin, mode);
   if (!handler) {
@@ -154,7 +154,7 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
            "or both)\n";
     return 2;
   }
-  if (opt.ep < 1 || (opt.ep > 1 && opt.twin == "reference")) {
+  if (opt.ep < 0 || (opt.ep > 1 && opt.twin == "reference")) {
     err << "error: --ep must be >= 1 and runs the optimized twin's experts over N ranks; the reference is the "
            "ep = 1 layer (use --twin optimized or both)\n";
     return 2;

@@ -29,7 +29,7 @@ struct FixtureOptions {
   // tp 0: the golden's own layout (its config's tensor_model_parallel_size and sequence_parallel).
   int tp = 0;
   bool sp = false;
-  int ep = 1;  // the optimized twin over ep expert-parallel ranks (RunMode::ep)
+  int ep = 0;  // over ep expert-parallel ranks (RunMode::ep); 0: the golden's own
   // Where handlers come from: the registry, or a test's own.
   FixtureHandler (*lookup)(const std::string& kind, TwinKind twin, const RunMode& mode) = find_fixture_handler;
 };

@@ -10,14 +10,10 @@ namespace twin::parity {
 
 TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode) {
   if (mode.isolate) throw FixtureError(f.path + ": the optimized twin does not run modules isolated yet");
-  // --ep N: the golden's layer over N expert-parallel ranks, with its own dispatcher.
+  // The golden's whole layer over mode.ep expert-parallel ranks, with its own dispatcher (a capture
+  // of an expert-parallel job holds every rank's experts: its recorded size is where it ran).
   TransformerConfig cfg = f.config;
-  if (mode.ep > 1) {
-    if (cfg.expert_model_parallel_size != 1)
-      throw FixtureUnsupported("--ep on a golden made at expert_model_parallel_size " +
-                               std::to_string(cfg.expert_model_parallel_size));
-    cfg.expert_model_parallel_size = mode.ep;
-  }
+  cfg.expert_model_parallel_size = mode.ep;
   if (!cfg.num_moe_experts) throw FixtureError(f.path + ": kind moe_layer but config.num_moe_experts is None");
   check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb", "padding_mask"});
   const char* be = std::getenv("TWIN_BACKEND");

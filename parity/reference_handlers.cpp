@@ -145,7 +145,8 @@ TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
 }
 
 TwinRun run_reference_moe_layer(const Fixture& f, const RunMode& mode) {
-  const TransformerConfig& cfg = f.config;
+  TransformerConfig cfg = f.config;
+  cfg.expert_model_parallel_size = 1;  // a golden is the whole layer: a capture gathers every rank's experts
   if (!cfg.num_moe_experts) throw FixtureError(f.path + ": kind moe_layer but config.num_moe_experts is None");
   check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb", "padding_mask"});
   const ModuleSpec spec = moe::get_gpt_layer_local_moe_spec(*cfg.num_moe_experts, cfg.moe_grouped_gemm,

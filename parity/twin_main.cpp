@@ -52,9 +52,8 @@ int main(int argc, char** argv) {
       ->add_option("--ep", fixture.ep,
                    "Run the optimized twin's MoE layer over N simulated expert-parallel ranks (N divides "
                    "num_moe_experts) with the golden's token dispatcher; the golden and the reference stay the ep = 1 "
-                   "layer")
-      ->check(CLI::Range(1, 4096))
-      ->capture_default_str();
+                   "layer. Default: the golden's own (its config's expert_model_parallel_size)")
+      ->check(CLI::Range(1, 4096));
 
   DiffOptions diff;
   auto* diff_cmd = app.add_subcommand(

@@ -90,17 +90,18 @@ def _free_port():
 _STATE = {}
 
 
-def bootstrap(*, rank=0, world_size=1, tensor_parallel=1, master_port=None):
+def bootstrap(*, rank=0, world_size=1, tensor_parallel=1, expert_parallel=1, master_port=None):
     """Imports Megatron-Core (pinned copy, shims first) and initialises torch.distributed (gloo) and
     Megatron's parallel state, once per process: world size 1 by default; a rank of a multi-rank
-    run (parallel.py) gives its rank, the world size, the tensor-parallel size and the port every
-    rank uses, and gets gloo_shims. Returns a dict with `src`, `commit`, `shims` (the patches
+    run (parallel.py) gives its rank, the world size, the tensor- and expert-parallel sizes and the
+    port every rank uses, and gets gloo_shims. Returns a dict with `src`, `commit`, `shims` (the patches
     applied)."""
     if _STATE:
-        if (_STATE["world_size"], _STATE["tensor_parallel"]) != (world_size, tensor_parallel):
+        layout = (world_size, tensor_parallel, expert_parallel)
+        if _STATE["layout"] != layout:
             raise RuntimeError(
-                f"this process is set up for world size {_STATE['world_size']}, tensor parallel "
-                f"{_STATE['tensor_parallel']}: one layout per process"
+                f"this process is set up for (world, tensor parallel, expert parallel) {_STATE['layout']}, not "
+                f"{layout}: one layout per process"
             )
         return _STATE
     src, shims_dir, commit = find_megatron()
@@ -123,7 +124,7 @@ def bootstrap(*, rank=0, world_size=1, tensor_parallel=1, master_port=None):
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_parallel, 1)
+        ps.initialize_model_parallel(tensor_parallel, 1, expert_model_parallel_size=expert_parallel)
     if mcore_shims is not None:
         mcore_shims.post_import_patches()
     if world_size > 1:
@@ -134,6 +135,6 @@ def bootstrap(*, rank=0, world_size=1, tensor_parallel=1, master_port=None):
 
     # No CUDA RNG on the CPU: the inference tracker draws from torch's CPU generator.
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    _STATE.update(src=src, commit=commit, shims=list(applied), world_size=world_size, tensor_parallel=tensor_parallel)
+    _STATE.update(src=src, commit=commit, shims=list(applied), layout=(world_size, tensor_parallel, expert_parallel))
     return _STATE
 

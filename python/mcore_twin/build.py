@@ -109,22 +109,50 @@ def _spec(config, kind, attn_mask_type):
     return get_retro_decoder_block_spec(config, False)
 
 
+def _one_rank_order(state):
+    """(key, template tensor, this rank's tensor or None) in the one-rank layer's state-dict order:
+    under expert parallelism the rank holds experts [r L, (r + 1) L) of L x ep, and the others'
+    are drawn too (into nothing), so every parameter gets the values of the one-rank layer."""
+    from megatron.core import parallel_state as ps
+
+    from .parallel import EXPERT
+
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    keys = list(state)
+    experts = [k for k in keys if EXPERT.match(k)]
+    if ep == 1 or not experts:
+        return [(k, state[k], state[k]) for k in keys]
+    first, last = keys.index(experts[0]), keys.index(experts[-1])
+    local = 1 + max(int(EXPERT.match(k).group(2)) for k in experts)
+    block = []
+    for g in range(local * ep):
+        mine = ep_rank * local <= g < (ep_rank + 1) * local
+        for k in experts:
+            m = EXPERT.match(k)
+            if int(m.group(2)) == 0:  # one expert's tensors, in order
+                local_key = f"{m.group(1)}{g - ep_rank * local}{m.group(3)}"
+                block.append((f"{m.group(1)}{g}{m.group(3)}", state[k], state[local_key] if mine else None))
+    return [(k, state[k], state[k]) for k in keys[:first]] + block + [(k, state[k], state[k]) for k in keys[last + 1 :]]
+
+
 def _init_params(module, gen, config):
-    """Draws every parameter at its full (unsharded) shape, in state-dict order, and keeps this
-    tensor-parallel rank's shard: a layer built at any tensor-parallel size holds the same weights
-    as the one-rank layer of the same seed."""
+    """Draws every parameter at its full (unsharded) shape, in the one-rank layer's state-dict
+    order, and keeps this rank's part (its tensor-parallel shard, its experts): a layer built at
+    any layout holds the same weights as the one-rank layer of the same seed."""
     from megatron.core import parallel_state as ps
 
     from .parallel import full_shape, shard
 
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
-        for name, t in module.state_dict(keep_vars=True).items():
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        for name, template, t in _one_rank_order(module.state_dict(keep_vars=True)):
+            if not isinstance(template, torch.Tensor) or not template.is_floating_point():
                 continue
             leaf = name.rsplit(".", 1)[-1]
             owner = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-            noise = torch.randn(full_shape(t, name, tp), generator=gen, dtype=torch.float32)
+            noise = torch.randn(full_shape(template, name, tp), generator=gen, dtype=torch.float32)
+            if t is None:
+                continue  # another expert-parallel rank's expert
             noise = shard(noise, t, name, config, rank, tp)
             if leaf == "expert_bias":
                 v = 0.05 * noise

@@ -17,10 +17,17 @@ APPLIED = []
 gloo_all_gather = dist.all_gather  # gloo's own, before apply() replaces torch.distributed's
 
 
+# Types gloo does not carry, and the type that carries each exactly.
+WIRE = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.bool: torch.int32}
+
+
+def _wire(t):
+    return t.contiguous().to(WIRE.get(t.dtype, t.dtype))
+
+
 def _gathered(t, group):
-    """Every rank's `t` (same shape on all), in rank order. gloo carries no 16-bit type: bf16 goes
-    as fp32, which holds every bf16 value exactly, and comes back unchanged."""
-    wire = t.contiguous().to(torch.float32) if t.dtype == torch.bfloat16 else t.contiguous()
+    """Every rank's `t` (same shape on all), in rank order, carried exactly (WIRE)."""
+    wire = _wire(t)
     parts = [torch.empty_like(wire) for _ in range(dist.get_world_size(group))]
     gloo_all_gather(parts, wire, group=group)
     return [p.to(t.dtype) for p in parts]
@@ -92,14 +99,31 @@ def apply():
     APPLIED.append("torch.distributed.all_reduce: bf16 summed in rank order in fp32, rounded once (gloo has no bf16)")
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
-        if tensor.dtype != torch.bfloat16:
+        if tensor.dtype not in WIRE:
             return gloo_all_gather(tensor_list, tensor, group=group, async_op=async_op)
         for dst, src in zip(tensor_list, _gathered(tensor, group)):
             dst.copy_(src)
         return _handle(async_op)
 
     dist.all_gather = all_gather
-    APPLIED.append("torch.distributed.all_gather: bf16 carried as fp32 (every bf16 value exactly)")
+    APPLIED.append("torch.distributed.all_gather: bf16, fp16 and bool carried as fp32 / int32 (exactly)")
+
+    gloo_all_to_all_single = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):  # fmt: skip
+        # Split sizes as Python ints (Megatron may pass a numpy array or a tensor's list).
+        out_splits = None if output_split_sizes is None else [int(x) for x in output_split_sizes]
+        in_splits = None if input_split_sizes is None else [int(x) for x in input_split_sizes]
+        if input.dtype not in WIRE:
+            return gloo_all_to_all_single(output, input, out_splits, in_splits, group=group, async_op=async_op)
+        wire = torch.empty(output.shape, dtype=WIRE[input.dtype])
+        gloo_all_to_all_single(wire, _wire(input), out_splits, in_splits, group=group)
+        output.copy_(wire.to(output.dtype))
+        return _handle(async_op)
+
+    dist.all_to_all_single = all_to_all_single
+    APPLIED.append("torch.distributed.all_to_all_single: split sizes as ints; bf16, fp16, bool carried exactly")
     _allow_torch_norms_under_sequence_parallel()
     return APPLIED
 

@@ -1,8 +1,8 @@
-"""Layers of multi-rank jobs: a layer captured on every rank of a tensor-parallel job (with or
-without sequence parallelism), its shards gathered in rank order into one golden of the full
-layer, as if it had run on one rank.
+"""Layers of multi-rank jobs: a layer captured on every rank of a tensor-parallel job (dense, with
+or without sequence parallelism) or an expert-parallel job (MoE), its parts gathered in rank order
+into one golden of the whole layer, as if it had run on one rank.
 
-Inside a running Megatron-Core job, on every rank of the tensor-parallel group:
+Inside a running Megatron-Core job, on every rank of the model-parallel group:
 
     from mcore_twin.parallel import capture_parallel
     capture_parallel(model.decoder.layers[n], "layer_n.safetensors", hidden_states=h,
@@ -23,21 +23,30 @@ None). How each tensor is gathered follows Megatron's layout:
   dimension (its bias along dim 0), core attention's along its last, q/k layernorm's along the
   heads; a row-parallel linear's output (and SelfAttention's and MLP's) and every other tap
   replicated, or under sequence parallelism along the sequence (dim 0);
-- inputs, outputs, the upstream gradient and the input gradient replicated, or along the sequence.
+- inputs, outputs, the upstream gradient and the input gradient replicated, or along the sequence;
+- expert parallelism (every rank given the same tokens, checked: a golden holds one set of tokens,
+  and an expert's gradient sums every rank's): each rank's local experts under their global index
+  (rank r holds experts [r L, (r + 1) L)), their gradients divided by ep (each rank's copy of the
+  tokens contributed one share); the experts' own taps and inputs, which depend on the layout, are
+  left out.
 
 A replicated tensor must be equal on every rank; where it is not (a tensor-parallel bug: a
 gradient left partial, a missing all-reduce), rank 0's is written and the metadata's
 `ranks_disagree` lists the names: `twin diff` against a one-rank capture then names the first.
 The upstream gradient is drawn at the full output shape from `grad_seed`, as a one-rank capture
 draws it, and each rank takes its slice: captures of one layer at any layout hold the same
-`grad_in.output`.
+`grad_in.output`. The layout is in `__metadata__.parallel` and in the config
+(`tensor_model_parallel_size`, `sequence_parallel`, `expert_model_parallel_size`).
 
-Only dense layers, tensor and sequence parallel, for now: expert, context and pipeline
-parallelism are refused with a one-line message.
+Not yet: MoE layers at tensor parallelism (expert tensor parallelism), context and pipeline
+parallelism, data-parallel ranks within the call, expert-parallel ranks with different tokens:
+each refused with a one-line message.
 """
 
 import dataclasses
+import hashlib
 import json
+import re
 
 import torch
 import torch.distributed as dist
@@ -52,10 +61,28 @@ ROW_PARALLEL = {"RowParallelLinear", "SelfAttention", "MLP"}  # the last two ret
 class Layout:
     tp: int = 1
     sp: bool = False
+    ep: int = 1
+
+    @property
+    def world_size(self):
+        return self.tp * self.ep
 
     def metadata(self):
-        return {"tp": self.tp, "sp": self.sp, "ep": 1, "etp": 1, "dp": 1, "cp": 1, "world_size": self.tp,
-                "tokens": "every rank's: the sequence gathered in rank order" if self.sp else "the ranks share them"}  # fmt: skip
+        tokens = ("every rank's: the sequence gathered in rank order" if self.sp else
+                  "rank 0's; every expert-parallel rank held the same tokens" if self.ep > 1 else "the ranks share them")  # fmt: skip
+        return {"tp": self.tp, "sp": self.sp, "ep": self.ep, "etp": 1, "dp": 1, "cp": 1,
+                "world_size": self.world_size, "tokens": tokens}  # fmt: skip
+
+
+# A local expert's tensors: "...mlp.experts.local_experts.<i>.<rest>".
+EXPERT = re.compile(r"^(.*\bexperts\.local_experts\.)(\d+)(\..*)$")
+
+
+def global_expert_name(name, ep_rank, local_experts):
+    """A rank's local expert tensor under its global expert index (rank r holds experts
+    [r L, (r + 1) L))."""
+    m = EXPERT.match(name)
+    return name if not m else f"{m.group(1)}{ep_rank * local_experts + int(m.group(2))}{m.group(3)}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,12 +190,37 @@ def _rule(name, layer, modules, params, layout):
     return ("same",)
 
 
+def _expert_parallel_parts(parts, layer, layout):
+    """Expert parallelism (every rank holding the same tokens): each rank's local experts renamed to
+    their global index and merged into rank 0's tensors. An expert's gradient on a rank sums the
+    contributions of every rank's copy of the tokens: divided by ep (exact for powers of two), it
+    is the one-rank layer's. The experts' own taps and inputs depend on the layout (how many copies
+    of a token an expert sees, in which order) and are left out."""
+    local = 1 + max((int(m.group(2)) for n in parts[0] for m in [EXPERT.match(n)] if m), default=0)
+    merged = {}
+    for ep_rank, part in enumerate(parts[:: layout.tp]):
+        for name, t in part.items():
+            if name.startswith(("tap.mlp.experts.", "tap_in.mlp.experts.")):
+                continue
+            if EXPERT.match(name):
+                merged[global_expert_name(name, ep_rank, local)] = t / layout.ep if name.startswith("grad.") else t
+            elif ep_rank == 0:
+                merged[name] = t
+    return merged
+
+
 def gather(parts, layer, layout):
     """The full layer's tensors from every rank's (a list in rank order), and the names of the
     replicated ones the ranks disagree on."""
     modules = dict(layer.named_modules())
     params = dict(layer.named_parameters())
     out, disagree = {}, []
+    if layout.ep > 1:
+        merged = _expert_parallel_parts(parts, layer, layout)
+        for name in merged:  # what rank 0 holds of the non-expert tensors, every rank must hold
+            if not EXPERT.match(name) and any(name in p and not torch.equal(p[name], merged[name]) for p in parts[1:]):
+                disagree.append(name)
+        return merged, disagree
     for name in parts[0]:
         shards = [p[name] for p in parts]
         rule = _rule(name, layer, modules, params, layout)
@@ -193,17 +245,30 @@ def gather(parts, layer, layout):
 def _check_layout(config, kind):
     from megatron.core import parallel_state as ps
 
-    for f in ("context_parallel_size", "expert_model_parallel_size", "pipeline_model_parallel_size"):
+    for f in ("context_parallel_size", "pipeline_model_parallel_size"):
         if getattr(config, f, 1) not in (1, None):
-            raise CaptureError(f"config.{f} = {getattr(config, f)}: multi-rank capture takes tensor and sequence "
-                               "parallelism only (for now)")  # fmt: skip
-    if kind != "dense_layer":
-        raise CaptureError(f"multi-rank capture takes dense layers only (for now), not {kind}")
+            raise CaptureError(f"config.{f} = {getattr(config, f)}: multi-rank capture takes tensor, sequence and "
+                               "expert parallelism only (for now)")  # fmt: skip
     tp = ps.get_tensor_model_parallel_world_size()
-    if dist.get_world_size() != tp:
-        raise CaptureError(f"world size {dist.get_world_size()} is not the tensor-parallel size {tp}: data "
-                           "parallel ranks are not gathered (for now); call it in a job of one tensor-parallel group")  # fmt: skip
-    return Layout(tp=tp, sp=bool(config.sequence_parallel))
+    ep = ps.get_expert_model_parallel_world_size()
+    if kind not in ("dense_layer", "moe_layer") or (kind == "moe_layer" and tp > 1):
+        raise CaptureError(f"multi-rank capture takes dense layers at tensor parallelism and MoE layers at expert "
+                           f"parallelism (for now), not {kind} at tp {tp}")  # fmt: skip
+    if dist.get_world_size() != tp * ep:
+        raise CaptureError(f"world size {dist.get_world_size()} is not tp {tp} x ep {ep}: data parallel ranks are "
+                           "not gathered (for now); call it in a job of one model-parallel group")  # fmt: skip
+    return Layout(tp=tp, sp=bool(config.sequence_parallel), ep=ep)
+
+
+def _same_tokens_on_every_rank(hidden_states):
+    """Expert parallelism: a golden holds one set of tokens, so every rank must have been given the
+    same (the expert-parallel ranks of a job usually hold different batches)."""
+    digest = hashlib.sha1(hidden_states.detach().float().contiguous().numpy().tobytes()).hexdigest()
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        raise CaptureError("the expert-parallel ranks hold different tokens: a golden of one set of tokens cannot "
+                           "hold the experts' gradients, which sum every rank's; give every rank the same input")  # fmt: skip
 
 
 def _all_or_none(ok, error):
@@ -224,6 +289,8 @@ def capture_parallel(layer, path, hidden_states, *, grad_seed=0, **kwargs):
     try:
         kind = kwargs.pop("kind", None) or infer_kind(layer)
         layout = _check_layout(layer.config, kind)
+        if layout.ep > 1:
+            _same_tokens_on_every_rank(hidden_states)
         rank = ps.get_tensor_model_parallel_rank()
         s_local, b, h = hidden_states.shape
         s = s_local * layout.tp if layout.sp else s_local
@@ -246,6 +313,7 @@ def capture_parallel(layer, path, hidden_states, *, grad_seed=0, **kwargs):
     cfg["seq_length"] = int(s)
     meta["config"] = json.dumps(dict(sorted(cfg.items())))
     meta["parallel"] = json.dumps(layout.metadata())
+    meta["tap_order"] = json.dumps([n for n in json.loads(meta["tap_order"]) if n in tensors])
     if disagree:
         meta["ranks_disagree"] = json.dumps(disagree)
     from . import st_io
@@ -259,18 +327,19 @@ def capture_parallel(layer, path, hidden_states, *, grad_seed=0, **kwargs):
 # running ranks as processes (the live parallel tests; a job of one's own has its own launcher)
 
 
-def _rank_main(rank, world, port, fn, args):
+def _rank_main(rank, layout, port, fn, args):
     from . import bootstrap
 
-    bootstrap.bootstrap(rank=rank, world_size=world, tensor_parallel=world, master_port=port)
+    bootstrap.bootstrap(rank=rank, world_size=layout.world_size, tensor_parallel=layout.tp,
+                        expert_parallel=layout.ep, master_port=port)  # fmt: skip
     fn(rank, *args)
 
 
-def run_ranks(world, fn, *args):
-    """Runs fn(rank, *args) in `world` processes, one tensor-parallel group over gloo. A rank that
-    raises ends the others (torch.multiprocessing.spawn) and raises here."""
+def run_ranks(layout, fn, *args):
+    """Runs fn(rank, *args) in layout.world_size processes over gloo, Megatron's parallel state at
+    `layout`. A rank that raises ends the others (torch.multiprocessing.spawn) and raises here."""
     import torch.multiprocessing as mp
 
     from .bootstrap import _free_port
 
-    mp.spawn(_rank_main, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(layout, _free_port(), fn, args), nprocs=layout.world_size, join=True)

@@ -105,23 +105,25 @@ TEST(TwinCliFixtures, FixtureJsonOverTheDirectory) {
   EXPECT_EQ(r.code, optimized_unsupported ? 3 : 0) << r.err;
 }
 
-// A capture of a tensor-parallel job records its layout in its config: `twin fixture` runs the
-// optimized twin at that layout unless --tp says otherwise, and the reference unsharded.
+// A capture of a multi-rank job records its layout in its config: `twin fixture` runs the
+// optimized twin at that layout unless --tp / --ep say otherwise, and the reference on the whole
+// layer.
 TEST(TwinCliFixtures, OptimizedRunsAtTheGoldensOwnLayoutByDefault) {
-  const std::string src = fixtures_dir() + "/dense_ln_mha_gelu_bias.safetensors";
-  const twin::SafetensorsFile f = twin::read_safetensors(src);
-  std::vector<std::pair<std::string, twin::Tensor>> tensors;
-  for (const auto& n : f.names()) tensors.emplace_back(n, f.at(n));
-  std::map<std::string, std::string> meta = f.metadata();
-  json cfg = json::parse(meta.at("config"));
-  cfg["tensor_model_parallel_size"] = 2;
-  cfg["sequence_parallel"] = true;
-  meta["config"] = cfg.dump();
   TempDir dir;
-  const std::string path = dir.file("tp2sp.safetensors");
-  twin::write_safetensors(path, tensors, meta);
-
-  auto layouts = [&](const std::string& flags) {
+  // The golden `name` with its config's layout fields set.
+  auto at_layout = [&](const std::string& name, const json& layout) {
+    const twin::SafetensorsFile f = twin::read_safetensors(fixtures_dir() + "/" + name);
+    std::vector<std::pair<std::string, twin::Tensor>> tensors;
+    for (const auto& n : f.names()) tensors.emplace_back(n, f.at(n));
+    std::map<std::string, std::string> meta = f.metadata();
+    json cfg = json::parse(meta.at("config"));
+    cfg.update(layout);
+    meta["config"] = cfg.dump();
+    const std::string path = dir.file("layout_" + name);
+    twin::write_safetensors(path, tensors, meta);
+    return path;
+  };
+  auto layouts = [&](const std::string& path, const std::string& flags) {
     const TwinRun r = run_twin("fixture --json --twin both " + flags + " " + quote(path));
     EXPECT_EQ(r.code, 0) << r.out << r.err;
     std::vector<std::string> out;
@@ -129,11 +131,18 @@ TEST(TwinCliFixtures, OptimizedRunsAtTheGoldensOwnLayoutByDefault) {
       const json v = json::parse(line);
       EXPECT_EQ(v["status"], "pass") << line;
       out.push_back(v["twin"].get<std::string>() + " tp " + std::to_string(v["tp"].get<int>()) +
-                    (v["sp"].get<bool>() ? " sp" : ""));
+                    (v["sp"].get<bool>() ? " sp" : "") + " ep " + std::to_string(v["ep"].get<int>()));
     }
     return out;
   };
-  EXPECT_EQ(layouts(""), (std::vector<std::string>{"reference tp 1", "optimized tp 2 sp"}));
-  EXPECT_EQ(layouts("--tp 4"), (std::vector<std::string>{"reference tp 1", "optimized tp 4"}));
-  EXPECT_EQ(layouts("--tp 1"), (std::vector<std::string>{"reference tp 1", "optimized tp 1"}));
+  using Rows = std::vector<std::string>;
+  const std::string dense =
+      at_layout("dense_ln_mha_gelu_bias.safetensors", {{"tensor_model_parallel_size", 2}, {"sequence_parallel", true}});
+  EXPECT_EQ(layouts(dense, ""), (Rows{"reference tp 1 ep 1", "optimized tp 2 sp ep 1"}));
+  EXPECT_EQ(layouts(dense, "--tp 4"), (Rows{"reference tp 1 ep 1", "optimized tp 4 ep 1"}));
+  EXPECT_EQ(layouts(dense, "--tp 1"), (Rows{"reference tp 1 ep 1", "optimized tp 1 ep 1"}));
+  const std::string moe =
+      at_layout("moe_top2_aux_alltoall_presoftmax.safetensors", {{"expert_model_parallel_size", 2}});
+  EXPECT_EQ(layouts(moe, ""), (Rows{"reference tp 1 ep 1", "optimized tp 1 ep 2"}));
+  EXPECT_EQ(layouts(moe, "--ep 1"), (Rows{"reference tp 1 ep 1", "optimized tp 1 ep 1"}));
 }
