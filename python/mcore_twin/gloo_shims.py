@@ -99,14 +99,23 @@ def apply():
     APPLIED.append("torch.distributed.all_reduce: bf16 summed in rank order in fp32, rounded once (gloo has no bf16)")
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
-        if tensor.dtype not in WIRE:
+        uneven = any(t.numel() != tensor.numel() for t in tensor_list)
+        if tensor.dtype not in WIRE and not uneven:
             return gloo_all_gather(tensor_list, tensor, group=group, async_op=async_op)
-        for dst, src in zip(tensor_list, _gathered(tensor, group)):
-            dst.copy_(src)
+        # gloo gathers equal sizes only: every rank's flattened tensor padded to the largest (the
+        # caller's list says each rank's size), then cut back.
+        n = max(t.numel() for t in tensor_list)
+        flat = torch.zeros(n, dtype=WIRE.get(tensor.dtype, tensor.dtype))
+        flat[: tensor.numel()] = _wire(tensor).reshape(-1)
+        parts = [torch.empty_like(flat) for _ in tensor_list]
+        gloo_all_gather(parts, flat, group=group)
+        for dst, src in zip(tensor_list, parts):
+            dst.copy_(src[: dst.numel()].reshape(dst.shape).to(dst.dtype))
         return _handle(async_op)
 
     dist.all_gather = all_gather
-    APPLIED.append("torch.distributed.all_gather: bf16, fp16 and bool carried as fp32 / int32 (exactly)")
+    APPLIED.append("torch.distributed.all_gather: bf16, fp16 and bool carried as fp32 / int32 (exactly); "
+                   "uneven sizes padded to the largest")
 
     gloo_all_to_all_single = dist.all_to_all_single
 
@@ -123,6 +132,21 @@ def apply():
         return _handle(async_op)
 
     dist.all_to_all_single = all_to_all_single
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        """List reduce-scatter (gloo has none): rank i gets the rank-order sum of every rank's
+        input_list[i] (its size the same on every rank), in fp32, rounded once."""
+        if op != dist.ReduceOp.SUM:
+            raise NotImplementedError(f"gloo shim: reduce_scatter with {op}")
+        rank = dist.get_rank(group)
+        start = sum(t.numel() for t in input_list[:rank])
+        flat = torch.cat([t.reshape(-1) for t in input_list])
+        mine = [p[start : start + output.numel()] for p in _gathered(flat, group)]
+        output.copy_(_rank_order_sum(mine, output.dtype).reshape(output.shape))
+        return _handle(async_op)
+
+    dist.reduce_scatter = reduce_scatter
+    APPLIED.append("torch.distributed.reduce_scatter (list, uneven): rank-order sum in fp32, rounded once")
     APPLIED.append("torch.distributed.all_to_all_single: split sizes as ints; bf16, fp16, bool carried exactly")
     _allow_torch_norms_under_sequence_parallel()
     return APPLIED

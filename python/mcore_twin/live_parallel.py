@@ -1,12 +1,13 @@
 """Live parallel tests: Megatron-Core's own tensor-, sequence- and expert-parallel layers, run as
 processes over gloo on the CPU, against the twins and against the same layer on one rank.
 
-    /usr/bin/python3 -m mcore_twin.live_parallel --twin build/bin/twin [--cases 35] [--seed S]
+    /usr/bin/python3 -m mcore_twin.live_parallel --twin build/bin/twin [--cases 40] [--seed S]
 
 Cases take the layouts in turn (LAYOUTS): a dense layer (live.draw_dense, with heads, query groups
 and the FFN divisible by the tensor-parallel size, and under sequence parallelism the sequence) at
 TP 2, TP 2 + SP and TP 4; an MoE layer (live.draw_moe, its experts a multiple of ep) at EP 2 and
-EP 4 with the alltoall and the allgather dispatcher; fp32 and bf16 in turn. Each is captured twice
+EP 4 with the alltoall and the allgather dispatcher, and at TP 2 + SP x EP 2; fp32 and bf16 in
+turn. `--layout` runs the named layouts alone. Each is captured twice
 from one seed, so with the same weights, inputs and upstream gradient: on one rank, and on the
 layout's ranks (parallel.py, gathered into one golden). Then:
 
@@ -41,6 +42,7 @@ from .parallel import Layout
 LAYOUTS = (
     (Layout(tp=2), None), (Layout(tp=2, sp=True), None), (Layout(tp=4), None),
     (Layout(ep=2), "alltoall"), (Layout(ep=2), "allgather"), (Layout(ep=4), "alltoall"), (Layout(ep=4), "allgather"),
+    (Layout(tp=2, sp=True, ep=2), "alltoall"),
 )  # fmt: skip
 
 
@@ -52,9 +54,9 @@ def layout_name(layout, dispatcher=None):
 
 
 def draw_moe(case_seed, layout, dispatcher, bf16):
-    """An MoE case Megatron can run at expert-parallel size ep: live.draw_moe's, with the experts a
-    multiple of ep, no group-limited routing, and no global aux loss (its statistics span the
-    data-parallel ranks, which every expert-parallel rank is)."""
+    """An MoE case Megatron can run at `layout`: live.draw_moe's, with the experts a multiple of ep,
+    no group-limited routing, no global aux loss (its statistics span the data-parallel ranks,
+    which every expert-parallel rank is), and under sequence parallelism no capacity."""
     r = random.Random(case_seed)
     kind, cfg, opts = live.draw_moe(r)
     e = layout.ep * r.choice([1, 2])
@@ -67,8 +69,31 @@ def draw_moe(case_seed, layout, dispatcher, bf16):
     if cfg["moe_router_load_balancing_type"] == "global_aux_loss":
         cfg["moe_router_load_balancing_type"] = "aux_loss"
     cfg["moe_token_dispatcher_type"] = dispatcher
+    if layout.sp:  # capacity and sinkhorn act on each rank's slice of the tokens (parallel.py refuses them)
+        for k in ("moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity"):
+            cfg.pop(k, None)
+        if cfg["moe_router_load_balancing_type"] == "sinkhorn":
+            cfg["moe_router_load_balancing_type"] = "aux_loss"
+            cfg["moe_aux_loss_coeff"] = 0.01
+        opts["padding_mask"] = False  # a [b, s] mask of the whole sequence beside a slice of it
+    _resize_for_tensor_parallel(r, cfg, layout)
     _set_dtype(cfg, bf16)
     return kind, dict(sorted(cfg.items())), opts
+
+
+def _resize_for_tensor_parallel(r, cfg, layout):
+    """Heads, query groups and the FFN divisible by tp, and under sequence parallelism the sequence."""
+    tp = layout.tp
+    if tp == 1:
+        return
+    heads = tp * r.choice([1, 2])
+    cfg["num_attention_heads"] = heads
+    cfg["num_query_groups"] = r.choice([g for g in live._divisors(heads) if g % tp == 0])
+    cfg["ffn_hidden_size"] = 16 * tp * r.randint(1, 4)
+    if layout.sp:
+        cfg["seq_length"] = tp * r.randint(2, 6)
+    if "window_size" in cfg:
+        cfg["window_size"] = [min(cfg["window_size"][0], cfg["seq_length"] - 1) or 1, 0]
 
 
 def _set_dtype(cfg, bf16):
@@ -85,15 +110,7 @@ def draw(case_seed, layout, bf16, dispatcher=None):
         return draw_moe(case_seed, layout, dispatcher, bf16)
     r = random.Random(case_seed)
     kind, cfg, opts = live.draw_dense(r)
-    tp = layout.tp
-    heads = tp * r.choice([1, 2])
-    cfg["num_attention_heads"] = heads
-    cfg["num_query_groups"] = r.choice([g for g in live._divisors(heads) if g % tp == 0])
-    cfg["ffn_hidden_size"] = 16 * tp * r.randint(1, 4)
-    if layout.sp:
-        cfg["seq_length"] = tp * r.randint(2, 6)
-    if "window_size" in cfg:
-        cfg["window_size"] = [min(cfg["window_size"][0], cfg["seq_length"] - 1) or 1, 0]
+    _resize_for_tensor_parallel(r, cfg, layout)
     _set_dtype(cfg, bf16)
     return kind, dict(sorted(cfg.items())), opts
 
@@ -206,9 +223,10 @@ def check_case(twin, tp1, tpn, kind, cfg):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m mcore_twin.live_parallel", description=__doc__.split("\n\n")[0])
     p.add_argument("--twin", required=True, help="the twin binary")
-    p.add_argument("--cases", type=int, default=35, help="cases, spread over the layouts (default 35)")
+    p.add_argument("--cases", type=int, default=40, help="cases, spread over the layouts (default 40)")
     p.add_argument("--seed", type=int, help="run seed (default: $MEGATRON_LIVE_SEED, else the clock; printed)")
     p.add_argument("--kept", default="megatron-parallel-failures", help="directory for failing cases' files")
+    p.add_argument("--layout", action="append", default=[], help="only these layouts (as printed, e.g. 'ep 2 alltoall')")
     a = p.parse_args(argv)
     t0 = time.time()
     from . import bootstrap
@@ -238,12 +256,13 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="megatron-parallel.")
     cases, skipped = [], []
     try:
-        by_layout = {layout: [] for layout, _ in LAYOUTS}
+        layouts = [(l, d) for l, d in LAYOUTS if not a.layout or layout_name(l, d) in a.layout]
+        by_layout = {layout: [] for layout, _ in layouts}
         for i in range(a.cases + 1):  # the last: the planted bug
             planted = i == a.cases
-            layout, dispatcher = LAYOUTS[0] if planted else LAYOUTS[i % len(LAYOUTS)]
+            layout, dispatcher = LAYOUTS[0] if planted else layouts[i % len(layouts)]
             seed = rng.randrange(1 << 31)
-            kind, cfg, opts = draw(seed, layout, bf16=(i // len(LAYOUTS)) % 2 == 1 and not planted, dispatcher=dispatcher)
+            kind, cfg, opts = draw(seed, layout, bf16=(i // len(layouts)) % 2 == 1 and not planted, dispatcher=dispatcher)
             tag = f"{'planted' if planted else 'case'}_{seed}_{layout_name(layout, dispatcher).replace(' + ', '_').replace(' ', '')}"
             tp1, tpn = os.path.join(work, tag + "_tp1.safetensors"), os.path.join(work, tag + ".safetensors")
             try:

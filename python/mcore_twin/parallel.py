@@ -1,6 +1,6 @@
 """Layers of multi-rank jobs: a layer captured on every rank of a tensor-parallel job (dense, with
 or without sequence parallelism) or an expert-parallel job (MoE), its parts gathered in rank order
-into one golden of the whole layer, as if it had run on one rank.
+into one golden of the whole layer, as if it had run on one rank (an MoE layer at TP x EP too).
 
 Inside a running Megatron-Core job, on every rank of the model-parallel group:
 
@@ -24,7 +24,9 @@ None). How each tensor is gathered follows Megatron's layout:
   heads; a row-parallel linear's output (and SelfAttention's and MLP's) and every other tap
   replicated, or under sequence parallelism along the sequence (dim 0);
 - inputs, outputs, the upstream gradient and the input gradient replicated, or along the sequence;
-- expert parallelism (every rank given the same tokens, checked: a golden holds one set of tokens,
+- MoE under sequence parallelism: the load-balancing losses and expert-bias counts each rank
+  logs summed, the z-loss averaged (see _rule);
+- expert parallelism (every EP rank given the same tokens, checked: a golden holds one set of tokens,
   and an expert's gradient sums every rank's): each rank's local experts under their global index
   (rank r holds experts [r L, (r + 1) L)), their gradients divided by ep (each rank's copy of the
   tokens contributed one share); the experts' own taps and inputs, which depend on the layout, are
@@ -38,9 +40,11 @@ draws it, and each rank takes its slice: captures of one layer at any layout hol
 `grad_in.output`. The layout is in `__metadata__.parallel` and in the config
 (`tensor_model_parallel_size`, `sequence_parallel`, `expert_model_parallel_size`).
 
-Not yet: MoE layers at tensor parallelism (expert tensor parallelism), context and pipeline
-parallelism, data-parallel ranks within the call, expert-parallel ranks with different tokens:
-each refused with a one-line message.
+Not yet: experts sharded otherwise than the rest of the layer (expert_tensor_parallel_size != tp), an
+MoE expert capacity or sinkhorn routing under sequence parallelism (each rank cuts or balances its
+own slice of the tokens),
+context and pipeline parallelism, data-parallel ranks within the call, expert-parallel ranks with
+different tokens: each refused with a one-line message.
 """
 
 import dataclasses
@@ -68,8 +72,9 @@ class Layout:
         return self.tp * self.ep
 
     def metadata(self):
-        tokens = ("every rank's: the sequence gathered in rank order" if self.sp else
-                  "rank 0's; every expert-parallel rank held the same tokens" if self.ep > 1 else "the ranks share them")  # fmt: skip
+        tokens = ("the sequence gathered from the tensor-parallel ranks in rank order" if self.sp else "the ranks share them")
+        if self.ep > 1:
+            tokens += "; every expert-parallel rank held the same tokens"
         return {"tp": self.tp, "sp": self.sp, "ep": self.ep, "etp": 1, "dp": 1, "cp": 1,
                 "world_size": self.world_size, "tokens": tokens}  # fmt: skip
 
@@ -185,20 +190,28 @@ def _rule(name, layer, modules, params, layout):
         return ("same",)
     if name in ("input.hidden_states", "output.hidden_states", "grad_in.output", "grad.input.hidden_states"):
         return along_sequence
+    if layout.sp and name.startswith(("aux.", "state.")):
+        # MoE under sequence parallelism: each rank's router sees its slice of the tokens. Megatron
+        # logs each load-balancing loss as the sum of the ranks' parts (its tracker all-reduces
+        # them over the tensor-parallel group); the z-loss each rank logs is the mean over its own
+        # tokens (its coefficient divided by tp), so the whole layer's is their mean; the
+        # expert-bias token counts add up.
+        return ("mean",) if name == "aux.z_loss" else ("sum",)
     if name.startswith("tap."):
         return _tap_rule(name, modules, config, layout)
     return ("same",)
 
 
 def _expert_parallel_parts(parts, layer, layout):
-    """Expert parallelism (every rank holding the same tokens): each rank's local experts renamed to
+    """Expert parallelism (every EP rank holding the same tokens; `parts` one per EP rank, each its
+    tensor-parallel group's put together): each rank's local experts renamed to
     their global index and merged into rank 0's tensors. An expert's gradient on a rank sums the
     contributions of every rank's copy of the tokens: divided by ep (exact for powers of two), it
     is the one-rank layer's. The experts' own taps and inputs depend on the layout (how many copies
     of a token an expert sees, in which order) and are left out."""
     local = 1 + max((int(m.group(2)) for n in parts[0] for m in [EXPERT.match(n)] if m), default=0)
     merged = {}
-    for ep_rank, part in enumerate(parts[:: layout.tp]):
+    for ep_rank, part in enumerate(parts):
         for name, t in part.items():
             if name.startswith(("tap.mlp.experts.", "tap_in.mlp.experts.")):
                 continue
@@ -209,18 +222,12 @@ def _expert_parallel_parts(parts, layer, layout):
     return merged
 
 
-def gather(parts, layer, layout):
-    """The full layer's tensors from every rank's (a list in rank order), and the names of the
-    replicated ones the ranks disagree on."""
+def _gather_tensor_parallel(parts, layer, layout):
+    """One tensor-parallel group's tensors (a list in rank order) put together, and the names of
+    the replicated ones its ranks disagree on."""
     modules = dict(layer.named_modules())
     params = dict(layer.named_parameters())
     out, disagree = {}, []
-    if layout.ep > 1:
-        merged = _expert_parallel_parts(parts, layer, layout)
-        for name in merged:  # what rank 0 holds of the non-expert tensors, every rank must hold
-            if not EXPERT.match(name) and any(name in p and not torch.equal(p[name], merged[name]) for p in parts[1:]):
-                disagree.append(name)
-        return merged, disagree
     for name in parts[0]:
         shards = [p[name] for p in parts]
         rule = _rule(name, layer, modules, params, layout)
@@ -238,6 +245,21 @@ def gather(parts, layer, layout):
     return out, disagree
 
 
+def gather(parts, layer, layout):
+    """The whole layer's tensors from every rank's (a list in rank order: tensor-parallel ranks
+    fastest, as Megatron orders them), and the names of the replicated ones the ranks disagree on."""
+    groups = [_gather_tensor_parallel(parts[e * layout.tp : (e + 1) * layout.tp], layer, layout) for e in range(layout.ep)]
+    disagree = sorted({n for _, d in groups for n in d})
+    if layout.ep == 1:
+        return groups[0][0], disagree
+    per_ep_rank = [g for g, _ in groups]
+    merged = _expert_parallel_parts(per_ep_rank, layer, layout)
+    for name in merged:  # what EP rank 0 holds of the non-expert tensors, every EP rank must hold
+        if not EXPERT.match(name) and any(name in g and not torch.equal(g[name], merged[name]) for g in per_ep_rank[1:]):
+            disagree.append(name)
+    return merged, disagree
+
+
 # --------------------------------------------------------------------------------------------
 # the capture on every rank
 
@@ -251,22 +273,32 @@ def _check_layout(config, kind):
                                "expert parallelism only (for now)")  # fmt: skip
     tp = ps.get_tensor_model_parallel_world_size()
     ep = ps.get_expert_model_parallel_world_size()
-    if kind not in ("dense_layer", "moe_layer") or (kind == "moe_layer" and tp > 1):
-        raise CaptureError(f"multi-rank capture takes dense layers at tensor parallelism and MoE layers at expert "
-                           f"parallelism (for now), not {kind} at tp {tp}")  # fmt: skip
+    if kind not in ("dense_layer", "moe_layer"):
+        raise CaptureError(f"multi-rank capture takes dense and MoE layers (for now), not {kind}")
+    etp = getattr(config, "expert_tensor_parallel_size", None) or tp
+    if kind == "moe_layer" and config.sequence_parallel and getattr(config, "moe_expert_capacity_factor", None):
+        raise CaptureError("an expert capacity under sequence parallelism cuts each rank's slice of the tokens, not "
+                           "the layer's: the gathered layer is not a one-rank layer (capture it without the capacity)")  # fmt: skip
+    if kind == "moe_layer" and config.sequence_parallel and config.moe_router_load_balancing_type == "sinkhorn":
+        raise CaptureError("sinkhorn routing under sequence parallelism balances each rank's slice of the tokens, "
+                           "not the layer's: the gathered layer is not a one-rank layer")  # fmt: skip
+    if kind == "moe_layer" and etp != tp:
+        raise CaptureError(f"config.expert_tensor_parallel_size = {etp}: multi-rank capture takes experts sharded "
+                           f"like the rest of the layer (tp {tp}) only (for now)")  # fmt: skip
     if dist.get_world_size() != tp * ep:
         raise CaptureError(f"world size {dist.get_world_size()} is not tp {tp} x ep {ep}: data parallel ranks are "
                            "not gathered (for now); call it in a job of one model-parallel group")  # fmt: skip
     return Layout(tp=tp, sp=bool(config.sequence_parallel), ep=ep)
 
 
-def _same_tokens_on_every_rank(hidden_states):
-    """Expert parallelism: a golden holds one set of tokens, so every rank must have been given the
-    same (the expert-parallel ranks of a job usually hold different batches)."""
+def _same_tokens_on_every_rank(hidden_states, tp):
+    """Expert parallelism: a golden holds one set of tokens, so every EP rank must have been given
+    the same (the expert-parallel ranks of a job usually hold different batches); the ranks of one
+    tensor-parallel group hold their slices of them."""
     digest = hashlib.sha1(hidden_states.detach().float().contiguous().numpy().tobytes()).hexdigest()
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, digest)
-    if len(set(digests)) != 1:
+    if any(d != digests[r % tp] for r, d in enumerate(digests)):
         raise CaptureError("the expert-parallel ranks hold different tokens: a golden of one set of tokens cannot "
                            "hold the experts' gradients, which sum every rank's; give every rank the same input")  # fmt: skip
 
@@ -290,7 +322,7 @@ def capture_parallel(layer, path, hidden_states, *, grad_seed=0, **kwargs):
         kind = kwargs.pop("kind", None) or infer_kind(layer)
         layout = _check_layout(layer.config, kind)
         if layout.ep > 1:
-            _same_tokens_on_every_rank(hidden_states)
+            _same_tokens_on_every_rank(hidden_states, layout.tp)
         rank = ps.get_tensor_model_parallel_rank()
         s_local, b, h = hidden_states.shape
         s = s_local * layout.tp if layout.sp else s_local
