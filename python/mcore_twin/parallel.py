@@ -71,12 +71,15 @@ class Layout:
     def world_size(self):
         return self.tp * self.ep
 
-    def metadata(self):
+    def metadata(self, config):
+        """The golden's `parallel` metadata: the layout, the MoE dispatcher, whose tokens it holds."""
         tokens = ("the sequence gathered from the tensor-parallel ranks in rank order" if self.sp else "the ranks share them")
         if self.ep > 1:
             tokens += "; every expert-parallel rank held the same tokens"
-        return {"tp": self.tp, "sp": self.sp, "ep": self.ep, "etp": 1, "dp": 1, "cp": 1,
-                "world_size": self.world_size, "tokens": tokens}  # fmt: skip
+        moe = bool(getattr(config, "num_moe_experts", None))
+        return {"tp": self.tp, "sp": self.sp, "ep": self.ep, "etp": self.tp if moe else 1, "dp": 1, "cp": 1,
+                "world_size": self.world_size, "dispatcher": config.moe_token_dispatcher_type if moe else None,
+                "tokens": tokens}  # fmt: skip
 
 
 # A local expert's tensors: "...mlp.experts.local_experts.<i>.<rest>".
@@ -344,7 +347,7 @@ def capture_parallel(layer, path, hidden_states, *, grad_seed=0, **kwargs):
     cfg = json.loads(meta["config"])
     cfg["seq_length"] = int(s)
     meta["config"] = json.dumps(dict(sorted(cfg.items())))
-    meta["parallel"] = json.dumps(layout.metadata())
+    meta["parallel"] = json.dumps(layout.metadata(layer.config))
     meta["tap_order"] = json.dumps([n for n in json.loads(meta["tap_order"]) if n in tensors])
     if disagree:
         meta["ranks_disagree"] = json.dumps(disagree)
