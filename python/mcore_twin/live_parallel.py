@@ -21,7 +21,8 @@ Last, one planted tensor-parallel bug must be found: a TP 2 capture whose column
 gradient all-reduce drops rank 1's partial sum (in Megatron's backward only); `twin diff` against
 the one-rank capture must exit 1 and name a gradient as the first divergence.
 
-Exit codes: 0 pass; 1 a failure; 77 Megatron-Core or torch not found (a failure when CI=true).
+Exit codes: 0 pass; 1 a failure; 2 bad arguments; 77 Megatron-Core or torch not found (a failure when
+CI=true).
 """
 
 import argparse
@@ -205,7 +206,7 @@ def check_case(twin, tp1, tpn, kind, cfg):
     tp1 = without_what_the_layout_leaves_out(tp1, tpn, tp1[: -len(".safetensors")] + "_same_names.safetensors")
     code, results, err = twin_json(twin, ["fixture", "--json", "--twin", "both" if both else "reference", tpn])
     if not results:
-        return [f"twin fixture printed no JSON (exit {code}): {err[:300]}"]
+        return [f"twin fixture printed no JSON (exit {code}): {err[:300]}"], ""
     for res in results:
         # The optimized twin refuses, before it runs, a feature it does not implement (unsupported).
         if res["status"] == "pass" or (res["status"] == "unsupported" and res["twin"] == "optimized"):
@@ -252,11 +253,15 @@ def main(argv=None):
     run_seed = a.seed if a.seed is not None else int(time.time() * 1000) % (1 << 31)
     print(f"megatron-parallel: run seed {run_seed} (rerun: --seed {run_seed}); layouts "
           + ", ".join(layout_name(layout, d) for layout, d in LAYOUTS))  # fmt: skip
+    layouts = [(l, d) for l, d in LAYOUTS if not a.layout or layout_name(l, d) in a.layout]
+    if not layouts:
+        print(f"error: --layout names none of: {', '.join(layout_name(l, d) for l, d in LAYOUTS)}")
+        return 2
     rng = random.Random(run_seed)
     work = tempfile.mkdtemp(prefix="megatron-parallel.")
-    cases, skipped = [], []
+    cases, skipped, planted_case = [], [], None
+    found = False
     try:
-        layouts = [(l, d) for l, d in LAYOUTS if not a.layout or layout_name(l, d) in a.layout]
         by_layout = {layout: [] for layout, _ in layouts}
         for i in range(a.cases + 1):  # the last: the planted bug
             planted = i == a.cases
@@ -280,7 +285,8 @@ def main(argv=None):
         for layout, layout_cases in by_layout.items():
             if layout_cases:
                 run_ranks(layout, capture_cases, layout_cases, False)
-        run_ranks(planted_case[0], capture_cases, [planted_case[1]], True)
+        if planted_case:
+            run_ranks(planted_case[0], capture_cases, [planted_case[1]], True)
         print(f"megatron-parallel: {len(cases) + 1} cases captured on one rank and at their layout in "
               f"{time.time() - t0:.0f}s ({time.time() - t_capture:.0f}s on the ranks)")  # fmt: skip
 
@@ -304,12 +310,16 @@ def main(argv=None):
                 print("    " + line)
 
         # The planted bug: found, as a gradient.
-        _, (_, _, _, planted_tpn, _), planted_tp1 = planted_case
-        code, diffs, err = twin_json(a.twin, ["diff", "--json", planted_tp1, planted_tpn])
-        first = diffs[0].get("first_divergence") if diffs else None
-        found = code == 1 and isinstance(first, str) and first.startswith("grad.")
+        if planted_case:
+            _, (_, _, _, planted_tpn, _), planted_tp1 = planted_case
+            code, diffs, err = twin_json(a.twin, ["diff", "--json", planted_tp1, planted_tpn])
+            first = diffs[0].get("first_divergence") if diffs else None
+            found = code == 1 and isinstance(first, str) and first.startswith("grad.")
+            outcome = f"twin diff exit {code}, first divergence {first}"
+        else:
+            outcome = "its one-rank capture failed (see the skips)"
         print(f"megatron-parallel: planted bug (rank 1's input-gradient partial sum dropped at tp 2): "
-              f"{'found' if found else 'NOT FOUND'}: twin diff exit {code}, first divergence {first}")  # fmt: skip
+              f"{'found' if found else 'NOT FOUND'}: {outcome}")  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
