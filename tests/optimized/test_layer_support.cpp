@@ -66,9 +66,10 @@ std::vector<std::string> twin_refusals(LayerKind kind, const KindBase& b, const 
                                        const opt::LayerOptions& o) {
   Fixture f = b.fixture;
   f.config = c;
-  RunMode mode;
+  RunMode mode;  // the golden's own layout, as `twin fixture` runs it by default
   mode.tp = o.tp;
   mode.sp = o.sp;
+  mode.ep = c.expert_model_parallel_size;
   switch (kind) {
     case LayerKind::Dense:
       return {refusal_of<ConfigError>([&] { opt::DenseTransformerLayer(c, b.params, o); })};

@@ -49,7 +49,9 @@ TEST(OptimizedMoESupport, UnsupportedFeaturesAreReportedBeforeRunning) {
     u.set(f.config);
     const std::string why = opt::moe_layer_unsupported(f.config);
     EXPECT_NE(why.find(u.name), std::string::npos) << why;
-    EXPECT_THROW(parity::run_optimized_moe_layer(f, RunMode{}), FixtureUnsupported);
+    RunMode at_its_layout;  // as `twin fixture` runs a golden by default
+    at_its_layout.ep = f.config.expert_model_parallel_size;
+    EXPECT_THROW(parity::run_optimized_moe_layer(f, at_its_layout), FixtureUnsupported);
     EXPECT_THROW(opt::MoETransformerLayer(f.config, parity::params_of(f)), ConfigError);
   }
   // Tensor parallelism of the layer is not run by the MoE twin either.
