@@ -125,7 +125,7 @@ struct TransformerConfig {
   bool moe_per_layer_logging = false;
   int moe_layer_freq = 1;
   std::optional<int> moe_latent_size;
-  int moe_deepep_num_sms = 20;
+  std::optional<int> moe_deepep_num_sms = 20;  // DeepEP only; null (the default) after the January pin
   std::string moe_spec;
 
   // --- Retro

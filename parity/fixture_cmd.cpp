@@ -32,12 +32,14 @@ struct Result {
   int first_failure = -1;  // index into rows
   std::string grads;       // what happened to the golden's grad.* tensors (compare_fixture)
   std::string routing;     // where the twin's routing map differs from the golden's ("" when not)
+  std::string megatron;    // the Megatron-Core semantics the golden was held to ("" when unknown)
 };
 
 Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   Result r;
   r.file = fx.path;
   r.kind = fx.kind;
+  r.megatron = fx.megatron ? fx.megatron->name : "";
   r.twin = twin_kind_name(twin);
   r.isolated = opt.isolate;
   // --tp / --sp shard the optimized twin; a golden is the unsharded layer, which the reference is.
@@ -108,6 +110,7 @@ json to_json(const Result& r) {
           {"tp", r.tp},
           {"sp", r.sp},
           {"ep", r.ep},
+          {"megatron", r.megatron.empty() ? json(nullptr) : json(r.megatron)},
           {"status", status_name(r.status)},
           {"message", r.message},
           {"grads", r.grads.empty() ? json(nullptr) : json(r.grads)},
@@ -125,9 +128,9 @@ void print_text(const Result& r, std::ostream& out, std::ostream& err) {
     out << fmt::format("{}: unsupported: {}\n", r.file, r.message);
     return;
   }
-  out << fmt::format("{}  [kind {}, {} twin{}{}{}]\n", r.file, r.kind.value_or("?"), r.twin,
+  out << fmt::format("{}  [kind {}, {} twin{}{}{}, Megatron-Core {}]\n", r.file, r.kind.value_or("?"), r.twin,
                      r.tp > 1 ? fmt::format(", tp {}{}", r.tp, r.sp ? "+sp" : "") : "",
-                     r.ep > 1 ? fmt::format(", ep {}", r.ep) : "", r.isolated ? ", isolated" : "");
+                     r.ep > 1 ? fmt::format(", ep {}", r.ep) : "", r.isolated ? ", isolated" : "", r.megatron);
   print_rows(out, r.rows, r.first_failure);
   if (!r.grads.empty()) out << fmt::format("  gradients: {}\n", r.grads);
   if (!r.routing.empty()) out << fmt::format("  routing: {}\n", r.routing);
@@ -157,6 +160,11 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
   if (opt.ep < 0 || (opt.ep > 1 && opt.twin == "reference")) {
     err << "error: --ep must be >= 1 and runs the optimized twin's experts over N ranks; the reference is the "
            "ep = 1 layer (use --twin optimized or both)\n";
+    return 2;
+  }
+  const MegatronSemantics* megatron = opt.megatron.empty() ? nullptr : find_megatron_semantics(opt.megatron);
+  if (!opt.megatron.empty() && !megatron) {
+    err << "error: --megatron: " << unknown_megatron_commit(opt.megatron) << "\n";
     return 2;
   }
   // A folder stands for the fixtures under it (subfolders too, sorted): `twin fixture DIR`.
@@ -217,6 +225,7 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
       emit(r);
       continue;
     }
+    if (megatron) fx->megatron = megatron;
     for (TwinKind t : twins) emit(run_one(opt, *fx, t));
   }
   if (!opt.json && counts[0] + counts[1] + counts[2] + counts[3] > 1)

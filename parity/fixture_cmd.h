@@ -30,6 +30,8 @@ struct FixtureOptions {
   int tp = 0;
   bool sp = false;
   int ep = 0;  // over ep expert-parallel ranks (RunMode::ep); 0: the golden's own
+  // The Megatron-Core commit whose semantics the goldens are held to; "": each golden's own.
+  std::string megatron;
   // Where handlers come from: the registry, or a test's own.
   FixtureHandler (*lookup)(const std::string& kind, TwinKind twin, const RunMode& mode) = find_fixture_handler;
 };

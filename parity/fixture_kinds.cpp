@@ -46,6 +46,13 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
 
 std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin, const RunMode& mode,
                                         std::string* grads, std::string* routing) {
+  // The Megatron-Core semantics the golden is held to, before anything runs.
+  if (!f.megatron)
+    throw FixtureError(f.path + ": " + unknown_megatron_commit(f.megatron_commit) +
+                       " (twin fixture --megatron COMMIT holds it to one of them)");
+  if (f.file) check_config_fields(*f.megatron, f.config_json);
+  if (const std::string why = unimplemented_semantics(*f.megatron, f.config, f.kind); !why.empty())
+    throw FixtureUnsupported("the twins do not implement " + why + " yet");
   TwinRun run = handler(f, mode);
   std::string routing_note;
   if (const auto flips = parity::routing_flips(f, run.record)) {

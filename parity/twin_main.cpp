@@ -54,6 +54,9 @@ int main(int argc, char** argv) {
                    "num_moe_experts) with the golden's token dispatcher; the golden and the reference stay the ep = 1 "
                    "layer. Default: the golden's own (its config's expert_model_parallel_size)")
       ->check(CLI::Range(1, 4096));
+  fixture_cmd->add_option("--megatron", fixture.megatron,
+                          "Hold the goldens to this Megatron-Core commit's semantics (a known hash or a prefix of 7 "
+                          "digits or more) instead of the one each golden records");
 
   DiffOptions diff;
   auto* diff_cmd = app.add_subcommand(

@@ -1,13 +1,18 @@
-"""Makes the pinned Megatron-Core importable and initialises its process group (one rank, or a
+"""Makes a Megatron-Core commit importable and initialises its process group (one rank, or a
 rank of a multi-rank run).
 
 Where Megatron-Core comes from, first match wins:
-  1. $MCORE_SRC: a directory holding `megatron/core/`, or the shared directory with the tarball
+  1. $MCORE_SRC: a directory holding `megatron/core/`, or a shared directory with the tarball
      `megatron-core-<commit>.tar.xz` (and `mcore_shims.py`);
-  2. `../shared/megatron-core` beside the mcore-twin source tree (the project's shared copy).
+  2. $MCORE_COMMIT: one of KNOWN_COMMITS (a prefix of its hash will do), found in its folder
+     beside the source tree (`../shared/megatron-core` for the January pin,
+     `../shared/megatron-core-d98e8a64` for the current commit);
+  3. `../shared/megatron-core` beside the mcore-twin source tree: the January pin.
 A tarball is unpacked once into $XDG_CACHE_HOME/mcore_twin (default ~/.cache/mcore_twin), keyed
-by its name and size. `mcore_shims.py`, when it sits beside the tarball or the source, is imported
-before Megatron: it makes that commit run on a CPU-only torch 1.13 (see its docstring).
+by its name and size. The shims that make a commit run on Debian's CPU-only torch 1.13 are
+imported before Megatron: `mcore_shims.py` where it sits beside the tarball or the source (the
+January pin's), else the project's own for that commit (`shims_<commit>.py`, only on a torch
+older than 2: a newer torch runs Megatron as it is).
 """
 
 import glob
@@ -24,12 +29,40 @@ class MegatronNotFound(RuntimeError):
     pass
 
 
+# The Megatron-Core commits this project knows: short hash -> (full hash, its folder beside the
+# source tree). The first is the January pin, the default.
+KNOWN_COMMITS = {
+    "93ddc247": ("93ddc24720bb8d62ae68ced044ad59e1a95ead0f", "megatron-core"),
+    "d98e8a64": ("d98e8a64ddf34856e74b24714e3bedb2f5a39553", "megatron-core-d98e8a64"),
+}
+PINNED_COMMIT = KNOWN_COMMITS["93ddc247"][0]
+
+
+def known_commit(name):
+    """The short hash of KNOWN_COMMITS that `name` (the hash, or a prefix of 7 digits or more)
+    names, or MegatronNotFound naming the known ones."""
+    name = (name or "").strip().lower()
+    for short, (full, _) in KNOWN_COMMITS.items():
+        if len(name) >= 7 and full.startswith(name):
+            return short
+    raise MegatronNotFound(f"unknown Megatron-Core commit {name!r}: known are {', '.join(KNOWN_COMMITS)}")
+
+
+def full_commit(commit):
+    """The full hash of a known commit given by a prefix; other names are returned as they are."""
+    try:
+        return KNOWN_COMMITS[known_commit(commit)][0]
+    except MegatronNotFound:
+        return commit
+
+
 def default_location():
     """The Megatron-Core location this process would use, or None (with the reason in the error)."""
     env = os.environ.get("MCORE_SRC")
     if env:
         return env
-    shared = os.path.normpath(os.path.join(SOURCE_ROOT, "..", "shared", "megatron-core"))
+    folder = KNOWN_COMMITS[known_commit(os.environ.get("MCORE_COMMIT") or "93ddc247")][1]
+    shared = os.path.normpath(os.path.join(SOURCE_ROOT, "..", "shared", folder))
     return shared if os.path.isdir(shared) else None
 
 
@@ -37,9 +70,10 @@ def find_megatron():
     """(directory holding megatron/core, directory of mcore_shims.py or None, commit or None)."""
     loc = default_location()
     if loc is None:
+        folder = KNOWN_COMMITS[known_commit(os.environ.get("MCORE_COMMIT") or "93ddc247")][1]
         raise MegatronNotFound(
-            "Megatron-Core not found: set MCORE_SRC, or provide ../shared/megatron-core beside the source tree "
-            f"({os.path.normpath(os.path.join(SOURCE_ROOT, '..', 'shared', 'megatron-core'))})"
+            f"Megatron-Core not found: set MCORE_SRC, or provide ../shared/{folder} beside the source tree "
+            f"({os.path.normpath(os.path.join(SOURCE_ROOT, '..', 'shared', folder))})"
         )
     if not os.path.isdir(loc):
         raise MegatronNotFound(f"MCORE_SRC={loc} is not a directory")
@@ -50,8 +84,27 @@ def find_megatron():
     if not tarballs:
         raise MegatronNotFound(f"{loc} holds neither megatron/core nor a megatron-core-*.tar.xz")
     tarball = tarballs[-1]
-    commit = os.path.basename(tarball)[len("megatron-core-") : -len(".tar.xz")]
+    commit = full_commit(os.path.basename(tarball)[len("megatron-core-") : -len(".tar.xz")])
     return unpack(tarball), shims, commit
+
+
+def _project_shims(commit):
+    """The project's shims module for `commit` on this torch, or None: they exist for commits
+    without shims of their own, and only a torch older than 2 needs them."""
+    import importlib
+
+    import torch
+
+    if not commit or int(torch.__version__.split(".")[0]) >= 2:
+        return None
+    try:
+        short = known_commit(commit)
+    except MegatronNotFound:
+        return None
+    try:
+        return importlib.import_module(f"{__package__}.shims_{short}")
+    except ModuleNotFoundError:
+        return None
 
 
 def cache_dir():
@@ -112,7 +165,9 @@ def bootstrap(*, rank=0, world_size=1, tensor_parallel=1, expert_parallel=1, mas
     mcore_shims = None
     if shims_dir:
         import mcore_shims  # noqa: F401  (before any megatron module)
-
+    else:
+        mcore_shims = _project_shims(commit)
+    if mcore_shims is not None:
         applied = mcore_shims.PATCHES
     import torch
     import torch.distributed as dist

@@ -49,22 +49,39 @@ def _activation(name):
     return fn
 
 
+# Config fields a later Megatron-Core dropped, each with the value that kept its default
+# behaviour: a config recorded before carries them, and at a commit without the field that value
+# changes nothing (moe_use_legacy_grouped_gemm: the legacy GroupedMLP, gone with the field).
+REMOVED_FIELDS = {"moe_use_legacy_grouped_gemm": False}
+
+
+def _running_commit():
+    from . import bootstrap
+
+    return (bootstrap._STATE.get("commit") or "this Megatron-Core")[:8]
+
+
 def make_config(cfg, kind):
     """TransformerConfig / RetroConfig from a golden-style config dict."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cls = TransformerConfig
     if kind.startswith("retro"):
-        from megatron.core.models.retro.config import RetroConfig
-
+        try:
+            from megatron.core.models.retro.config import RetroConfig
+        except ImportError:
+            raise CaptureError(
+                f"Retro is not in Megatron-Core {_running_commit()} (removed after the January pin): the retro kinds "
+                "run on 93ddc247 (MCORE_COMMIT=93ddc247)"
+            ) from None
         cls = RetroConfig
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in cfg.items():
-        if k in EXTRA_FIELDS:
+        if k in EXTRA_FIELDS or (k not in known and k in REMOVED_FIELDS and v == REMOVED_FIELDS[k]):
             continue
         if k not in known:
-            raise CaptureError(f"config field {k!r} is not a {cls.__name__} field")
+            raise CaptureError(f"config field {k!r} is not a {cls.__name__} field at Megatron-Core {_running_commit()}")
         if k == "activation_func":
             v = _activation(v)
         elif k == "params_dtype":

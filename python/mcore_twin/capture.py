@@ -44,7 +44,6 @@ from . import st_io
 
 KINDS = ("dense_layer", "moe_layer", "retro_decoder_layer_first", "retro_decoder_layer", "retro_block")
 
-MEGATRON_COMMIT_PINNED = "93ddc24720bb8d62ae68ced044ad59e1a95ead0f"
 
 # The TransformerConfig fields a golden's `config` holds (the fields core/config.h reads), by kind.
 BASE_FIELDS = (
@@ -325,11 +324,23 @@ class _Restorer:
 
 
 def _moe_tracker():
+    """(moe_utils, the live dict of the aux-loss tracker: name -> entry with the per-layer values).
+    Megatron-Core after the January pin keeps the entries in moe_logging's metrics tracker, and its
+    get_moe_layer_wise_logging_tracker() returns a copy, which clearing would not clear."""
     try:
         from megatron.core.transformer.moe import moe_utils
     except ImportError:
         return None, None
-    return moe_utils, moe_utils.get_moe_layer_wise_logging_tracker()
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        return moe_utils, moe_utils.get_moe_layer_wise_logging_tracker()
+    return moe_utils, get_moe_metrics_tracker().metrics
+
+
+def _tracker_values(entry):
+    """An aux-loss tracker entry's per-layer values: a dict at the January pin, a MetricEntry after."""
+    return entry.get("values") if isinstance(entry, dict) else getattr(entry, "values", None)
 
 
 def _tie_dependent(column_values, capacity, pad_to_capacity, routed):
@@ -527,7 +538,7 @@ def capture_layer(
             if tracker is not None:
                 lnum = getattr(router, "layer_number", None)
                 for aux_name, entry in list(tracker.items()):
-                    vals = entry.get("values")
+                    vals = _tracker_values(entry)
                     if lnum is None or vals is None:
                         continue
                     v = vals[lnum - 1].detach().clone()
@@ -704,6 +715,11 @@ def capture_layer(
 
 
 def _megatron_version():
+    """The running Megatron-Core's commit when bootstrap found it, else its package version."""
+    from . import bootstrap
+
+    if bootstrap._STATE.get("commit"):
+        return bootstrap._STATE["commit"]
     try:
         from megatron.core import package_info
 

@@ -268,8 +268,6 @@ def capture_config(cfg, kind, seed, out, *, layer_number=None, grad_seed=None, c
     module, kw = build(kind, cfg, seed, layer_number=layer_number, padding_mask=padding_mask,
                        context_mask=context_mask, explicit_mask=explicit_mask)  # fmt: skip
     commit = state.get("commit")
-    if commit and len(commit) < 40 and "93ddc24720bb8d62ae68ced044ad59e1a95ead0f".startswith(commit):
-        commit = "93ddc24720bb8d62ae68ced044ad59e1a95ead0f"
     return capture_layer(
         module,
         out,

@@ -105,6 +105,67 @@ TEST(TwinCliFixtures, FixtureJsonOverTheDirectory) {
   EXPECT_EQ(r.code, optimized_unsupported ? 3 : 0) << r.err;
 }
 
+// A golden's __metadata__.megatron_commit picks the semantics both twins hold it to; --megatron
+// overrides it. A difference from the January pin the twins do not implement yet is `unsupported`
+// (never compared against the pin's numbers), an unknown commit an error naming the known ones.
+TEST(TwinCliFixtures, TheGoldensMegatronCommitPicksTheSemantics) {
+  auto statuses = [](const TwinRun& r) {
+    std::vector<std::string> out;
+    for (const auto& line : lines(r.out)) {
+      const json v = json::parse(line);
+      out.push_back(v["twin"].get<std::string>() + " " + v["status"].get<std::string>() + " " +
+                    (v["megatron"].is_string() ? v["megatron"].get<std::string>() : "-") + ": " +
+                    v["message"].get<std::string>().substr(0, 60));
+    }
+    return out;
+  };
+  const std::string current_dense = fixtures_dir() + "/d98e8a64/dense_ln_mha_gelu_rope_bias.safetensors";
+  const TwinRun own = run_twin("fixture --json --twin both " + quote(current_dense));
+  EXPECT_EQ(own.code, 0) << own.out << own.err;
+  for (const auto& line : lines(own.out)) EXPECT_EQ(json::parse(line)["megatron"], "d98e8a64 (August 2026)") << line;
+
+  // bf16 sigmoid router scores: the current commit rounds them once, the pin at each step.
+  const std::string sigmoid_bf16 = fixtures_dir() + "/random/moe_p028.safetensors";
+  const TwinRun pin = run_twin("fixture --json --twin both " + quote(sigmoid_bf16));
+  EXPECT_EQ(pin.code, 0) << pin.out << pin.err;
+  const TwinRun held = run_twin("fixture --json --twin both --megatron d98e8a64 " + quote(sigmoid_bf16));
+  EXPECT_EQ(held.code, 3) << held.out << held.err;
+  for (const auto& line : lines(held.out)) {
+    const json v = json::parse(line);
+    EXPECT_EQ(v["status"], "unsupported") << line;
+    EXPECT_NE(v["message"].get<std::string>().find("router scores kept in fp32"), std::string::npos) << line;
+    EXPECT_NE(v["message"].get<std::string>().find("d98e8a64"), std::string::npos) << line;
+  }
+  const TwinRun retro = run_twin("fixture --json --megatron d98e8a64ddf3 " +
+                                 quote(fixtures_dir() + "/retro_first_layer_divisible.safetensors"));
+  EXPECT_EQ(statuses(retro),
+            std::vector<std::string>{"reference unsupported d98e8a64 (August 2026): the twins do not implement "
+                                     "Retro, which does not exist at Me"});
+
+  const TwinRun unknown = run_twin("fixture --megatron 0123456 " + quote(current_dense));
+  EXPECT_EQ(unknown.code, 2);
+  EXPECT_EQ(lines(unknown.err).size(), 1u) << unknown.err;
+  EXPECT_NE(unknown.err.find("the twins know 93ddc247 (January 2026), d98e8a64 (August 2026)"), std::string::npos)
+      << unknown.err;
+
+  // A golden from a Megatron-Core the twins do not know: an error until --megatron names one.
+  TempDir dir;
+  const twin::SafetensorsFile f = twin::read_safetensors(current_dense);
+  std::vector<std::pair<std::string, twin::Tensor>> tensors;
+  for (const auto& n : f.names()) tensors.emplace_back(n, f.at(n));
+  std::map<std::string, std::string> meta = f.metadata();
+  meta["megatron_commit"] = "megatron-core 0.21.0";
+  const std::string other = dir.file("other.safetensors");
+  twin::write_safetensors(other, tensors, meta);
+  const TwinRun err = run_twin("fixture --json " + quote(other));
+  EXPECT_EQ(err.code, 2) << err.out;
+  ASSERT_EQ(lines(err.out).size(), 1u) << err.out;
+  EXPECT_EQ(json::parse(lines(err.out)[0])["status"], "error") << err.out;
+  EXPECT_NE(err.out.find("unknown Megatron-Core commit 'megatron-core 0.21.0'"), std::string::npos) << err.out;
+  EXPECT_NE(err.out.find("--megatron COMMIT"), std::string::npos) << err.out;
+  EXPECT_EQ(run_twin("fixture --megatron d98e8a64 " + quote(other)).code, 0);
+}
+
 // A capture of a multi-rank job records its layout in its config: `twin fixture` runs the
 // optimized twin at that layout unless --tp / --ep say otherwise, and the reference on the whole
 // layer.

@@ -254,7 +254,8 @@ TEST(TwinFixtureEp, MoEGoldenPassesOverExpertParallelRanksWithTheSameRows) {
       EXPECT_TRUE(combined);
     }
   }
-  EXPECT_TRUE(has(run_twin("fixture --twin optimized --ep 2 " + golden).out, "optimized twin, ep 2]"));
+  EXPECT_TRUE(has(run_twin("fixture --twin optimized --ep 2 " + golden).out,
+                  "optimized twin, ep 2, Megatron-Core 93ddc247 (January 2026)]"));
   // what cannot run at ep > 1 is unsupported (exit 3), bad options exit 2
   const TwinRun e8 = run_twin("fixture --twin optimized --ep 8 " + golden);
   EXPECT_EQ(e8.code, 3) << e8.out << e8.err;

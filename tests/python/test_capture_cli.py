@@ -64,13 +64,17 @@ class CaptureCli(unittest.TestCase):
             self.fail(f"CI=true: Megatron-Core is required: {why}")
         self.skipTest(why)
 
-    def run_cli(self, cfg=None, *args, text=None, megatron=True):
+    def run_cli(self, cfg=None, *args, text=None, megatron=True, commit=None):
         """(exit code, stdout, stderr) of the CLI on `cfg` (a dict, or `text` as the file);
-        megatron=False points MCORE_SRC at nothing, so only a check before Megatron-Core names the field."""
+        megatron=False points MCORE_SRC at nothing, so only a check before Megatron-Core names the field;
+        `commit` sets MCORE_COMMIT (which Megatron-Core runs)."""
         path = os.path.join(self.dir, "cfg.json")
         with open(path, "w") as f:
             f.write(text if text is not None else json.dumps(cfg))
         env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), PYTHONDONTWRITEBYTECODE="1")
+        env.pop("MCORE_COMMIT", None)
+        if commit:
+            env["MCORE_COMMIT"] = commit
         env.pop("PYTHONWARNINGS", None)  # the CLI's own default: Megatron's import chatter kept off stderr
         if not megatron:
             env["MCORE_SRC"] = os.path.join(self.dir, "no-megatron-here")
@@ -79,11 +83,11 @@ class CaptureCli(unittest.TestCase):
                             *args], capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
         return p.returncode, p.stdout, p.stderr
 
-    def assert_bad_input(self, cfg, *names, args=(), text=None, megatron=False):
+    def assert_bad_input(self, cfg, *names, args=(), text=None, megatron=False, commit=None):
         """Exit 2, one stderr line `error: ...` holding every one of `names`, nothing written. By
         default without Megatron-Core: the input is rejected before Megatron-Core is looked for (its
         own later errors, such as build.py's on an unknown field, do not count)."""
-        rc, out, err = self.run_cli(cfg, *args, text=text, megatron=megatron)
+        rc, out, err = self.run_cli(cfg, *args, text=text, megatron=megatron, commit=commit)
         self.assertEqual(rc, 2, f"stdout {out!r}, stderr {err!r}")
         lines = err.splitlines()
         self.assertEqual(len(lines), 1, f"stderr is not one line: {err!r}")
@@ -177,6 +181,30 @@ class CaptureCli(unittest.TestCase):
         written = json.loads(meta["config"])
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size"):
             self.assertEqual(written[name], self.dense[name], name)
+
+    # ---- which Megatron-Core: MCORE_COMMIT
+
+    def test_unknown_megatron_commit_names_the_known_ones(self):
+        self.assert_bad_input(self.dense, "abcdef0", "93ddc247, d98e8a64", megatron=True, commit="abcdef0")
+
+    def test_current_commit_captures_what_it_has_and_names_what_it_lacks(self):
+        self.need_megatron()
+        current = os.path.join(ROOT, "..", "shared", "megatron-core-d98e8a64")
+        if not os.path.isdir(current):
+            self.fail(f"{current} is missing") if CI else self.skipTest(f"{current} is missing")
+        moe = golden_config(SMALL_MOE)
+        self.assertIs(moe["moe_use_legacy_grouped_gemm"], False)  # a January config: no longer a field
+        rc, out, err = self.run_cli(moe, commit="d98e8a64")
+        self.assertEqual(rc, 0, err)
+        tensors, meta = st_io.read(os.path.join(self.dir, "out.safetensors"))
+        self.assertEqual(meta["megatron_commit"], "d98e8a64ddf34856e74b24714e3bedb2f5a39553")
+        self.assertIn("aux.load_balancing_loss", tensors)  # the tracker moved into moe_logging there
+        os.remove(os.path.join(self.dir, "out.safetensors"))
+        self.assert_bad_input(dict(moe, moe_use_legacy_grouped_gemm=True), "moe_use_legacy_grouped_gemm", "d98e8a64",
+                              megatron=True, commit="d98e8a64")  # fmt: skip
+        retro, kind, _ = cli.load_config(os.path.join(GOLDENS, "retro_first_layer_divisible.safetensors"))
+        self.assert_bad_input(retro, "Retro", "d98e8a64", "MCORE_COMMIT=93ddc247", args=("--kind", kind),
+                              megatron=True, commit="d98e8a64")  # fmt: skip
 
     def test_megatron_error_is_one_line_exit_3(self):
         # top-1 softmax routing after top-k: TransformerConfig's own check, which the CLI leaves to it
