@@ -22,6 +22,22 @@ struct ConfigError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// Which Megatron-Core's numbers the twins reproduce where two commits differ: each switch is one
+// such difference, read by the code that computes it (core/megatron_commit.h picks them from a
+// golden's commit). Every switch off is the January pin.
+struct MegatronSwitches {
+  // TopKRouter: the scores stay in fp32 through top-k, the sigmoid renormalisation and the scaling
+  // factor, with one cast to the logits' dtype at the end (the pin stores the score function's
+  // output in the logits' dtype first). Differs where the logits are not fp32.
+  bool router_scores_fp32 = false;
+  // compute_routing_scores_for_aux_loss: sigmoid (and sqrtsoftplus) scores and their
+  // normalisation in fp32; the pin keeps them in the logits' dtype.
+  bool aux_loss_scores_fp32 = false;
+  // moe_router_score_function "sqrtsoftplus" exists: sqrt(softplus(logits)) in fp32 on the sigmoid
+  // path (renormalised over the top k when k > 1, expert bias allowed).
+  bool sqrtsoftplus = false;
+};
+
 struct TransformerConfig {
   // --- model shape
   int num_layers = 1;
@@ -95,7 +111,7 @@ struct TransformerConfig {
   int moe_router_topk = 2;
   std::string moe_router_load_balancing_type =
       "aux_loss";  // aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none (or a list)
-  std::string moe_router_score_function = "softmax";  // softmax | sigmoid
+  std::string moe_router_score_function = "softmax";  // softmax | sigmoid | sqrtsoftplus (megatron.sqrtsoftplus)
   bool moe_router_pre_softmax = false;
   std::optional<int> moe_router_num_groups;
   std::optional<int> moe_router_group_topk;
@@ -127,6 +143,9 @@ struct TransformerConfig {
   std::optional<int> moe_latent_size;
   std::optional<int> moe_deepep_num_sms = 20;  // DeepEP only; null (the default) after the January pin
   std::string moe_spec;
+
+  // --- not a TransformerConfig field: whose semantics (set from a golden's commit, never parsed)
+  MegatronSwitches megatron;
 
   // --- Retro
   std::optional<int> retro_chunk_length;

@@ -19,21 +19,11 @@ struct MegatronSemantics {
   std::string name;    // the short hash and when, for messages: "d98e8a64 (August 2026)"
   // Retro (megatron/core/models/retro) was removed upstream hours after the January pin.
   bool has_retro = true;
-  // TopKRouter: scores stay in fp32 through top-k, the sigmoid renormalisation and the scaling
-  // factor, with one cast to the logits' dtype at the end (the pin casts the score function's
-  // output to the logits' dtype first). Differs for half-precision logits only.
-  bool router_scores_fp32 = false;
-  // compute_routing_scores_for_aux_loss: sigmoid scores (and their normalisation) in fp32; the pin
-  // keeps them in the logits' dtype.
-  bool aux_loss_scores_fp32 = false;
-  // moe_router_score_function "sqrtsoftplus" exists (sqrt(softplus(logits)) on the sigmoid path).
-  bool sqrtsoftplus = false;
+  MegatronSwitches switches;
   // TransformerLayer keeps the residual in fp32 under fp32_residual_connection, and bias-dropout-add
-  // casts to the residual's dtype (the pin ignores the flag inside a layer).
+  // casts to the residual's dtype (the pin ignores the flag inside a layer). Not a switch yet: the
+  // twins refuse such a layer at this commit (unimplemented_semantics).
   bool layer_fp32_residual = false;
-  // calculate_per_token_loss: the aux-loss and z-loss gradients are scaled by the tensor x context
-  // parallel size, and the sequence aux loss's by the micro-batch size.
-  bool per_token_aux_grad_scale = false;
   // TransformerConfig fields this commit no longer has; a config that sets one to anything but its
   // old default describes a layer this commit cannot build.
   std::vector<std::string> removed_fields;

@@ -225,7 +225,7 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
       emit(r);
       continue;
     }
-    if (megatron) fx->megatron = megatron;
+    if (megatron) fx->hold_to(megatron);
     for (TwinKind t : twins) emit(run_one(opt, *fx, t));
   }
   if (!opt.json && counts[0] + counts[1] + counts[2] + counts[3] > 1)

@@ -44,6 +44,37 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
   return it->second.handler;
 }
 
+namespace {
+
+// A golden held to another commit's semantics than its own (`twin fixture --megatron`): the twin
+// run under the golden's own commit, and the first tensor (in computation order) where the two runs
+// differ, as a failing row. The differences are often below the rounding bound, so the bound alone
+// cannot say which Megatron-Core a golden came from; the twin's two runs, on the same inputs with
+// only the switches apart, can. None when the commits agree on this layer (or the golden's own
+// commit is unknown).
+std::optional<Comparison> semantics_change(FixtureHandler handler, const Fixture& f, const RunMode& mode,
+                                           const Record& held, TwinKind twin) {
+  const MegatronSemantics* own =
+      f.megatron_commit.empty() ? &pinned_megatron() : find_megatron_semantics(f.megatron_commit);
+  if (!own || own == f.megatron) return std::nullopt;
+  Fixture as_own = f;
+  as_own.hold_to(own);
+  const Record base = handler(as_own, mode).record;
+  for (const RecordEntry& e : held.entries) {
+    const Tensor* b = base.find(e.name, e.role);
+    if (!b) continue;
+    Comparison c = compare_exact(e.key(), e.value, *b);
+    if (c.pass) continue;
+    c.pass = false;
+    c.message = fmt::format("semantics differ between Megatron-Core {} and the golden's {}: the {} twin's {} changes",
+                            f.megatron->name, own->name, twin_kind_name(twin), e.key());
+    return c;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f, TwinKind twin, const RunMode& mode,
                                         std::string* grads, std::string* routing) {
   // The Megatron-Core semantics the golden is held to, before anything runs.
@@ -54,6 +85,7 @@ std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f
   if (const std::string why = unimplemented_semantics(*f.megatron, f.config, f.kind); !why.empty())
     throw FixtureUnsupported("the twins do not implement " + why + " yet");
   TwinRun run = handler(f, mode);
+  RunMode ran = mode;
   std::string routing_note;
   if (const auto flips = parity::routing_flips(f, run.record)) {
     routing_note = flips->describe();
@@ -61,6 +93,7 @@ std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f
       RunMode on_golden = mode;
       on_golden.golden_routing = true;
       run = handler(f, on_golden);
+      ran = on_golden;
       routing_note += ": compared downstream on the golden's routing";
     } else if (flips->all_near()) {
       routing_note += "; not continued on the golden's routing: " + flips->why_not;
@@ -80,7 +113,10 @@ std::vector<Comparison> compare_fixture(FixtureHandler handler, const Fixture& f
                  ? "not compared: " + run.no_backward_reason
                  : fmt::format("not compared: the {} twin has no backward for fixture kind '{}'", twin_kind_name(twin),
                                f.kind);
-  return parity::compare_record(run.record, expected, twin_kind_name(twin));
+  std::vector<Comparison> rows = parity::compare_record(run.record, expected, twin_kind_name(twin));
+  if (auto changed = semantics_change(handler, f, ran, run.record, twin))
+    rows.insert(rows.begin(), std::move(*changed));
+  return rows;
 }
 
 std::vector<Comparison> compare_fixture(const Fixture& f, TwinKind twin, const RunMode& mode) {

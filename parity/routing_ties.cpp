@@ -28,15 +28,17 @@ struct Scores {
 
 Scores selection_scores(const TransformerConfig& cfg, const Tensor& logits, const Tolerance& tol,
                         const std::vector<double>& expert_bias, std::int64_t t, std::int64_t E) {
-  const double u = unit_roundoff(logits.dtype());  // the router dtype: the scores are stored in it
-  const bool sigmoid = cfg.moe_router_score_function == "sigmoid";
+  // The scores are stored in the router dtype, or in fp32 where Megatron keeps them so.
+  const double u = unit_roundoff(cfg.megatron.router_scores_fp32 ? DType::F32 : logits.dtype());
+  const std::string& fn = cfg.moe_router_score_function;
   Scores s;
   for (std::int64_t e = 0; e < E; ++e) {
     const double l = logits.at_f64(t * E + e), lb = tol.atol + tol.rtol * std::fabs(l);
-    if (sigmoid) {
-      const double p = 1.0 / (1.0 + std::exp(-l));
+    if (fn == "sigmoid" || fn == "sqrtsoftplus") {
+      // sigmoid's slope is at most 1/4; sqrt(softplus)'s, sigmoid / (2 sqrt(softplus)), below 1/3.
+      const double p = fn == "sigmoid" ? 1.0 / (1.0 + std::exp(-l)) : std::sqrt(l > 20.0 ? l : std::log1p(std::exp(l)));
       s.value.push_back(p + (expert_bias.empty() ? 0.0 : expert_bias[static_cast<std::size_t>(e)]));
-      s.bound.push_back(0.25 * lb + u * p);
+      s.bound.push_back((fn == "sigmoid" ? 0.25 : 1.0 / 3.0) * lb + u * p);
     } else {
       s.value.push_back(l);
       // softmax keeps the logits' order; pre-softmax scores stored in the router dtype may tie

@@ -180,11 +180,15 @@ void validate_moe_router(const TransformerConfig& c) {
         "tensor_model_parallel_size=" +
         str(c.tensor_model_parallel_size) + ", add_bias_linear=True)");
 
-  if (c.moe_router_enable_expert_bias && c.moe_router_score_function != "sigmoid")
-    reject(
-        "Expert bias for aux-loss-free routing only supports sigmoid score function "
-        "(moe_router_enable_expert_bias=True, moe_router_score_function='" +
-        c.moe_router_score_function + "')");
+  if (c.moe_router_enable_expert_bias && c.moe_router_score_function != "sigmoid" &&
+      !(c.megatron.sqrtsoftplus && c.moe_router_score_function == "sqrtsoftplus"))
+    reject(c.megatron.sqrtsoftplus
+               ? "Expert bias for aux-loss-free routing only supports 'sigmoid' and 'sqrtsoftplus' score functions. "
+                 "Please set --moe-router-score-function to 'sigmoid' or 'sqrtsoftplus', or unset "
+                 "--moe-router-enable-expert-bias."
+               : "Expert bias for aux-loss-free routing only supports sigmoid score function "
+                 "(moe_router_enable_expert_bias=True, moe_router_score_function='" +
+                     c.moe_router_score_function + "')");
 
   // moe_router_padding_for_fp8 turns on padding_for_quantization, which needs fp8 / fp4; the
   // twins have neither, so Megatron's "fp8 is None and fp4 is None" always holds.

@@ -196,9 +196,10 @@ const std::vector<LayerFeature>& layer_features() {
       moe_lacks(
           "moe_router_score_function",
           [](const TransformerConfig& c) {
-            return c.moe_router_score_function != "softmax" && c.moe_router_score_function != "sigmoid";
+            const std::string& fn = c.moe_router_score_function;
+            return fn != "softmax" && fn != "sigmoid" && !(c.megatron.sqrtsoftplus && fn == "sqrtsoftplus");
           },
-          "the score functions are softmax and sigmoid",
+          "the score functions are softmax, sigmoid and, after Megatron-Core 93ddc247, sqrtsoftplus",
           [](TransformerConfig& c) { c.moe_router_score_function = "sqrtsoftplus"; }),
       moe_lacks(
           "moe_router_dtype",

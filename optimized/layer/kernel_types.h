@@ -38,7 +38,7 @@ inline MaskMode self_attention_mask_mode(bool explicit_mask, const std::string& 
 }
 
 // The router's score function and its losses (moe/router.cuh).
-enum class ScoreFunction : int { Softmax, Sigmoid };
+enum class ScoreFunction : int { Softmax, Sigmoid, SqrtSoftplus };
 enum class AuxLossKind : int { AuxLoss, SeqAuxLoss, GlobalAuxLoss, ZLoss };
 
 // What the attention half's backward kernel sequence does not support, or an empty string.

@@ -129,7 +129,11 @@ void MoEMlpRank::bind(MoELayerPlan& P, const TransformerConfig& c, const std::ma
   P.topk = topk;
   P.rdt = rdt;
   P.cast_input = rdt != dt;
-  P.score = c.moe_router_score_function == "sigmoid" ? ScoreFunction::Sigmoid : ScoreFunction::Softmax;
+  P.score = c.moe_router_score_function == "sigmoid"        ? ScoreFunction::Sigmoid
+            : c.moe_router_score_function == "sqrtsoftplus" ? ScoreFunction::SqrtSoftplus
+                                                            : ScoreFunction::Softmax;
+  P.scores_fp32 = c.megatron.router_scores_fp32;
+  P.aux_scores_fp32 = c.megatron.aux_loss_scores_fp32;
   P.pre_softmax = c.moe_router_pre_softmax;
   P.group_topk = c.moe_router_group_topk.value_or(0);
   P.num_groups = P.group_topk > 0 ? c.moe_router_num_groups.value_or(0) : 0;

@@ -117,7 +117,9 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
   ra.num_groups = p.num_groups;
   ra.group_topk = p.group_topk;
   ra.scaling_factor = p.scaling_factor;
+  ra.scores_fp32 = p.scores_fp32;
   ra.aux_scores = p.aux_kind.has_value();
+  ra.aux_scores_fp32 = p.aux_scores_fp32;
   ra.z_loss = p.z_loss;
   if (p.recorded_map && !p.drop) {
     // Without capacity dropping a golden's map is Megatron's top-k choice itself (its choice flipped
@@ -189,12 +191,15 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
     la.loss_dtype = 0;  // the losses are fp32 tensors
     router_loss_forward(p.aux_scores, p.aux_map, p.z, p.padding, la, p.loss_scratch, p.losses, st);
   }
-  // counts: the score function in fp32 stored in the router dtype; the sigmoid renormalisation
-  // (sum, + 1e-20, division); the scaling factor.
+  // counts: the score function in fp32 (sqrtsoftplus: softplus, then sqrt) held in the scores'
+  // dtype; the sigmoid path's renormalisation (sum, + 1e-20, division); the scaling factor; the
+  // cast to the router dtype when the scores were held in fp32.
+  const DType sdt = p.scores_fp32 ? DType::F32 : rdt;
   rounding_reduce(E);
-  rounding_store(DType::F32);
-  rounding_store(rdt,
-                 1 + (p.score == ScoreFunction::Sigmoid && p.topk > 1 ? 3 : 0) + (p.scaling_factor != 0.0f ? 1 : 0));
+  rounding_store(DType::F32, p.score == ScoreFunction::SqrtSoftplus ? 2 : 1);
+  rounding_store(sdt,
+                 1 + (p.score != ScoreFunction::Softmax && p.topk > 1 ? 3 : 0) + (p.scaling_factor != 0.0f ? 1 : 0));
+  if (sdt != rdt) rounding_store(rdt);
   if (p.local_tokens && !p.capturing) {  // _apply_expert_bias: count the routed non-padding tokens per expert
     std::vector<std::uint8_t> map(std::size_t(T * E));
     moe_download(map.data(), p.routing_map, map.size(), st);

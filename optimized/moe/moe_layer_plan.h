@@ -37,6 +37,7 @@ struct MoELayerPlan {
   DType rdt = DType::F32;   // router dtype
   bool cast_input = false;  // the gating input is cast from the params dtype to rdt first
   ScoreFunction score = ScoreFunction::Softmax;
+  bool scores_fp32 = false, aux_scores_fp32 = false;  // MegatronSwitches: where the scores are held
   bool pre_softmax = false;
   int num_groups = 0, group_topk = 0;
   float scaling_factor = 0.0f;

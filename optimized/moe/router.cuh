@@ -60,8 +60,12 @@ struct RouterArgs {
   bool pre_softmax = false;
   int num_groups = 0, group_topk = 0;  // group_topk == 0: plain top-k
   float scaling_factor = 0.0f;         // 0: none
-  bool aux_scores = false;             // compute the aux-loss scores and map
-  bool z_loss = false;                 // compute logsumexp^2 per token
+  // MegatronSwitches::router_scores_fp32: the scores, renormalisation and scaling stored in fp32,
+  // one cast to R at the end; else each stored in R.
+  bool scores_fp32 = false;
+  bool aux_scores = false;       // compute the aux-loss scores and map
+  bool aux_scores_fp32 = false;  // MegatronSwitches::aux_loss_scores_fp32: the sigmoid path's in fp32, else in R
+  bool z_loss = false;           // compute logsumexp^2 per token
   // Megatron's top-k choice [T, E] (0/1, k per token) from a golden, taken instead of the top-k
   // (the reference's RoutingOptions::selection); may alias the routing map written: each token's
   // row is read before it is written, by the same thread. Null: choose.
@@ -91,6 +95,19 @@ __host__ __device__ inline void topk_select(const C* v, int n, int k, int* out) 
   }
 }
 
+// A value stored in fp32 (a no-op in fp32 arithmetic).
+template <class C>
+__host__ __device__ inline C round_f32(C x) {
+  return static_cast<C>(static_cast<float>(x));
+}
+
+// The sigmoid path's score of one fp32 logit, in fp32: sigmoid, or softplus (beta 1, threshold 20)
+// then sqrt.
+__host__ __device__ inline float sigmoid_path_score(float x, ScoreFunction score) {
+  if (score == ScoreFunction::SqrtSoftplus) return sqrtf(x > 20.0f ? x : log1pf(expf(x)));
+  return 1.0f / (1.0f + expf(-x));
+}
+
 // One thread per token. logits [T, E] in R; expert_bias [E] fp32 or null; padding [T] (1 = pad)
 // or null. Out: probs [T, E] in R (zero off the map), map [T, E] (0/1); with aux_scores:
 // aux_scores [T, E] fp32 holding the values stored in their dtype, aux_map [T, E]; with z_loss:
@@ -109,25 +126,33 @@ __global__ void router_topk_kernel(const R* logits, const float* expert_bias, co
     float xf[kRouterMaxExperts];  // the logits cast to fp32 (softmax(x, dtype=float32), sigmoid in fp32)
     for (int e = 0; e < E; ++e) xf[e] = static_cast<float>(x[e]);
 
-    // softmax in fp32 over n values, each stored in fp32 then in R (.type_as(logits))
-    auto softmax_r = [&](const float* in, int n, C* out) {
+    // Where a score is stored: the scores' dtype (fp32 with scores_fp32, else R); the expert-biased
+    // scores' promote(scores' dtype, fp32); the logits' R.
+    enum Held { InR, InScores, InBiased };
+    auto hold = [&](C x, Held where) -> C {
+      if (where == InR || (where == InScores && !a.scores_fp32)) return round_r<R>(x);
+      if (where == InBiased && std::is_same<C, double>::value && !a.scores_fp32) return x;  // fp64 + fp32: fp64
+      return round_f32(x);
+    };
+    // softmax in fp32 over n values, each stored in fp32 then in the scores' dtype
+    auto softmax_s = [&](const float* in, int n, C* out) {
       float m = in[0];
       for (int i = 1; i < n; ++i) m = fmaxf(m, in[i]);
       float ex[kRouterMaxExperts], sum = 0.0f;
       for (int i = 0; i < n; ++i) sum += (ex[i] = expf(in[i] - m));
-      for (int i = 0; i < n; ++i) out[i] = round_r<R>(static_cast<C>(ex[i] / sum));  // rounds: fp32, then R
+      for (int i = 0; i < n; ++i) out[i] = hold(static_cast<C>(ex[i] / sum), InScores);  // rounds: fp32, then held
     };
 
     C scores[kRouterMaxExperts];  // what top-k chooses by
     int idx[kRouterMaxExperts];   // the chosen experts
     C top[kRouterMaxExperts];     // their probabilities
-    auto choose = [&](const C* s) {
+    auto choose = [&](const C* s, Held held) {
       if (a.selection) {  // the given experts, largest score first as torch.topk orders them
         C given[kRouterMaxExperts];
         for (int e = 0; e < E; ++e) given[e] = a.selection[t * E + e] ? s[e] : static_cast<C>(-INFINITY);
         topk_select(given, E, k, idx);
       } else if (a.group_topk > 0) {
-        // group_limited_topk: each group scored by the sum of its top (k / group_topk), stored in R
+        // group_limited_topk: each group scored by the sum of its top (k / group_topk), held as s is
         const int G = a.num_groups, per = E / G, inner = k / a.group_topk;
         C gs[kRouterMaxExperts];
         for (int g = 0; g < G; ++g) {
@@ -135,7 +160,7 @@ __global__ void router_topk_kernel(const R* logits, const float* expert_bias, co
           topk_select(s + g * per, per, inner, gi);
           C sum = 0;
           for (int j = 0; j < inner; ++j) sum += s[g * per + gi[j]];  // largest first, as the reference
-          gs[g] = round_r<R>(sum);                                    // rounds: group score, R
+          gs[g] = hold(sum, held);                                    // rounds: group score
         }
         int chosen[kRouterMaxExperts];
         topk_select(gs, G, a.group_topk, chosen);
@@ -151,39 +176,37 @@ __global__ void router_topk_kernel(const R* logits, const float* expert_bias, co
 
     if (a.score == ScoreFunction::Softmax) {
       if (a.pre_softmax) {
-        softmax_r(xf, E, scores);
-        choose(scores);
+        softmax_s(xf, E, scores);
+        choose(scores, InScores);
         for (int j = 0; j < k; ++j) top[j] = scores[idx[j]];
       } else {
-        choose(x);
+        choose(x, InR);
         float sel[kRouterMaxExperts];
         for (int j = 0; j < k; ++j) sel[j] = xf[idx[j]];
-        softmax_r(sel, k, top);  // softmax over the k chosen logits
+        softmax_s(sel, k, top);  // softmax over the k chosen logits
       }
     } else {
-      for (int e = 0; e < E; ++e)  // rounds: sigmoid in fp32, stored in fp32 then R
-        scores[e] = round_r<R>(static_cast<C>(1.0f / (1.0f + expf(-xf[e]))));
+      for (int e = 0; e < E; ++e)  // rounds: the score function in fp32, then held
+        scores[e] = hold(static_cast<C>(sigmoid_path_score(xf[e], a.score)), InScores);
       if (expert_bias) {
-        // The bias (fp32) only chooses; the sum is stored in promote(R, fp32).
+        // The bias (fp32) only chooses; the sum is held in promote(scores' dtype, fp32).
         C biased[kRouterMaxExperts];
-        for (int e = 0; e < E; ++e) {
-          const C v = scores[e] + static_cast<C>(expert_bias[e]);
-          biased[e] = std::is_same<C, double>::value ? v : static_cast<C>(static_cast<float>(v));
-        }
-        choose(biased);
+        for (int e = 0; e < E; ++e) biased[e] = hold(scores[e] + static_cast<C>(expert_bias[e]), InBiased);
+        choose(biased, InBiased);
       } else {
-        choose(scores);
+        choose(scores, InScores);
       }
       for (int j = 0; j < k; ++j) top[j] = scores[idx[j]];
-      if (k > 1) {  // renormalise over the k chosen: sum, + 1e-20, division, each stored in R
+      if (k > 1) {  // renormalise over the k chosen: sum, + 1e-20, division, each held
         C sum = 0;
         for (int j = 0; j < k; ++j) sum += top[j];
-        const C denom = round_r<R>(round_r<R>(sum) + static_cast<C>(1e-20));
-        for (int j = 0; j < k; ++j) top[j] = round_r<R>(top[j] / denom);
+        const C denom = hold(hold(sum, InScores) + static_cast<C>(1e-20), InScores);
+        for (int j = 0; j < k; ++j) top[j] = hold(top[j] / denom, InScores);
       }
     }
     if (a.scaling_factor != 0.0f)
-      for (int j = 0; j < k; ++j) top[j] = round_r<R>(top[j] * static_cast<C>(a.scaling_factor));  // rounds: R
+      for (int j = 0; j < k; ++j) top[j] = hold(top[j] * static_cast<C>(a.scaling_factor), InScores);  // rounds
+    for (int j = 0; j < k; ++j) top[j] = round_r<R>(top[j]);  // probs.type_as(logits): a no-op when held in R
 
     R* prow = probs + t * E;
     std::uint8_t* mrow = routing_map + t * E;
@@ -206,6 +229,12 @@ __global__ void router_topk_kernel(const R* logits, const float* expert_bias, co
         float ex[kRouterMaxExperts], sum = 0.0f;
         for (int e = 0; e < E; ++e) sum += (ex[e] = expf(xf[e] - m));
         for (int e = 0; e < E; ++e) s[e] = static_cast<C>(ex[e] / sum);
+      } else if (a.aux_scores_fp32) {
+        // the score function of logits.float(), normalised in fp32: sum, + 1e-20, division
+        float f[kRouterMaxExperts], sum = 0.0f;
+        for (int e = 0; e < E; ++e) sum += (f[e] = sigmoid_path_score(xf[e], a.score));
+        const float denom = sum + 1e-20f;
+        for (int e = 0; e < E; ++e) s[e] = static_cast<C>(f[e] / denom);
       } else {
         C sum = 0;  // sigmoid in R, then normalised: sum, + 1e-20, division, each stored in R
         for (int e = 0; e < E; ++e) sum += (s[e] = round_r<R>(static_cast<C>(1) / (static_cast<C>(1) + exp(-x[e]))));

@@ -29,6 +29,7 @@ Exit codes: 0 pass; 1 a failure, or fewer cases checked than asked; 77 Megatron-
 """
 
 import argparse
+import inspect
 import json
 import os
 import random
@@ -123,7 +124,7 @@ def draw_dense(r):
     return "dense_layer", cfg, opts
 
 
-def draw_moe(r):
+def draw_moe(r, sqrtsoftplus=False):
     cfg = {}
     _attention(r, cfg)
     _common(r, cfg)
@@ -135,6 +136,8 @@ def draw_moe(r):
     cfg["moe_grouped_gemm"] = False
     cfg["moe_ffn_hidden_size"] = 16 * r.randint(1, 8)
     score = r.choice(["softmax", "softmax", "sigmoid"])
+    if sqrtsoftplus and score == "sigmoid" and r.random() < 0.5:
+        score = "sqrtsoftplus"
     cfg["moe_router_score_function"] = score
     topk = r.randint(1, min(4, e))
     cfg["moe_router_topk"] = topk
@@ -148,7 +151,7 @@ def draw_moe(r):
             if topk <= gt * per_group:
                 cfg["moe_router_num_groups"] = g
                 cfg["moe_router_group_topk"] = gt
-    if score == "sigmoid" and r.random() < 0.5:
+    if score != "softmax" and r.random() < 0.5:
         cfg["moe_router_enable_expert_bias"] = True
     if r.random() < 0.2:
         cfg["moe_router_topk_scaling_factor"] = r.choice([1.5, 2.0])
@@ -213,12 +216,13 @@ def draw_retro(r):
     return kind, cfg, opts
 
 
-def draw(case_seed, retro=True):
+def draw(case_seed, retro=True, sqrtsoftplus=False):
     """A case: 40% dense, 35% MoE, 25% Retro; without Retro (a Megatron-Core after the January
-    pin) dense and MoE in the same proportion."""
+    pin) dense and MoE in the same proportion. With sqrtsoftplus (after the pin) half the sigmoid
+    routers use it."""
     r = random.Random(case_seed)
     u = r.random() * (1.0 if retro else 0.75)
-    kind, cfg, opts = draw_dense(r) if u < 0.4 else draw_moe(r) if u < 0.75 else draw_retro(r)
+    kind, cfg, opts = draw_dense(r) if u < 0.4 else draw_moe(r, sqrtsoftplus) if u < 0.75 else draw_retro(r)
     return kind, dict(sorted(cfg.items())), opts
 
 
@@ -383,6 +387,12 @@ def _has_retro():
     return True
 
 
+def _has_sqrtsoftplus():
+    from megatron.core.transformer.moe import moe_utils
+
+    return '"sqrtsoftplus"' in inspect.getsource(moe_utils.topk_routing_with_score_function)
+
+
 def missing_dependency(why):
     """SKIP (exit 77) for a missing dependency, or FAIL under CI=true."""
     ci = os.environ.get("CI", "").lower() == "true"
@@ -428,7 +438,7 @@ def main(argv=None):
         a.seed = int(os.environ["MEGATRON_LIVE_SEED"])
     run_seed = a.seed if a.seed is not None else int(time.time() * 1000) % (1 << 31)
     commit = state["commit"] or "unknown"
-    retro = _has_retro()
+    retro, sqrtsoftplus = _has_retro(), _has_sqrtsoftplus()
     print(f"megatron-live: run seed {run_seed} (rerun: --seed {run_seed}); Megatron-Core {commit[:8]} from {loc[0]}"
           f" ({len(state['shims'])} shims{'' if retro else '; no Retro at this commit'}); "
           f"startup {time.time() - t_start:.1f}s")  # fmt: skip
@@ -459,7 +469,7 @@ def main(argv=None):
         while checked < target and attempts < max_attempts:
             case_seed = seeds[attempts] if seeds else rng.randrange(1 << 31)
             attempts += 1
-            kind, cfg, opts = draw(case_seed, retro)
+            kind, cfg, opts = draw(case_seed, retro, sqrtsoftplus)
             path = os.path.join(workdir, f"{kind}_{case_seed}.safetensors")
             tag = f"[{checked + 1}/{target}] case {case_seed} {kind}"
             try:

@@ -13,8 +13,10 @@ void validate_moe_layer_config(const TransformerConfig& c) {
            ": the reference runs one expert-parallel rank holding every expert");
   if (c.moe_token_dispatcher_type != "allgather" && c.moe_token_dispatcher_type != "alltoall")
     reject("moe_token_dispatcher_type '" + c.moe_token_dispatcher_type + "' (allgather | alltoall)");
-  if (c.moe_router_score_function != "softmax" && c.moe_router_score_function != "sigmoid")
-    reject("moe_router_score_function '" + c.moe_router_score_function + "' (softmax | sigmoid)");
+  const std::string& fn = c.moe_router_score_function;
+  if (fn != "softmax" && fn != "sigmoid" && !(c.megatron.sqrtsoftplus && fn == "sqrtsoftplus"))
+    reject("moe_router_score_function '" + fn + "' (softmax | sigmoid" +
+           (c.megatron.sqrtsoftplus ? " | sqrtsoftplus)" : "; sqrtsoftplus came after Megatron-Core 93ddc247)"));
   if (c.moe_token_drop_policy != "probs" && c.moe_token_drop_policy != "position")
     reject("moe_token_drop_policy '" + c.moe_token_drop_policy + "' (probs | position)");
   const std::string& lb = c.moe_router_load_balancing_type;

@@ -25,6 +25,51 @@ Mat sigmoid(const Mat& x) {
   return x.unaryExpr([](double v) { return 1.0 / (1.0 + std::exp(-v)); });
 }
 
+// torch.nn.functional.softplus (beta 1, threshold 20: the input itself above it).
+Mat softplus(const Mat& x) {
+  return x.unaryExpr([](double v) { return v > 20.0 ? v : std::log1p(std::exp(v)); });
+}
+
+// The sigmoid path's scores, fp32 until stored in `sdt`: sigmoid(logits.float()), or
+// softplus(logits.float()).sqrt() (two fp32 ops).
+Mat sigmoid_path_scores(const Mat& logits, const std::string& score_function, DType sdt, const Rounding& rnd) {
+  const Mat x = rnd(DType::F32, logits);
+  if (score_function == "sqrtsoftplus") return rnd(sdt, rnd(DType::F32, rnd(DType::F32, softplus(x)).cwiseSqrt()));
+  return rnd(sdt, rnd(DType::F32, sigmoid(x)));
+}
+
+// d logits of the sigmoid path's scores from d scores (both [T, E]): the score function's backward
+// in fp32, then .float()'s backward to the router dtype.
+Mat sigmoid_path_backward(const Mat& logits, const Mat& dscores, const std::string& score_function, DType rdt,
+                          const Rounding& rnd) {
+  const Mat x = rnd(DType::F32, logits);
+  Mat dlogits(x.rows(), x.cols());
+  if (score_function == "sqrtsoftplus") {
+    const Mat y = rnd(DType::F32, rnd(DType::F32, softplus(x)).cwiseSqrt());  // the forward's output
+    for (Index i = 0; i < x.size(); ++i) {
+      const double dsp = rnd(DType::F32, dscores.data()[i] / (2.0 * y.data()[i]));  // rounds: sqrt's backward
+      const double v = x.data()[i];
+      const double d = v > 20.0 ? dsp : dsp * (1.0 / (1.0 + std::exp(-v)));  // softplus's backward
+      dlogits.data()[i] = rnd(rdt, rnd(DType::F32, d));                      // rounds: fp32, then to rdt
+    }
+    return dlogits;
+  }
+  const Mat y = rnd(DType::F32, sigmoid(x));  // the fp32 sigmoid output
+  for (Index i = 0; i < x.size(); ++i) {
+    const double v = y.data()[i];
+    dlogits.data()[i] = rnd(rdt, rnd(DType::F32, dscores.data()[i] * v * (1.0 - v)));  // rounds: fp32, then to rdt
+  }
+  return dlogits;
+}
+
+bool is_sigmoid_path(const std::string& score_function) {
+  return score_function == "sigmoid" || score_function == "sqrtsoftplus";
+}
+
+[[noreturn]] void invalid_score_function(const std::string& score_function) {
+  throw MoEError("Invalid score_function: " + score_function + " (softmax | sigmoid | sqrtsoftplus)");
+}
+
 // Result dtype of `a (dtype a) + b (dtype b)` in torch for the float dtypes used here.
 DType promote(DType a, DType b) {
   if (a == DType::F64 || b == DType::F64) return DType::F64;
@@ -174,7 +219,10 @@ Routing topk_routing_with_score_function(const Mat& logits, const RoutingOptions
     throw MoEError("a given top-k selection is [" + std::to_string(opt.selection->rows()) + ", " +
                    std::to_string(opt.selection->cols()) + "], the logits [" + std::to_string(T) + ", " +
                    std::to_string(E) + "]");
-  auto compute_topk = [&](const Mat& scores) {
+  // Scores are stored in sdt until the final cast (the pin: the router dtype throughout).
+  const DType sdt = opt.scores_fp32 ? DType::F32 : rdt;
+  // top-k over scores held in dtype `dt` (a group's score sum is stored in it).
+  auto compute_topk = [&](const Mat& scores, DType dt) {
     if (opt.selection) {  // the given experts, largest score first as torch.topk orders them
       Mat given = Mat::Constant(T, E, -std::numeric_limits<double>::infinity());
       for (Index t = 0; t < T; ++t) {
@@ -188,64 +236,67 @@ Routing topk_routing_with_score_function(const Mat& logits, const RoutingOptions
       return topk_rows(given, k);
     }
     if (opt.group_topk && *opt.group_topk)
-      return group_limited_topk(scores, k, opt.num_groups.value_or(0), *opt.group_topk, rdt, rnd);
+      return group_limited_topk(scores, k, opt.num_groups.value_or(0), *opt.group_topk, dt, rnd);
     return topk_rows(scores, k);
   };
-  // softmax(x, dtype=float32) casts x to fp32, computes in fp32; .type_as(logits) stores in rdt.
-  auto softmax_fp32 = [&](const Mat& x) { return rnd(rdt, rnd(DType::F32, softmax_rows(rnd(DType::F32, x)))); };
+  // softmax(x, dtype=float32) casts x to fp32, computes in fp32; the pin's .type_as(logits) stores in rdt.
+  auto softmax_fp32 = [&](const Mat& x) { return rnd(sdt, rnd(DType::F32, softmax_rows(rnd(DType::F32, x)))); };
 
   TopK top;
   Mat probs;  // [T, k]
   if (opt.score_function == "softmax") {
     if (opt.use_pre_softmax) {
       const Mat scores = softmax_fp32(logits);  // [T, E]
-      top = compute_topk(scores);
+      top = compute_topk(scores, sdt);
       probs = top.values;
     } else {
-      top = compute_topk(logits);
+      top = compute_topk(logits, rdt);
       probs = softmax_fp32(top.values);  // softmax over the k chosen logits
     }
-  } else if (opt.score_function == "sigmoid") {
-    const Mat scores = rnd(rdt, rnd(DType::F32, sigmoid(rnd(DType::F32, logits))));  // [T, E]
+  } else if (is_sigmoid_path(opt.score_function)) {
+    const Mat scores = sigmoid_path_scores(logits, opt.score_function, sdt, rnd);  // [T, E]
     if (expert_bias) {
       // The bias (fp32) only chooses the experts; the probabilities stay unbiased.
       Mat scores_for_routing = scores;
       for (Index t = 0; t < T; ++t)
         for (Index e = 0; e < E; ++e) scores_for_routing(t, e) += (*expert_bias)[e];
-      top = compute_topk(rnd(promote(rdt, DType::F32), scores_for_routing));
+      top = compute_topk(rnd(promote(sdt, DType::F32), scores_for_routing), promote(sdt, DType::F32));
       probs.resize(T, k);
       for (Index t = 0; t < T; ++t)
         for (int j = 0; j < k; ++j) probs(t, j) = scores(t, top.indices(t, j));
     } else {
-      top = compute_topk(scores);
+      top = compute_topk(scores, sdt);
       probs = top.values;
     }
     if (k > 1) {  // renormalise over the k selected
       for (Index t = 0; t < T; ++t) {
-        const double denom = rnd(rdt, rnd(rdt, probs.row(t).sum()) + 1e-20);
-        for (int j = 0; j < k; ++j) probs(t, j) = rnd(rdt, probs(t, j) / denom);
+        const double denom = rnd(sdt, rnd(sdt, probs.row(t).sum()) + 1e-20);
+        for (int j = 0; j < k; ++j) probs(t, j) = rnd(sdt, probs(t, j) / denom);
       }
     }
   } else {
-    throw MoEError("Invalid score_function: " + opt.score_function + " (softmax | sigmoid)");
+    invalid_score_function(opt.score_function);
   }
-  if (opt.scaling_factor && *opt.scaling_factor != 0.0) probs = rnd(rdt, Mat(probs * *opt.scaling_factor));
-  return scatter_rows(top.indices, probs, E);
+  if (opt.scaling_factor && *opt.scaling_factor != 0.0) probs = rnd(sdt, Mat(probs * *opt.scaling_factor));
+  return scatter_rows(top.indices, rnd(rdt, probs), E);  // probs.type_as(logits)
 }
 
 AuxScores compute_routing_scores_for_aux_loss(const Mat& logits, int topk, const std::string& score_function,
-                                              const std::vector<bool>* padding_mask, DType rdt, const Rounding& rnd) {
+                                              bool scores_fp32, const std::vector<bool>* padding_mask, DType rdt,
+                                              const Rounding& rnd) {
   AuxScores a;
   if (score_function == "softmax") {
     a.scores = rnd(DType::F32, softmax_rows(rnd(DType::F32, logits)));  // fp32, no type_as
-  } else if (score_function == "sigmoid") {
-    a.scores = rnd(rdt, sigmoid(logits));
-    for (Index t = 0; t < a.scores.rows(); ++t) {
-      const double denom = rnd(rdt, rnd(rdt, a.scores.row(t).sum()) + 1e-20);
-      for (Index e = 0; e < a.scores.cols(); ++e) a.scores(t, e) = rnd(rdt, a.scores(t, e) / denom);
+  } else if (is_sigmoid_path(score_function)) {
+    // The pin: torch.sigmoid(logits) in rdt; now the score function of logits.float().
+    const DType adt = scores_fp32 ? DType::F32 : rdt;
+    a.scores = scores_fp32 ? sigmoid_path_scores(logits, score_function, adt, rnd) : rnd(adt, sigmoid(logits));
+    for (Index t = 0; t < a.scores.rows(); ++t) {  // / (sum + 1e-20), in adt
+      const double denom = rnd(adt, rnd(adt, a.scores.row(t).sum()) + 1e-20);
+      for (Index e = 0; e < a.scores.cols(); ++e) a.scores(t, e) = rnd(adt, a.scores(t, e) / denom);
     }
   } else {
-    throw MoEError("Invalid score_function: " + score_function + " (softmax | sigmoid)");
+    invalid_score_function(score_function);
   }
   const TopK top = topk_rows(a.scores, topk);
   a.routing_map = scatter_rows(top.indices, top.values, logits.cols()).routing_map;
@@ -277,8 +328,9 @@ Mat topk_routing_backward(const Mat& logits, const Mat& dprobs_in, const BoolMat
                      std::to_string(selected.rows()) + ", " + std::to_string(selected.cols()) + "]");
   // The scatter's backward: only the chosen entries carry a gradient.
   Mat dprobs = dprobs_in.array() * selected.cast<double>().array();
+  const DType sdt = opt.scores_fp32 ? DType::F32 : rdt;  // the forward's scores dtype
   if (opt.scaling_factor && *opt.scaling_factor != 0.0)
-    dprobs = rnd(rdt, Mat(dprobs * *opt.scaling_factor));  // rounds: probs * scaling_factor's backward
+    dprobs = rnd(sdt, Mat(dprobs * *opt.scaling_factor));  // rounds: probs * scaling_factor's backward
   Mat dlogits = Mat::Zero(T, E);
   if (opt.score_function == "softmax") {
     for (Index t = 0; t < T; ++t) {
@@ -296,38 +348,32 @@ Mat topk_routing_backward(const Mat& logits, const Mat& dprobs_in, const BoolMat
       const Eigen::RowVectorXd dx = softmax_backward_row(y, dy, rnd);
       for (Index i = 0; i < n; ++i) dlogits(t, cols[i]) = rnd(rdt, dx[i]);  // rounds: .float()'s backward, to rdt
     }
-  } else if (opt.score_function == "sigmoid") {
-    const Mat sig32 = rnd(DType::F32, sigmoid(rnd(DType::F32, logits)));  // the fp32 sigmoid output
-    const Mat scores = rnd(rdt, sig32);                                   // .type_as(logits)
+  } else if (is_sigmoid_path(opt.score_function)) {
+    const Mat scores = sigmoid_path_scores(logits, opt.score_function, sdt, rnd);
     Mat dscores = dprobs;
     if (opt.topk > 1) {  // probs = scores / (scores.sum(-1) + 1e-20) over the k chosen
       for (Index t = 0; t < T; ++t) {
         double sum = 0.0, dot = 0.0;
         for (Index e = 0; e < E; ++e)
           if (selected(t, e)) sum += scores(t, e);
-        const double denom = rnd(rdt, rnd(rdt, sum) + 1e-20);
+        const double denom = rnd(sdt, rnd(sdt, sum) + 1e-20);
         for (Index e = 0; e < E; ++e)
           if (selected(t, e)) dot += dprobs(t, e) * scores(t, e);
-        const double ddenom = rnd(rdt, -dot / (denom * denom));  // rounds: the division's backward for the denominator
+        const double ddenom = rnd(sdt, -dot / (denom * denom));  // rounds: the division's backward for the denominator
         for (Index e = 0; e < E; ++e)
           dscores(t, e) =
-              selected(t, e) ? rnd(rdt, rnd(rdt, dprobs(t, e) / denom) + ddenom) : 0.0;  // rounds: / denom, + d denom
+              selected(t, e) ? rnd(sdt, rnd(sdt, dprobs(t, e) / denom) + ddenom) : 0.0;  // rounds: / denom, + d denom
       }
     }
-    for (Index t = 0; t < T; ++t)
-      for (Index e = 0; e < E; ++e) {
-        const double y = sig32(t, e);
-        dlogits(t, e) =
-            rnd(rdt, rnd(DType::F32, dscores(t, e) * y * (1.0 - y)));  // rounds: sigmoid_backward (fp32), to rdt
-      }
+    dlogits = sigmoid_path_backward(logits, dscores, opt.score_function, rdt, rnd);
   } else {
-    throw MoEError("Invalid score_function: " + opt.score_function + " (softmax | sigmoid)");
+    invalid_score_function(opt.score_function);
   }
   return dlogits;
 }
 
-Mat aux_scores_backward(const Mat& logits, const Mat& dscores, const std::string& score_function, DType rdt,
-                        const Rounding& rnd) {
+Mat aux_scores_backward(const Mat& logits, const Mat& dscores, const std::string& score_function, bool scores_fp32,
+                        DType rdt, const Rounding& rnd) {
   const Index T = logits.rows(), E = logits.cols();
   Mat dlogits(T, E);
   if (score_function == "softmax") {  // torch.softmax(logits, dtype=float32): fp32 output, no type_as
@@ -336,20 +382,22 @@ Mat aux_scores_backward(const Mat& logits, const Mat& dscores, const std::string
       const Eigen::RowVectorXd dx = softmax_backward_row(y.row(t), dscores.row(t), rnd);
       for (Index e = 0; e < E; ++e) dlogits(t, e) = rnd(rdt, dx[e]);  // rounds: to the logits' dtype
     }
-  } else if (score_function == "sigmoid") {  // sigmoid in rdt, / (sum + 1e-20) in rdt
-    const Mat s = rnd(rdt, sigmoid(logits));
+  } else if (is_sigmoid_path(score_function)) {  // the scores, / (sum + 1e-20), in adt
+    const DType adt = scores_fp32 ? DType::F32 : rdt;
+    const Mat s = scores_fp32 ? sigmoid_path_scores(logits, score_function, adt, rnd) : rnd(adt, sigmoid(logits));
+    Mat ds(T, E);
     for (Index t = 0; t < T; ++t) {
-      const double denom = rnd(rdt, rnd(rdt, s.row(t).sum()) + 1e-20);
+      const double denom = rnd(adt, rnd(adt, s.row(t).sum()) + 1e-20);
       double dot = 0.0;
       for (Index e = 0; e < E; ++e) dot += dscores(t, e) * s(t, e);
-      const double ddenom = rnd(rdt, -dot / (denom * denom));
-      for (Index e = 0; e < E; ++e) {
-        const double ds = rnd(rdt, rnd(rdt, dscores(t, e) / denom) + ddenom);
-        dlogits(t, e) = rnd(rdt, ds * s(t, e) * (1.0 - s(t, e)));  // rounds: sigmoid_backward
-      }
+      const double ddenom = rnd(adt, -dot / (denom * denom));
+      for (Index e = 0; e < E; ++e) ds(t, e) = rnd(adt, rnd(adt, dscores(t, e) / denom) + ddenom);
     }
+    if (scores_fp32) return sigmoid_path_backward(logits, ds, score_function, rdt, rnd);
+    for (Index t = 0; t < T; ++t)  // the pin: sigmoid's backward in rdt
+      for (Index e = 0; e < E; ++e) dlogits(t, e) = rnd(rdt, ds(t, e) * s(t, e) * (1.0 - s(t, e)));
   } else {
-    throw MoEError("Invalid score_function: " + score_function + " (softmax | sigmoid)");
+    invalid_score_function(score_function);
   }
   return dlogits;
 }

@@ -99,7 +99,10 @@ struct RoutingOptions {
   std::optional<int> num_groups;
   std::optional<int> group_topk;
   std::optional<double> scaling_factor;
-  std::string score_function = "softmax";  // softmax | sigmoid
+  std::string score_function = "softmax";  // softmax | sigmoid | sqrtsoftplus
+  // MegatronSwitches::router_scores_fp32: the scores, the sigmoid renormalisation and the scaling
+  // factor in fp32, one cast to the router dtype at the end; else each stored in the router dtype.
+  bool scores_fp32 = false;
   // Megatron's own top-k choice [T, E] (k experts per token), taken instead of the twin's: a golden
   // whose choice flipped on a near tie is compared downstream on its routing. The probabilities
   // are computed over these experts as over a choice of the twin's.
@@ -128,13 +131,16 @@ struct AuxScores {
   Mat scores;           // [T, E] full softmax (fp32) or normalised sigmoid, padding rows zero
 };
 // compute_routing_scores_for_aux_loss: the separate full-score computation the losses use.
+// `scores_fp32` (MegatronSwitches::aux_loss_scores_fp32): sigmoid and sqrtsoftplus scores and their
+// normalisation in fp32, else in the router dtype `rdt`; softmax is fp32 either way.
 AuxScores compute_routing_scores_for_aux_loss(const Mat& logits, int topk, const std::string& score_function,
-                                              const std::vector<bool>* padding_mask, DType rdt, const Rounding& rnd);
+                                              bool scores_fp32, const std::vector<bool>* padding_mask, DType rdt,
+                                              const Rounding& rnd);
 
 // Backward of compute_routing_scores_for_aux_loss's scores: dscores [T, E] (zero on padding rows,
 // whose scores the valid mask zeroed) -> d logits [T, E] in the router dtype.
-Mat aux_scores_backward(const Mat& logits, const Mat& dscores, const std::string& score_function, DType rdt,
-                        const Rounding& rnd);
+Mat aux_scores_backward(const Mat& logits, const Mat& dscores, const std::string& score_function, bool scores_fp32,
+                        DType rdt, const Rounding& rnd);
 
 // Backward of z_loss_func with the autoscaler's gradient 1.0: d logits [T, E] =
 // coeff 2 logsumexp(l_t) softmax(l_t) / (valid tokens), padding rows zero; router dtype.

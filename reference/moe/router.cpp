@@ -151,8 +151,9 @@ Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length,
                                             const std::vector<bool>* padding_mask, AuxLosses* aux_losses) {
   const Rounding rnd = Rounding::of(precision_);
   const bool with_padding_mask = padding_mask != nullptr;
-  const AuxScores aux = compute_routing_scores_for_aux_loss(logits, topk_, config_.moe_router_score_function,
-                                                            padding_mask, router_dtype_, rnd);
+  const AuxScores aux =
+      compute_routing_scores_for_aux_loss(logits, topk_, config_.moe_router_score_function,
+                                          config_.megatron.aux_loss_scores_fp32, padding_mask, router_dtype_, rnd);
   const Mat& scores_for_aux_loss = aux.scores;                // [T, E]
   const BoolMat& routing_map_for_aux_loss = aux.routing_map;  // [T, E]
   const DType loss_dt = precision_.fp32_storage_dtype();      // the losses are fp32 tensors
@@ -162,8 +163,8 @@ Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length,
   // The backward's gradient of a loss sum_e (sum_t scores[t, e]) tokens[e] scale, for the
   // autoscaler's gradient 1.0: tokens[e] scale on every non-padding row (padding rows' scores were
   // zeroed by the valid mask). The loss is in the scores' dtype: fp32 for softmax (dtype=float32),
-  // the router dtype for sigmoid.
-  const DType aux_dt = config_.moe_router_score_function == "softmax" ? DType::F32 : router_dtype_;
+  // for the sigmoid path the router dtype at the pin, fp32 since.
+  const DType aux_dt = aux_scores_dtype();
   auto add_grad = [&](const std::vector<double>& tokens, double scale, Index cols_per_row_block) {
     if (!saving_) return;
     Mat& g = saving_->aux_scores_grad ? *saving_->aux_scores_grad
@@ -220,6 +221,27 @@ Mat TopKRouter::apply_load_balancing_losses(const Mat& logits, Index seq_length,
   return scores_for_aux_loss;
 }
 
+DType TopKRouter::scores_dtype() const { return config_.megatron.router_scores_fp32 ? DType::F32 : router_dtype_; }
+
+DType TopKRouter::aux_scores_dtype() const {
+  return config_.moe_router_score_function == "softmax" || config_.megatron.aux_loss_scores_fp32 ? DType::F32
+                                                                                                 : router_dtype_;
+}
+
+void TopKRouter::count_score_rounding() const {
+  // The score function in fp32 (a reduction over the row for softmax; softplus, then sqrt for
+  // sqrtsoftplus), stored in the scores' dtype; the sigmoid path's renormalisation for top-k > 1
+  // (sum, + 1e-20, division) and the scaling factor are stores of their own; then the final cast.
+  const std::string& fn = config_.moe_router_score_function;
+  precision_.count_reduce(num_experts_);
+  precision_.count_f32();
+  if (fn == "sqrtsoftplus") precision_.count_f32();
+  const DType sdt = scores_dtype();
+  precision_.count_store(sdt, 1 + (fn != "softmax" && topk_ > 1 ? 3 : 0) +
+                                  (config_.moe_router_topk_scaling_factor.value_or(0.0) != 0.0 ? 1 : 0));
+  if (sdt != router_dtype_) precision_.count_store(router_dtype_);  // probs.type_as(logits)
+}
+
 RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
                                  AuxLosses* aux_losses, const BoolMat* recorded_routing_map) {
   if (logits.rows() != seq_length * bsz || logits.cols() != num_experts_)
@@ -258,6 +280,7 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
     opt.group_topk = config_.moe_router_group_topk;
     opt.scaling_factor = config_.moe_router_topk_scaling_factor;
     opt.score_function = config_.moe_router_score_function;
+    opt.scores_fp32 = config_.megatron.router_scores_fp32;
     opt.selection = selection;
     const Routing routed =
         topk_routing_with_score_function(logits, opt, expert_bias ? &*expert_bias : nullptr, router_dtype_, rnd);
@@ -321,12 +344,7 @@ RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz, 
   RouterOutput r = routing(logits, seq_length, bsz, padding_mask, &logged, recorded_routing_map);
   if (aux_losses)
     for (const auto& [name, v] : logged) (*aux_losses)[name] += v;
-  // Scores: the score function in fp32, stored in the router dtype; sigmoid top-k > 1 renormalises
-  // (sum, + 1e-20, division); the scaling factor is one more store.
-  precision_.count_reduce(num_experts_);
-  precision_.count_f32();
-  precision_.count_store(rdt, 1 + (config_.moe_router_score_function == "sigmoid" && topk_ > 1 ? 3 : 0) +
-                                  (config_.moe_router_topk_scaling_factor.value_or(0.0) != 0.0 ? 1 : 0));
+  count_score_rounding();
   // Probabilities move with the logits' absolute error (softmax and sigmoid are 1-Lipschitz).
   double max_logit = 0.0;
   for (Index i = 0; i < logits.size(); ++i) max_logit = std::max(max_logit, std::abs(logits.data()[i]));
@@ -343,7 +361,8 @@ RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz, 
   const RoundingCount before_log = rounding_now();
   for (const auto& [name, v] : logged) {
     const bool z = name == "z_loss";
-    precision_.count_store(rdt, z ? 5 : 4);
+    // The aux losses' stores: in the router dtype or, where coarser, in the aux scores' (fp32 with fp64 logits).
+    precision_.count_store(z || rdt != DType::F64 ? rdt : aux_scores_dtype(), z ? 5 : 4);
     precision_.count_reduce(logits.rows() + (z ? 0 : num_experts_));
     precision_.count_f32();
     taps.record_aux(name, Tensor::from_doubles(precision_.fp32_storage_dtype(), {}, {v}));  // rounds: fp32 tracker
@@ -387,16 +406,13 @@ RouterGrads TopKRouter::backward(const Mat& dprobs, const RouterSaved& saved) co
   opt.group_topk = config_.moe_router_group_topk;
   opt.scaling_factor = config_.moe_router_topk_scaling_factor;
   opt.score_function = config_.moe_router_score_function;
+  opt.scores_fp32 = config_.megatron.router_scores_fp32;
   Mat dlogits = topk_routing_backward(saved.logits, dkept, saved.selected, opt, rdt, rnd);  // [T, E]
-  // The score function: a softmax or sigmoid in fp32 (a reduction over the row), cast back; the
-  // scaling factor and sigmoid's renormalisation are stores of their own.
-  precision_.count_reduce(num_experts_);
-  precision_.count_f32();
-  precision_.count_store(rdt, 1 + (opt.score_function == "sigmoid" && topk_ > 1 ? 3 : 0) +
-                                  (opt.scaling_factor.value_or(0.0) != 0.0 ? 1 : 0));
+  count_score_rounding();
   // The losses' gradients, accumulated into the logits' gradient (autograd's sum, in rdt).
   if (saved.aux_scores_grad) {
-    const Mat d = aux_scores_backward(saved.logits, *saved.aux_scores_grad, opt.score_function, rdt, rnd);
+    const Mat d = aux_scores_backward(saved.logits, *saved.aux_scores_grad, opt.score_function,
+                                      config_.megatron.aux_loss_scores_fp32, rdt, rnd);
     dlogits = rnd(rdt, Mat(dlogits + d));  // rounds: the accumulated gradient
     precision_.count_reduce(num_experts_);
     precision_.count_store(rdt, 3);

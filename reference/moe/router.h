@@ -103,6 +103,14 @@ class TopKRouter {
   Mat apply_load_balancing_losses(const Mat& logits, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
                                   AuxLosses* aux_losses);
   void use_recorded_routing_map(RouterOutput& r, const RouterOutput& before_drop, const BoolMat& rec) const;
+  // Where the scores are stored until probs' final cast to the router dtype: fp32 since the pin
+  // (MegatronSwitches::router_scores_fp32), the router dtype at the pin.
+  DType scores_dtype() const;
+  // The aux-loss scores' and losses' dtype: fp32 for softmax; the sigmoid path's by
+  // MegatronSwitches::aux_loss_scores_fp32.
+  DType aux_scores_dtype() const;
+  // The rounding points the score function adds to probs or to their gradient.
+  void count_score_rounding() const;
 
   TransformerConfig config_;
   Precision precision_;

@@ -53,28 +53,17 @@ TEST(MegatronCommit, ThePinMeetsNoDifferenceFromItself) {
   EXPECT_EQ(unimplemented_semantics(pinned_megatron(), TransformerConfig{}, "retro_block"), "");
 }
 
-TEST(MegatronCommit, RouterScoresDifferForHalfLogitsOnTheSigmoidPreSoftmaxAndScalingPaths) {
-  // bf16 logits: sigmoid scores, pre-softmax top-k and a scaling factor round differently.
-  EXPECT_NE(unimplemented_semantics(current(), moe("sigmoid", true), "moe_layer").find("router scores"),
-            std::string::npos);
-  TransformerConfig pre = moe("softmax", true);
-  pre.moe_router_pre_softmax = true;
-  EXPECT_NE(unimplemented_semantics(current(), pre, "moe_layer").find("router scores"), std::string::npos);
-  TransformerConfig scaled = moe("softmax", true);
-  scaled.moe_router_topk_scaling_factor = 1.5;
-  EXPECT_NE(unimplemented_semantics(current(), scaled, "moe_layer").find("router scores"), std::string::npos);
-  // The same in fp32 logits, or the default softmax after top-k in bf16: the same numbers.
-  EXPECT_EQ(unimplemented_semantics(current(), moe("sigmoid", false), "moe_layer"), "");
-  TransformerConfig fp32_router = moe("sigmoid", true);
-  fp32_router.moe_router_dtype = "fp32";
-  EXPECT_EQ(unimplemented_semantics(current(), fp32_router, "moe_layer"), "");
-  EXPECT_EQ(unimplemented_semantics(current(), moe("softmax", true), "moe_layer"), "");
+TEST(MegatronCommit, ThePinHasEverySwitchOffAndTheCurrentCommitEveryOne) {
+  const MegatronSwitches pin = pinned_megatron().switches, now = current().switches;
+  EXPECT_FALSE(pin.router_scores_fp32 || pin.aux_loss_scores_fp32 || pin.sqrtsoftplus);
+  EXPECT_TRUE(now.router_scores_fp32 && now.aux_loss_scores_fp32 && now.sqrtsoftplus);
+  // A config not held to any golden is the pin's.
+  const MegatronSwitches unset = TransformerConfig{}.megatron;
+  EXPECT_FALSE(unset.router_scores_fp32 || unset.aux_loss_scores_fp32 || unset.sqrtsoftplus);
 }
 
-TEST(MegatronCommit, RetroSqrtsoftplusFp32ResidualAndPerTokenAuxScale) {
+TEST(MegatronCommit, RetroAndAnFp32ResidualInAHalfLayerAreRefusedAtTheCurrentCommit) {
   EXPECT_NE(unimplemented_semantics(current(), TransformerConfig{}, "retro_decoder_layer").find("Retro"),
-            std::string::npos);
-  EXPECT_NE(unimplemented_semantics(current(), moe("sqrtsoftplus", false), "moe_layer").find("sqrtsoftplus"),
             std::string::npos);
   TransformerConfig residual = moe("softmax", true);
   residual.num_moe_experts.reset();
@@ -84,14 +73,8 @@ TEST(MegatronCommit, RetroSqrtsoftplusFp32ResidualAndPerTokenAuxScale) {
   residual.bf16 = false;
   residual.params_dtype = "float32";  // an fp32 layer's residual is fp32 either way
   EXPECT_EQ(unimplemented_semantics(current(), residual, "dense_layer"), "");
-  TransformerConfig per_token = moe("softmax", false);
-  per_token.calculate_per_token_loss = true;
-  per_token.moe_router_load_balancing_type = "seq_aux_loss";
-  per_token.moe_aux_loss_coeff = 0.01;
-  EXPECT_EQ(unimplemented_semantics(current(), per_token, "moe_layer"), "");  // one sequence, one rank
-  per_token.micro_batch_size = 2;
-  EXPECT_NE(unimplemented_semantics(current(), per_token, "moe_layer").find("calculate_per_token_loss"),
-            std::string::npos);
+  // The router's differences are switches both twins read, not refusals.
+  EXPECT_EQ(unimplemented_semantics(current(), moe("sqrtsoftplus", true), "moe_layer"), "");
 }
 
 TEST(MegatronCommit, AFieldTheCommitNoLongerHasIsAnErrorUnlessAtItsOldDefault) {

@@ -38,13 +38,15 @@ struct RouterCase {
   double scaling = 0.0;
   bool expert_bias = false;
   bool given_selection = false;  // a golden's top-k choice (random here) instead of the top-k's
+  bool current = false;          // Megatron-Core d98e8a64's switches (fp32 scores; sqrtsoftplus), else the pin's
   std::int64_t T = 16;
   std::uint64_t seed = 0;
   std::string id() const {
     return fmt::format(
-        "router(dtype={},E={},k={},score={},pre={},groups={},gtopk={},scale={},bias={},sel={},T={},seed={})",
+        "router(dtype={},E={},k={},score={},pre={},groups={},gtopk={},scale={},bias={},sel={},T={},megatron={},seed={}"
+        ")",
         twin::test::dt_name(dt), E, topk, score, pre_softmax ? 1 : 0, num_groups, group_topk, scaling,
-        expert_bias ? 1 : 0, given_selection ? 1 : 0, T, seed);
+        expert_bias ? 1 : 0, given_selection ? 1 : 0, T, current ? "d98e8a64" : "93ddc247", seed);
   }
 };
 
@@ -74,6 +76,8 @@ RouterCase random_case(std::uint64_t seed) {
   c.expert_bias = c.score == "sigmoid" && pick(0, 1);
   c.T = pick(1, 40);
   c.given_selection = pick(0, 3) == 0;
+  c.current = pick(0, 1);
+  if (c.current && c.score == "sigmoid" && pick(0, 1)) c.score = "sqrtsoftplus";
   return c;
 }
 
@@ -121,7 +125,10 @@ TEST(MoEKernels, FusedRouterEqualsReferenceSteps) {
     a.tokens = c.T;
     a.experts = c.E;
     a.topk = c.topk;
-    a.score = c.score == "sigmoid" ? twin::opt::ScoreFunction::Sigmoid : twin::opt::ScoreFunction::Softmax;
+    a.score = c.score == "sigmoid"        ? twin::opt::ScoreFunction::Sigmoid
+              : c.score == "sqrtsoftplus" ? twin::opt::ScoreFunction::SqrtSoftplus
+                                          : twin::opt::ScoreFunction::Softmax;
+    a.scores_fp32 = a.aux_scores_fp32 = c.current;
     a.pre_softmax = c.pre_softmax;
     a.num_groups = c.num_groups;
     a.group_topk = c.group_topk;
@@ -154,20 +161,30 @@ TEST(MoEKernels, FusedRouterEqualsReferenceSteps) {
     }
     if (c.scaling != 0.0) opt.scaling_factor = c.scaling;
     opt.score_function = c.score;
+    opt.scores_fp32 = c.current;
     if (c.given_selection) opt.selection = &selection;
     const ref::Mat L = to_mat(logits, c.T, c.E);
     const ref::Routing r = ref::topk_routing_with_score_function(L, opt, c.expert_bias ? &eb : nullptr, c.dt, rnd);
     std::vector<bool> padding(pad.begin(), pad.end());
-    const ref::AuxScores ax = ref::compute_routing_scores_for_aux_loss(L, c.topk, c.score, &padding, c.dt, rnd);
+    const ref::AuxScores ax =
+        ref::compute_routing_scores_for_aux_loss(L, c.topk, c.score, c.current, &padding, c.dt, rnd);
 
     // Bound on probabilities: both compute the same formula from the same logits; the kernel's
     // fp32 expf and division may each be an ulp off where the reference rounds the exact value
     // once (3 stores: exp, division, the store in the router dtype), plus the renormalisation's
     // three stores and the scaling's one, and an fp32 sum over the E experts; relative to the
-    // probability scale (<= 1, x the scaling factor).
-    const int stores = 3 + (c.score == "sigmoid" && c.topk > 1 ? 3 : 0) + (c.scaling != 0.0 ? 1 : 0);
+    // probability scale (<= 1, x the scaling factor). Megatron-Core d98e8a64 holds them in fp32 and
+    // stores once in the router dtype: one store in dt, the rest in fp32.
+    const bool sigmoid_path = c.score != "softmax";
+    const int stores =
+        3 + (sigmoid_path && c.topk > 1 ? 3 : 0) + (c.scaling != 0.0 ? 1 : 0) + (c.score == "sqrtsoftplus" ? 1 : 0);
     const double scale = c.scaling != 0.0 ? c.scaling : 1.0;
-    const Tolerance tol = parity::op_bound(c.dt, stores, c.E, scale);
+    Tolerance tol = parity::op_bound(c.dt, c.current ? 1 : stores, c.E, scale);
+    if (c.current) {
+      const Tolerance in_fp32 = parity::op_bound(DType::F32, stores, c.E, scale);
+      tol.atol += in_fp32.atol;
+      tol.rtol += in_fp32.rtol;
+    }
     for (std::int64_t i = 0; i < c.T * c.E; ++i) {
       ASSERT_EQ(map.at_f64(i) != 0.0, r.routing_map.data()[i])
           << "routing_map at token " << i / c.E << " expert " << i % c.E;
@@ -175,9 +192,11 @@ TEST(MoEKernels, FusedRouterEqualsReferenceSteps) {
       ASSERT_LE(std::abs(probs.at_f64(i) - r.probs.data()[i]), tol.atol + tol.rtol * std::abs(r.probs.data()[i]))
           << "probs at " << i << ": " << tol.reason;
       ASSERT_EQ(aux_map.at_f64(i) != 0.0, ax.routing_map.data()[i]) << "aux routing_map at " << i;
-      // The aux scores: fp32 softmax (stored in fp32) or the normalised sigmoid (four stores in dt).
-      const Tolerance at =
-          c.score == "softmax" ? parity::op_bound(DType::F32, 3, c.E, 1.0) : parity::op_bound(c.dt, 4, c.E, 1.0);
+      // The aux scores: fp32 softmax (stored in fp32) or the normalised sigmoid path (four stores in
+      // dt; in fp32 at d98e8a64, one more for sqrtsoftplus).
+      const Tolerance at = !sigmoid_path ? parity::op_bound(DType::F32, 3, c.E, 1.0)
+                           : c.current   ? parity::op_bound(DType::F32, c.score == "sqrtsoftplus" ? 5 : 4, c.E, 1.0)
+                                         : parity::op_bound(c.dt, 4, c.E, 1.0);
       ASSERT_LE(std::abs(aux.at_f64(i) - ax.scores.data()[i]), at.atol + at.rtol * std::abs(ax.scores.data()[i]))
           << "aux scores at " << i << ": " << at.reason;
     }

@@ -124,18 +124,34 @@ TEST(TwinCliFixtures, TheGoldensMegatronCommitPicksTheSemantics) {
   EXPECT_EQ(own.code, 0) << own.out << own.err;
   for (const auto& line : lines(own.out)) EXPECT_EQ(json::parse(line)["megatron"], "d98e8a64 (August 2026)") << line;
 
-  // bf16 sigmoid router scores: the current commit rounds them once, the pin at each step.
-  const std::string sigmoid_bf16 = fixtures_dir() + "/random/moe_p028.safetensors";
-  const TwinRun pin = run_twin("fixture --json --twin both " + quote(sigmoid_bf16));
-  EXPECT_EQ(pin.code, 0) << pin.out << pin.err;
-  const TwinRun held = run_twin("fixture --json --twin both --megatron d98e8a64 " + quote(sigmoid_bf16));
-  EXPECT_EQ(held.code, 3) << held.out << held.err;
-  for (const auto& line : lines(held.out)) {
-    const json v = json::parse(line);
-    EXPECT_EQ(v["status"], "unsupported") << line;
-    EXPECT_NE(v["message"].get<std::string>().find("router scores kept in fp32"), std::string::npos) << line;
-    EXPECT_NE(v["message"].get<std::string>().find("d98e8a64"), std::string::npos) << line;
+  // bf16 sigmoid router scores: the current commit rounds them once, the pin at each step. One
+  // layer captured on each commit passes at its own commit and fails under the other's, on the
+  // first tensor the switches change (the router's probabilities).
+  const std::string current_sigmoid = fixtures_dir() + "/d98e8a64/moe_bf16_sigmoid_top2_aux.safetensors";
+  const std::string pin_sigmoid = fixtures_dir() + "/d98e8a64/upgrade/moe_bf16_sigmoid_top2_aux.93ddc247.safetensors";
+  for (const auto& [golden, other] : {std::pair{current_sigmoid, "93ddc247"}, std::pair{pin_sigmoid, "d98e8a64"}}) {
+    const TwinRun own_commit = run_twin("fixture --json --twin both " + quote(golden));
+    EXPECT_EQ(own_commit.code, 0) << own_commit.out << own_commit.err;
+    const TwinRun held = run_twin("fixture --json --twin both --megatron " + std::string(other) + " " + quote(golden));
+    EXPECT_EQ(held.code, 1) << held.out << held.err;
+    for (const auto& line : lines(held.out)) {
+      const std::string message = json::parse(line)["message"].get<std::string>();
+      EXPECT_EQ(message.rfind("1 of ", 0), 0u) << line;
+      EXPECT_NE(message.find("first: tap.mlp.router.0 (semantics differ between Megatron-Core " + std::string(other)),
+                std::string::npos)
+          << line;
+    }
   }
+  // twin diff of the two captures says the semantics differ, naming the first changed tensor.
+  const TwinRun diff = run_twin("diff " + quote(pin_sigmoid) + " " + quote(current_sigmoid));
+  EXPECT_EQ(diff.code, 1) << diff.out << diff.err;
+  EXPECT_NE(diff.out.find("SEMANTICS DIFFER: semantics differ between these commits (93ddc247 (January 2026) -> "
+                          "d98e8a64 (August 2026)): first changed tensor tap.mlp.router.0"),
+            std::string::npos)
+      << diff.out;
+  const TwinRun same_commit = run_twin("diff " + quote(current_sigmoid) + " " + quote(current_sigmoid));
+  EXPECT_EQ(same_commit.code, 0) << same_commit.out;
+  EXPECT_EQ(same_commit.out.find("semantics"), std::string::npos) << same_commit.out;
   const TwinRun retro = run_twin("fixture --json --megatron d98e8a64ddf3 " +
                                  quote(fixtures_dir() + "/retro_first_layer_divisible.safetensors"));
   EXPECT_EQ(statuses(retro),
