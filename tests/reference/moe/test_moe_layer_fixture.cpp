@@ -70,10 +70,11 @@ TEST(MoELayerFixture, OwnTieRuleDiffersFromTheRecordedMapOnlyAmongTies) {
   int tie_dependent = 0;
   for (const std::string& path : moe_fixture_paths()) {
     const Fixture f = load_fixture(path);
-    if (f.meta("tie_break_dependent") != "true") continue;
+    // Tie-dependent without a capacity: the top-k itself chose among tied scores (the pin's bf16
+    // router scores), which the golden-routing rule covers (parity/routing_ties.h), not this one.
+    if (f.meta("tie_break_dependent") != "true" || !f.config.moe_expert_capacity_factor) continue;
     ++tie_dependent;
     SCOPED_TRACE(path);
-    ASSERT_TRUE(f.config.moe_expert_capacity_factor) << "a tie-dependent drop needs an expert capacity";
     const Tensor& x = f.tensor("tap.pre_mlp_layernorm");
     const Index s = x.size(0), b = x.size(1), h = x.size(2);
     auto route = [&](const TransformerConfig& config) {  // (probs, routing map), each [T, E]
