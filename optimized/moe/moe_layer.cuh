@@ -56,6 +56,41 @@ inline std::int64_t routed_rows_bound(const MoEPlan& p) {
   return p.drop && p.pad_to_capacity ? p.E * expert_capacity(T * p.topk, p.E, p.capacity_factor) : T * p.topk;
 }
 
+// apply_router_token_dropping: each expert keeps at most its capacity of tokens; a golden's
+// recorded post-drop map, checked to be an outcome the capacity rule allows, replaces the twin's.
+inline void moe_capacity_drop(MoEPlan& p, std::int64_t T, cudaStream_t st) {
+  const int E = p.E;
+  const DType rdt = p.rdt;
+  const std::int64_t capacity = expert_capacity(T * p.topk, E, p.capacity_factor);
+  router_capacity_forward(rdt, p.probs_pre, p.map_pre, p.probs, p.routing_map, T, E, capacity,
+                          p.drop_by_probs ? "probs" : "position", p.pad_to_capacity, st);
+  if (p.recorded_map) {
+    if (p.capturing) throw std::invalid_argument("a recorded routing map is checked on the host: not in a graph");
+    // A golden's post-drop map (torch.topk's order among ties): a valid outcome keeps each
+    // expert's count and, unless padding, only pairs the top-k chose; then it is the map.
+    std::vector<std::uint8_t> pre(std::size_t(T * E)), post(std::size_t(T * E));
+    moe_download(pre.data(), p.map_pre, pre.size(), st);
+    moe_download(post.data(), p.routing_map, post.size(), st);
+    for (int e = 0; e < E; ++e) {
+      std::int64_t rec = 0, mine = 0;
+      for (std::int64_t t = 0; t < T; ++t) {
+        rec += p.recorded_map[t * E + e] != 0;
+        mine += post[std::size_t(t * E + e)];
+        if (!p.pad_to_capacity && p.recorded_map[t * E + e] && !pre[std::size_t(t * E + e)])
+          throw std::invalid_argument("recorded routing map routes token " + std::to_string(t) + " to expert " +
+                                      std::to_string(e) + ", which its top-k did not choose");
+      }
+      if (rec != mine)
+        throw std::invalid_argument("recorded routing map gives expert " + std::to_string(e) + " " +
+                                    std::to_string(rec) + " tokens, the capacity rule gives " + std::to_string(mine));
+    }
+    rt::device(this_backend()).copy(p.routing_map, p.recorded_map, std::size_t(T * E), rt::CopyKind::HostToDevice, st);
+    // probs = probs before the drop, masked by the recorded map: the pad path (pad_to_capacity
+    // false, capacity >= T) of the capacity kernel with the recorded map as its input map.
+    router_capacity_forward(rdt, p.probs_pre, p.routing_map, p.probs, p.routing_map, T, E, T + 1, "probs", false, st);
+  }
+}
+
 inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
   attention_forward_impl(p.attn, st);
   const RankPlan& a = p.attn;
@@ -146,37 +181,7 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
     la.loss_dtype = loss_dtype_code(rdt);
     router_loss_forward(p.aux_scores, p.aux_map, p.z, p.padding, la, p.loss_scratch, p.losses + 1, st);
   }
-  if (p.drop) {
-    const std::int64_t capacity = expert_capacity(T * p.topk, E, p.capacity_factor);
-    router_capacity_forward(rdt, p.probs_pre, p.map_pre, p.probs, p.routing_map, T, E, capacity,
-                            p.drop_by_probs ? "probs" : "position", p.pad_to_capacity, st);
-    if (p.recorded_map) {
-      if (p.capturing) throw std::invalid_argument("a recorded routing map is checked on the host: not in a graph");
-      // A golden's post-drop map (torch.topk's order among ties): a valid outcome keeps each
-      // expert's count and, unless padding, only pairs the top-k chose; then it is the map.
-      std::vector<std::uint8_t> pre(std::size_t(T * E)), post(std::size_t(T * E));
-      moe_download(pre.data(), p.map_pre, pre.size(), st);
-      moe_download(post.data(), p.routing_map, post.size(), st);
-      for (int e = 0; e < E; ++e) {
-        std::int64_t rec = 0, mine = 0;
-        for (std::int64_t t = 0; t < T; ++t) {
-          rec += p.recorded_map[t * E + e] != 0;
-          mine += post[std::size_t(t * E + e)];
-          if (!p.pad_to_capacity && p.recorded_map[t * E + e] && !pre[std::size_t(t * E + e)])
-            throw std::invalid_argument("recorded routing map routes token " + std::to_string(t) + " to expert " +
-                                        std::to_string(e) + ", which its top-k did not choose");
-        }
-        if (rec != mine)
-          throw std::invalid_argument("recorded routing map gives expert " + std::to_string(e) + " " +
-                                      std::to_string(rec) + " tokens, the capacity rule gives " + std::to_string(mine));
-      }
-      rt::device(this_backend())
-          .copy(p.routing_map, p.recorded_map, std::size_t(T * E), rt::CopyKind::HostToDevice, st);
-      // probs = probs before the drop, masked by the recorded map: the pad path (pad_to_capacity
-      // false, capacity >= T) of the capacity kernel with the recorded map as its input map.
-      router_capacity_forward(rdt, p.probs_pre, p.routing_map, p.probs, p.routing_map, T, E, T + 1, "probs", false, st);
-    }
-  }
+  if (p.drop) moe_capacity_drop(p, T, st);
   if (p.aux_kind) {
     LossArgs la;
     la.kind = *p.aux_kind;
