@@ -40,6 +40,12 @@ struct Io<__half> {
   __host__ __device__ static float load(__half x) { return __half2float(x); }
   __host__ __device__ static __half store(float x) { return __float2half(x); }
 };
+// fp64: the router dtype moe_router_dtype="fp64" (its values pass through unrounded).
+template <>
+struct Io<double> {
+  __host__ __device__ static double load(double x) { return x; }
+  __host__ __device__ static double store(double x) { return x; }
+};
 // Rounds an fp32 value to T and back: "stored in T" in the middle of a fused computation.
 template <class T>
 __host__ __device__ inline float round_to(float x) {

@@ -33,12 +33,6 @@ namespace twin::opt::TWIN_BACKEND {
 // At most this many experts per router (per-thread arrays of the fused kernel).
 constexpr int kRouterMaxExperts = kMaxRouterExperts;
 
-template <>
-struct Io<double> {
-  __host__ __device__ static double load(double x) { return x; }
-  __host__ __device__ static double store(double x) { return x; }
-};
-
 // The arithmetic type of router-dtype math: double for an fp64 router, else fp32.
 template <class R>
 using RouterCompute = std::conditional_t<std::is_same<R, double>::value, double, float>;
@@ -509,6 +503,39 @@ inline void gating_fp64(const double* x, const double* w, const double* bias, do
                 logits, T, E, h);
 }
 
+// fp64 gating's backward: dx [T, h] = dlogits [T, E] @ w [E, h]; dw [E, h] = dlogits^T @ x [T, h];
+// each sum in double in index order (one thread per output element).
+static __global__ void gating_fp64_backward_kernel(const double* dlogits, const double* w, const double* x, double* dx,
+                                                   double* dw, std::int64_t T, int E, int h) {
+  const std::int64_t n_dx = T * h, n = n_dx + std::int64_t(E) * h;
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    double s = 0.0;
+    if (i < n_dx) {
+      const std::int64_t t = i / h, j = i % h;
+      for (int e = 0; e < E; ++e) s += dlogits[t * E + e] * w[std::int64_t(e) * h + j];
+      dx[i] = s;
+    } else {
+      const std::int64_t e = (i - n_dx) / h, j = (i - n_dx) % h;
+      for (std::int64_t t = 0; t < T; ++t) s += dlogits[t * E + e] * x[t * h + j];
+      dw[i - n_dx] = s;
+    }
+  }
+}
+
+// Launcher: fp64 gating's backward, dx [T, h] and dw [E, h] from dlogits [T, E].
+inline void gating_fp64_backward(const double* dlogits, const double* w, const double* x, double* dx, double* dw,
+                                 std::int64_t T, int E, int h, cudaStream_t stream) {
+  // cost: d logits read twice, the weight and the input once, both gradients written; a
+  // multiply-add per (token, expert, column) for each.
+  rt::declare_cost("gating_fp64_backward", 8.0 * (2.0 * T * E + 2.0 * T * h + 2.0 * E * h), 4.0 * T * E * h);
+  const std::int64_t n = T * h + std::int64_t(E) * h;
+  if (T == 0) return;
+  const unsigned threads = elementwise_threads(n);
+  launch_kernel(gating_fp64_backward_kernel, dim3(elementwise_blocks(n, threads)), dim3(threads), 0, stream, dlogits, w,
+                x, dx, dw, T, E, h);
+}
+
 // A dtype cast of n elements (the gating input into the router dtype).
 template <class A, class B>
 __global__ void cast_kernel(const A* in, B* out, std::int64_t n) {
@@ -529,6 +556,350 @@ inline void cast_forward(DType from, DType to, const void* in, void* out, std::i
       launch_kernel(cast_kernel<A, B>, dim3(elementwise_blocks(n, threads)), dim3(threads), 0, stream,
                     static_cast<const A*>(in), static_cast<B*>(out), n);
     });
+  });
+}
+
+// ---- backward --------------------------------------------------------------------------------
+// TopKRouter's backward before the gating GEMM (reference TopKRouter::backward; autograd through
+// moe_utils.py topk_routing_with_score_function, compute_routing_scores_for_aux_loss, z_loss_func
+// and MoEAuxLossAutoScaler, which hands each loss the gradient 1.0):
+//  - router_aux_scores_grad: the load-balancing losses' gradient of the aux-loss scores (what the
+//    reference's forward stores as saved.aux_scores_grad), loss by loss: one block counts the aux
+//    map's columns and finishes the loss's scale, then one thread per token adds its row.
+//  - router_topk_backward: one thread per token: the capacity drop's and the scatter's masks, the
+//    scaling factor's backward, the score function's (softmax over the row or the k chosen; the
+//    sigmoid path's renormalisation, then its score function), then the aux scores' backward and
+//    the z-loss's, each added into the logits' gradient in R.
+// Sums run in index order in one thread: no atomics, two runs give the same bits.
+
+// Threads per block of the backward kernels (elementwise_threads' largest block).
+constexpr int kRouterBackwardThreads = 256;
+
+struct RouterBackwardArgs {
+  std::int64_t tokens = 0;  // T
+  int experts = 0;          // E
+  int topk = 1;
+  ScoreFunction score = ScoreFunction::Softmax;
+  bool pre_softmax = false;
+  float scaling_factor = 0.0f;   // 0: none
+  bool scores_fp32 = false;      // MegatronSwitches::router_scores_fp32 (the forward's scores dtype: fp32, else R)
+  bool aux_scores_fp32 = false;  // MegatronSwitches::aux_loss_scores_fp32
+  bool z_loss = false;           // add the z-loss's gradient
+  double z_coeff = 0.0;
+};
+
+// The aux-loss scores' (and their losses') dtype: fp32 for softmax (softmax(..., dtype=float32)) or
+// with aux_loss_scores_fp32, else the router dtype (reference TopKRouter::aux_scores_dtype).
+inline DType router_aux_scores_dtype(DType rdt, ScoreFunction score, bool aux_scores_fp32) {
+  return score == ScoreFunction::Softmax || aux_scores_fp32 ? DType::F32 : rdt;
+}
+
+// The sigmoid path's score function backward of one element (reference sigmoid_path_backward): x
+// the fp32 logit, ds d score. sigmoid: ds y (1 - y) from the fp32 output y; sqrtsoftplus: sqrt's
+// backward ds / (2 y) stored in fp32, then softplus's (the identity's above the threshold 20, else
+// times sigmoid(x)). Returns the value stored in fp32 (the caller stores it in R: .float()'s backward).
+template <class C>
+__host__ __device__ inline C sigmoid_path_grad(C ds, float x, ScoreFunction score) {
+  const C y = static_cast<C>(sigmoid_path_score(x, score));  // the forward's fp32 output
+  if (score == ScoreFunction::SqrtSoftplus) {
+    const C dsp = round_f32(ds / (static_cast<C>(2) * y));  // rounds: sqrt's backward, fp32
+    return round_f32(x > 20.0f ? dsp : dsp * static_cast<C>(1.0f / (1.0f + expf(-x))));  // rounds: fp32
+  }
+  return round_f32(ds * y * (static_cast<C>(1) - y));  // rounds: fp32
+}
+
+// aux_map's column counts of one loss (Megatron get_tokens_per_expert_and_token_count), one block:
+// one thread per column adds its rows in row order (padding rows skipped), thread 0 finishes the
+// token count and the loss's scale E coeff / (k total^2) (/ b for seq_aux_loss) stored in the aux
+// scores' dtype (aux_dt: round_loss's code). scratch[c] ends holding the tokens the gradient of
+// column c uses (the count, or for global_aux_loss the running sum / ga_steps), scratch[cols] the
+// scale. Columns as router_loss_kernel: E, or with seq_aux_loss the [s, b * E] view.
+// rounds: the scale, in the aux scores' dtype (the counts are exact).
+static __global__ void router_aux_counts_kernel(const std::uint8_t* aux_map, const std::uint8_t* padding, LossArgs a,
+                                                int aux_dt, double* scratch) {
+  const int E = a.experts;
+  const bool seq = a.kind == AuxLossKind::SeqAuxLoss;
+  const int cols = seq ? a.bsz * E : E;
+  const std::int64_t rows = seq ? a.tokens / a.bsz : a.tokens;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    double n = 0.0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t i = r * cols + c;  // = t * E + e
+      if (padding && padding[i / E]) continue;
+      n += aux_map[i] ? 1.0 : 0.0;
+    }
+    scratch[c] = n;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double routed = 0.0;
+    for (int c = 0; c < cols; ++c) routed += scratch[c];
+    const int topk_cols = seq ? a.topk * a.bsz : a.topk;
+    const double total = a.with_padding_mask ? routed / topk_cols : static_cast<double>(rows);
+    double scale = E * a.coeff / (a.topk * total * total);  // the reference's expression, in its order
+    if (seq) scale /= static_cast<double>(a.bsz);
+    scratch[cols] = round_loss(scale, aux_dt);
+  }
+  __syncthreads();
+  if (a.kind == AuxLossKind::GlobalAuxLoss)
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) scratch[c] = a.global_tokens[c] / a.ga_steps;
+}
+
+// One thread per token: aux_grad[t, e] (+)= scale x tokens[column of (t, e)] (reference
+// apply_load_balancing_losses' add_grad); padding rows stay 0. first: the row is written (the
+// gradient starts at zero), else added to.
+// rounds: the product, then the sum, each in the aux scores' dtype (aux_dt: round_loss's code).
+static __global__ void router_aux_grad_kernel(const std::uint8_t* padding, const double* scratch, LossArgs a,
+                                              int aux_dt, bool first, float* aux_grad) {
+  const int E = a.experts;
+  const bool seq = a.kind == AuxLossKind::SeqAuxLoss;
+  const int cols = seq ? a.bsz * E : E;
+  for (std::int64_t t = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < a.tokens;
+       t += std::int64_t(gridDim.x) * blockDim.x) {
+    float* g = aux_grad + t * E;  // [E]
+    if (padding && padding[t]) {
+      if (first)
+        for (int e = 0; e < E; ++e) g[e] = 0.0f;
+      continue;
+    }
+    const double scale = scratch[cols];
+    const double* tokens = scratch + (seq ? (t % a.bsz) * E : 0);  // token t = s_idx * b + b_idx: block b_idx
+    for (int e = 0; e < E; ++e) {
+      const double v = round_loss(scale * tokens[e], aux_dt);                       // rounds: the product
+      g[e] = static_cast<float>(first ? v : round_loss(double(g[e]) + v, aux_dt));  // rounds: the sum
+    }
+  }
+}
+
+// One thread per token (reference TopKRouter::backward before the gating GEMM: the capacity drop's
+// mask, topk_routing_backward, aux_scores_backward, z_loss_backward, autograd's sums).
+// rounds: the scaling factor's backward (scores dtype); softmax: its backward in fp32 (the output
+// y recomputed in fp32, dx = y (dy - sum dy y)), stored in fp32 then in R; sigmoid path with k > 1:
+// the renormalisation's backward d / denom and d denom = -sum(dp s) / denom^2 and their sum, each
+// in the scores dtype (the forward's scores, sum and + 1e-20 recomputed as it stored them), then
+// the score function's backward in fp32 and the store in R; the aux scores' backward the same way
+// in the aux scores' dtype (the pin's sigmoid in R: ds s (1 - s) in R), then the sum in R; the
+// z-loss: coeff / count, logsumexp, 2 lse dvalue, dlse exp(x - lse) and the sum, each in R.
+template <class R>
+__global__ void router_topk_backward_kernel(const R* logits, const R* dprobs, const std::uint8_t* routing_map,
+                                            const std::uint8_t* selected, const float* aux_grad,
+                                            const std::uint8_t* padding, R* dlogits, RouterBackwardArgs a) {
+  using C = RouterCompute<R>;
+  const int E = a.experts, k = a.topk;
+  // The z-loss is a mean over the non-padding tokens (at least 1): every block counts them (an
+  // integer count: the order does not matter), before any thread leaves.
+  double z_count = static_cast<double>(a.tokens);
+  if (a.z_loss && padding) {
+    __shared__ long long partial[kRouterBackwardThreads];
+    long long n = 0;
+    for (std::int64_t t = threadIdx.x; t < a.tokens; t += blockDim.x) n += padding[t] ? 0 : 1;
+    partial[threadIdx.x] = n;
+    __syncthreads();
+    long long total = 0;
+    for (unsigned i = 0; i < blockDim.x; ++i) total += partial[i];
+    z_count = total > 1 ? static_cast<double>(total) : 1.0;
+  }
+  // rounds: the mean's backward, coeff / count: the coefficient stored in R, the quotient (in
+  // double, then stored once in R, as the reference's) in R
+  const C dvalue = round_r<R>(static_cast<C>(static_cast<double>(round_r<R>(static_cast<C>(a.z_coeff))) / z_count));
+
+  auto hold_s = [&](C v) -> C { return a.scores_fp32 ? round_f32(v) : round_r<R>(v); };      // scores dtype
+  auto hold_a = [&](C v) -> C { return a.aux_scores_fp32 ? round_f32(v) : round_r<R>(v); };  // aux (sigmoid path)
+  for (std::int64_t t = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < a.tokens;
+       t += std::int64_t(gridDim.x) * blockDim.x) {
+    const R* lrow = logits + t * E;  // [E]
+    const R* prow = dprobs + t * E;  // [E]
+    C x[kRouterMaxExperts];          // the logits
+    float xf[kRouterMaxExperts];     // cast to fp32
+    C dp[kRouterMaxExperts];         // d probs through the drop's and the scatter's masks, x scaling factor
+    bool sel[kRouterMaxExperts];
+    for (int e = 0; e < E; ++e) {
+      x[e] = static_cast<C>(Io<R>::load(lrow[e]));
+      xf[e] = static_cast<float>(x[e]);
+      sel[e] = selected[t * E + e] != 0;
+      dp[e] = routing_map[t * E + e] && sel[e] ? static_cast<C>(Io<R>::load(prow[e])) : static_cast<C>(0);
+      if (a.scaling_factor != 0.0f) dp[e] = hold_s(dp[e] * static_cast<C>(a.scaling_factor));  // rounds: scores dt
+    }
+    // softmax's backward over n fp32 inputs in[] (recomputing its fp32 output y) from dy[]:
+    // out[i] = y_i (dy_i - sum_j dy_j y_j), stored in fp32.
+    auto softmax_grad = [&](const float* in, const C* dy, int n, C* out) {
+      float m = in[0];
+      for (int i = 1; i < n; ++i) m = fmaxf(m, in[i]);
+      float ex[kRouterMaxExperts], sum = 0.0f;
+      for (int i = 0; i < n; ++i) sum += (ex[i] = expf(in[i] - m));
+      C dot = 0;
+      for (int i = 0; i < n; ++i) dot += dy[i] * static_cast<C>(ex[i] / sum);
+      for (int i = 0; i < n; ++i) out[i] = round_f32(static_cast<C>(ex[i] / sum) * (dy[i] - dot));  // rounds: fp32
+    };
+
+    C d[kRouterMaxExperts];  // d logits, in R
+    if (a.score == ScoreFunction::Softmax) {
+      int cols[kRouterMaxExperts], n = 0;  // the softmax's input: the row, or the k chosen (index order)
+      for (int e = 0; e < E; ++e)
+        if (a.pre_softmax || sel[e]) cols[n++] = e;
+      float in[kRouterMaxExperts];
+      C dy[kRouterMaxExperts], dx[kRouterMaxExperts];
+      for (int i = 0; i < n; ++i) {
+        in[i] = xf[cols[i]];
+        dy[i] = dp[cols[i]];
+      }
+      softmax_grad(in, dy, n, dx);
+      for (int e = 0; e < E; ++e) d[e] = 0;
+      for (int i = 0; i < n; ++i) d[cols[i]] = round_r<R>(dx[i]);  // rounds: .float()'s backward, R
+    } else {
+      C ds[kRouterMaxExperts];
+      for (int e = 0; e < E; ++e) ds[e] = dp[e];
+      if (k > 1) {  // probs = scores / (sum over the k chosen + 1e-20)
+        C s[kRouterMaxExperts], sum = 0, dot = 0;
+        for (int e = 0; e < E; ++e)
+          if (sel[e]) sum += (s[e] = hold_s(static_cast<C>(sigmoid_path_score(xf[e], a.score))));
+        const C denom = hold_s(hold_s(sum) + static_cast<C>(1e-20));
+        for (int e = 0; e < E; ++e)
+          if (sel[e]) dot += dp[e] * s[e];
+        const C ddenom = hold_s(-dot / (denom * denom));  // rounds: the division's backward for the denominator
+        for (int e = 0; e < E; ++e)
+          ds[e] = sel[e] ? hold_s(hold_s(dp[e] / denom) + ddenom) : static_cast<C>(0);  // rounds: / denom, + d denom
+      }
+      for (int e = 0; e < E; ++e) d[e] = round_r<R>(sigmoid_path_grad(ds[e], xf[e], a.score));  // rounds: R
+    }
+
+    if (aux_grad) {  // aux_scores_backward, added in R
+      const float* grow = aux_grad + t * E;
+      C da[kRouterMaxExperts];
+      if (a.score == ScoreFunction::Softmax) {  // torch.softmax(logits, dtype=float32): fp32, no type_as
+        C dy[kRouterMaxExperts];
+        for (int e = 0; e < E; ++e) dy[e] = static_cast<C>(grow[e]);
+        softmax_grad(xf, dy, E, da);
+        for (int e = 0; e < E; ++e) da[e] = round_r<R>(da[e]);  // rounds: to R
+      } else {
+        // the scores as the forward stored them: the score function of the fp32 logits in fp32, or
+        // the pin's sigmoid in R; / (sum + 1e-20), each in the aux scores' dtype
+        C s[kRouterMaxExperts], sum = 0, dot = 0;
+        for (int e = 0; e < E; ++e) {
+          s[e] = a.aux_scores_fp32 ? round_f32(static_cast<C>(sigmoid_path_score(xf[e], a.score)))
+                                   : round_r<R>(static_cast<C>(1) / (static_cast<C>(1) + exp(-x[e])));
+          sum += s[e];
+        }
+        const C denom = hold_a(hold_a(sum) + static_cast<C>(1e-20));
+        for (int e = 0; e < E; ++e) dot += static_cast<C>(grow[e]) * s[e];
+        const C ddenom = hold_a(-dot / (denom * denom));  // rounds: aux dt
+        for (int e = 0; e < E; ++e) {
+          const C ds = hold_a(hold_a(static_cast<C>(grow[e]) / denom) + ddenom);  // rounds: aux dt
+          da[e] = a.aux_scores_fp32 ? round_r<R>(sigmoid_path_grad(ds, xf[e], a.score))
+                                    : round_r<R>(ds * s[e] * (static_cast<C>(1) - s[e]));  // rounds: R
+        }
+      }
+      for (int e = 0; e < E; ++e) d[e] = round_r<R>(d[e] + da[e]);  // rounds: the accumulated gradient
+    }
+
+    if (a.z_loss && !(padding && padding[t])) {  // z_loss_backward, added in R; padding rows add nothing
+      C m = static_cast<C>(-INFINITY);
+      for (int e = 0; e < E; ++e) m = x[e] > m ? x[e] : m;
+      C sum = 0;
+      for (int e = 0; e < E; ++e) sum += exp(x[e] - m);
+      const C lse = round_r<R>(m + log(sum));                       // rounds: the forward's logsumexp, R
+      const C dlse = round_r<R>(static_cast<C>(2) * lse * dvalue);  // rounds: square's backward, R
+      for (int e = 0; e < E; ++e)
+        d[e] = round_r<R>(d[e] + round_r<R>(dlse * exp(x[e] - lse)));  // rounds: logsumexp's backward, the sum
+    }
+
+    R* drow = dlogits + t * E;
+    for (int e = 0; e < E; ++e) drow[e] = Io<R>::store(d[e]);
+  }
+}
+
+// The load-balancing losses' gradient of the aux-loss scores, as MoEAuxLossAutoScaler hands each
+// loss the gradient 1.0 (reference apply_load_balancing_losses' add_grad): for each of the n_losses
+// losses in order (AuxLoss, SeqAuxLoss, GlobalAuxLoss; each LossArgs as router_loss_forward took it,
+// global_tokens the running sum after this forward's update), aux_grad[t, e] += tokens[e] E coeff /
+// (k total^2) (/ b, and the [s, b * E] column view, for seq_aux_loss), the scale, each product and
+// each sum stored in the aux scores' dtype (router_aux_scores_dtype); padding rows stay 0. The token
+// counts are aux_map's column counts over the non-padding rows, recomputed here in a fixed order.
+// aux_grad [T, E] fp32 holds values already rounded to that dtype (an fp64 one is held in fp32):
+// written by the first loss, added to by the others; with no loss nothing is written.
+// scratch: device doubles, at least max over the losses of cols + 1, cols = b * E for seq_aux_loss,
+// else E (2 * b * E always suffices); reused loss by loss.
+inline void router_aux_scores_grad(DType rdt, const std::uint8_t* aux_map, const std::uint8_t* padding,
+                                   const LossArgs* losses, int n_losses, ScoreFunction score, bool aux_scores_fp32,
+                                   float* aux_grad, double* scratch, cudaStream_t stream) {
+  require(n_losses >= 0 && (n_losses == 0 || (losses && aux_map && scratch)),
+          "router_aux_scores_grad: null losses / aux_map / scratch");
+  require(aux_grad, "router_aux_scores_grad: null aux_grad");
+  const std::int64_t T = n_losses ? losses[0].tokens : 0;
+  const int E = n_losses ? losses[0].experts : 0;
+  for (int i = 0; i < n_losses; ++i) {
+    const LossArgs& l = losses[i];
+    require(l.kind != AuxLossKind::ZLoss, "router_aux_scores_grad: the z-loss has no aux-scores gradient");
+    require(l.tokens == T && l.experts == E, "router_aux_scores_grad: losses of different [T, E]");
+    require(l.experts > 0 && l.experts <= kRouterMaxExperts, "router_aux_scores_grad: num_moe_experts " +
+                                                                 std::to_string(l.experts) + " outside [1, " +
+                                                                 std::to_string(kRouterMaxExperts) + "]");
+    require(l.topk >= 1 && l.topk <= l.experts,
+            "router_aux_scores_grad: moe_router_topk " + std::to_string(l.topk) + " outside [1, num_moe_experts]");
+    require(l.kind != AuxLossKind::SeqAuxLoss || (l.bsz > 0 && l.tokens % l.bsz == 0),
+            "router_aux_scores_grad: seq_aux_loss needs tokens divisible by the batch size");
+    require(l.kind != AuxLossKind::GlobalAuxLoss || (l.global_tokens && l.ga_steps > 0),
+            "router_aux_scores_grad: global_aux_loss needs the running tokens per expert and ga_steps > 0");
+  }
+  const int aux_dt = loss_dtype_code(router_aux_scores_dtype(rdt, score, aux_scores_fp32));
+  if (n_losses == 0 || T == 0) return;  // no loss: nothing is written
+  const double te = double(T) * E;
+  for (int i = 0; i < n_losses; ++i) {
+    const LossArgs& l = losses[i];
+    const int cols = l.kind == AuxLossKind::SeqAuxLoss ? l.bsz * E : E;
+    // cost: the counts: the map [T, E] and the padding mask read once, the counts written; the
+    // gradient: [T, E] fp32 written (read too after the first loss), a multiply and an add per score.
+    rt::declare_cost("router_aux_counts", te + (padding ? double(T) : 0.0) + 8.0 * (cols + 1), te);
+    rt::declare_cost("router_aux_grad", (i == 0 ? 4.0 : 8.0) * te + 8.0 * (cols + 1), 2.0 * te);
+    launch_kernel(router_aux_counts_kernel, dim3(1), dim3(elementwise_threads(cols)), 0, stream, aux_map, padding, l,
+                  aux_dt, scratch);
+    const unsigned threads = elementwise_threads(T);
+    launch_kernel(router_aux_grad_kernel, dim3(elementwise_blocks(T, threads)), dim3(threads), 0, stream, padding,
+                  static_cast<const double*>(scratch), l, aux_dt, i == 0, aux_grad);
+  }
+}
+
+inline void router_topk_backward(DType rdt, const void* logits, const void* dprobs, const std::uint8_t* routing_map,
+                                 const std::uint8_t* selected, const float* aux_grad, const std::uint8_t* padding,
+                                 void* dlogits, const RouterBackwardArgs& a, cudaStream_t stream) {
+  require(a.experts > 0 && a.experts <= kRouterMaxExperts, "router_topk_backward: num_moe_experts " +
+                                                               std::to_string(a.experts) + " outside [1, " +
+                                                               std::to_string(kRouterMaxExperts) + "]");
+  require(a.topk >= 1 && a.topk <= a.experts, "router_topk_backward: moe_router_topk " + std::to_string(a.topk) +
+                                                  " outside [1, num_moe_experts " + std::to_string(a.experts) + "]");
+  require(logits && dprobs && routing_map && selected && dlogits,
+          "router_topk_backward: null logits / dprobs / routing_map / selected / dlogits");
+  {
+    // cost: the logits, d probs and d logits [T, E] in R, both maps, the aux gradient (fp32) when
+    // given and the padding mask read or written once; ~20 FLOPs per score (the recomputed
+    // exponentials and scores, the softmax's or the renormalisation's backward; the aux scores'
+    // and the z-loss's again).
+    const double r = rdt == DType::F64 ? 8 : dtype_size(rdt), te = double(a.tokens) * a.experts;
+    rt::declare_cost("router_topk_backward",
+                     te * (3 * r + 2) + (aux_grad ? 4.0 * te : 0.0) + (padding ? double(a.tokens) : 0.0),
+                     te * (20.0 + (aux_grad ? 20.0 : 0.0) + (a.z_loss ? 10.0 : 0.0)));
+  }
+  // counts: as the reference's TopKRouter::backward before the gating GEMM (count_score_rounding:
+  // the score function's fp32 reduction and store(s), the scores dtype's stores, the final cast;
+  // then the aux scores' backward and the z-loss's, each with its sum, in R).
+  const DType sdt = a.scores_fp32 ? DType::F32 : rdt;
+  const bool sigmoid_path = a.score != ScoreFunction::Softmax;
+  rounding_reduce(a.experts);
+  rounding_store(DType::F32, a.score == ScoreFunction::SqrtSoftplus ? 2 : 1);
+  rounding_store(sdt, 1 + (sigmoid_path && a.topk > 1 ? 3 : 0) + (a.scaling_factor != 0.0f ? 1 : 0));
+  if (sdt != rdt) rounding_store(rdt);
+  if (aux_grad) {
+    rounding_reduce(a.experts);
+    rounding_store(rdt, 3);
+  }
+  if (a.z_loss) rounding_store(rdt, 4);
+  if (a.tokens == 0) return;
+  dispatch_router_dtype(rdt, "router_topk_backward", [&](auto tag) {
+    using R = decltype(tag);
+    const unsigned threads = elementwise_threads(a.tokens);
+    launch_kernel(router_topk_backward_kernel<R>, dim3(elementwise_blocks(a.tokens, threads)), dim3(threads), 0, stream,
+                  static_cast<const R*>(logits), static_cast<const R*>(dprobs), routing_map, selected, aux_grad,
+                  padding, static_cast<R*>(dlogits), a);
   });
 }
 
