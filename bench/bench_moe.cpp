@@ -4,11 +4,14 @@
 //   BM_MoEGroupedGemm    linear_fc1 of all experts as one grouped GEMM
 //   BM_MoEUnpermute      the combine: [N, h] rows back to [T, h] tokens
 //   BM_MoELayer          the whole MoETransformerLayer forward (attention included)
+//   BM_MoERouterBackward the router's backward kernel (score function, aux loss, z-loss) over [T, E]
+//   BM_MoELayerBackward  the whole layer's backward after one kept forward (its three phases)
 // Counters: bytes moved (permute / unpermute: read + written), FLOP/s of the grouped GEMM. The
 // simulator's times measure the host, not a device: they track regressions of the kernels' work,
 // not GPU speed. Write JSON with --benchmark_out=<file> --benchmark_out_format=json.
 #include <benchmark/benchmark.h>
 
+#include <memory>
 #include <random>
 
 #include "optimized/moe/experts.cuh"
@@ -124,7 +127,28 @@ void BM_MoEUnpermute(benchmark::State& state) {
   state.SetLabel("T=256 E=8 k=2 h=256 bf16");
 }
 
-void BM_MoELayer(benchmark::State& state) {
+void BM_MoERouterBackward(benchmark::State& state) {
+  Routed r = route();
+  const rt::DeviceBuffer dprobs = random_buffer(kDt, kT * kE, 2);
+  rt::DeviceBuffer aux = random_buffer(DType::F32, kT * kE, 3), dlogits(dev(), kT * kE * dtype_size(kDt));
+  k::RouterBackwardArgs a;
+  a.tokens = kT;
+  a.experts = kE;
+  a.topk = kTopk;
+  a.z_loss = true;
+  a.z_coeff = 1e-3;
+  for (auto _ : state)
+    k::router_topk_backward(kDt, r.logits.get(), dprobs.get(), r.map.as<std::uint8_t>(), r.map.as<std::uint8_t>(),
+                            aux.as<float>(), nullptr, dlogits.get(), a, nullptr);
+  state.SetLabel("T=256 E=8 k=2 softmax aux z-loss bf16");
+}
+
+// The layer both MoELayer benchmarks run: s 64, b 2, h 256, 8 experts, top-2, SwiGLU ffn 512, bf16.
+struct MoELayerCase {
+  parity::DenseInputs in;
+  std::unique_ptr<opt::MoETransformerLayer> layer;
+};
+MoELayerCase moe_layer_case() {
   parity::DenseCase d = parity::parse_case_id(
       "dense(h=256,a=8,g=8,d=32,ffn=512,norm=rms,act=silu,glu=1,bias=0,qkv_bias=0,rope=none,rot=1,qkln=0,"
       "mask=causal,s=64,b=2,dtype=bf16,tp=1,sp=0,drop=0,seed=1)");
@@ -149,8 +173,24 @@ void BM_MoELayer(benchmark::State& state) {
     params[p + "linear_fc1.weight"] = random({2 * kFfn, kH});
     params[p + "linear_fc2.weight"] = random({kH, kFfn});
   }
-  opt::MoETransformerLayer layer(c, params, opt::LayerOptions{});
-  for (auto _ : state) benchmark::DoNotOptimize(layer.forward(in.hidden_states, opt::MoEForwardInputs{}).hidden_states);
+  return {in, std::make_unique<opt::MoETransformerLayer>(c, params, opt::LayerOptions{})};
+}
+
+void BM_MoELayer(benchmark::State& state) {
+  MoELayerCase m = moe_layer_case();
+  for (auto _ : state)
+    benchmark::DoNotOptimize(m.layer->forward(m.in.hidden_states, opt::MoEForwardInputs{}).hidden_states);
+  state.SetLabel("s=64 b=2 h=256 E=8 k=2 swiglu ffn=512 bf16");
+}
+
+void BM_MoELayerBackward(benchmark::State& state) {
+  MoELayerCase m = moe_layer_case();
+  opt::ForwardOptions fo;
+  fo.training = true;
+  fo.keep_for_backward = true;
+  m.layer->forward(m.in.hidden_states, opt::MoEForwardInputs{}, fo);
+  const Tensor dout = m.in.hidden_states;  // any gradient of the output's shape and dtype
+  for (auto _ : state) benchmark::DoNotOptimize(m.layer->backward(dout).hidden_states);
   state.SetLabel("s=64 b=2 h=256 E=8 k=2 swiglu ffn=512 bf16");
 }
 
@@ -161,4 +201,6 @@ BENCHMARK(BM_MoEPermute)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MoEGroupedGemm)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MoEUnpermute)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MoELayer)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MoERouterBackward)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MoELayerBackward)->Unit(benchmark::kMillisecond);
 BENCHMARK_MAIN();

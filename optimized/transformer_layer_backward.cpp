@@ -9,6 +9,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "optimized/layer/attention_half.h"
 #include "optimized/layer/grad_magnitudes.h"
 #include "optimized/layer/kernels.h"
 #include "optimized/layer/rank_runner.h"
@@ -18,33 +19,21 @@ namespace twin::opt {
 
 namespace {
 
-// Each parameter's gradient slot in RankGrads, by its Megatron state-dict key, and how the ranks
-// hold it: shard_dim -1, the whole gradient on every rank (a replicated parameter, after the
-// backward's sum over the ranks where each computed a part); 0 / 1, split by rows / columns as
-// the weight is (linear_fc1 with GLU: rows in two blocks, [gate | linear]).
-struct GradSlot {
-  const char* key;
-  void* RankGrads::*slot;
-  int shard_dim;
-};
-constexpr GradSlot kGradSlots[] = {
-    {"input_layernorm.weight", &RankGrads::ln1_w, -1},
-    {"input_layernorm.bias", &RankGrads::ln1_b, -1},
-    {"self_attention.linear_qkv.weight", &RankGrads::qkv_w, 0},
-    {"self_attention.linear_qkv.bias", &RankGrads::qkv_b, 0},
-    {"self_attention.linear_proj.weight", &RankGrads::proj_w, 1},
-    {"self_attention.linear_proj.bias", &RankGrads::proj_b, -1},
-    {"self_attention.q_layernorm.weight", &RankGrads::qln_w, -1},
-    {"self_attention.q_layernorm.bias", &RankGrads::qln_b, -1},
-    {"self_attention.k_layernorm.weight", &RankGrads::kln_w, -1},
-    {"self_attention.k_layernorm.bias", &RankGrads::kln_b, -1},
-    {"pre_mlp_layernorm.weight", &RankGrads::ln2_w, -1},
-    {"pre_mlp_layernorm.bias", &RankGrads::ln2_b, -1},
+// The attention half's gradient slots (layer/attention_half.h), then the MLP's.
+constexpr GradSlot kMlpGradSlots[] = {
     {"mlp.linear_fc1.weight", &RankGrads::fc1_w, 0},
     {"mlp.linear_fc1.bias", &RankGrads::fc1_b, 0},
     {"mlp.linear_fc2.weight", &RankGrads::fc2_w, 1},
     {"mlp.linear_fc2.bias", &RankGrads::fc2_b, -1},
 };
+
+const GradSlot* find_grad_slot(const std::string& key) {
+  for (const GradSlot& s : kAttentionHalfGradSlots)
+    if (key == s.key) return &s;
+  for (const GradSlot& s : kMlpGradSlots)
+    if (key == s.key) return &s;
+  return nullptr;
+}
 
 ShardLayout shard_layout(const GradSlot& s, bool glu) {
   const bool fc1 = s.slot == &RankGrads::fc1_w || s.slot == &RankGrads::fc1_b;
@@ -78,9 +67,9 @@ void DenseTransformerLayer::Impl::ensure_grad_buffers(rt::Backend backend) {
     RankGrads g;
     g.dout = A.add(*m.dev, "dout", m.dt, nl, m.h);
     g.dx = A.add(*m.dev, "dx", m.dt, nl, m.h);
-    for (const GradSlot& s : kGradSlots)
-      if (m.full.count(s.key))
-        g.*s.slot = A.add(*m.dev, s.key, m.dt, m.full.at(s.key).numel() / (s.shard_dim < 0 ? 1 : p.tp));
+    for (const auto& [key, full] : m.full)
+      if (const GradSlot* s = find_grad_slot(key))
+        g.*s->slot = A.add(*m.dev, s->key, m.dt, full.numel() / (s->shard_dim < 0 ? 1 : p.tp));
     g.dh1 = A.add(*m.dev, "dh1", m.dt, nl, m.h);
     g.d_mlp = A.add(*m.dev, "d_mlp", m.dt, nl, m.h);
     g.d_mlp_full = buf_if(p.sp, "d_mlp_full", n, m.h);
@@ -148,9 +137,7 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   out.hidden_states = gathered(grad_buf(&RankGrads::dx), n_local, m.h, by_rows);
   out.hidden_states = out.hidden_states.reshape({p.s, p.b, m.h});
   for (const std::string& key : dense_layer_param_keys(config_)) {
-    const GradSlot* s = nullptr;
-    for (const GradSlot& c : kGradSlots)
-      if (key == c.key) s = &c;
+    const GradSlot* s = find_grad_slot(key);
     if (!s || !(m.ranks[0].grads.*s->slot))
       throw std::logic_error("optimized dense layer: the backward computes no gradient of '" + key + "'");
     const Tensor& full = m.full.at(key);
@@ -171,49 +158,35 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   RankPlan fp = p;
   fp.tp = 1;
   fp.sp = false;
-  const std::int64_t h = m.h, w = (p.glu ? 2 : 1) * std::int64_t(m.ffn), cw = std::int64_t(m.np) * m.hn,
-                     qw = fp.qkv_width();
+  const std::int64_t h = m.h, w = (p.glu ? 2 : 1) * std::int64_t(m.ffn), qw = fp.qkv_width();
   auto rows_of = [&](auto ptr_of) { return gathered(ptr_of, n_local, h, by_rows); };
   auto cols_of = [&](auto ptr_of, std::int64_t cols, int blocks = 1) {
     return gathered(ptr_of, n, cols / tp, ShardLayout{1, blocks});
   };
-  // d_qkv: core attention's q, k, v gradient (the qk-norms' dy); d_lin: linear_qkv's output gradient.
-  const auto d_ln1 = abs_values(rows_of(grad_buf(&RankGrads::d_ln1))),
-             d_qkv = abs_values(cols_of(grad_buf(&RankGrads::d_qkv), qw)),
-             d_lin = p.qk_layernorm ? abs_values(cols_of(grad_buf(&RankGrads::d_qkv_pre), qw)) : d_qkv,
-             d_proj = abs_values(rows_of(grad_buf(&RankGrads::d_proj))),
-             d_ln2 = abs_values(rows_of(grad_buf(&RankGrads::d_ln2))),
-             d_fc1 = abs_values(cols_of(grad_buf(&RankGrads::d_fc1), w, p.glu ? 2 : 1)),
-             d_mlp = abs_values(rows_of(grad_buf(&RankGrads::d_mlp)));
-  const Tensor x = rows_of(plan_buf(&RankPlan::x)), h1 = rows_of(plan_buf(&RankPlan::h1));
-  auto whole = [&](auto ptr_of, std::int64_t cols) { return abs_values(gathered(ptr_of, n, cols, ShardLayout{})); };
-  // q_layernorm / k_layernorm: one norm of width hn over every q (k) head's rows.
-  std::vector<double> pre_norm;  // linear_qkv's output before the qk-norms, read once for both
-  auto qk_norm_magnitude = [&](bool keys, bool bias) {
-    const std::vector<double> dy = gather_heads(d_qkv, n, fp, keys);
-    const std::int64_t rows = std::int64_t(dy.size()) / p.hn;
-    if (bias) return column_magnitude(dy, rows, p.hn);
-    if (pre_norm.empty()) pre_norm = cols_of(plan_buf(&RankPlan::qkv_pre_norm), qw).to_f64();
-    const std::vector<double> xs = gather_heads(pre_norm, n, fp, keys);
-    return norm_weight_magnitude(dy, Tensor::from_doubles(DType::F64, {rows, p.hn}, xs), rows, p.hn, p.rms, p.eps);
+  auto whole = [&](auto ptr_of, std::int64_t cols) { return gathered(ptr_of, n, cols, ShardLayout{}); };
+  AttentionHalfMagnitudes attention(
+      fp, n,
+      {{"d_ln1", [&] { return rows_of(grad_buf(&RankGrads::d_ln1)); }},
+       {"d_qkv", [&] { return cols_of(grad_buf(&RankGrads::d_qkv), qw); }},
+       {"d_qkv_pre", [&] { return cols_of(grad_buf(&RankGrads::d_qkv_pre), qw); }},
+       {"d_proj", [&] { return rows_of(grad_buf(&RankGrads::d_proj)); }},
+       {"d_ln2", [&] { return rows_of(grad_buf(&RankGrads::d_ln2)); }},
+       {"x", [&] { return rows_of(plan_buf(&RankPlan::x)); }},
+       {"h1", [&] { return rows_of(plan_buf(&RankPlan::h1)); }},
+       {"ln1", [&] { return whole(plan_buf(&RankPlan::ln1_full), h); }},
+       {"ctx", [&] { return cols_of(plan_buf(&RankPlan::ctx), std::int64_t(m.np) * m.hn); }},
+       {"qkv_pre_norm", [&] { return cols_of(plan_buf(&RankPlan::qkv_pre_norm), qw); }}});
+  std::vector<double> d_fc1, d_mlp;  // read once, for the MLP's weights and biases
+  auto mlp_grads = [&] {
+    if (!d_fc1.empty()) return;
+    d_fc1 = abs_values(cols_of(grad_buf(&RankGrads::d_fc1), w, p.glu ? 2 : 1));
+    d_mlp = abs_values(rows_of(grad_buf(&RankGrads::d_mlp)));
   };
   auto magnitude = [&](const std::string& key) -> double {
-    if (key == "input_layernorm.weight") return norm_weight_magnitude(d_ln1, x, n, h, p.rms, p.eps);
-    if (key == "input_layernorm.bias") return column_magnitude(d_ln1, n, h);
-    if (key == "self_attention.linear_qkv.weight")
-      return weight_magnitude(d_lin, whole(plan_buf(&RankPlan::ln1_full), h), n, qw, h);
-    if (key == "self_attention.linear_qkv.bias") return column_magnitude(d_lin, n, qw);
-    if (key == "self_attention.linear_proj.weight")
-      return weight_magnitude(d_proj, abs_values(cols_of(plan_buf(&RankPlan::ctx), cw)), n, h, cw);
-    if (key == "self_attention.linear_proj.bias") return column_magnitude(d_proj, n, h);
-    if (key == "self_attention.q_layernorm.weight") return qk_norm_magnitude(false, false);
-    if (key == "self_attention.q_layernorm.bias") return qk_norm_magnitude(false, true);
-    if (key == "self_attention.k_layernorm.weight") return qk_norm_magnitude(true, false);
-    if (key == "self_attention.k_layernorm.bias") return qk_norm_magnitude(true, true);
-    if (key == "pre_mlp_layernorm.weight") return norm_weight_magnitude(d_ln2, h1, n, h, p.rms, p.eps);
-    if (key == "pre_mlp_layernorm.bias") return column_magnitude(d_ln2, n, h);
+    if (const auto a = attention(key)) return *a;
+    mlp_grads();
     if (key == "mlp.linear_fc1.weight")
-      return weight_magnitude(d_fc1, whole(plan_buf(&RankPlan::ln2_full), h), n, w, h);
+      return weight_magnitude(d_fc1, abs_values(whole(plan_buf(&RankPlan::ln2_full), h)), n, w, h);
     if (key == "mlp.linear_fc1.bias") return column_magnitude(d_fc1, n, w);
     if (key == "mlp.linear_fc2.weight")
       return weight_magnitude(d_mlp, abs_values(cols_of(plan_buf(&RankPlan::act_out), m.ffn)), n, h, m.ffn);

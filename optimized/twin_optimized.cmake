@@ -18,6 +18,7 @@ add_library(twin_optimized STATIC
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_sim.cpp
   ${CMAKE_CURRENT_LIST_DIR}/moe/moe_layer.cpp
   ${CMAKE_CURRENT_LIST_DIR}/moe/moe_transformer_layer.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/moe/moe_transformer_layer_backward.cpp
   ${CMAKE_CURRENT_LIST_DIR}/moe/moe_transformer_layer_sim.cpp)
 target_link_libraries(twin_optimized PUBLIC twin_runtime twin_core)
 if(TWIN_HAVE_CUDA)

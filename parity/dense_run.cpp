@@ -158,14 +158,15 @@ TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode) {
     run.no_backward_reason = *no_backward;
     return run;
   }
-  // The gradients follow the forward entries, the backward's rounding points counted on from the
-  // forward's (as the reference's handler records them).
-  const opt::LayerGradients grads = layer.backward(f.tensor("grad_in.output"), /*with_magnitudes=*/true);
+  record_gradients(run, layer.backward(f.tensor("grad_in.output"), /*with_magnitudes=*/true));
+  return run;
+}
+
+void record_gradients(TwinRun& run, const opt::LayerGradients& grads) {
   for (const opt::ParamGradient& g : grads.params)
     run.record.add(Role::Grad, "param." + g.name, g.value).magnitude = g.magnitude;
   run.record.add(Role::Grad, "input.hidden_states", grads.hidden_states);
   run.backward = true;
-  return run;
 }
 
 }  // namespace twin::parity

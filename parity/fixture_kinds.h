@@ -19,6 +19,7 @@
 
 #include "core/record.h"
 #include "fixtures/fixture.h"
+#include "optimized/transformer_layer.h"  // LayerGradients
 #include "parity/compare.h"
 #include "parity/golden.h"
 
@@ -104,6 +105,10 @@ std::function<const Tensor*(const std::string& key)> golden_substitutes(const Fi
 // does not cover (`unsupported`, named for `twin`), an isolated run.
 std::optional<std::string> no_backward_reason(const Fixture& f, const RunMode& mode,
                                               const std::optional<std::string>& unsupported, TwinKind twin);
+
+// An optimized layer's gradients into its run's record (after the forward's entries, so their
+// rounding points are counted on from the forward's, as the reference's handler records them).
+void record_gradients(TwinRun& run, const opt::LayerGradients& grads);
 
 // The handlers of each twin (parity/reference_handlers.cpp, parity/table_handlers.cpp,
 // parity/dense_run.cpp).

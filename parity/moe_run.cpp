@@ -27,6 +27,9 @@ TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode) {
   if (cfg.position_embedding_type == "rope" && !rope)
     throw FixtureError(f.path + ": position_embedding_type is rope but input.rotary_pos_emb is missing");
   opt::MoETransformerLayer layer(cfg, params_of(f), lo);
+  // The backward runs where the golden has gradients and the layer's backward covers them.
+  const std::optional<std::string> no_backward =
+      no_backward_reason(f, mode, layer.backward_unsupported(), TwinKind::Optimized);
   opt::MoEForwardInputs in;
   in.attention_mask = optional_input(f, "attention_mask");
   in.rotary_pos_emb = rope;
@@ -35,11 +38,17 @@ TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode) {
   opt::ForwardOptions fo;
   fo.training = f.training;  // the fixtures' dropout probabilities are 0
   fo.record_taps = true;
+  fo.keep_for_backward = !no_backward;
   TwinRun run;
   CountRoundings counting;
   auto out = layer.forward(input(f, "hidden_states", 3), in, fo);
   run.record = std::move(out.record);
   run.record.add(Role::Output, "hidden_states", out.hidden_states);
+  if (no_backward) {
+    run.no_backward_reason = *no_backward;
+    return run;
+  }
+  record_gradients(run, layer.backward(f.tensor("grad_in.output"), /*with_magnitudes=*/true));
   return run;
 }
 

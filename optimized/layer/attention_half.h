@@ -49,6 +49,31 @@ inline constexpr PlanWeight kAttentionHalfWeights[] = {
     {"pre_mlp_layernorm.bias", &RankPlan::ln2_b},
 };
 
+// A parameter's gradient slot in RankGrads by its Megatron state-dict key, and how the
+// tensor-parallel ranks hold it: shard_dim -1, the whole gradient on every rank (a replicated
+// parameter, after the backward's sum over the ranks where each computed a part); 0 / 1, split by
+// rows / columns as the weight is (linear_fc1 with GLU: rows in two blocks, [gate | linear]).
+struct GradSlot {
+  const char* key;
+  void* RankGrads::*slot;
+  int shard_dim;
+};
+// The attention half's (the slot stays null where the config has no such parameter).
+inline constexpr GradSlot kAttentionHalfGradSlots[] = {
+    {"input_layernorm.weight", &RankGrads::ln1_w, -1},
+    {"input_layernorm.bias", &RankGrads::ln1_b, -1},
+    {"self_attention.linear_qkv.weight", &RankGrads::qkv_w, 0},
+    {"self_attention.linear_qkv.bias", &RankGrads::qkv_b, 0},
+    {"self_attention.linear_proj.weight", &RankGrads::proj_w, 1},
+    {"self_attention.linear_proj.bias", &RankGrads::proj_b, -1},
+    {"self_attention.q_layernorm.weight", &RankGrads::qln_w, -1},
+    {"self_attention.q_layernorm.bias", &RankGrads::qln_b, -1},
+    {"self_attention.k_layernorm.weight", &RankGrads::kln_w, -1},
+    {"self_attention.k_layernorm.bias", &RankGrads::kln_b, -1},
+    {"pre_mlp_layernorm.weight", &RankGrads::ln2_w, -1},
+    {"pre_mlp_layernorm.bias", &RankGrads::ln2_b, -1},
+};
+
 // A core_attention's softmax scale, Megatron's query-key layer scaling coefficient and the
 // softmax's dtype (DotProductAttention.__init__: scale 1 / sqrt(hn) or softmax_scale, divided by
 // the layer number under apply_query_key_layer_scaling, which FusedScaleMaskSoftmax multiplies

@@ -4,6 +4,10 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "core/tensor.h"
@@ -25,5 +29,30 @@ double norm_weight_magnitude(const std::vector<double>& dy, const Tensor& x, std
 // The q rows or the k rows ([rows, hn], heads in layout order) of a [n, qw] tensor in the fused
 // linear_qkv layout of `p`: token t, group g holds hpg q heads then k then v, each hn wide.
 std::vector<double> gather_heads(const std::vector<double>& full, std::int64_t n, const RankPlan& p, bool keys);
+
+// The attention half's parameters' magnitudes, for any layer kind with one, from its tensors as
+// the full layer's (every rank's parts put together), each read once when a magnitude needs it:
+//   d_ln1, d_proj, d_ln2, x (the layer input), h1 (pre_mlp_layernorm's input) [n, h];
+//   d_qkv (core attention's q, k, v gradient), d_qkv_pre (linear_qkv's output gradient, qk-norms
+//   only), qkv_pre_norm (linear_qkv's output before the qk-norms) [n, qkv_width]; ln1 [n, h];
+//   ctx [n, np * hn].
+class AttentionHalfMagnitudes {
+ public:
+  using Source = std::function<Tensor()>;
+  // plan: the full layer's (tp = 1); n tokens.
+  AttentionHalfMagnitudes(const RankPlan& plan, std::int64_t n, std::map<std::string, Source> sources);
+  // The magnitude of the attention half's parameter `key`; nullopt for a key not the half's.
+  std::optional<double> operator()(const std::string& key);
+
+ private:
+  const Tensor& tensor(const std::string& name);
+  const std::vector<double>& abs(const std::string& name);
+  double qk_norm(bool keys, bool bias);
+  RankPlan p_;
+  std::int64_t n_;
+  std::map<std::string, Source> sources_;
+  std::map<std::string, Tensor> tensors_;
+  std::map<std::string, std::vector<double>> abs_;
+};
 
 }  // namespace twin::opt

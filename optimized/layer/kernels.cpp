@@ -6,10 +6,11 @@
 
 namespace twin::opt {
 
-#define TWIN_LAYER_KERNELS(ns)                                                                    \
-  LayerKernels {                                                                                  \
-    ns::rank_forward, ns::rank_backward, ns::rank_backward_workspace_bytes, ns::moe_router_phase, \
-        ns::moe_expert_compute, ns::moe_postprocess, ns::op_launchers()                           \
+#define TWIN_LAYER_KERNELS(ns)                                                                                      \
+  LayerKernels {                                                                                                    \
+    ns::rank_forward, ns::rank_backward, ns::rank_backward_workspace_bytes, ns::moe_router_phase,                   \
+        ns::moe_expert_compute, ns::moe_postprocess, ns::moe_backward_postprocess, ns::moe_backward_expert_compute, \
+        ns::moe_backward_router, ns::moe_rank_backward_workspace_bytes, ns::op_launchers()                          \
   }
 
 const LayerKernels& layer_kernels(rt::Backend backend) {

@@ -23,6 +23,7 @@ namespace twin::opt {
 struct RankPlan;
 struct RankGrads;
 struct MoEPlan;
+struct MoEGrads;
 
 // One backend's single-op launchers (the .cuh of each op), for a layer whose host side launches
 // its ops one at a time (Retro's layers, with taps and reshuffles between them). Each throws
@@ -58,6 +59,12 @@ struct LayerKernels {
   void (*moe_router_phase)(MoEPlan&, cudaStream_t);
   void (*moe_expert_compute)(MoEPlan&, cudaStream_t);
   void (*moe_postprocess)(MoEPlan&, cudaStream_t);
+  // The MoE layer's backward on one rank in its three phases (moe_layer_backward.cuh), and the
+  // workspace it needs.
+  void (*moe_backward_postprocess)(const MoEPlan&, MoEGrads&, cudaStream_t);
+  void (*moe_backward_expert_compute)(const MoEPlan&, MoEGrads&, cudaStream_t);
+  void (*moe_backward_router)(const MoEPlan&, MoEGrads&, cudaStream_t);
+  std::size_t (*moe_rank_backward_workspace_bytes)(const MoEPlan&);
   // Single ops, for the layers that launch them one by one (op_launchers.cuh).
   OpLaunchers ops;
 };

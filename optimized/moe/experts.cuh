@@ -14,9 +14,14 @@
  * the reference's MLP (bias add, activation, GLU product, scale, each stored in T). */
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <optional>
 #include <vector>
 
 #include "optimized/activations.cuh"
+#include "optimized/linear.cuh"
+#include "optimized/moe/router.cuh"  // RouterCompute, Io<double>
 #include "optimized/runtime/gemm.h"
 
 namespace twin::opt::TWIN_BACKEND {
@@ -139,38 +144,156 @@ inline void grouped_scaled_bias_add_forward(DType dt, DType rdt, void* out, cons
   });
 }
 
+// One GEMM per expert over its rows, as one grouped call (the simulator runs the same interface
+// per group): group(e, row, n) gives expert e's GemmArgs for its n rows from `row` on (the rows
+// grouped by expert, tokens_per_expert host sizes), or nothing to leave the expert out.
+template <class Group>
+void run_expert_gemms(rt::Backend backend, const std::vector<std::int64_t>& tokens_per_expert, Group group,
+                      cudaStream_t stream) {
+  std::vector<rt::GemmArgs> groups;
+  std::int64_t row = 0;
+  for (std::size_t e = 0; e < tokens_per_expert.size(); ++e) {
+    if (const std::optional<rt::GemmArgs> g = group(e, row, tokens_per_expert[e])) groups.push_back(*g);
+    row += tokens_per_expert[e];
+  }
+  if (!groups.empty()) rt::gemm(backend).run_grouped(groups, stream);
+}
+
 // y[rows_e, out] = x[rows_e, in] @ w_e[out, in]^T for every expert e, as one grouped GEMM: groups
 // follow the host-side tokens_per_expert (row-major torch Linear as column-major cuBLAS, see
-// runtime/gemm.h). w: [E, out, in] contiguous.
+// runtime/gemm.h, linear_uncounted's form). w: [E, out, in] contiguous.
 inline void grouped_linear_forward(rt::Backend backend, DType dt, const void* x, const void* w, void* y,
                                    const std::vector<std::int64_t>& tokens_per_expert, std::int64_t in,
                                    std::int64_t out, cudaStream_t stream) {
   const std::size_t es = dtype_size(dt);
-  std::vector<rt::GemmArgs> groups;
-  std::int64_t row = 0;
-  for (std::size_t e = 0; e < tokens_per_expert.size(); ++e) {
-    const std::int64_t n = tokens_per_expert[e];
-    rt::GemmArgs g;
-    g.transa = rt::Op::T;
-    g.transb = rt::Op::N;
-    g.m = out;
-    g.n = n;
-    g.k = in;
-    g.ab_dtype = g.cd_dtype = dt;
-    g.a = static_cast<const char*>(w) + e * std::size_t(out) * in * es;
-    g.lda = in;
-    g.b = static_cast<const char*>(x) + std::size_t(row) * in * es;
-    g.ldb = in;
-    g.d = static_cast<char*>(y) + std::size_t(row) * out * es;
-    g.ldd = out;
-    g.c = g.d;
-    g.ldc = out;
-    groups.push_back(g);
-    row += n;
-  }
-  rt::gemm(backend).run_grouped(groups, stream);
+  run_expert_gemms(
+      backend, tokens_per_expert,
+      [&](std::size_t e, std::int64_t row, std::int64_t n) -> std::optional<rt::GemmArgs> {
+        return linear_gemm_args(dt, rt::Op::T, static_cast<const char*>(w) + e * std::size_t(out) * in * es, in,
+                                rt::Op::N, static_cast<const char*>(x) + std::size_t(row) * in * es, in,
+                                static_cast<char*>(y) + std::size_t(row) * out * es, out, n, in);
+      },
+      stream);
   // counts: one fp32-accumulated reduction of length in, stored once in T
   rounding_reduce(in);
+  rounding_store(dt);
+}
+
+// ---- backward (reference SequentialMLP::backward: each expert's MLP backward with its
+// per_token_scale, on its slice of the expert-major rows) -------------------------------------------
+
+// One thread per row r of expert rows [n, f]: the forward's activation recomputed from the fc1
+// output `in` [n, w] (w = glu ? 2 f : f) with the forward's code (so it is the forward's bits),
+// then, from dy [n, f] (the gradient of the scaled activation):
+//   d scale[r] = sum_j dy[r, j] act[r, j] (fp32, j ascending), stored in the scale's dtype R;
+//   d act = dy * scale stored in T; then the activation's (GLU's) backward into din [n, w].
+template <class T, class R>
+__global__ void grouped_scaled_activation_backward_kernel(const T* in, const R* scale, const T* dy, T* din, R* dscale,
+                                                          std::int64_t n, int f, Act act, bool glu) {
+  const int w = glu ? 2 * f : f;
+  for (std::int64_t r = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < n;
+       r += std::int64_t(gridDim.x) * blockDim.x) {
+    const T* row = in + r * w;  // [w]
+    T* drow = din + r * w;      // [w]
+    const RouterCompute<R> s = Io<R>::load(scale[r]);
+    RouterCompute<R> ds = 0;
+    for (int c = 0; c < f; ++c) {
+      const float a = Io<T>::load(row[c]);
+      const float lin = glu ? Io<T>::load(row[f + c]) : 0.0f;
+      const float y = glu ? round_to<T>(activation<T>(act, a) * lin) : activation<T>(act, a);  // the forward's
+      const float g0 = Io<T>::load(dy[r * f + c]);
+      ds += static_cast<RouterCompute<R>>(g0) * y;
+      float g = round_to<T>(static_cast<float>(g0 * s));  // rounds: grad * per_token_scale, T
+      if (glu) {
+        drow[f + c] = Io<T>::store(g * activation<T>(act, a));  // rounds: mul's grad of x_linear, T
+        g = round_to<T>(g * lin);                               // rounds: mul's grad of act(x_glu), T
+      }
+      drow[c] = Io<T>::store(g * activation_grad(act, a));  // rounds: dy act'(x), T
+    }
+    dscale[r] = Io<R>::store(ds);  // rounds: (grad * act).sum(-1) in the scale's dtype
+  }
+}
+
+// The routed experts' activation backward with the routing probabilities as per_token_scale:
+// in [n, (glu ? 2 : 1) f] the grouped fc1 output (no fc1 bias: the backward refuses expert
+// biases), scale [n] in rdt, dy [n, f] -> din [n, (glu ? 2 : 1) f], dscale [n] in rdt.
+inline void grouped_scaled_activation_backward(DType dt, DType rdt, const void* in, const void* scale, const void* dy,
+                                               void* din, void* dscale, std::int64_t n, int f, Act act, bool glu,
+                                               cudaStream_t stream) {
+  require(n >= 0 && f > 0,
+          "grouped_scaled_activation_backward: bad shape n=" + std::to_string(n) + " f=" + std::to_string(f));
+  require(n == 0 || (in && scale && dy && din && dscale && din != dy && din != in),
+          "grouped_scaled_activation_backward: null or aliased buffer");
+  // counts: as the reference MLP::backward with per_token_scale: grad * scale stored in T, the
+  // reduction over f stored in the scale's dtype (fp32 for an fp32 / fp64 scale), then the
+  // activation's backward (GLU's mul stored in T, the activation's stores).
+  const bool scale_fp32 = rdt == DType::F32 || rdt == DType::F64;
+  rounding_store(dt);
+  rounding_reduce(f);
+  rounding_store(scale_fp32 ? DType::F32 : dt);
+  rounding_store(dt, (glu ? 1 : 0) + activation_grad_stores(act));
+  // cost: fc1's output [n, w] and dy [n, f] read, din [n, w] written, a scale read and written per
+  // row; ~20 FLOPs per element (the recomputed forward, act', the products, the sum).
+  const double w = (glu ? 2.0 : 1.0) * f, rs = rdt == DType::F64 ? 8.0 : double(dtype_size(rdt));
+  rt::declare_cost("grouped_scaled_activation_backward",
+                   double(dtype_size(dt)) * double(n) * (2.0 * w + f) + 2.0 * rs * double(n), 20.0 * n * f);
+  if (n == 0) return;
+  dispatch_dtype(dt, "grouped_scaled_activation_backward", [&](auto a) {
+    using T = decltype(a);
+    dispatch_scale_dtype(rdt, "grouped_scaled_activation_backward", [&](auto b) {
+      using R = decltype(b);
+      const unsigned threads = elementwise_threads(n);
+      launch_kernel(grouped_scaled_activation_backward_kernel<T, R>, dim3(elementwise_blocks(n, threads)),
+                    dim3(threads), 0, stream, static_cast<const T*>(in), static_cast<const R*>(scale),
+                    static_cast<const T*>(dy), static_cast<T*>(din), static_cast<R*>(dscale), n, f, act, glu);
+    });
+  });
+}
+
+// dx[rows_e, in] = dy[rows_e, out] @ w_e[out, in] for every expert e, as one grouped GEMM (each
+// group linear_backward_dgrad's column-major form). An expert without rows has no group.
+inline void grouped_linear_backward_dgrad(rt::Backend backend, DType dt, const void* dy, const void* w, void* dx,
+                                          const std::vector<std::int64_t>& tokens_per_expert, std::int64_t in,
+                                          std::int64_t out, cudaStream_t stream) {
+  const std::size_t es = dtype_size(dt);
+  run_expert_gemms(
+      backend, tokens_per_expert,
+      [&](std::size_t e, std::int64_t row, std::int64_t n) -> std::optional<rt::GemmArgs> {
+        if (n == 0) return std::nullopt;
+        return linear_gemm_args(dt, rt::Op::N, static_cast<const char*>(w) + e * std::size_t(out) * in * es, in,
+                                rt::Op::N, static_cast<const char*>(dy) + std::size_t(row) * out * es, out,
+                                static_cast<char*>(dx) + std::size_t(row) * in * es, in, n, out);
+      },
+      stream);
+  // counts: one fp32-accumulated reduction of length out, stored once in T
+  rounding_reduce(out);
+  rounding_store(dt);
+}
+
+// dw_e[out, in] = scale * dy[rows_e, out]^T @ x[rows_e, in] for every expert e, as one grouped
+// GEMM (scale in fp32 on the accumulated sum, as the GEMM's alpha); an expert without rows gets
+// zeros (its module still ran, on no tokens). dw: [E, out, in].
+inline void grouped_linear_backward_wgrad(rt::Backend backend, DType dt, const void* dy, const void* x, void* dw,
+                                          const std::vector<std::int64_t>& tokens_per_expert, std::int64_t in,
+                                          std::int64_t out, float scale, cudaStream_t stream) {
+  const std::size_t es = dtype_size(dt);
+  run_expert_gemms(
+      backend, tokens_per_expert,
+      [&](std::size_t e, std::int64_t row, std::int64_t n) -> std::optional<rt::GemmArgs> {
+        rt::GemmArgs g = linear_gemm_args(dt, rt::Op::N, static_cast<const char*>(x) + std::size_t(row) * in * es, in,
+                                          rt::Op::T, static_cast<const char*>(dy) + std::size_t(row) * out * es, out,
+                                          static_cast<char*>(dw) + e * std::size_t(out) * in * es, in, out, n);
+        g.alpha = scale;
+        return g;
+      },
+      stream);  // k == 0 gives D = 0
+  const std::int64_t most =
+      tokens_per_expert.empty() ? 0 : *std::max_element(tokens_per_expert.begin(), tokens_per_expert.end());
+  // counts: the fp32 reduction over an expert's rows (the longest), the scale's fp32 product
+  // unless it is a power of two (exact), stored in the param dtype
+  rounding_reduce(most);
+  int exponent = 0;
+  if (std::frexp(scale, &exponent) != 0.5f) rounding_store(DType::F32);
   rounding_store(dt);
 }
 

@@ -208,6 +208,8 @@ void MoEMlpRank::add_buffers(MoELayerPlan& P, BufferArena& A, rt::Device& d, int
     P.shared_fc1 = A.add(d, "shared_fc1", dt, T, P.glu ? 2 : 1, shared_ffn);
     P.shared_act = A.add(d, "shared_act", dt, T, shared_ffn);
     P.shared_out = A.add(d, "shared_out", dt, T, H);
+    // the gate's backward reads the output before the gate
+    P.shared_fc2 = P.shared_gate ? A.add(d, "shared_fc2", dt, T, H) : P.shared_out;
     P.gate_logits = A.add(d, "gate_logits", dt, T);
   }
   if (P.ep > 1) {
@@ -272,7 +274,7 @@ void MoEMlpRank::tap(MoETapPoint t, const MoELayerPlan& P, std::int64_t S, std::
               download(P.shared_fc1, dt, {S, B, (P.glu ? 2 : 1) * std::int64_t(shared_ffn)}));
       break;
     case MoETapPoint::SharedFc2:
-      rec.add(Role::Tap, "mlp.shared_experts.linear_fc2.0", download(P.shared_out, dt, {S, B, H}));
+      rec.add(Role::Tap, "mlp.shared_experts.linear_fc2.0", download(P.shared_fc2, dt, {S, B, H}));
       break;
     case MoETapPoint::SharedExperts:
       rec.add(Role::Tap, "mlp.shared_experts", download(P.shared_out, dt, {S, B, H}));

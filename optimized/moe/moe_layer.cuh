@@ -22,21 +22,11 @@
 #include "optimized/moe/experts.cuh"
 #include "optimized/moe/moe_transformer_layer_plan.h"
 #include "optimized/moe/router.cuh"
+#include "optimized/moe/shared_experts.cuh"
 #include "optimized/moe/token_dispatcher.cuh"
 #include "optimized/layer/attention_half.cuh"
 
 namespace twin::opt::TWIN_BACKEND {
-
-// out[t, :] = out[t, :] * sigmoid(gate_logits[t]), the sigmoid and the product each stored in T.
-template <class T>
-__global__ void shared_expert_gate_kernel(T* out, const T* gate_logits, std::int64_t n, int h) {
-  const std::int64_t total = n * h;
-  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += std::int64_t(gridDim.x) * blockDim.x) {
-    const float g = round_to<T>(1.0f / (1.0f + expf(-Io<T>::load(gate_logits[i / h]))));  // rounds: sigmoid, T
-    out[i] = Io<T>::store(Io<T>::load(out[i]) * g);                                       // rounds: product, T
-  }
-}
 
 inline void moe_download(void* host, const void* dev, std::size_t bytes, cudaStream_t st) {
   if (bytes == 0) return;
@@ -109,21 +99,11 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
     tap(MoETapPoint::SharedFc1);
     bias_activation_forward(dt, p.shared_fc1, nullptr, p.shared_act, T, p.shared_ffn, a.act, p.glu,
                             st);                                                                      // [T, shared_ffn]
-    linear_forward(dt, p.shared_act, p.shared_fc2_w, nullptr, p.shared_out, T, p.shared_ffn, h, st);  // [T, h]
+    linear_forward(dt, p.shared_act, p.shared_fc2_w, nullptr, p.shared_fc2, T, p.shared_ffn, h, st);  // [T, h]
     tap(MoETapPoint::SharedFc2);
     if (p.shared_gate) {
       linear_uncounted(dt, x, p.shared_gate_w, nullptr, p.gate_logits, T, h, 1, st);  // [T, 1]
-      dispatch_dtype(dt, "shared_expert_gate", [&](auto tag) {
-        using TT = decltype(tag);
-        const unsigned threads = elementwise_threads(T * h);
-        // cost: the shared experts' output read and written, the gate logits [T] read; the
-        // sigmoid once per token, the product per element.
-        rt::declare_cost("shared_expert_gate", double(dtype_size(dt)) * (2.0 * T * h + T), double(T) * (h + 4));
-        if (T > 0)
-          launch_kernel(shared_expert_gate_kernel<TT>, dim3(elementwise_blocks(T * h, threads)), dim3(threads), 0, st,
-                        static_cast<TT*>(p.shared_out), static_cast<const TT*>(p.gate_logits), T, int(h));
-      });
-      rounding_store(dt);  // counts: the product (the gate is a shorter branch from the input)
+      shared_expert_gate_forward(dt, p.shared_fc2, p.gate_logits, p.shared_out, T, int(h), st);
     }
     tap(MoETapPoint::SharedExperts);
   }
@@ -238,6 +218,79 @@ inline void moe_grouped_experts(MoEPlan& p, const void* in, const void* probs, v
   if (p.fc2_b) grouped_scaled_bias_add_forward(dt, rdt, out, p.fc2_b, probs, offsets, experts, n, int(h), st);
 }
 
+// The alltoall dispatcher's row bookkeeping at this rank, from every rank's tokens per expert
+// [ep, E] (p.ep_counts, gathered by the forward's preprocess): chunk (q, l) is the rows rank q
+// sends for this rank's local expert l, at its source rank-major offset (as received) and at its
+// local expert-major one (as the local experts read them).
+struct AlltoallChunks {
+  int ep = 1, El = 0;
+  std::vector<std::int64_t> counts;                // [ep, E]
+  std::vector<std::int64_t> local_tokens;          // [El] rows this rank's experts compute
+  std::vector<std::size_t> in_rows, out_rows;      // [ep] rows this rank sends to / receives from rank q
+  std::vector<std::int64_t> by_source, by_expert;  // [ep * El] chunk offsets
+  std::vector<std::int64_t> offsets;               // [El + 1] exclusive prefix of local_tokens
+  std::int64_t Nl = 0;                             // rows received
+  std::int64_t n(int q, int l) const { return rows_[std::size_t(q) * El + l]; }
+
+  AlltoallChunks(const MoEPlan& p, cudaStream_t st) : ep(p.ep), El(p.local_E), counts(std::size_t(p.ep) * p.E) {
+    const int E = p.E, me = p.ep_rank;
+    moe_download(counts.data(), p.ep_counts, counts.size() * sizeof(std::int64_t), st);
+    rows_.resize(std::size_t(ep) * El);
+    for (int q = 0; q < ep; ++q)
+      for (int l = 0; l < El; ++l)
+        rows_[std::size_t(q) * El + l] = counts[std::size_t(q) * E + std::size_t(me) * El + l];
+    in_rows.assign(std::size_t(ep), 0);
+    out_rows.assign(std::size_t(ep), 0);
+    for (int q = 0; q < ep; ++q)
+      for (int l = 0; l < El; ++l) {
+        in_rows[std::size_t(q)] += std::size_t(p.tokens_per_expert[std::size_t(q) * El + l]);
+        out_rows[std::size_t(q)] += std::size_t(n(q, l));
+      }
+    by_source.assign(std::size_t(ep) * El, 0);
+    by_expert.assign(std::size_t(ep) * El, 0);
+    local_tokens.assign(std::size_t(El), 0);
+    std::int64_t off = 0;
+    for (int q = 0; q < ep; ++q)
+      for (int l = 0; l < El; ++l) {
+        by_source[std::size_t(q) * El + l] = off;
+        off += n(q, l);
+        local_tokens[std::size_t(l)] += n(q, l);
+      }
+    Nl = off;
+    offsets.assign(std::size_t(El) + 1, 0);
+    off = 0;
+    for (int l = 0; l < El; ++l) {
+      offsets[std::size_t(l)] = off;
+      for (int q = 0; q < ep; ++q) {
+        by_expert[std::size_t(q) * El + l] = off;
+        off += n(q, l);
+      }
+    }
+    offsets[std::size_t(El)] = off;
+  }
+  // Split sizes in elements of `width` per row.
+  static std::vector<std::size_t> times(std::vector<std::size_t> v, std::size_t width) {
+    for (auto& x : v) x *= width;
+    return v;
+  }
+  // sort_chunks_by_idxs: moves each chunk of src to dst, source rank-major -> local expert-major
+  // (to_expert_major) or back.
+  void sort(const void* src, void* dst, std::size_t bytes_per_row, bool to_expert_major, cudaStream_t st) const {
+    rt::Device& dev = rt::device(this_backend());
+    for (std::size_t c = 0; c < by_source.size(); ++c) {
+      const std::size_t rows = std::size_t(rows_[c]);
+      if (!rows) continue;
+      const std::size_t from = std::size_t(to_expert_major ? by_source[c] : by_expert[c]);
+      const std::size_t to = std::size_t(to_expert_major ? by_expert[c] : by_source[c]);
+      dev.copy(static_cast<char*>(dst) + to * bytes_per_row, static_cast<const char*>(src) + from * bytes_per_row,
+               rows * bytes_per_row, rt::CopyKind::DeviceToDevice, st);
+    }
+  }
+
+ private:
+  std::vector<std::int64_t> rows_;  // [ep * El] n(q, l)
+};
+
 // Megatron's MoEAlltoAllTokenDispatcher at expert-parallel size ep (tp = 1), around the local
 // experts. p.permuted holds this rank's tokens permuted over ALL E experts (expert-major, the
 // ep = 1 layout), so the rows for rank q's experts are one contiguous part:
@@ -261,69 +314,26 @@ inline void moe_alltoall_experts(MoEPlan& p, cudaStream_t st) {
           "moe alltoall dispatcher: the plan's expert-parallel group does not match ep = " + std::to_string(ep));
   // ---- preprocess: every rank's tokens per expert                  // [ep, E]
   p.ep_comm->all_gather(p.tokens_per_expert_dev, p.ep_counts, std::size_t(E), DType::I64, st);
-  std::vector<std::int64_t> counts(std::size_t(ep) * E);
-  moe_download(counts.data(), p.ep_counts, counts.size() * sizeof(std::int64_t), st);
-  // n(q, l): rows rank q sends for this rank's local expert l
-  auto n = [&](int q, int l) { return counts[std::size_t(q) * E + std::size_t(me) * El + l]; };
-  std::vector<std::size_t> in_rows(std::size_t(ep), 0), out_rows(std::size_t(ep), 0);
-  for (int q = 0; q < ep; ++q)
-    for (int l = 0; l < El; ++l) {
-      in_rows[std::size_t(q)] += std::size_t(p.tokens_per_expert[std::size_t(q) * El + l]);
-      out_rows[std::size_t(q)] += std::size_t(n(q, l));
-    }
-  auto times = [](std::vector<std::size_t> v, std::size_t k) {
-    for (auto& x : v) x *= k;
-    return v;
-  };
+  const AlltoallChunks c(p, st);
+  p.local_tokens_per_expert = c.local_tokens;
+  p.ep_offsets_host = c.offsets;
   // ---- dispatch: rows and probabilities to the ranks that hold their experts
-  p.ep_comm->all_to_all(p.permuted, times(in_rows, std::size_t(h)), p.ep_recv, times(out_rows, std::size_t(h)), dt, st);
-  p.ep_comm->all_to_all(p.permuted_probs, in_rows, p.ep_recv_probs, out_rows, rdt, st);
-  // sort_chunks_by_idxs: chunk (q, l) at its source rank-major offset <-> its local expert-major one
-  std::vector<std::int64_t> by_source(std::size_t(ep) * El), by_expert(std::size_t(ep) * El);
-  p.local_tokens_per_expert.assign(std::size_t(El), 0);
-  std::int64_t off = 0;
-  for (int q = 0; q < ep; ++q)
-    for (int l = 0; l < El; ++l) {
-      by_source[std::size_t(q) * El + l] = off;
-      off += n(q, l);
-      p.local_tokens_per_expert[std::size_t(l)] += n(q, l);
-    }
-  const std::int64_t Nl = off;
-  p.ep_offsets_host.assign(std::size_t(El) + 1, 0);
-  off = 0;
-  for (int l = 0; l < El; ++l) {
-    p.ep_offsets_host[std::size_t(l)] = off;
-    for (int q = 0; q < ep; ++q) {
-      by_expert[std::size_t(q) * El + l] = off;
-      off += n(q, l);
-    }
-  }
-  p.ep_offsets_host[std::size_t(El)] = off;
-  rt::Device& dev = rt::device(this_backend());
-  const std::size_t row = std::size_t(h) * dtype_size(dt), prob = dtype_size(rdt);
-  // to_expert_major: true moves chunks source rank-major -> local expert-major, false back
-  auto sort_chunks = [&](const void* src, void* dst, std::size_t bytes_per_row, bool to_expert_major) {
-    for (std::size_t c = 0; c < by_source.size(); ++c) {
-      const std::size_t rows = std::size_t(n(int(c) / El, int(c) % El));
-      if (!rows) continue;
-      const std::size_t from = std::size_t(to_expert_major ? by_source[c] : by_expert[c]);
-      const std::size_t to = std::size_t(to_expert_major ? by_expert[c] : by_source[c]);
-      dev.copy(static_cast<char*>(dst) + to * bytes_per_row, static_cast<const char*>(src) + from * bytes_per_row,
-               rows * bytes_per_row, rt::CopyKind::DeviceToDevice, st);
-    }
-  };
-  sort_chunks(p.ep_recv, p.ep_in, row, true);               // [Nl, h]
-  sort_chunks(p.ep_recv_probs, p.ep_in_probs, prob, true);  // [Nl]
-  dev.copy(p.ep_offsets, p.ep_offsets_host.data(), p.ep_offsets_host.size() * sizeof(std::int64_t),
-           rt::CopyKind::HostToDevice, st);
+  const std::size_t H = std::size_t(h);
+  p.ep_comm->all_to_all(p.permuted, c.times(c.in_rows, H), p.ep_recv, c.times(c.out_rows, H), dt, st);
+  p.ep_comm->all_to_all(p.permuted_probs, c.in_rows, p.ep_recv_probs, c.out_rows, rdt, st);
+  const std::size_t row = H * dtype_size(dt), prob = dtype_size(rdt);
+  c.sort(p.ep_recv, p.ep_in, row, true, st);               // [Nl, h]
+  c.sort(p.ep_recv_probs, p.ep_in_probs, prob, true, st);  // [Nl]
+  rt::device(this_backend())
+      .copy(p.ep_offsets, p.ep_offsets_host.data(), p.ep_offsets_host.size() * sizeof(std::int64_t),
+            rt::CopyKind::HostToDevice, st);
 
   // ---- the local experts                                           // [Nl, h]
-  moe_grouped_experts(p, p.ep_in, p.ep_in_probs, p.ep_out, p.local_tokens_per_expert, p.ep_offsets, El, Nl, st);
+  moe_grouped_experts(p, p.ep_in, p.ep_in_probs, p.ep_out, p.local_tokens_per_expert, p.ep_offsets, El, c.Nl, st);
 
   // ---- combine: back to source rank-major, the reverse all-to-all  // [N, h]
-  sort_chunks(p.ep_out, p.ep_recv, row, false);
-  p.ep_comm->all_to_all(p.ep_recv, times(out_rows, std::size_t(h)), p.expert_out, times(in_rows, std::size_t(h)), dt,
-                        st);
+  c.sort(p.ep_out, p.ep_recv, row, false, st);
+  p.ep_comm->all_to_all(p.ep_recv, c.times(c.out_rows, H), p.expert_out, c.times(c.in_rows, H), dt, st);
 }
 
 // Megatron's MoEAllGatherTokenDispatcher at expert-parallel size ep (tp = 1): every rank gathers

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/rounding.h"
 #include "optimized/layer/kernel_types.h"
 
 namespace twin::rt {
@@ -95,8 +96,9 @@ struct MoELayerPlan {
   void* shared_fc1 = nullptr;                     // [T, (glu ? 2 : 1) * shared_ffn]
   void* shared_act = nullptr;                     // [T, shared_ffn]
   void* shared_out = nullptr;                     // [T, h]
-  void* gate_logits = nullptr;                    // [T]
-  void* mlp_out = nullptr;                        // [T, h]
+  void* shared_fc2 = nullptr;   // [T, h] linear_fc2's output: shared_out without a gate, kept apart with one
+  void* gate_logits = nullptr;  // [T]
+  void* mlp_out = nullptr;      // [T, h]
 
   // ---- expert parallelism, ep > 1: this rank holds the local experts
   // [ep_rank * local_E, (ep_rank + 1) * local_E) (fc1_w .. fc2_b above are those experts only).
@@ -136,6 +138,54 @@ struct MoELayerPlan {
 
   std::function<void(MoETapPoint)> on_tap;
   bool capturing = false;  // the phase is being captured into a graph: no host synchronisation
+};
+
+// MoELayer's backward at one rank (moe_layer_backward.cuh): its input and output gradients, its
+// parameters' gradients (in the params dtype, shaped as the plan's weights) and the scratch
+// between the ops, on the device; T = s * b tokens, N_max = T * E rows as the forward's buffers.
+struct MoELayerGrads {
+  const void* d_output = nullptr;  // [T, h] the MoE output's gradient
+  void* d_input = nullptr;         // [T, h] pre_mlp_layernorm's output's gradient
+  // ---- parameter gradients
+  void* router_w = nullptr;  // [E, h]
+  void* fc1_w = nullptr;     // [local_E, (glu ? 2 : 1) * ffn, h] this rank's experts (at ep = 1 all E)
+  void* fc2_w = nullptr;     // [local_E, h, ffn]
+  void *shared_fc1_w = nullptr, *shared_fc2_w = nullptr, *shared_gate_w = nullptr;  // as the weights
+  // ---- scratch
+  void* d_rows = nullptr;            // [N_max, h] each dispatched row's gradient
+  void* d_act = nullptr;             // [N_max, ffn] d of the scaled activation
+  void* d_fc1 = nullptr;             // [N_max, (glu ? 2 : 1) * ffn]
+  void* d_permuted = nullptr;        // [N_max, h] d of the permuted tokens
+  void* d_permuted_probs = nullptr;  // [N_max] rdt
+  void* d_hidden = nullptr;          // [T, h] the dispatch's part of d input
+  void* dprobs = nullptr;            // [T, E] rdt
+  float* aux_grad = nullptr;         // [T, E] the load-balancing loss's gradient of its scores
+  double* aux_scratch = nullptr;     // [2 * b * E]
+  void* dlogits = nullptr;           // [T, E] rdt
+  void* d_x_r = nullptr;             // [T, h] rdt != dt: the gating dgrad in rdt
+  void* d_router_w_r = nullptr;      // [E, h] rdt != dt: the gating wgrad in rdt
+  void* d_x_router = nullptr;        // [T, h] the router's part of d input
+  void* d_shared_mlp = nullptr;      // [T, h] with the gate: the shared MLP's output gradient
+  void* d_gate_logits = nullptr;     // [T]
+  void* d_shared_act = nullptr;      // [T, shared_ffn]
+  void* d_shared_fc1 = nullptr;      // [T, (glu ? 2 : 1) * shared_ffn]
+  void* d_x_shared = nullptr;        // [T, h] the shared experts' part of d input
+  // expert parallelism, ep > 1 (the alltoall dispatcher's duals), N_max rows each
+  void* ep_d_recv = nullptr;        // [N_max, h] rows' gradients by source rank, then local expert
+  void* ep_d_out = nullptr;         // [N_max, h] the local experts' output gradient (local expert-major)
+  void* ep_d_in = nullptr;          // [N_max, h] the local experts' input gradient
+  void* ep_d_in_probs = nullptr;    // [N_max] rdt
+  void* ep_d_recv_probs = nullptr;  // [N_max] rdt, by source rank
+  // the allgather dispatcher's, TG = ep * T gathered tokens
+  void* ag_d = nullptr;              // [TG, h] the gathered output gradients, then the gathered tokens'
+  void* ag_d_local_probs = nullptr;  // [TG, local_E] rdt the local experts' probabilities' gradients
+  void* ag_d_probs_recv = nullptr;   // [ep, T, local_E] rdt each expert rank's columns of this rank's tokens
+  // The most rows one token was dispatched to in the forward (host): the permute backward's
+  // index_add stores that many times.
+  int most_rows = 0;
+  // The rounding count from phase to phase (host): at the layer's output gradient, at MoELayer's,
+  // at the end of the shared experts' branch.
+  RoundingCount at_input, at_output, shared_end;
 };
 
 }  // namespace twin::opt

@@ -3,6 +3,7 @@
 // (inputs, buffers, streams, graphs) and the ranks run through layer/rank_runner.h. The kernel
 // sequence is moe_layer.cuh, called through layer/kernels.h.
 #include "optimized/moe/moe_transformer_layer.h"
+#include "optimized/moe/moe_transformer_layer_impl.h"
 
 #include <cmath>
 #include <cstring>
@@ -51,47 +52,6 @@ std::vector<std::string> moe_layer_param_keys(const TransformerConfig& c) {
   for (std::string& key : moe_mlp_param_keys(c)) k.push_back(std::move(key));
   return k;
 }
-
-struct MoETransformerLayer::Impl {
-  rt::Device* dev = nullptr;
-  DType dt = DType::F32;
-  int h = 0, np = 0, ng = 0, hn = 0;
-  std::unique_ptr<rt::Communicator> ep_comm;  // ep > 1: this rank's handle to the expert-parallel group
-  std::map<std::string, Tensor> full;
-  DeviceWeights weights;
-  BufferArena acts;  // activations of the current shape
-  std::optional<rt::Stream> stream;
-  MoEPlan plan;
-  MoEMlpRank mlp;  // the MoE MLP's sizes, losses, counters and taps (moe_layer.h)
-  // Buffers of the current shape, the inputs' device copies and the phases' graphs.
-  BufferShape buffer_shape;
-  rt::DeviceBuffer x_in, freqs, mask, pad;
-  StreamGraph router_graph, postprocess_graph;
-  // What one forward carries from phase to phase: the phase that ran last (a phase runs only after
-  // its predecessor), the options, the inputs the phases read on the host, the record so far.
-  enum class Phase { None, Router, ExpertCompute };
-  Phase done = Phase::None;
-  ForwardOptions fo;
-  std::vector<std::uint8_t> padding, recorded;  // [T] token order, [T, E]
-  std::int64_t S = 0, B = 0;
-  LayerOutput pending;
-
-  Tensor download(const void* ptr, DType type, Shape shape) {
-    return download_tensor(*dev, *stream, ptr, type, std::move(shape));
-  }
-  // Forgets a forward in flight (after the postprocess, or when a phase threw).
-  void end_forward() {
-    done = Phase::None;
-    plan.attn.on_tap = nullptr;
-    plan.on_tap = nullptr;
-    plan.recorded_map = nullptr;
-    plan.padding_host = nullptr;
-  }
-  // The router phase's steps (below).
-  void ensure_buffers(const BufferShape& shape);
-  void upload_inputs(const Tensor& hidden_states, const MoEForwardInputs& in);
-  void attention_tap(TapPoint t);
-};
 
 MoETransformerLayer::~MoETransformerLayer() = default;
 
@@ -276,9 +236,11 @@ void MoETransformerLayer::router_rank_body(Impl& m, const Tensor& hidden_states,
       BufferShape{ai.s, ai.b, ai.rot, in.attention_mask ? in.attention_mask->nbytes() : 0, !m.padding.empty()});
   m.upload_inputs(hidden_states, in);
   const MaskMode mask_mode = self_attention_mask_mode(in.attention_mask != nullptr, options_.attn_mask_type, ai.s);
-  if (set_forward_streams(p, fo, mask_mode, ai.mask_b, ai.mask_h)) {  // graphs bake these in: re-record
-    m.router_graph.reset();
-    m.postprocess_graph.reset();
+  m.kept = false;  // set again once this forward's postprocess has run
+  m.backward_done = Impl::BackwardPhase::None;
+  const bool kept_changed = m.set_kept_buffers(fo.keep_for_backward);
+  if (set_forward_streams(p, fo, mask_mode, ai.mask_b, ai.mask_h) || kept_changed) {  // graphs bake these in
+    m.reset_graphs();
   }
   p.mask = in.attention_mask ? m.mask.as<const std::uint8_t>() : nullptr;
   p.rot_dim = ai.rot;
@@ -287,7 +249,10 @@ void MoETransformerLayer::router_rank_body(Impl& m, const Tensor& hidden_states,
   P.padding = m.padding.empty() ? nullptr : m.pad.as<const std::uint8_t>();
   P.padding_host = m.padding.empty() ? nullptr : &m.padding;
   P.recorded_map = m.recorded.empty() ? nullptr : m.recorded.data();
-  if (m.mlp.set_losses(P, config_, fo)) m.router_graph.reset();
+  if (m.mlp.set_losses(P, config_, fo)) {  // the loss arguments the router graphs bake in
+    m.router_graph.reset();
+    m.backward_router_graph.reset();
+  }
 
   // The record fills over the three phases; the hooks live as long as the layer's Impl (they
   // capture it, never this phase's locals).
@@ -318,8 +283,7 @@ void MoETransformerLayer::router_rank_body(Impl& m, const Tensor& hidden_states,
 void MoETransformerLayer::Impl::ensure_buffers(const BufferShape& shape) {
   if (shape == buffer_shape) return;
   buffer_shape = shape;
-  router_graph.reset();
-  postprocess_graph.reset();
+  reset_graphs();
   acts.clear();
   MoEPlan& P = plan;
   RankPlan& p = P.attn;
@@ -342,6 +306,25 @@ void MoETransformerLayer::Impl::upload_inputs(const Tensor& hidden_states, const
   if (in.rotary_pos_emb) freqs.upload(in.rotary_pos_emb->raw(), in.rotary_pos_emb->nbytes());
   if (in.attention_mask) mask.upload(in.attention_mask->raw(), in.attention_mask->nbytes());
   if (!padding.empty()) pad.upload(padding.data(), padding.size());
+}
+
+// The softmax statistics [b, np, s, 2] fp32; qk-layernorm works in place on linear_qkv's output,
+// so its backward reads a copy from before [s, b, qkv_width] (the dense layer's kept buffers).
+bool MoETransformerLayer::Impl::set_kept_buffers(bool keep) {
+  RankPlan& p = plan.attn;
+  auto kept_buffer = [&](rt::DeviceBuffer& buf, std::size_t bytes, bool want) -> void* {
+    if (!want) return nullptr;
+    if (buf.bytes() != bytes) buf = rt::DeviceBuffer(*dev, bytes);
+    return buf.get();
+  };
+  float* const stats =
+      static_cast<float*>(kept_buffer(softmax_stats, sizeof(float) * 2 * std::size_t(p.b) * p.np_local() * p.s, keep));
+  void* const pre_norm = kept_buffer(qkv_pre_norm, std::size_t(p.s) * p.b * std::size_t(p.qkv_width()) * dtype_size(dt),
+                                     keep && p.qk_layernorm);
+  const bool changed = p.softmax_stats != stats || p.qkv_pre_norm != pre_norm;
+  p.softmax_stats = stats;
+  p.qkv_pre_norm = pre_norm;
+  return changed;
 }
 
 // The attention half's taps as every kind records them (tp = 1: every tensor whole).
@@ -396,6 +379,7 @@ LayerOutput MoETransformerLayer::postprocess_rank(int rank) {
         run_graph_phase(m, PhaseKind::Postprocess);
         m.stream->synchronize();
         LayerOutput result = std::move(m.pending);
+        m.kept = m.fo.keep_for_backward;
         result.hidden_states = m.download(m.plan.attn.out, m.dt, {m.S, m.B, m.h});
         m.end_forward();
         return result;

@@ -82,6 +82,31 @@ class MoETransformerLayer {
   void _forward_mlp_expert_compute();
   LayerOutput _forward_mlp_postprocess();
 
+  // Why backward() does not cover this layer, or none.
+  std::optional<std::string> backward_unsupported() const;
+  // The gradients of the last forward (all three phases, run with keep_for_backward) for
+  // grad_output [s, b, h]: the input's and every parameter's under Megatron's keys, with the
+  // magnitudes their rounding error scales with when asked. std::logic_error when unsupported or
+  // when the last forward kept nothing. Runs MoELayer's backward (moe_layer_backward.cuh) after
+  // mlp_bda's and before pre_mlp_layernorm's and the attention half's, on every expert-parallel
+  // rank: each holds a replica of the batch, so an expert's weight gradient is scaled by 1 / ep as
+  // Megatron's DDP scales it (the gradient of the ranks' mean loss).
+  // Exactly _backward_mlp_postprocess, _backward_mlp_expert_compute, _backward_mlp_router in turn.
+  LayerGradients backward(const Tensor& grad_output, bool with_magnitudes = false, bool use_graph = false);
+
+  // The backward in three phases, the forward's in reverse (moe_layer_backward.cuh says what each
+  // runs), each callable alone, in turn after a forward kept for backward:
+  //   _backward_mlp_postprocess: mlp_bda's, the combine's and the shared experts' backward;
+  //   _backward_mlp_expert_compute: the experts' (at ep > 1 between the dispatcher's duals);
+  //   _backward_mlp_router: the dispatch's, the router's, pre_mlp_layernorm's and the attention
+  //     half's; returns the gradients.
+  // With use_graph the postprocess and router phases are captured as graphs once (for this
+  // forward's shape and arguments) and replayed; the expert phase is always eager. A phase called
+  // before its predecessor throws std::logic_error naming the missing phase.
+  void _backward_mlp_postprocess(const Tensor& grad_output, bool use_graph = false);
+  void _backward_mlp_expert_compute();
+  LayerGradients _backward_mlp_router(bool with_magnitudes = false, bool use_graph = false);
+
   // Tokens per expert of the last forward (rank 0's tokens, over all E experts).
   const std::vector<std::int64_t>& tokens_per_expert() const;
 
@@ -90,6 +115,8 @@ class MoETransformerLayer {
   static void init_rank(Impl& m, const TransformerConfig& config, const std::map<std::string, Tensor>& params,
                         const LayerOptions& options, int rank);
   enum class PhaseKind { Router, ExpertCompute, Postprocess };
+  enum class BackwardPhaseKind { Postprocess, ExpertCompute, Router };
+  void run_backward_phase(BackwardPhaseKind kind, bool use_graph);
   void on_every_rank(const std::function<void(int)>& phase);
   static ForwardOptions rank_options(const ForwardOptions& options, int rank);
   void set_gather_expert_taps(const ForwardOptions& options);
@@ -100,6 +127,7 @@ class MoETransformerLayer {
   void expert_compute_rank(int rank);
   LayerOutput postprocess_rank(int rank);
   void run_graph_phase(Impl& m, PhaseKind kind);
+  void set_magnitudes(LayerGradients& out) const;
   TransformerConfig config_;
   LayerOptions options_;
   std::vector<std::unique_ptr<Impl>> ranks_;

@@ -13,4 +13,11 @@ struct MoEPlan : MoELayerPlan {
   RankPlan attn;  // the attention half; attn.ln2 is the MoE's input, attn.h1 the residual, attn.out the output
 };
 
+// The layer's backward at one rank: the attention half's gradients (attn: dout, dx, its params',
+// pre_mlp_layernorm's and their scratch) and MoELayer's (d_output = attn.d_mlp, d_input =
+// attn.d_ln2).
+struct MoEGrads : MoELayerGrads {
+  RankGrads attn;
+};
+
 }  // namespace twin::opt

@@ -162,4 +162,42 @@ inline void unpermute_forward(DType dt, const void* permuted, const std::int64_t
   });
 }
 
+// ---- backward: the permute's backward is unpermute_forward of the rows' gradients (each token's
+// rows added in expert order, as torch's index_add over the expert-major rows), the unpermute's is
+// permute_forward of the tokens' gradients (each row takes its token's); the permuted
+// probabilities' gradient goes back to its (token, expert) entry here.
+
+// One thread per (token, expert): dprobs[t, e] = d_permuted_probs[row(e, t)], 0 where not routed.
+template <class R>
+__global__ void permute_probs_backward_kernel(const R* d_permuted_probs, const std::int64_t* row_id_map, R* dprobs,
+                                              std::int64_t num_tokens, int E) {
+  const std::int64_t n = num_tokens * E;
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t t = i / E, e = i % E;
+    const std::int64_t row = row_id_map[PermuteIndex::map_slot(e, t, num_tokens)];
+    dprobs[i] = row >= 0 ? d_permuted_probs[row] : Io<R>::store(0);
+  }
+}
+
+// d probs [T, E] (router dtype rdt) from the permuted probabilities' gradient [N]. No rounding.
+inline void permute_probs_backward(DType rdt, const void* d_permuted_probs, const std::int64_t* row_id_map,
+                                   void* dprobs, std::int64_t T, int E, cudaStream_t stream) {
+  require(E > 0 && T >= 0 && dprobs && row_id_map, "permute_probs_backward: bad shape or null buffer");
+  const double rs = rdt == DType::F64 ? 8.0 : double(dtype_size(rdt));
+  // cost: the row-id map read, [T, E] written, at most one gathered probability per entry.
+  rt::declare_cost("permute_probs_backward", double(T) * E * (8.0 + 2.0 * rs), 0.0);
+  if (T == 0) return;
+  auto run = [&](auto tag) {
+    using R = decltype(tag);
+    const unsigned threads = elementwise_threads(T * E);
+    launch_kernel(permute_probs_backward_kernel<R>, dim3(elementwise_blocks(T * E, threads)), dim3(threads), 0, stream,
+                  static_cast<const R*>(d_permuted_probs), row_id_map, static_cast<R*>(dprobs), T, E);
+  };
+  if (rdt == DType::F64)
+    run(double{});
+  else
+    dispatch_dtype(rdt, "permute_probs_backward", run);
+}
+
 }  // namespace twin::opt::TWIN_BACKEND

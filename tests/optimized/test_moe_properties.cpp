@@ -466,6 +466,202 @@ RC_GTEST_PROP(OptimizedMoEProperty, ExpertParallelSizesAgree, ()) {
   RC_ASSERT(runs >= 1);  // every even E in [2, 8] has ep = 2
 }
 
+// ---- backward ----------------------------------------------------------------------------------
+
+namespace {
+
+// A drawn case the layer's backward covers: no biases (add_bias_linear, which both twins' MoE
+// backward refuses).
+MoECase make_backward_case() {
+  OptMoECase o = *gen_opt_moe_case();
+  o.bias = false;
+  return make_case(o);
+}
+
+// A random gradient of the layer's output [s, b, h] in the params dtype.
+Tensor output_gradient(const MoECase& m) {
+  std::mt19937_64 rng(m.dense.seed * 31 + 7);
+  return random(m.dense.dtype, m.hidden_states.shape(), 1.0, rng);
+}
+
+// The reference's forward record, then its gradients (Role::Grad), counted from the forward's.
+Record reference_with_gradients(const MoECase& m, const Tensor& dout) {
+  using namespace twin::reference;
+  const auto layer = make_reference(m, false);
+  LayerInputs li;
+  li.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
+  li.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
+  Record rec;
+  CountRoundings counting;
+  TransformerLayerSaved saved;
+  layer->forward(m.hidden_states, li, Taps(&rec), &saved);
+  const TransformerLayerGrads g = layer->backward(dout, saved);
+  for (const ParamGrad& p : g.params)
+    rec.add(Role::Grad, "param." + p.name, layer->precision.to_tensor(p.value, p.shape)).magnitude = p.magnitude;
+  rec.add(Role::Grad, "input.hidden_states", g.hidden_states);
+  return rec;
+}
+
+// The optimized twin's, likewise, at expert-parallel size ep.
+Record optimized_with_gradients(const MoECase& m, const Tensor& dout, int ep = 1) {
+  TransformerConfig c = m.config;
+  c.expert_model_parallel_size = ep;
+  opt::MoETransformerLayer layer(c, m.params, opt::LayerOptions{});
+  opt::ForwardOptions fo;
+  fo.training = true;
+  fo.record_taps = true;
+  fo.keep_for_backward = true;
+  CountRoundings counting;
+  Record rec = layer.forward(m.hidden_states, optimized_inputs(m), fo).record;
+  const opt::LayerGradients g = layer.backward(dout, /*with_magnitudes=*/true);
+  for (const opt::ParamGradient& p : g.params) rec.add(Role::Grad, "param." + p.name, p.value).magnitude = p.magnitude;
+  rec.add(Role::Grad, "input.hidden_states", g.hidden_states);
+  return rec;
+}
+
+}  // namespace
+
+// Every dtype: the optimized MoE layer's gradients (the input's and every parameter's: attention
+// half, router, each expert, shared experts and gate) equal the reference's within the bound the
+// golden engine derives from the optimized twin's counted rounding points and each gradient's
+// magnitude, which counts no more than the reference's. Routing decided by a near-tie is discarded
+// as in the forward's property.
+RC_GTEST_PROP(OptimizedMoEProperty, BackwardEqualsReferenceWithinBound, ()) {
+  const MoECase m = make_backward_case();
+  RC_LOG() << describe(m) << "\n";
+  RC_TAG(dtype_name(m.dense.dtype), m.config.moe_router_load_balancing_type);
+  const Tensor dout = output_gradient(m);
+  const Record ref = reference_with_gradients(m, dout), got = optimized_with_gradients(m, dout);
+  if (!bitwise_equal(*ref.find("mlp.router.1"), *got.find("mlp.router.1"))) {
+    const Tensor& rl = *ref.find("mlp.router.logits");
+    const double gap =
+        2 * max_abs_diff(rl, *got.find("mlp.router.logits")) + 4 * unit_roundoff(rl.dtype()) * max_abs(rl);
+    RC_ASSERT(has_near_tie(rl, *m.config.num_moe_experts, gap));
+    RC_DISCARD("routing decided by a near-tie");
+  }
+  Expected expected;
+  std::map<std::string, RoundingCount> ref_counts;
+  for (const RecordEntry& e : ref.entries)
+    if (e.role == Role::Grad) {
+      expected.emplace_back(e.key(), e.value);
+      ref_counts.emplace(e.key(), e.rounding);
+    }
+  // The counts that set the bound, checked against the reference's: never more in any field (a
+  // larger count would widen the bound). They may be fewer by exactly the attention half's weight
+  // gradients: the optimized twin keeps a weight gradient's GEMM off the chain to the input's
+  // gradient (attention_backward.cuh's leaves), the reference's Linear::backward counts it on the
+  // chain; MoELayer's own backward counts as the reference does.
+  Record got_grads;  // the forward's entries are the forward property's
+  for (const RecordEntry& e : got.entries) {
+    if (e.role != Role::Grad) continue;
+    got_grads.entries.push_back(e);
+    const RoundingCount& r = ref_counts.at(e.key());
+    if (e.rounding.bf16 > r.bf16 || e.rounding.fp16 > r.fp16 || e.rounding.fp32 > r.fp32 ||
+        e.rounding.reduction > r.reduction)
+      RC_FAIL(e.key() + ": optimized counts " + e.rounding.describe() + ", more than the reference's " + r.describe());
+  }
+  RC_ASSERT(got_grads.entries.size() == expected.size());
+  for (const Comparison& row : compare_record(got_grads, expected, "optimized"))
+    if (!row.pass)
+      RC_FAIL(row.name + ": max abs " + std::to_string(row.max_abs) + ", share of the bound used " +
+              std::to_string(row.share_used) + " " + row.message);
+}
+
+// The gradients' entries of a record (the forward's are the forward properties').
+Record gradients_of(const Record& r) {
+  Record g;
+  for (const RecordEntry& e : r.entries)
+    if (e.role == Role::Grad) g.entries.push_back(e);
+  return g;
+}
+
+// Expert parallelism: ep = 2, 4 and 8 (those dividing num_moe_experts), both dispatchers. Every
+// gradient is within the bound counted at that ep against the reference's: an expert's weight
+// gradient sums every rank's replica of its rows, scaled by 1 / ep (DDP's scaling); with the
+// allgather dispatcher a token's input gradient adds the ranks' partial sums. With the alltoall
+// dispatcher each row's gradient reaches its expert's rank and comes back with its probability's,
+// moved without rounding and computed from that row alone, so the input's gradient and every
+// gradient but the experts' weights' are moreover bitwise the ep = 1 ones.
+RC_GTEST_PROP(OptimizedMoEProperty, BackwardExpertParallelSizesAgree, ()) {
+  OptMoECase o = *gen_opt_moe_case(2);
+  o.bias = false;
+  const MoECase m = make_case(o);
+  const bool alltoall = m.config.moe_token_dispatcher_type == "alltoall";
+  RC_LOG() << describe(m) << "\n";
+  const Tensor dout = output_gradient(m);
+  const Record ref_full = reference_with_gradients(m, dout), one = optimized_with_gradients(m, dout, 1);
+  const Record ref = gradients_of(ref_full), one_grads = gradients_of(one);
+  // routing decided by a near-tie (the forward's property) leaves only the ep = 1 comparison
+  const bool same_routing = bitwise_equal(*one.find("mlp.router.1"), *ref_full.find("mlp.router.1"));
+  int runs = 0;
+  for (int ep : {2, 4, 8}) {
+    if (*m.config.num_moe_experts % ep != 0) continue;
+    ++runs;
+    RC_LOG() << "ep " << ep << "\n";
+    const Record got = gradients_of(optimized_with_gradients(m, dout, ep));
+    RC_ASSERT(got.entries.size() == one_grads.entries.size());
+    for (std::size_t i = 0; i < got.entries.size(); ++i) {
+      const RecordEntry& e = got.entries[i];
+      RC_LOG() << e.key() << "\n";
+      RC_ASSERT(e.key() == one_grads.entries[i].key());
+      if (alltoall && e.key().find(".local_experts.") == std::string::npos)
+        RC_ASSERT(bitwise_equal(e.value, one_grads.entries[i].value));
+    }
+    if (!same_routing) continue;
+    Expected expected;
+    for (const RecordEntry& e : ref.entries) expected.emplace_back(e.key(), e.value);
+    for (const Comparison& row : compare_record(got, expected, "optimized"))
+      if (!row.pass)
+        RC_FAIL(row.name + ": max abs " + std::to_string(row.max_abs) + ", share of the bound used " +
+                std::to_string(row.share_used) + " " + row.message);
+  }
+  RC_ASSERT(runs >= 1);
+}
+
+// A CUDA-graph replay of the backward's postprocess and router phases (the expert phase eager
+// between them) is bitwise equal to the eager backward, on the first replay and on a second
+// backward after a forward with other hidden states of the same shape (the graphs replayed on the
+// new activations), at ep = 1 and 2.
+RC_GTEST_PROP(OptimizedMoEProperty, BackwardGraphReplayIsBitwiseEqualToEager, ()) {
+  OptMoECase o = *gen_opt_moe_case(2);
+  o.bias = false;
+  const MoECase m = make_case(o);
+  const int ep = *rc::gen::element(1, 2);
+  RC_LOG() << describe(m) << " ep " << ep << "\n";
+  TransformerConfig c = m.config;
+  c.expert_model_parallel_size = ep;
+  opt::MoETransformerLayer graph(c, m.params, opt::LayerOptions{}), eager(c, m.params, opt::LayerOptions{});
+  opt::ForwardOptions fo;
+  fo.training = true;
+  fo.keep_for_backward = true;
+  const Tensor dout = output_gradient(m);
+  for (const MoECase& x : {m, with_second_input(m)}) {
+    graph.forward(x.hidden_states, optimized_inputs(x), fo);
+    eager.forward(x.hidden_states, optimized_inputs(x), fo);
+    const opt::LayerGradients a = graph.backward(dout, false, /*use_graph=*/true), b = eager.backward(dout);
+    RC_ASSERT(bitwise_equal(a.hidden_states, b.hidden_states));
+    RC_ASSERT(a.params.size() == b.params.size());
+    for (std::size_t i = 0; i < a.params.size(); ++i) {
+      RC_LOG() << a.params[i].name << "\n";
+      RC_ASSERT(bitwise_equal(a.params[i].value, b.params[i].value));
+    }
+  }
+}
+
+// Two backward runs of the optimized MoE layer (each after its forward) are bitwise equal.
+RC_GTEST_PROP(OptimizedMoEProperty, TwoBackwardRunsAreBitwiseEqual, ()) {
+  const MoECase m = make_backward_case();
+  RC_LOG() << describe(m) << "\n";
+  const Tensor dout = output_gradient(m);
+  const Record a = optimized_with_gradients(m, dout), b = optimized_with_gradients(m, dout);
+  RC_ASSERT(a.entries.size() == b.entries.size());
+  for (std::size_t i = 0; i < a.entries.size(); ++i) {
+    RC_LOG() << a.entries[i].key() << "\n";
+    RC_ASSERT(a.entries[i].key() == b.entries[i].key());
+    RC_ASSERT(bitwise_equal(a.entries[i].value, b.entries[i].value));
+  }
+}
+
 // The configurations expert parallelism does not run are named, before anything runs.
 TEST(OptimizedMoEExpertParallel, UnsupportedConfigsAreNamed) {
   TransformerConfig c;
@@ -634,6 +830,40 @@ TEST(OptimizedMoEPhases, OutOfOrderCallsNameTheMissingPhase) {
 
 // At ep = 2 an out-of-order call is refused before any rank runs (no rank waits in a collective
 // for another), and the forward in flight completes afterwards.
+// The backward's phases out of order, or without a forward kept for backward, name what is
+// missing; after a throw the right call still runs.
+TEST(OptimizedMoEPhases, BackwardOutOfOrderCallsNameTheMissingPhase) {
+  OptMoECase o;
+  o.E = 4;
+  o.k = 2;
+  const MoECase m = make_case(o);
+  opt::MoETransformerLayer layer(m.config, m.params, opt::LayerOptions{});
+  const Tensor dout = output_gradient(m);
+  auto throws_naming = [](auto&& call, const std::string& what) {
+    try {
+      call();
+    } catch (const std::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << "no std::logic_error naming " << what;
+  };
+  opt::ForwardOptions fo;
+  fo.training = true;
+  layer.forward(m.hidden_states, optimized_inputs(m), fo);
+  throws_naming([&] { layer._backward_mlp_postprocess(dout); }, "keep_for_backward");
+  fo.keep_for_backward = true;
+  layer.forward(m.hidden_states, optimized_inputs(m), fo);
+  throws_naming([&] { layer._backward_mlp_expert_compute(); }, "needs _backward_mlp_postprocess first");
+  throws_naming([&] { layer._backward_mlp_router(); }, "needs _backward_mlp_expert_compute first");
+  layer._backward_mlp_postprocess(dout);
+  throws_naming([&] { layer._backward_mlp_router(); }, "needs _backward_mlp_expert_compute first");
+  layer._backward_mlp_expert_compute();
+  const opt::LayerGradients g = layer._backward_mlp_router();
+  EXPECT_TRUE(bitwise_equal(g.hidden_states, layer.backward(dout).hidden_states));
+  throws_naming([&] { layer._backward_mlp_router(); }, "needs _backward_mlp_expert_compute first");
+}
+
 TEST(OptimizedMoEPhases, OutOfOrderCallsAtExpertParallelSize2) {
   OptMoECase o;
   o.s = 3;

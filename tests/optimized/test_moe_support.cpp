@@ -75,21 +75,32 @@ TEST(OptimizedMoESupport, BadParametersAreRejected) {
   EXPECT_THROW(opt::MoETransformerLayer(f.config, wrong), ShapeError);
 }
 
-// Every moe_* golden (and the random ones) passes for the optimized twin on the simulator, with
-// the routing map, the tokens per expert and every other compared tensor within its bound.
+// Every moe_* golden (and the random ones) passes for the optimized twin on the simulator at
+// expert-parallel sizes 1, 2 and 4 where num_moe_experts allows, with the routing map, the tokens
+// per expert, the gradients and every other compared tensor within its bound.
 TEST(OptimizedMoESupport, EveryMoEGoldenPasses) {
   const std::vector<std::string> files = golden_files("moe_");  // recursive: random/ too
   ASSERT_GE(files.size(), 18u);
-  for (const auto& path : files) {
-    SCOPED_TRACE(path);
-    const Fixture f = load_fixture(path);
-    const auto rows = compare_fixture(f, TwinKind::Optimized);
-    bool map = false, tokens = false;
-    for (const auto& row : rows) {
-      EXPECT_TRUE(row.pass) << row.name << ": " << row.message;
-      map |= row.name == "tap.mlp.router.1";
-      tokens |= row.name == "tap_in.mlp.experts.tokens_per_expert";
+  int expert_parallel = 0;
+  for (const auto& path : files)
+    for (int ep : {1, 2, 4}) {
+      const Fixture f = load_fixture(path);
+      if (*f.config.num_moe_experts % ep != 0) continue;
+      SCOPED_TRACE(path + " at ep " + std::to_string(ep));
+      expert_parallel += ep > 1;
+      RunMode mode;
+      mode.ep = ep;
+      std::string grads;
+      const auto rows = compare_fixture(find_fixture_handler(f.kind, TwinKind::Optimized, mode), f, TwinKind::Optimized,
+                                        mode, &grads);
+      EXPECT_EQ(grads, "compared");
+      bool map = false, tokens = false;
+      for (const auto& row : rows) {
+        EXPECT_TRUE(row.pass) << row.name << ": " << row.message;
+        map |= row.name == "tap.mlp.router.1";
+        tokens |= row.name == "tap_in.mlp.experts.tokens_per_expert";
+      }
+      EXPECT_TRUE(map && tokens) << "routing map and tokens per expert compared";
     }
-    EXPECT_TRUE(map && tokens) << "routing map and tokens per expert compared";
-  }
+  EXPECT_GE(expert_parallel, int(files.size()));  // every golden has an even number of experts
 }

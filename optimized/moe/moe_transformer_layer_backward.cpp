@@ -1,0 +1,341 @@
+// Host side of the optimized MoE layer's backward, one job per part as the dense layer's
+// (transformer_layer_backward.cpp): what it supports, its buffers, running it on the forward's
+// kept buffers (moe_layer_backward.cuh through layer/kernels.h), each parameter's gradient under
+// its Megatron key, and the magnitudes their rounding error scales with (computed here on the host
+// from the gradients and activations the run leaves in its buffers, as the reference's ParamGrad
+// defines them).
+#include <algorithm>
+#include <map>
+#include <utility>
+#include <stdexcept>
+
+#include "optimized/layer/attention_half.h"
+#include "optimized/layer/grad_magnitudes.h"
+#include "optimized/layer/kernels.h"
+#include "optimized/layer/rank_runner.h"
+#include "optimized/moe/moe_transformer_layer_impl.h"
+
+namespace twin::opt {
+
+namespace {
+
+constexpr char kWho[] = "optimized MoE layer";
+
+}  // namespace
+
+// ---- what it supports ----------------------------------------------------------------------------
+std::optional<std::string> MoETransformerLayer::backward_unsupported() const {
+  const TransformerConfig& c = config_;
+  if (const std::string why = attention_half_backward_unsupported(ranks_.front()->plan.attn.post_ln_residual);
+      !why.empty())
+    return why;
+  if (c.moe_router_load_balancing_type == "sinkhorn") return std::string("sinkhorn routing");
+  if (c.moe_input_jitter_eps) return std::string("moe_input_jitter_eps (the jitter's backward)");
+  if (c.moe_router_force_load_balancing) return std::string("moe_router_force_load_balancing");
+  if (c.calculate_per_token_loss) return std::string("calculate_per_token_loss (the losses scaled by the token count)");
+  if (c.add_bias_linear) return std::string("biases (add_bias_linear: the router's and the experts')");
+  if (c.moe_apply_probs_on_input) return std::string("moe_apply_probs_on_input");
+  if (c.bias_activation_fusion) return std::string("bias_activation_fusion (the fused activation's backward)");
+  return std::nullopt;
+}
+
+// ---- its buffers: the gradients and scratch for the current (s, b) ---------------------------------
+void MoETransformerLayer::Impl::ensure_grad_buffers(rt::Backend backend) {
+  if (grads_shape == buffer_shape) return;
+  grads_shape = BufferShape{};
+  backward_postprocess_graph.reset();  // they wrote into the buffers released here
+  backward_router_graph.reset();
+  const MoEPlan& P = plan;
+  const RankPlan& p = P.attn;
+  rt::Device& d = *dev;
+  BufferArena& A = grad_bufs;
+  A.clear();
+  const std::int64_t T = std::int64_t(p.s) * p.b, H = h, E = P.E, N = T * E;
+  const int w1 = (P.glu ? 2 : 1) * P.ffn, sw1 = (P.glu ? 2 : 1) * P.shared_ffn;
+  const DType rdt = P.rdt;
+  MoEGrads g;
+  // ---- the attention half and pre_mlp_layernorm (tp = 1: every tensor whole)
+  RankGrads& a = g.attn;
+  a.dout = A.add(d, "dout", dt, T, H);
+  a.dx = A.add(d, "dx", dt, T, H);
+  for (const GradSlot& s : kAttentionHalfGradSlots)
+    if (full.count(s.key)) a.*s.slot = A.add(d, s.key, dt, full.at(s.key).numel());
+  a.dh1 = A.add(d, "dh1", dt, T, H);
+  a.d_mlp = A.add(d, "d_mlp", dt, T, H);
+  a.d_ln2 = A.add(d, "d_ln2", dt, T, H);
+  a.d_proj = A.add(d, "d_proj", dt, T, H);
+  a.d_ctx = A.add(d, "d_ctx", dt, T, std::int64_t(np) * hn);
+  a.d_qkv = A.add(d, "d_qkv", dt, T, p.qkv_width());
+  a.d_qkv_pre = p.qk_layernorm ? A.add(d, "d_qkv_pre", dt, T, p.qkv_width()) : nullptr;
+  a.d_ln1 = A.add(d, "d_ln1", dt, T, H);
+  a.workspace_bytes = layer_kernels(backend).moe_rank_backward_workspace_bytes(P);
+  a.workspace = A.add<std::byte>(d, "workspace", a.workspace_bytes);
+  // ---- MoELayer
+  g.d_output = a.d_mlp;
+  g.d_input = a.d_ln2;
+  g.router_w = A.add(d, "router_w", dt, E, H);
+  g.fc1_w = A.add(d, "fc1_w", dt, P.local_E, w1, H);
+  g.fc2_w = A.add(d, "fc2_w", dt, P.local_E, H, P.ffn);
+  if (P.ep > 1) {
+    g.ep_d_recv = A.add(d, "ep_d_recv", dt, N, H);
+    g.ep_d_out = A.add(d, "ep_d_out", dt, N, H);
+    g.ep_d_in = A.add(d, "ep_d_in", dt, N, H);
+    g.ep_d_in_probs = A.add(d, "ep_d_in_probs", rdt, N);
+    g.ep_d_recv_probs = A.add(d, "ep_d_recv_probs", rdt, N);
+  }
+  if (P.ep > 1 && P.allgather) {
+    const std::int64_t TG = T * P.ep;
+    g.ag_d = A.add(d, "ag_d", dt, TG, H);
+    g.ag_d_local_probs = A.add(d, "ag_d_local_probs", rdt, TG, P.local_E);
+    g.ag_d_probs_recv = A.add(d, "ag_d_probs_recv", rdt, TG, P.local_E);
+  }
+  g.d_rows = A.add(d, "d_rows", dt, N, H);
+  g.d_act = A.add(d, "d_act", dt, N, P.ffn);
+  g.d_fc1 = A.add(d, "d_fc1", dt, N, w1);
+  g.d_permuted = A.add(d, "d_permuted", dt, N, H);
+  g.d_permuted_probs = A.add(d, "d_permuted_probs", rdt, N);
+  g.d_hidden = A.add(d, "d_hidden", dt, T, H);
+  g.dprobs = A.add(d, "dprobs", rdt, T, E);
+  g.aux_grad = A.add<float>(d, "aux_grad", T, E);
+  g.aux_scratch = A.add<double>(d, "aux_scratch", 2, p.b, E);
+  g.dlogits = A.add(d, "dlogits", rdt, T, E);
+  g.d_x_r = rdt != dt ? A.add(d, "d_x_r", rdt, T, H) : nullptr;
+  g.d_router_w_r = rdt != dt ? A.add(d, "d_router_w_r", rdt, E, H) : nullptr;
+  g.d_x_router = A.add(d, "d_x_router", dt, T, H);
+  if (P.shared_ffn > 0) {
+    g.shared_fc1_w = A.add(d, "shared_fc1_w", dt, sw1, H);
+    g.shared_fc2_w = A.add(d, "shared_fc2_w", dt, H, P.shared_ffn);
+    g.shared_gate_w = P.shared_gate ? A.add(d, "shared_gate_w", dt, H) : nullptr;
+    g.d_shared_mlp = P.shared_gate ? A.add(d, "d_shared_mlp", dt, T, H) : nullptr;
+    g.d_gate_logits = P.shared_gate ? A.add(d, "d_gate_logits", dt, T) : nullptr;
+    g.d_shared_act = A.add(d, "d_shared_act", dt, T, P.shared_ffn);
+    g.d_shared_fc1 = A.add(d, "d_shared_fc1", dt, T, sw1);
+    g.d_x_shared = A.add(d, "d_x_shared", dt, T, H);
+  }
+  grads = g;
+  grads_shape = buffer_shape;
+}
+
+namespace {
+
+// An expert's parameter key "mlp.experts.local_experts.<e>.<rest>": e and rest; e = -1 for
+// another key.
+std::pair<int, std::string> expert_of_key(const std::string& key) {
+  const std::string prefix = "mlp.experts.local_experts.";
+  if (key.rfind(prefix, 0) != 0) return {-1, ""};
+  const std::size_t dot = key.find('.', prefix.size());
+  return {std::stoi(key.substr(prefix.size(), dot - prefix.size())), key.substr(dot + 1)};
+}
+
+// Where the gradient of an MoE parameter lies in its rank's MoEGrads: its buffer and, for an
+// expert's weight, the local expert l's block of [local_E, rows, cols]; null for a key that is
+// not MoELayer's.
+const void* moe_grad_of(const MoEGrads& g, const MoEPlan& P, int h, const std::string& key, std::size_t es) {
+  if (key == "mlp.router.weight") return g.router_w;
+  if (key == "mlp.shared_experts.linear_fc1.weight") return g.shared_fc1_w;
+  if (key == "mlp.shared_experts.linear_fc2.weight") return g.shared_fc2_w;
+  if (key == "mlp.shared_experts.gate_weight") return g.shared_gate_w;
+  const auto [e, rest] = expert_of_key(key);
+  if (e < 0) return nullptr;
+  const std::size_t l = std::size_t(e % P.local_E), w1 = std::size_t(P.glu ? 2 : 1) * P.ffn;
+  if (rest == "linear_fc1.weight") return static_cast<const char*>(g.fc1_w) + l * w1 * h * es;
+  if (rest == "linear_fc2.weight") return static_cast<const char*>(g.fc2_w) + l * std::size_t(P.ffn) * h * es;
+  return nullptr;
+}
+
+}  // namespace
+
+// ---- running it ----------------------------------------------------------------------------------
+namespace {
+
+constexpr char kBackwardOrder[] =
+    " (a backward runs _backward_mlp_postprocess, _backward_mlp_expert_compute, _backward_mlp_router in turn after a "
+    "forward run with keep_for_backward)";
+
+}  // namespace
+
+LayerGradients MoETransformerLayer::backward(const Tensor& grad_output, bool with_magnitudes, bool use_graph) {
+  _backward_mlp_postprocess(grad_output, use_graph);
+  _backward_mlp_expert_compute();
+  return _backward_mlp_router(with_magnitudes, use_graph);
+}
+
+// One backward phase on every expert-parallel rank (one thread each at ep > 1: the dispatcher's
+// collectives pair them): eager, or (postprocess, router, with use_graph) from its graph. If any
+// rank throws, every rank drops the backward in flight.
+void MoETransformerLayer::run_backward_phase(BackwardPhaseKind kind, bool use_graph) {
+  const LayerKernels& kernels = layer_kernels(options_.backend);
+  try {
+    run_ranks_counted(static_cast<int>(ranks_.size()), [&](int r) {
+      Impl& R = *ranks_[std::size_t(r)];
+      const cudaStream_t st = R.stream->handle();
+      switch (kind) {
+        case BackwardPhaseKind::Postprocess:
+          R.backward_postprocess_graph.run(*R.stream, use_graph,
+                                           [&] { kernels.moe_backward_postprocess(R.plan, R.grads, st); });
+          break;
+        case BackwardPhaseKind::ExpertCompute:
+          kernels.moe_backward_expert_compute(R.plan, R.grads, st);
+          break;
+        case BackwardPhaseKind::Router:
+          R.backward_router_graph.run(*R.stream, use_graph, [&] { kernels.moe_backward_router(R.plan, R.grads, st); });
+          break;
+      }
+      R.stream->synchronize();
+    });
+  } catch (...) {
+    for (auto& R : ranks_) R->backward_done = Impl::BackwardPhase::None;
+    throw;
+  }
+}
+
+// The postprocess phase's backward: d out to every rank (each holds a replica of the batch), the
+// most rows one token was dispatched to (the permute backward's sums), mlp_bda's, the combine's
+// and the shared experts' backward.
+void MoETransformerLayer::_backward_mlp_postprocess(const Tensor& grad_output, bool use_graph) {
+  if (const auto why = backward_unsupported()) throw std::logic_error(std::string(kWho) + ": no backward for " + *why);
+  Impl& m = *ranks_.front();
+  if (!m.kept)
+    throw std::logic_error(std::string(kWho) + ": backward needs the last forward run with keep_for_backward" +
+                           kBackwardOrder);
+  const RankPlan& p = m.plan.attn;
+  const std::int64_t T = std::int64_t(p.s) * p.b, E = m.plan.E;
+  grad_output.expect({p.s, p.b, m.h}, m.dt, std::string(kWho) + ": grad_output");
+  const Tensor map = m.download(m.plan.routing_map, DType::BOOL, {T, E});
+  int most_rows = 0;
+  for (std::int64_t t = 0; t < T; ++t) {
+    int rows = 0;
+    for (std::int64_t e = 0; e < E; ++e) rows += map.at_f64(t * E + e) != 0.0;
+    most_rows = std::max(most_rows, rows);
+  }
+  for (auto& R : ranks_) {
+    R->backward_done = Impl::BackwardPhase::None;
+    R->ensure_grad_buffers(options_.backend);
+    R->grads.most_rows = most_rows;
+    R->dev->copy(const_cast<void*>(R->grads.attn.dout), grad_output.raw(), grad_output.nbytes(),
+                 rt::CopyKind::HostToDevice, R->stream->handle());
+  }
+  run_backward_phase(BackwardPhaseKind::Postprocess, use_graph);
+  for (auto& R : ranks_) R->backward_done = Impl::BackwardPhase::Postprocess;
+}
+
+void MoETransformerLayer::_backward_mlp_expert_compute() {
+  if (ranks_.front()->backward_done != Impl::BackwardPhase::Postprocess)
+    throw std::logic_error(std::string(kWho) + ": _backward_mlp_expert_compute needs _backward_mlp_postprocess first" +
+                           kBackwardOrder);
+  run_backward_phase(BackwardPhaseKind::ExpertCompute, false);
+  for (auto& R : ranks_) R->backward_done = Impl::BackwardPhase::ExpertCompute;
+}
+
+// The router phase's backward, then every gradient under its Megatron key: rank 0 holds all but
+// the experts' weights', each on its owner rank.
+LayerGradients MoETransformerLayer::_backward_mlp_router(bool with_magnitudes, bool use_graph) {
+  if (ranks_.front()->backward_done != Impl::BackwardPhase::ExpertCompute)
+    throw std::logic_error(std::string(kWho) + ": _backward_mlp_router needs _backward_mlp_expert_compute first" +
+                           kBackwardOrder);
+  run_backward_phase(BackwardPhaseKind::Router, use_graph);
+  for (auto& R : ranks_) R->backward_done = Impl::BackwardPhase::None;
+
+  Impl& m = *ranks_.front();
+  const RankPlan& p = m.plan.attn;
+  const std::int64_t h = m.h;
+  const std::size_t es = dtype_size(m.dt);
+  LayerGradients out;
+  out.hidden_states = m.download(m.grads.attn.dx, m.dt, {p.s, p.b, h});
+  for (const std::string& key : moe_layer_param_keys(config_)) {
+    const int e = expert_of_key(key).first;
+    Impl& R = *ranks_[std::size_t(e < 0 ? 0 : e / m.plan.local_E)];  // an expert's gradient is its owner's
+    const void* ptr = moe_grad_of(R.grads, R.plan, int(h), key, es);
+    for (const GradSlot& s : kAttentionHalfGradSlots)
+      if (key == s.key) ptr = R.grads.attn.*s.slot;
+    if (!ptr) throw std::logic_error(std::string(kWho) + ": the backward computes no gradient of '" + key + "'");
+    ParamGradient pg;
+    pg.name = key;
+    pg.value = R.download(ptr, m.dt, m.full.at(key).shape());
+    out.params.push_back(std::move(pg));
+  }
+  if (with_magnitudes) set_magnitudes(out);
+  return out;
+}
+
+// The magnitudes: each op's output gradient and input as the run left them (tp = 1: whole), an
+// expert's on its owner rank.
+void MoETransformerLayer::set_magnitudes(LayerGradients& out) const {
+  Impl& m = *ranks_.front();
+  const MoEPlan& P = m.plan;
+  const RankPlan& p = P.attn;
+  const MoEGrads& g = m.grads;
+  const std::int64_t T = std::int64_t(p.s) * p.b, h = m.h, E = P.E, ffn = P.ffn, w1 = (P.glu ? 2 : 1) * ffn;
+  auto abs_of = [&](const void* ptr, std::int64_t rows, std::int64_t cols) {
+    return abs_values(m.download(ptr, m.dt, {rows, cols}));
+  };
+  AttentionHalfMagnitudes attention(p, T,
+                                    {{"d_ln1", [&] { return m.download(g.attn.d_ln1, m.dt, {T, h}); }},
+                                     {"d_qkv", [&] { return m.download(g.attn.d_qkv, m.dt, {T, p.qkv_width()}); }},
+                                     {"d_qkv_pre", [&] { return m.download(g.attn.d_qkv_pre, m.dt, {T, p.qkv_width()}); }},
+                                     {"d_proj", [&] { return m.download(g.attn.d_proj, m.dt, {T, h}); }},
+                                     {"d_ln2", [&] { return m.download(g.attn.d_ln2, m.dt, {T, h}); }},
+                                     {"x", [&] { return m.download(p.x, m.dt, {T, h}); }},
+                                     {"h1", [&] { return m.download(p.h1, m.dt, {T, h}); }},
+                                     {"ln1", [&] { return m.download(p.ln1_full, m.dt, {T, h}); }},
+                                     {"ctx", [&] { return m.download(p.ctx, m.dt, {T, std::int64_t(m.np) * m.hn}); }},
+                                     {"qkv_pre_norm", [&] { return m.download(p.qkv_pre_norm, m.dt, {T, p.qkv_width()}); }}});
+  // An expert's rows on its owner rank, read once per rank: local expert l's are
+  // [offset_l, offset_l + n_l) of the rank's expert rows (at ep > 1 every rank's replica of each
+  // token's row: the weight gradient's sum is scaled by 1 / ep, its magnitude likewise).
+  struct ExpertRows {
+    std::vector<double> d_out, act_out, d_fc1, in;
+    std::vector<std::int64_t> tokens;
+  };
+  std::map<int, ExpertRows> rows_of_rank;
+  auto expert_rows = [&](int r) -> const ExpertRows& {
+    auto it = rows_of_rank.find(r);
+    if (it != rows_of_rank.end()) return it->second;
+    Impl& R = *ranks_[std::size_t(r)];
+    ExpertRows x;
+    x.tokens = P.ep == 1 ? P.tokens_per_expert : R.plan.local_tokens_per_expert;
+    std::int64_t n = 0;
+    for (auto t : x.tokens) n += t;
+    auto read = [&](const void* ptr, std::int64_t cols) { return abs_values(R.download(ptr, m.dt, {n, cols})); };
+    x.d_out = read(P.ep == 1 ? R.grads.d_rows : R.grads.ep_d_out, h);
+    x.act_out = read(R.plan.act_out, ffn);
+    x.d_fc1 = read(R.grads.d_fc1, w1);
+    x.in = read(P.ep == 1 ? R.plan.permuted : R.plan.ep_in, h);
+    return rows_of_rank.emplace(r, std::move(x)).first->second;
+  };
+  // rows [first, first + n) of a [*, cols] row-major matrix
+  auto slice = [](const std::vector<double>& v, std::int64_t first, std::int64_t n, std::int64_t cols) {
+    return std::vector<double>(v.begin() + first * cols, v.begin() + (first + n) * cols);
+  };
+  const std::vector<double> x = abs_of(p.ln2, T, h);  // MoELayer's input
+  auto magnitude = [&](const std::string& key) -> double {
+    if (const auto a = attention(key)) return *a;
+    if (key == "mlp.router.weight") {
+      const Tensor dl = m.download(g.dlogits, P.rdt, {T, E});
+      return weight_magnitude(abs_values(dl), x, T, E, h);
+    }
+    if (key == "mlp.shared_experts.linear_fc1.weight")
+      return weight_magnitude(abs_of(g.d_shared_fc1, T, (P.glu ? 2 : 1) * P.shared_ffn), x, T,
+                              (P.glu ? 2 : 1) * P.shared_ffn, h);
+    if (key == "mlp.shared_experts.linear_fc2.weight")
+      return weight_magnitude(abs_of(P.shared_gate ? g.d_shared_mlp : g.d_output, T, h),
+                              abs_of(P.shared_act, T, P.shared_ffn), T, h, P.shared_ffn);
+    if (key == "mlp.shared_experts.gate_weight") return weight_magnitude(abs_of(g.d_gate_logits, T, 1), x, T, 1, h);
+    if (const auto [e, rest] = expert_of_key(key); e >= 0) {
+      const ExpertRows& x = expert_rows(e / P.local_E);
+      const int l = e % P.local_E;
+      std::int64_t first = 0;
+      for (int i = 0; i < l; ++i) first += x.tokens[std::size_t(i)];
+      const std::int64_t n = x.tokens[std::size_t(l)];
+      if (n == 0) return 0.0;
+      if (rest == "linear_fc2.weight")
+        return weight_magnitude(slice(x.d_out, first, n, h), slice(x.act_out, first, n, ffn), n, h, ffn) / P.ep;
+      if (rest == "linear_fc1.weight")
+        return weight_magnitude(slice(x.d_fc1, first, n, w1), slice(x.in, first, n, h), n, w1, h) / P.ep;
+    }
+    throw std::logic_error(std::string(kWho) + ": no magnitude rule for the gradient of '" + key + "'");
+  };
+  for (ParamGradient& pg : out.params) pg.magnitude = magnitude(pg.name);
+}
+
+}  // namespace twin::opt
