@@ -106,15 +106,15 @@ inline void shared_experts_backward(const MoEPlan& p, const MoELayerGrads& g, st
                                               g.d_gate_logits, T, h, st);
     d_mlp = g.d_shared_mlp;
   }
-  linear_backward_wgrad(dt, d_mlp, p.shared_act, g.shared_fc2_w, T, f, h, st);                // [h, f]
-  linear_backward_dgrad(dt, d_mlp, p.shared_fc2_w, g.d_shared_act, T, f, h, st);              // [T, f]
+  linear_backward_wgrad(dt, d_mlp, p.shared_act, g.shared_fc2_w, T, f, h, st);    // [h, f]
+  linear_backward_dgrad(dt, d_mlp, p.shared_fc2_w, g.d_shared_act, T, f, h, st);  // [T, f]
   bias_activation_backward(dt, p.shared_fc1, nullptr, g.d_shared_act, g.d_shared_fc1, T, f, a.act, p.glu, st);
-  linear_backward_wgrad(dt, g.d_shared_fc1, a.ln2, g.shared_fc1_w, T, h, w1, st);             // [w1, h]
-  linear_backward_dgrad(dt, g.d_shared_fc1, p.shared_fc1_w, g.d_x_shared, T, h, w1, st);      // [T, h]
+  linear_backward_wgrad(dt, g.d_shared_fc1, a.ln2, g.shared_fc1_w, T, h, w1, st);         // [w1, h]
+  linear_backward_dgrad(dt, g.d_shared_fc1, p.shared_fc1_w, g.d_x_shared, T, h, w1, st);  // [T, h]
   if (p.shared_gate) {
     rounding_join(gate_branch);
     shared_expert_gate_input_backward(dt, g.d_gate_logits, p.shared_gate_w, g.d_x_shared, T, h, st);
-    linear_backward_wgrad(dt, g.d_gate_logits, a.ln2, g.shared_gate_w, T, h, 1, st);          // [1, h]
+    linear_backward_wgrad(dt, g.d_gate_logits, a.ln2, g.shared_gate_w, T, h, 1, st);  // [1, h]
   }
 }
 
@@ -134,9 +134,9 @@ inline void moe_grouped_experts_backward(const MoEPlan& p, const MoELayerGrads& 
   grouped_linear_backward_wgrad(be, dt, d_out, p.act_out, g.fc2_w, tpe, p.ffn, h, wgrad_scale, st);  // [E, h, ffn]
   grouped_linear_backward_dgrad(be, dt, d_out, p.fc2_w, g.d_act, tpe, p.ffn, h, st);                 // [n, ffn]
   grouped_scaled_activation_backward(dt, p.rdt, p.fc1, probs, g.d_act, g.d_fc1, d_probs, n, p.ffn, a.act, p.glu,
-                                     st);                                                            // [n, w1], [n]
-  grouped_linear_backward_wgrad(be, dt, g.d_fc1, in, g.fc1_w, tpe, h, w1, wgrad_scale, st);          // [E, w1, h]
-  grouped_linear_backward_dgrad(be, dt, g.d_fc1, p.fc1_w, d_in, tpe, h, w1, st);                     // [n, h]
+                                     st);                                                    // [n, w1], [n]
+  grouped_linear_backward_wgrad(be, dt, g.d_fc1, in, g.fc1_w, tpe, h, w1, wgrad_scale, st);  // [E, w1, h]
+  grouped_linear_backward_dgrad(be, dt, g.d_fc1, p.fc1_w, d_in, tpe, h, w1, st);             // [n, h]
 }
 
 // The alltoall dispatcher's backward at ep > 1, the duals of moe_alltoall_experts' collectives:

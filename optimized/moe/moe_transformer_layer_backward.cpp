@@ -270,16 +270,45 @@ void MoETransformerLayer::set_magnitudes(LayerGradients& out) const {
     return abs_values(m.download(ptr, m.dt, {rows, cols}));
   };
   AttentionHalfMagnitudes attention(p, T,
-                                    {{"d_ln1", [&] { return m.download(g.attn.d_ln1, m.dt, {T, h}); }},
-                                     {"d_qkv", [&] { return m.download(g.attn.d_qkv, m.dt, {T, p.qkv_width()}); }},
-                                     {"d_qkv_pre", [&] { return m.download(g.attn.d_qkv_pre, m.dt, {T, p.qkv_width()}); }},
-                                     {"d_proj", [&] { return m.download(g.attn.d_proj, m.dt, {T, h}); }},
-                                     {"d_ln2", [&] { return m.download(g.attn.d_ln2, m.dt, {T, h}); }},
-                                     {"x", [&] { return m.download(p.x, m.dt, {T, h}); }},
-                                     {"h1", [&] { return m.download(p.h1, m.dt, {T, h}); }},
-                                     {"ln1", [&] { return m.download(p.ln1_full, m.dt, {T, h}); }},
-                                     {"ctx", [&] { return m.download(p.ctx, m.dt, {T, std::int64_t(m.np) * m.hn}); }},
-                                     {"qkv_pre_norm", [&] { return m.download(p.qkv_pre_norm, m.dt, {T, p.qkv_width()}); }}});
+                                    {{"d_ln1",
+                                      [&] {
+                                        return m.download(g.attn.d_ln1, m.dt, {T, h});
+                                      }},
+                                     {"d_qkv",
+                                      [&] {
+                                        return m.download(g.attn.d_qkv, m.dt, {T, p.qkv_width()});
+                                      }},
+                                     {"d_qkv_pre",
+                                      [&] {
+                                        return m.download(g.attn.d_qkv_pre, m.dt, {T, p.qkv_width()});
+                                      }},
+                                     {"d_proj",
+                                      [&] {
+                                        return m.download(g.attn.d_proj, m.dt, {T, h});
+                                      }},
+                                     {"d_ln2",
+                                      [&] {
+                                        return m.download(g.attn.d_ln2, m.dt, {T, h});
+                                      }},
+                                     {"x",
+                                      [&] {
+                                        return m.download(p.x, m.dt, {T, h});
+                                      }},
+                                     {"h1",
+                                      [&] {
+                                        return m.download(p.h1, m.dt, {T, h});
+                                      }},
+                                     {"ln1",
+                                      [&] {
+                                        return m.download(p.ln1_full, m.dt, {T, h});
+                                      }},
+                                     {"ctx",
+                                      [&] {
+                                        return m.download(p.ctx, m.dt, {T, std::int64_t(m.np) * m.hn});
+                                      }},
+                                     {"qkv_pre_norm", [&] {
+                                        return m.download(p.qkv_pre_norm, m.dt, {T, p.qkv_width()});
+                                      }}});
   // An expert's rows on its owner rank, read once per rank: local expert l's are
   // [offset_l, offset_l + n_l) of the rank's expert rows (at ep > 1 every rank's replica of each
   // token's row: the weight gradient's sum is scaled by 1 / ep, its magnitude likewise).

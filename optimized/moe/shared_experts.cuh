@@ -42,8 +42,8 @@ __global__ void shared_expert_gate_backward_kernel(const T* dout, const T* mlp_o
       dscore += d * Io<T>::load(mlp_out[t * h + j]);
       d_mlp[t * h + j] = Io<T>::store(d * s);  // rounds: grad * gate_score, T
     }
-    dscore = round_to<T>(dscore);                            // rounds: the broadcast's reduction, T
-    d_logits[t] = Io<T>::store(dscore * s * (1.0f - s));    // rounds: sigmoid_backward, T
+    dscore = round_to<T>(dscore);                         // rounds: the broadcast's reduction, T
+    d_logits[t] = Io<T>::store(dscore * s * (1.0f - s));  // rounds: sigmoid_backward, T
   }
 }
 
@@ -55,7 +55,7 @@ __global__ void shared_expert_gate_input_backward_kernel(const T* d_logits, cons
   for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += std::int64_t(gridDim.x) * blockDim.x) {
     const float prod = round_to<T>(Io<T>::load(d_logits[i / h]) * Io<T>::load(gate_w[i % h]));  // rounds: d x, T
-    dx[i] = Io<T>::store(Io<T>::load(dx[i]) + prod);                                             // rounds: sum, T
+    dx[i] = Io<T>::store(Io<T>::load(dx[i]) + prod);                                            // rounds: sum, T
   }
 }
 
@@ -97,9 +97,9 @@ inline RoundingCount shared_expert_gate_backward(DType dt, const void* dout, con
   dispatch_dtype(dt, "shared_expert_gate_backward", [&](auto tag) {
     using T = decltype(tag);
     const unsigned threads = elementwise_threads(n);
-    launch_kernel(shared_expert_gate_backward_kernel<T>, dim3(elementwise_blocks(n, threads)), dim3(threads), 0,
-                  stream, static_cast<const T*>(dout), static_cast<const T*>(mlp_out),
-                  static_cast<const T*>(gate_logits), static_cast<T*>(d_mlp), static_cast<T*>(d_logits), n, h);
+    launch_kernel(shared_expert_gate_backward_kernel<T>, dim3(elementwise_blocks(n, threads)), dim3(threads), 0, stream,
+                  static_cast<const T*>(dout), static_cast<const T*>(mlp_out), static_cast<const T*>(gate_logits),
+                  static_cast<T*>(d_mlp), static_cast<T*>(d_logits), n, h);
   });
   return gate_branch;
 }
@@ -115,9 +115,8 @@ inline void shared_expert_gate_input_backward(DType dt, const void* d_logits, co
   dispatch_dtype(dt, "shared_expert_gate_input_backward", [&](auto tag) {
     using T = decltype(tag);
     const unsigned threads = elementwise_threads(n * h);
-    launch_kernel(shared_expert_gate_input_backward_kernel<T>, dim3(elementwise_blocks(n * h, threads)),
-                  dim3(threads), 0, stream, static_cast<const T*>(d_logits), static_cast<const T*>(gate_w),
-                  static_cast<T*>(dx), n, h);
+    launch_kernel(shared_expert_gate_input_backward_kernel<T>, dim3(elementwise_blocks(n * h, threads)), dim3(threads),
+                  0, stream, static_cast<const T*>(d_logits), static_cast<const T*>(gate_w), static_cast<T*>(dx), n, h);
   });
 }
 
