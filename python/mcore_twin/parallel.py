@@ -368,6 +368,13 @@ def _rank_main(rank, layout, port, fn, args):
     bootstrap.bootstrap(rank=rank, world_size=layout.world_size, tensor_parallel=layout.tp,
                         expert_parallel=layout.ep, master_port=port)  # fmt: skip
     fn(rank, *args)
+    # Every rank leaves the group together and tears gloo down before the interpreter exits: a
+    # process exiting with gloo's threads still joinable aborts ("terminate called without an
+    # active exception"), at random, which spawn reports as the whole run's failure.
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_ranks(layout, fn, *args):
