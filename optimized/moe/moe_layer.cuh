@@ -81,6 +81,22 @@ inline void moe_capacity_drop(MoEPlan& p, std::int64_t T, cudaStream_t st) {
   }
 }
 
+// The plan's load-balancing loss (p.aux_kind set) as the loss kernels take it, forward and backward.
+inline LossArgs load_balancing_loss_args(const MoEPlan& p) {
+  LossArgs la;
+  la.kind = *p.aux_kind;
+  la.tokens = std::int64_t(p.attn.s) * p.attn.b;
+  la.experts = p.E;
+  la.bsz = p.attn.b;
+  la.topk = p.topk;
+  la.with_padding_mask = p.padding != nullptr;
+  la.coeff = p.aux_coeff;
+  la.global_tokens = p.global_tokens;
+  la.ga_steps = p.ga_steps;
+  la.loss_dtype = 0;  // the losses are fp32 tensors
+  return la;
+}
+
 inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
   attention_forward_impl(p.attn, st);
   const RankPlan& a = p.attn;
@@ -162,20 +178,9 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
     router_loss_forward(p.aux_scores, p.aux_map, p.z, p.padding, la, p.loss_scratch, p.losses + 1, st);
   }
   if (p.drop) moe_capacity_drop(p, T, st);
-  if (p.aux_kind) {
-    LossArgs la;
-    la.kind = *p.aux_kind;
-    la.tokens = T;
-    la.experts = E;
-    la.bsz = a.b;
-    la.topk = p.topk;
-    la.with_padding_mask = p.padding != nullptr;
-    la.coeff = p.aux_coeff;
-    la.global_tokens = p.global_tokens;
-    la.ga_steps = p.ga_steps;
-    la.loss_dtype = 0;  // the losses are fp32 tensors
-    router_loss_forward(p.aux_scores, p.aux_map, p.z, p.padding, la, p.loss_scratch, p.losses, st);
-  }
+  if (p.aux_kind)
+    router_loss_forward(p.aux_scores, p.aux_map, p.z, p.padding, load_balancing_loss_args(p), p.loss_scratch, p.losses,
+                        st);
   // counts: the score function in fp32 (sqrtsoftplus: softplus, then sqrt) held in the scores'
   // dtype; the sigmoid path's renormalisation (sum, + 1e-20, division); the scaling factor; the
   // cast to the router dtype when the scores were held in fp32.

@@ -63,16 +63,7 @@ inline void router_gating_backward(const MoEPlan& p, const MoELayerGrads& g, std
 inline void router_backward(const MoEPlan& p, const MoELayerGrads& g, std::int64_t T, cudaStream_t st) {
   const float* aux_grad = nullptr;
   if (p.aux_kind) {
-    LossArgs la;
-    la.kind = *p.aux_kind;
-    la.tokens = T;
-    la.experts = p.E;
-    la.bsz = p.attn.b;
-    la.topk = p.topk;
-    la.with_padding_mask = p.padding != nullptr;
-    la.coeff = p.aux_coeff;
-    la.global_tokens = p.global_tokens;
-    la.ga_steps = p.ga_steps;
+    const LossArgs la = load_balancing_loss_args(p);
     router_aux_scores_grad(p.rdt, p.aux_map, p.padding, &la, 1, p.score, p.aux_scores_fp32, g.aux_grad, g.aux_scratch,
                            st);
     aux_grad = g.aux_grad;
