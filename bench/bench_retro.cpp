@@ -1,7 +1,7 @@
 // The optimized Retro decoder on the simulator: the first Retro layer (with the retriever
-// encoder) and a 6-layer decoder block (5 GPT layers, then the first Retro layer), forward only,
-// no taps. Sizes are small (the simulator runs every device thread on the CPU); the numbers track
-// the twin's host + kernel overheads between commits, not GPU speed.
+// encoder) and a 6-layer decoder block (5 GPT layers, then the first Retro layer), forward, and
+// forward with backward; no taps. Sizes are small (the simulator runs every device thread on the CPU); the numbers
+// track the twin's host + kernel overheads between commits, not GPU speed.
 #include <benchmark/benchmark.h>
 
 #include <random>
@@ -67,6 +67,34 @@ void BM_RetroBlock6(benchmark::State& state) {
   for (auto _ : state) benchmark::DoNotOptimize(block.forward(s.hidden_states, &s.context, nullptr));
 }
 BENCHMARK(BM_RetroBlock6)->Unit(benchmark::kMillisecond);
+
+// The backward of the same layer and block (each iteration a forward that keeps its activations,
+// then the backward: the forward rows above are the forward's share).
+void BM_RetroFirstLayerForwardBackward(benchmark::State& state) {
+  const Setup s = make({RetroLayerKind::RetroWithEncoder});
+  opt::retro::RetroDecoderLayer layer(s.config, s.params, RetroLayerKind::RetroWithEncoder, 6);
+  opt::retro::RetroForwardOptions o;
+  o.keep_for_backward = true;
+  for (auto _ : state) {
+    const opt::retro::RetroOutput out = layer.forward(s.hidden_states, &s.context, nullptr, o);
+    benchmark::DoNotOptimize(layer.backward(out.hidden_states));
+  }
+}
+BENCHMARK(BM_RetroFirstLayerForwardBackward)->Unit(benchmark::kMillisecond);
+
+void BM_RetroBlock6ForwardBackward(benchmark::State& state) {
+  std::vector<RetroLayerKind> layout(5, RetroLayerKind::Gpt);
+  layout.push_back(RetroLayerKind::RetroWithEncoder);
+  const Setup s = make(layout);
+  opt::retro::RetroDecoderBlock block(s.config, s.params, layout);
+  opt::retro::RetroForwardOptions o;
+  o.keep_for_backward = true;
+  for (auto _ : state) {
+    const opt::retro::RetroOutput out = block.forward(s.hidden_states, &s.context, nullptr, o);
+    benchmark::DoNotOptimize(block.backward(out.hidden_states));
+  }
+}
+BENCHMARK(BM_RetroBlock6ForwardBackward)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

@@ -56,4 +56,22 @@ class CountRoundings {
   bool outer_;
 };
 
+// The rounding counts of a backward's parameter grads. Each grad is a leaf: it branches off the
+// data path, which goes on from the branch point; every gradient is compared with the count at
+// the end, so that count joins each leaf's.
+class GradLeaves {
+ public:
+  explicit GradLeaves(const RoundingCount& start) : joined_(start) {}
+  // A leaf ends here: keep its count, and go back to where the data path branched off.
+  void done(const RoundingCount& branch_point) {
+    joined_.join(rounding_now());
+    rounding_set(branch_point);
+  }
+  // At the end of the backward: the running count covers every leaf.
+  void join_all() const { rounding_join(joined_); }
+
+ private:
+  RoundingCount joined_;
+};
+
 }  // namespace twin

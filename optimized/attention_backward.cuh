@@ -40,56 +40,6 @@
 
 namespace twin::opt::TWIN_BACKEND {
 
-struct AttentionHalfBackward {
-  DType dt = DType::F32;
-  int s = 0, b = 0, h = 0;
-  int np = 0, ng = 0, hn = 0;
-  bool rms = false, zero_centered_gamma = false;
-  double eps = 1e-5;
-  int rot_dim = 0;  // 0: no RoPE
-  bool rope_interleaved = false;
-  const float* freqs = nullptr;  // [s, rot_dim] fp32 angles (with RoPE)
-  AttnParams attn;               // the forward's core attention (mask, scale, attention dropout)
-  DropoutArgs drop;              // the forward's self_attn_bda dropout
-  TensorParallel tp;             // np and ng are this rank's heads and groups
-  bool qk_layernorm = false;
-  bool post_ln_residual = false;  // refused (checked here so no caller forgets)
-  // The forward's saved tensors.
-  const void* x = nullptr;               // [n_local, h] input_layernorm's input (the layer's input)
-  const void* ln1 = nullptr;             // [n, h] its output (with SP all-gathered), linear_qkv's input
-  const void* qkv = nullptr;             // [n, qw] linear_qkv's output after RoPE (core attention's q, k, v)
-  const void* qkv_pre_norm = nullptr;    // [n, qw] linear_qkv's output before qk-layernorm (with it)
-  const void* ctx = nullptr;             // [n, np * hn] core attention's output, linear_proj's input
-  const float* softmax_stats = nullptr;  // [b, np, s, 2] the forward's row max and sum
-  // Parameters (biases null when the layer has none).
-  const void *ln1_w = nullptr, *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr;
-  const void *qln_w = nullptr, *qln_b = nullptr, *kln_w = nullptr, *kln_b = nullptr;  // with qk_layernorm
-  bool proj_bias = false;
-  // Gradients: dh1 in, the rest out (param grads null where the parameter is absent).
-  const void* dh1 = nullptr;  // [n_local, h]
-  void* dx = nullptr;         // [n_local, h]
-  void *d_ln1_w = nullptr, *d_ln1_b = nullptr, *d_qkv_w = nullptr, *d_qkv_b = nullptr, *d_proj_w = nullptr,
-       *d_proj_b = nullptr;
-  void *d_qln_w = nullptr, *d_qln_b = nullptr, *d_kln_w = nullptr, *d_kln_b = nullptr;  // with qk_layernorm
-  // Scratch in dt: d proj [n_local, h], d ctx [n, np * hn], d qkv [n, qw], d qkv_pre [n, qw] (with
-  // qk_layernorm), d ln1 [n_local, h]; at tp > 1 d ln1_partial [n, h] (this rank's part of d ln1)
-  // and with SP d proj_full [n, h]; `workspace` as attention_half_backward_workspace_bytes says.
-  void *d_proj = nullptr, *d_ctx = nullptr, *d_qkv = nullptr, *d_qkv_pre = nullptr, *d_ln1 = nullptr;
-  void *d_ln1_partial = nullptr, *d_proj_full = nullptr;
-  void* workspace = nullptr;
-  std::size_t workspace_bytes = 0;
-
-  std::int64_t n() const { return std::int64_t(s) * b; }
-  std::int64_t n_local() const { return tp.rows_local(n()); }
-  int hpg() const { return np / ng; }
-  std::int64_t qkv_width() const { return std::int64_t(ng) * (hpg() + 2) * hn; }
-  QkvLayout layout() const { return QkvLayout{qkv_width(), std::int64_t(hpg() + 2) * hn, hpg()}; }
-  // The q rows and the k rows of the fused layout, as the forward's qk-layernorm and RoPE address them.
-  NormRows q_rows() const { return NormRows{n() * ng * hpg(), hn, hpg(), std::int64_t(hpg() + 2) * hn, hn}; }
-  NormRows k_rows() const { return NormRows{n() * ng, hn, 1, std::int64_t(hpg() + 2) * hn, 0}; }
-  std::size_t k_offset_bytes() const { return std::size_t(hpg()) * hn * dtype_size(dt); }
-};
-
 inline std::size_t attention_half_backward_workspace_bytes(const AttentionHalfBackward& a) {
   return std::max({norm_backward_workspace_bytes(a.rms, a.n(), a.h), column_sum_workspace_bytes(1, a.n(), a.h),
                    norm_backward_workspace_bytes(a.rms, a.q_rows().n_rows, a.hn),

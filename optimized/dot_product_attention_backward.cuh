@@ -33,24 +33,6 @@
 
 namespace twin::opt::TWIN_BACKEND {
 
-// Where dq, dk and dv go: the strides of the AttnOperands they are the gradients of (dq of query head
-// h where its q is, dk / dv of group g where its k / v are), so the grads of a self attention land in
-// a d_qkv buffer of the fused linear_qkv layout, ready for linear_qkv's backward.
-struct AttnGradOperands {
-  void* dq = nullptr;
-  void* dk = nullptr;
-  void* dv = nullptr;
-  // The grad of a fused linear_qkv output (d_qkv, laid out as AttnOperands::from_qkv's qkv).
-  static AttnGradOperands from_qkv(void* dqkv, const QkvLayout& lay, int hn, std::size_t elem_bytes) {
-    AttnGradOperands g;
-    char* base = static_cast<char*>(dqkv);
-    g.dq = base;
-    g.dk = base + std::size_t(lay.hpg) * hn * elem_bytes;
-    g.dv = base + std::size_t(lay.hpg + 1) * hn * elem_bytes;
-    return g;
-  }
-};
-
 // Whether the softmax runs in fp32 on a 16-bit T (attention_softmax_in_fp32): its input and output
 // are fp32 and the probabilities are cast back to T after it.
 template <class T>

@@ -127,21 +127,8 @@ inline void linear_backward_bias(DType dt, const void* dy, void* db, std::int64_
   });
 }
 
-// ---- tensor parallelism (tensor_parallel/layers.py and mappings.py): the collectives around one
-// rank's column- and row-parallel Linears. A sum over the ranks is counted as size - 1 stores: the
-// threaded group adds rank by rank in a fixed order, rounding to T after each addition (NCCL
-// rounds per hop likewise).
-struct TensorParallel {
-  int size = 1, rank = 0;
-  bool sp = false;                   // sequence parallelism: [s, b, h] tensors split by s over the ranks
-  rt::Communicator* comm = nullptr;  // size > 1
-  std::int64_t rows_local(std::int64_t rows) const { return sp ? rows / size : rows; }
-  // The first element of this rank's slice of a [rows, cols] tensor split by rows (dropout's
-  // Philox counter continues across the ranks' slices as over the full tensor).
-  std::uint64_t element_base(std::int64_t rows, std::int64_t cols) const {
-    return sp ? std::uint64_t(rank) * std::uint64_t(rows_local(rows)) * std::uint64_t(cols) : 0;
-  }
-};
+// ---- tensor parallelism (TensorParallel, layer/kernel_args.h): the collectives around one rank's
+// column- and row-parallel Linears.
 
 // Each rank's partial [rows, cols] summed over the ranks into out: all-reduced (out [rows, cols]
 // on every rank) or with SP reduce-scattered (out [rows_local, cols], this rank's rows). The
@@ -169,24 +156,6 @@ inline const void* tp_gather_rows(const TensorParallel& tp, DType dt, const void
   tp.comm->all_gather(local, full, std::size_t(tp.rows_local(rows)) * cols, dt, st);
   return full;
 }
-
-// The rounding counts of a backward's parameter grads. Each grad is a leaf: it branches off the
-// data path, which goes on from the branch point; every gradient is compared with the count at
-// the end, so that count joins each leaf's.
-class GradLeaves {
- public:
-  explicit GradLeaves(const RoundingCount& start) : joined_(start) {}
-  // A leaf ends here: keep its count, and go back to where the data path branched off.
-  void done(const RoundingCount& branch_point) {
-    joined_.join(rounding_now());
-    rounding_set(branch_point);
-  }
-  // At the end of the backward: the running count covers every leaf.
-  void join_all() const { rounding_join(joined_); }
-
- private:
-  RoundingCount joined_;
-};
 
 // Replicated parameters' grads of which each rank computed a part (a norm's or a row-parallel
 // bias's over its SP rows, a qk-layernorm's over its heads), `count` elements each: each summed in

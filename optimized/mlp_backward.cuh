@@ -66,38 +66,6 @@ inline void copy_elements(DType dt, const void* src, void* dst, std::int64_t n, 
   });
 }
 
-struct MlpHalfBackward {
-  DType dt = DType::F32;
-  std::int64_t n = 0;  // tokens: s * b (all the ranks' rows)
-  int h = 0, ffn = 0;  // ffn: this rank's columns (ffn_hidden_size / tp)
-  bool glu = false, rms = false, zero_centered_gamma = false;
-  Act act = Act::Gelu;
-  double eps = 1e-5;
-  DropoutArgs drop;  // the forward's mlp_bda dropout
-  TensorParallel tp;
-  // The forward's saved tensors.
-  const void* hidden = nullptr;   // [n_local, h] pre_mlp_layernorm's input
-  const void* ln2 = nullptr;      // [n, h] its output (with SP all-gathered), linear_fc1's input
-  const void* fc1 = nullptr;      // [n, w] linear_fc1's GEMM output before its bias (w = glu ? 2 ffn : ffn)
-  const void* act_out = nullptr;  // [n, ffn] linear_fc2's input
-  // Parameters: this rank's shards (biases null when the layer has none).
-  const void *ln2_w = nullptr, *fc1_w = nullptr, *fc1_b = nullptr, *fc2_w = nullptr;
-  bool fc2_bias = false;
-  // Gradients: dout in, the rest out (param grads null where the parameter is absent; shaped as
-  // the rank's shards).
-  const void* dout = nullptr;  // [n_local, h]
-  void* dhidden = nullptr;     // [n_local, h]
-  void *d_ln2_w = nullptr, *d_ln2_b = nullptr, *d_fc1_w = nullptr, *d_fc1_b = nullptr, *d_fc2_w = nullptr,
-       *d_fc2_b = nullptr;
-  // Scratch in dt: d mlp [n_local, h], d act [n, ffn], d fc1 [n, w], d ln2 [n_local, h]; at tp > 1
-  // d ln2_partial [n, h] (this rank's part of d ln2) and with SP d mlp_full [n, h]; `workspace` as
-  // mlp_half_backward_workspace_bytes says.
-  void *d_mlp = nullptr, *d_act = nullptr, *d_fc1 = nullptr, *d_ln2 = nullptr;
-  void *d_ln2_partial = nullptr, *d_mlp_full = nullptr;
-  void* workspace = nullptr;
-  std::size_t workspace_bytes = 0;
-};
-
 inline std::size_t mlp_half_backward_workspace_bytes(bool rms, std::int64_t n, int h, int ffn, bool glu) {
   return std::max({norm_backward_workspace_bytes(rms, n, h), column_sum_workspace_bytes(1, n, h),
                    column_sum_workspace_bytes(1, n, glu ? 2 * ffn : ffn)});

@@ -178,7 +178,7 @@ Row fixture_row(const std::string& path, TwinKind twin, const RunMode& mode, con
 }
 
 // Every golden in `fdir` through both twins; the MoE goldens again at ep 2 and 4, the dense ones
-// again at tp 2 with and without SP.
+// again at tp 2 with and without SP, the Retro ones at tp 2.
 void add_fixture_jobs(std::vector<Job>& jobs, const std::string& fdir) {
   std::vector<std::string> files;
   for (const auto& e : std::filesystem::directory_iterator(fdir))
@@ -215,6 +215,13 @@ void add_fixture_jobs(std::vector<Job>& jobs, const std::string& fdir) {
         m.sp = sp;
         fixture_job(path, TwinKind::Optimized, m);
       }
+    // The Retro goldens again over 2 simulated tensor-parallel ranks (taps and gradients gathered).
+    const std::filesystem::path p(path);
+    if (p.filename().string().rfind("retro_", 0) == 0 && p.extension() == ".safetensors") {
+      RunMode m;
+      m.tp = 2;
+      fixture_job(path, TwinKind::Optimized, m);
+    }
   }
 }
 

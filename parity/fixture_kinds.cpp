@@ -31,9 +31,9 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
       {{"dense_layer", TwinKind::Optimized}, {run_optimized_dense_layer, false, true}},
       // The optimized block is built in the layout of the shared spec code: the table is the same run.
       {{"retro_layout_table", TwinKind::Optimized}, {run_reference_retro_layout_table, true}},
-      {{"retro_decoder_layer_first", TwinKind::Optimized}, {run_optimized_retro_decoder_layer_first, false}},
-      {{"retro_decoder_layer", TwinKind::Optimized}, {run_optimized_retro_decoder_layer, false}},
-      {{"retro_block", TwinKind::Optimized}, {run_optimized_retro_block, false}},
+      {{"retro_decoder_layer_first", TwinKind::Optimized}, {run_optimized_retro_decoder_layer_first, false, true}},
+      {{"retro_decoder_layer", TwinKind::Optimized}, {run_optimized_retro_decoder_layer, false, true}},
+      {{"retro_block", TwinKind::Optimized}, {run_optimized_retro_block, false, true}},
       {{"moe_layer", TwinKind::Reference}, {run_reference_moe_layer, true}},
       {{"moe_layer", TwinKind::Optimized}, {run_optimized_moe_layer, false, false, true}},
   };

@@ -4,10 +4,12 @@
 // reference/retro/decoder_spec.h) and retro_layout_table (that layout itself: the optimized block
 // is built from it, so the table's run is the reference's). On the simulator (TWIN_BACKEND=cuda:
 // the GPU). A config Megatron-Core runs but the twin does not implement is reported unsupported
-// (FixtureUnsupported) before anything runs; bad input is an error.
+// (FixtureUnsupported) before anything runs; bad input is an error. Where the golden has gradients
+// the backward runs too and its gradients are compared.
 #include <cstdlib>
 #include <string>
 
+#include "optimized/layer/sharding.h"
 #include "optimized/retro/retro_layer.h"
 #include "parity/fixture_kinds.h"
 #include "reference/retro/decoder_spec.h"
@@ -38,13 +40,22 @@ void reject_isolated(const Fixture& f, const RunMode& mode) {
   if (mode.isolate) throw FixtureError(f.path + ": the optimized twin does not run modules isolated yet");
 }
 
-void reject_unsupported(const Fixture& f) {
+// The config the optimized twin runs: the golden's at the mode's tensor-parallel size (a golden is
+// the unsharded layer's run; the twin's ranks shard its full state dict and gather their taps
+// and gradients). FixtureUnsupported for what it does not implement or a size that does not
+// divide the layer.
+TransformerConfig twin_config(const Fixture& f, const RunMode& mode) {
   if (const std::string why = opt::retro::retro_decoder_unsupported(f.config); !why.empty())
     throw FixtureUnsupported("the optimized twin does not implement " + why);
-  // A golden is the unsharded layer's run with its taps; the twin records taps unsharded only.
-  if (f.config.tensor_model_parallel_size != 1)
-    throw FixtureUnsupported("the optimized twin records the Retro taps at tensor_model_parallel_size 1 only, not " +
-                             std::to_string(f.config.tensor_model_parallel_size));
+  TransformerConfig c = f.config;
+  c.tensor_model_parallel_size = mode.tp;
+  if (mode.sp) throw FixtureUnsupported("the optimized Retro decoder has no sequence parallelism");
+  try {
+    opt::check_tensor_parallel_sizes("--tp", c, mode.tp, "the tensor-parallel size");
+  } catch (const ConfigError& e) {
+    throw FixtureUnsupported(e.what());
+  }
+  return c;
 }
 
 TwinRun finish(opt::retro::RetroOutput out) {
@@ -55,21 +66,46 @@ TwinRun finish(opt::retro::RetroOutput out) {
   return run;
 }
 
+// The gradients after the forward's entries (counted on from the forward's rounding points).
+void record_retro_gradients(TwinRun& run, const opt::retro::RetroGradients& g) {
+  opt::LayerGradients layer;
+  layer.hidden_states = g.hidden_states;
+  layer.params = g.params;
+  parity::record_gradients(run, layer);
+  if (g.context) run.record.add(Role::Grad, "input.context", *g.context);
+}
+
+// Runs the golden's forward and, where it has gradients, the backward on its grad_in.output
+// (output.context is not in the golden's loss), on `twin` (a layer or a block).
+template <class Twin>
+TwinRun run_with_backward(Twin& twin, const Fixture& f, const RunMode& mode, bool hand_back_context) {
+  const std::optional<std::string> no_backward = no_backward_reason(f, mode, std::nullopt, TwinKind::Optimized);
+  opt::retro::RetroForwardOptions o;
+  o.training = f.training;
+  o.record_taps = true;
+  o.keep_for_backward = !no_backward;
+  CountRoundings counting;
+  opt::retro::RetroOutput out =
+      twin.forward(input(f, "hidden_states", 3), &input(f, "context", 3), optional_input(f, "context_mask", 4), o);
+  if (!hand_back_context) out.context.reset();  // a block hands back its hidden states only
+  TwinRun run = finish(std::move(out));
+  if (no_backward) {
+    run.no_backward_reason = *no_backward;
+    return run;
+  }
+  record_retro_gradients(run, twin.backward(f.tensor("grad_in.output")));
+  return run;
+}
+
 TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode) {
   reject_isolated(f, mode);
   reference::validate_retro_config(f.config);
   check_inputs(f, {"hidden_states", "context", "context_mask"});
-  reject_unsupported(f);
   opt::retro::RetroDecoderLayer layer(
-      f.config, params_of(f),
+      twin_config(f, mode), params_of(f),
       with_encoder ? opt::retro::RetroLayerKind::RetroWithEncoder : opt::retro::RetroLayerKind::Retro, f.layer_number,
       backend_of_env());
-  opt::retro::RetroForwardOptions o;
-  o.training = f.training;
-  o.record_taps = true;
-  CountRoundings counting;
-  return finish(
-      layer.forward(input(f, "hidden_states", 3), &input(f, "context", 3), optional_input(f, "context_mask", 4), o));
+  return run_with_backward(layer, f, mode, true);
 }
 
 }  // namespace
@@ -86,16 +122,8 @@ TwinRun run_optimized_retro_block(const Fixture& f, const RunMode& mode) {
   check_inputs(f, {"hidden_states", "context", "context_mask"});
   std::vector<opt::retro::RetroLayerKind> layout;
   for (auto k : reference::retro::get_retro_decoder_block_layout(f.config)) layout.push_back(kind_of(k));
-  reject_unsupported(f);
-  opt::retro::RetroDecoderBlock block(f.config, params_of(f), layout, backend_of_env());
-  opt::retro::RetroForwardOptions o;
-  o.training = f.training;
-  o.record_taps = true;
-  CountRoundings counting;
-  opt::retro::RetroOutput out =
-      block.forward(input(f, "hidden_states", 3), &input(f, "context", 3), optional_input(f, "context_mask", 4), o);
-  out.context.reset();  // a block hands back its hidden states only
-  return finish(std::move(out));
+  opt::retro::RetroDecoderBlock block(twin_config(f, mode), params_of(f), layout, backend_of_env());
+  return run_with_backward(block, f, mode, false);
 }
 
 }  // namespace twin::parity

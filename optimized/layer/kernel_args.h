@@ -9,13 +9,18 @@
 #include <stdexcept>
 #include <string>
 
-#include "optimized/layer/kernel_types.h"  // MaskMode
+#include "core/dtype.h"
+#include "optimized/layer/kernel_types.h"  // MaskMode, Act
 
 #if defined(__CUDACC__)
 #define TWIN_HOST_DEVICE __host__ __device__
 #else
 #define TWIN_HOST_DEVICE
 #endif
+
+namespace twin::rt {
+class Communicator;
+}
 
 namespace twin::opt {
 
@@ -125,6 +130,33 @@ struct AttnOperands {
   }
 };
 
+// Where dq, dk and dv go: the strides of the AttnOperands they are the gradients of (dq of query head
+// h where its q is, dk / dv of group g where its k / v are), so the grads of a self attention land in
+// a d_qkv buffer of the fused linear_qkv layout, ready for linear_qkv's backward.
+struct AttnGradOperands {
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  // The grad of a fused linear_qkv output (d_qkv, laid out as AttnOperands::from_qkv's qkv).
+  static AttnGradOperands from_qkv(void* dqkv, const QkvLayout& lay, int hn, std::size_t elem_bytes) {
+    AttnGradOperands g;
+    char* base = static_cast<char*>(dqkv);
+    g.dq = base;
+    g.dk = base + std::size_t(lay.hpg) * hn * elem_bytes;
+    g.dv = base + std::size_t(lay.hpg + 1) * hn * elem_bytes;
+    return g;
+  }
+  // The grads of AttnOperands::from_q_kv's operands: dq where q is (its strides), dk and dv
+  // interleaved per head in dkv, laid out as the linear_kv output kv.
+  static AttnGradOperands from_q_kv(void* dq, void* dkv, int hn, std::size_t elem_bytes) {
+    AttnGradOperands g;
+    g.dq = dq;
+    g.dk = dkv;
+    g.dv = static_cast<char*>(dkv) + std::size_t(hn) * elem_bytes;
+    return g;
+  }
+};
+
 struct AttnParams {
   int sq = 0, sk = 0, b = 0;
   int np_local = 0;     // heads on this rank
@@ -173,6 +205,107 @@ struct RetroMapArgs {
     }
     return 0;
   }
+};
+
+// ---- tensor parallelism (tensor_parallel/layers.py and mappings.py; linear.cuh's collectives) --
+
+// One rank's place among the tensor-parallel ranks. A sum over the ranks is counted as size - 1 stores: the
+// threaded group adds rank by rank in a fixed order, rounding to T after each addition (NCCL
+// rounds per hop likewise).
+struct TensorParallel {
+  int size = 1, rank = 0;
+  bool sp = false;                   // sequence parallelism: [s, b, h] tensors split by s over the ranks
+  rt::Communicator* comm = nullptr;  // size > 1
+  std::int64_t rows_local(std::int64_t rows) const { return sp ? rows / size : rows; }
+  // The first element of this rank's slice of a [rows, cols] tensor split by rows (dropout's
+  // Philox counter continues across the ranks' slices as over the full tensor).
+  std::uint64_t element_base(std::int64_t rows, std::int64_t cols) const {
+    return sp ? std::uint64_t(rank) * std::uint64_t(rows_local(rows)) * std::uint64_t(cols) : 0;
+  }
+};
+
+// ---- the attention and MLP halves' backward (attention_backward.cuh, mlp_backward.cuh) -----
+
+struct AttentionHalfBackward {
+  DType dt = DType::F32;
+  int s = 0, b = 0, h = 0;
+  int np = 0, ng = 0, hn = 0;
+  bool rms = false, zero_centered_gamma = false;
+  double eps = 1e-5;
+  int rot_dim = 0;  // 0: no RoPE
+  bool rope_interleaved = false;
+  const float* freqs = nullptr;  // [s, rot_dim] fp32 angles (with RoPE)
+  AttnParams attn;               // the forward's core attention (mask, scale, attention dropout)
+  DropoutArgs drop;              // the forward's self_attn_bda dropout
+  TensorParallel tp;             // np and ng are this rank's heads and groups
+  bool qk_layernorm = false;
+  bool post_ln_residual = false;  // refused (checked here so no caller forgets)
+  // The forward's saved tensors.
+  const void* x = nullptr;               // [n_local, h] input_layernorm's input (the layer's input)
+  const void* ln1 = nullptr;             // [n, h] its output (with SP all-gathered), linear_qkv's input
+  const void* qkv = nullptr;             // [n, qw] linear_qkv's output after RoPE (core attention's q, k, v)
+  const void* qkv_pre_norm = nullptr;    // [n, qw] linear_qkv's output before qk-layernorm (with it)
+  const void* ctx = nullptr;             // [n, np * hn] core attention's output, linear_proj's input
+  const float* softmax_stats = nullptr;  // [b, np, s, 2] the forward's row max and sum
+  // Parameters (biases null when the layer has none).
+  const void *ln1_w = nullptr, *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr;
+  const void *qln_w = nullptr, *qln_b = nullptr, *kln_w = nullptr, *kln_b = nullptr;  // with qk_layernorm
+  bool proj_bias = false;
+  // Gradients: dh1 in, the rest out (param grads null where the parameter is absent).
+  const void* dh1 = nullptr;  // [n_local, h]
+  void* dx = nullptr;         // [n_local, h]
+  void *d_ln1_w = nullptr, *d_ln1_b = nullptr, *d_qkv_w = nullptr, *d_qkv_b = nullptr, *d_proj_w = nullptr,
+       *d_proj_b = nullptr;
+  void *d_qln_w = nullptr, *d_qln_b = nullptr, *d_kln_w = nullptr, *d_kln_b = nullptr;  // with qk_layernorm
+  // Scratch in dt: d proj [n_local, h], d ctx [n, np * hn], d qkv [n, qw], d qkv_pre [n, qw] (with
+  // qk_layernorm), d ln1 [n_local, h]; at tp > 1 d ln1_partial [n, h] (this rank's part of d ln1)
+  // and with SP d proj_full [n, h]; `workspace` as attention_half_backward_workspace_bytes says.
+  void *d_proj = nullptr, *d_ctx = nullptr, *d_qkv = nullptr, *d_qkv_pre = nullptr, *d_ln1 = nullptr;
+  void *d_ln1_partial = nullptr, *d_proj_full = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+
+  std::int64_t n() const { return std::int64_t(s) * b; }
+  std::int64_t n_local() const { return tp.rows_local(n()); }
+  int hpg() const { return np / ng; }
+  std::int64_t qkv_width() const { return std::int64_t(ng) * (hpg() + 2) * hn; }
+  QkvLayout layout() const { return QkvLayout{qkv_width(), std::int64_t(hpg() + 2) * hn, hpg()}; }
+  // The q rows and the k rows of the fused layout, as the forward's qk-layernorm and RoPE address them.
+  NormRows q_rows() const { return NormRows{n() * ng * hpg(), hn, hpg(), std::int64_t(hpg() + 2) * hn, hn}; }
+  NormRows k_rows() const { return NormRows{n() * ng, hn, 1, std::int64_t(hpg() + 2) * hn, 0}; }
+  std::size_t k_offset_bytes() const { return std::size_t(hpg()) * hn * dtype_size(dt); }
+};
+
+struct MlpHalfBackward {
+  DType dt = DType::F32;
+  std::int64_t n = 0;  // tokens: s * b (all the ranks' rows)
+  int h = 0, ffn = 0;  // ffn: this rank's columns (ffn_hidden_size / tp)
+  bool glu = false, rms = false, zero_centered_gamma = false;
+  Act act = Act::Gelu;
+  double eps = 1e-5;
+  DropoutArgs drop;  // the forward's mlp_bda dropout
+  TensorParallel tp;
+  // The forward's saved tensors.
+  const void* hidden = nullptr;   // [n_local, h] pre_mlp_layernorm's input
+  const void* ln2 = nullptr;      // [n, h] its output (with SP all-gathered), linear_fc1's input
+  const void* fc1 = nullptr;      // [n, w] linear_fc1's GEMM output before its bias (w = glu ? 2 ffn : ffn)
+  const void* act_out = nullptr;  // [n, ffn] linear_fc2's input
+  // Parameters: this rank's shards (biases null when the layer has none).
+  const void *ln2_w = nullptr, *fc1_w = nullptr, *fc1_b = nullptr, *fc2_w = nullptr;
+  bool fc2_bias = false;
+  // Gradients: dout in, the rest out (param grads null where the parameter is absent; shaped as
+  // the rank's shards).
+  const void* dout = nullptr;  // [n_local, h]
+  void* dhidden = nullptr;     // [n_local, h]
+  void *d_ln2_w = nullptr, *d_ln2_b = nullptr, *d_fc1_w = nullptr, *d_fc1_b = nullptr, *d_fc2_w = nullptr,
+       *d_fc2_b = nullptr;
+  // Scratch in dt: d mlp [n_local, h], d act [n, ffn], d fc1 [n, w], d ln2 [n_local, h]; at tp > 1
+  // d ln2_partial [n, h] (this rank's part of d ln2) and with SP d mlp_full [n, h]; `workspace` as
+  // mlp_half_backward_workspace_bytes says.
+  void *d_mlp = nullptr, *d_act = nullptr, *d_fc1 = nullptr, *d_ln2 = nullptr;
+  void *d_ln2_partial = nullptr, *d_mlp_full = nullptr;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
 
 }  // namespace twin::opt

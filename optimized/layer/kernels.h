@@ -47,6 +47,36 @@ struct OpLaunchers {
   void (*retro_encoder_bias_dropout_add)(DType, const void* x, const void* bias, const void* residual, void* out,
                                          std::int64_t r, std::int64_t N, std::int64_t k, int d, const DropoutArgs&,
                                          cudaStream_t);
+  // ---- backward: each the gradient of the forward op of its name (workspaces as their *_bytes say)
+  void (*norm_backward)(bool rms, DType, const void* dy, const void* x, void* dx, const void* weight, void* dweight,
+                        void* dbias, const NormRows&, double eps, bool zero_centered_gamma, void* workspace,
+                        std::size_t workspace_bytes, cudaStream_t);
+  std::size_t (*norm_backward_workspace_bytes)(bool rms, std::int64_t n_rows, int width);
+  // dx [rows, in] = dy [rows, out] W; dW [out, in] = dy^T x; db [out] = the column sums of dy.
+  void (*linear_backward_dgrad)(DType, const void* dy, const void* weight, void* dx, std::int64_t rows, std::int64_t in,
+                                std::int64_t out, cudaStream_t);
+  void (*linear_backward_wgrad)(DType, const void* dy, const void* x, void* dweight, std::int64_t rows, std::int64_t in,
+                                std::int64_t out, cudaStream_t);
+  void (*linear_backward_bias)(DType, const void* dy, void* dbias, std::int64_t rows, std::int64_t out, void* workspace,
+                               std::size_t workspace_bytes, cudaStream_t);
+  std::size_t (*linear_backward_bias_workspace_bytes)(std::int64_t rows, std::int64_t out);
+  void (*dot_product_attention_backward)(DType, const AttnOperands&, const void* dcontext, const AttnGradOperands&,
+                                         const float* softmax_stats, const AttnParams&, void* workspace,
+                                         std::size_t workspace_bytes, cudaStream_t);
+  std::size_t (*dot_product_attention_backward_workspace_bytes)(const AttnParams&);
+  void (*bias_dropout_add_backward)(DType, const void* dout, void* dx, void* dresidual, void* dbias,
+                                    std::int64_t n_rows, int h, const DropoutArgs&, std::uint64_t element_base,
+                                    void* workspace, std::size_t workspace_bytes, cudaStream_t);
+  // out = a + b, stored in dt (a gradient reaching a tensor used twice; out may be a or b)
+  void (*grad_sum)(DType, const void* a, const void* b, void* out, std::int64_t n, cudaStream_t);
+  void (*retro_scatter_rows)(DType, const void* dy, void* out, const RetroMapArgs&, std::int64_t in_rows, int d,
+                             cudaStream_t);
+  // A layer's attention half (input_layernorm .. self_attn_bda) and MLP half (pre_mlp_layernorm ..
+  // mlp_bda) backward, as the dense layer runs them.
+  void (*attention_half_backward)(const AttentionHalfBackward&, cudaStream_t);
+  std::size_t (*attention_half_backward_workspace_bytes)(const AttentionHalfBackward&);
+  void (*mlp_half_backward)(const MlpHalfBackward&, cudaStream_t);
+  std::size_t (*mlp_half_backward_workspace_bytes)(bool rms, std::int64_t n, int h, int ffn, bool glu);
 };
 
 struct LayerKernels {

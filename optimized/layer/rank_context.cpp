@@ -10,9 +10,17 @@
 
 namespace twin::opt {
 
-DTensor view(const DTensor& d, Shape shape) { return DTensor{d.buf, std::move(shape)}; }
+DTensor view(const DTensor& d, Shape shape) { return DTensor{d.buf, std::move(shape), d.offset}; }
 
-DTensor RankContext::alloc(Shape shape) const {
+DTensor row_slice(const DTensor& d, std::int64_t r0, std::int64_t r1, std::size_t elem_bytes) {
+  const std::int64_t width = d.shape.back();
+  if (r0 < 0 || r1 < r0 || r1 * width > d.numel())
+    throw std::logic_error("row_slice: rows [" + std::to_string(r0) + ", " + std::to_string(r1) + ") of " +
+                           shape_str(d.shape));
+  return DTensor{d.buf, {r1 - r0, width}, d.offset + std::size_t(r0 * width) * elem_bytes};
+}
+
+DTensor RankContext::alloc(Shape shape, DType as) const {
   if (arena && arena->capturing) {
     // The capture runs the warm-up's code on the same shapes: the same allocations in order.
     if (arena->next >= arena->bufs.size() || arena->bufs[arena->next].shape != shape)
@@ -20,9 +28,15 @@ DTensor RankContext::alloc(Shape shape) const {
                              shape_str(shape) + " differs from its warm-up's");
     return arena->bufs[arena->next++];
   }
-  const std::size_t bytes = std::max<std::size_t>(std::size_t(shape_numel(shape)) * dtype_size(dt), 1);
+  const std::size_t bytes = std::max<std::size_t>(std::size_t(shape_numel(shape)) * dtype_size(as), 1);
   DTensor d{std::make_shared<rt::DeviceBuffer>(*dev, bytes), std::move(shape)};
   if (arena) arena->bufs.push_back(d);
+  return d;
+}
+
+DTensor RankContext::zeros(Shape shape) const {
+  DTensor d = alloc(std::move(shape));
+  d.buf->zero(st());
   return d;
 }
 
@@ -36,12 +50,20 @@ Tensor RankContext::download(const DTensor& d, DType as) const {
   return download_tensor(*dev, *stream, d.get(), as, d.shape);
 }
 
-void RankContext::tap(const std::string& name, const DTensor& d) const {
+void RankContext::tap(const std::string& name, const DTensor& d, ShardLayout layout) const {
   if (rec) rec->add(Role::Tap, name, download(d));
+  if (rank_taps) rank_taps->push_back({name, download(d), rounding_now(), layout});
+}
+
+void RankContext::tap_value(const std::string& name, Tensor value) const {
+  if (rec) rec->add(Role::Tap, name, std::move(value));
+  if (rank_taps) rank_taps->push_back({name, std::move(value), rounding_now(), {}});
 }
 
 void RankContext::tap_param(const std::string& name, const Tensor* t) const {
-  if (rec && t) rec->add_exact(Role::Tap, name, t->clone());
+  if (!t) return;
+  if (rec) rec->add_exact(Role::Tap, name, t->clone());
+  if (rank_taps) rank_taps->push_back({name, t->clone(), RoundingCount{}, {}});
 }
 
 DTensor RankContext::layer_norm(const DTensor& x, const void* weight, const void* bias, double eps,
@@ -63,12 +85,29 @@ DTensor RankContext::linear(const DTensor& x, const void* weight, const void* bi
 }
 
 DTensor RankContext::row_parallel_linear(const DTensor& x, const void* weight, std::int64_t out_features) const {
-  DTensor y = linear(x, weight, nullptr, out_features);
-  if (tp == 1) return y;
-  rounding_store(dt);  // counts: the sum over ranks, stored in T
-  DTensor sum = alloc(y.shape);
-  comm->all_reduce(y.get(), sum.get(), std::size_t(y.numel()), dt, st());
+  return sum_over_ranks(linear(x, weight, nullptr, out_features));
+}
+
+DTensor RankContext::sum_over_ranks(const DTensor& partial) const {
+  if (tp == 1) return partial;
+  // counts: the threaded group adds rank by rank in a fixed order, rounding to dt after each
+  // addition (NCCL rounds per hop likewise): tp - 1 stores.
+  rounding_store(dt, tp - 1);
+  DTensor sum = alloc(partial.shape);
+  comm->all_reduce(partial.get(), sum.get(), std::size_t(partial.numel()), dt, st());
   return sum;
+}
+
+DTensor RankContext::grad_sum(const DTensor& a, const DTensor& b) const {
+  if (a.numel() != b.numel())
+    throw std::logic_error(what + ": grad_sum of " + shape_str(a.shape) + " and " + shape_str(b.shape));
+  DTensor out = alloc(a.shape);
+  ops->grad_sum(dt, a.get(), b.get(), out.get(), a.numel(), st());
+  return out;
+}
+
+std::shared_ptr<rt::DeviceBuffer> RankContext::workspace(std::size_t bytes) const {
+  return std::make_shared<rt::DeviceBuffer>(*dev, std::max<std::size_t>(bytes, 1));
 }
 
 // ---- the group of ranks ---------------------------------------------------------------------
@@ -107,17 +146,17 @@ void RankGroup::check_run(const GroupRun& run) const {
     throw std::invalid_argument(what_ +
                                 ": use_graph on the GPU is for tensor_model_parallel_size 1 (the ranks' threaded "
                                 "collectives are host work a CUDA graph cannot capture)");
-  if (run.record_taps && tp_ != 1)
-    throw std::invalid_argument(what_ + ": taps are recorded at tensor_model_parallel_size 1 only");
 }
 
 std::vector<std::optional<Tensor>> RankGroup::forward(const std::vector<const Tensor*>& inputs, const GroupRun& run,
                                                       const CapturableForward& forward, Record* record) {
   check_run(run);
   std::vector<std::optional<Tensor>> out;
+  std::vector<std::vector<RankTap>> rank_taps(static_cast<std::size_t>(tp_));
   run_ranks_counted(tp_, [&](int r) {
     RankContext ex = context(r, run);
-    if (run.record_taps) ex.rec = record;
+    if (run.record_taps && tp_ == 1) ex.rec = record;
+    if (run.record_taps && tp_ > 1) ex.rank_taps = &rank_taps[static_cast<std::size_t>(r)];
     DeviceTensors outputs;
     if (run.use_graph) {
       outputs = graphs_[static_cast<std::size_t>(r)].run(ex, inputs, {run.training, run.seed, run.offset}, forward);
@@ -129,7 +168,13 @@ std::vector<std::optional<Tensor>> RankGroup::forward(const std::vector<const Te
     if (r != 0) return;
     for (const auto& o : outputs) out.push_back(o ? std::optional<Tensor>(ex.download(*o)) : std::nullopt);
   });
+  if (run.record_taps && tp_ > 1)
+    for (RecordEntry& e : gather_rank_taps(rank_taps, what_).entries) record->entries.push_back(std::move(e));
   return out;
+}
+
+void RankGroup::run_each(const GroupRun& run, const std::function<void(const RankContext&)>& body) {
+  run_ranks_counted(tp_, [&](int r) { body(context(r, run)); });
 }
 
 }  // namespace twin::opt

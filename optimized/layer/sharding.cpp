@@ -89,6 +89,17 @@ Tensor tensor_parallel_shard(const TransformerConfig& c, const std::string& key,
   return t;  // norms, the row-parallel biases
 }
 
+ShardLayout tensor_parallel_layout(const TransformerConfig& c, const std::string& key) {
+  if (starts_with(key, "self_attention.linear_qkv.") || starts_with(key, "cross_attention.attn.linear_q.") ||
+      starts_with(key, "cross_attention.attn.linear_kv."))
+    return {0, 1};
+  if (key == "self_attention.linear_proj.weight" || key == "cross_attention.attn.linear_proj.weight" ||
+      key == "mlp.linear_fc2.weight")
+    return {1, 1};
+  if (starts_with(key, "mlp.linear_fc1.")) return {0, c.gated_linear_unit ? 2 : 1};
+  return {};  // norms, the row-parallel biases: whole on every rank
+}
+
 Tensor gather_shards(const std::vector<const Tensor*>& shards, ShardLayout layout) {
   const Tensor& s0 = *shards.at(0);
   if (layout.dim < 0 || shards.size() == 1) return s0;

@@ -48,6 +48,9 @@ struct ShardLayout {
   int blocks = 1;
 };
 
+// How the ranks hold the parameter under layer-relative `key` (tensor_parallel_shard's rules as a
+// layout): gather_shards of every rank's shard (or of its gradient) gives the full tensor.
+ShardLayout tensor_parallel_layout(const TransformerConfig& c, const std::string& key);
 // The full tensor from the ranks' shards in rank order: for each index before `dim`, for each
 // block, rank 0's slice, rank 1's, ... (a concatenation along `dim` block by block).
 Tensor gather_shards(const std::vector<const Tensor*>& shards, ShardLayout layout);

@@ -109,6 +109,36 @@ inline void retro_gather_rows(DType dt, const void* x, void* out, const RetroMap
   });
 }
 
+template <class T>
+__global__ void retro_scatter_rows_kernel(const T* dy, T* out, RetroMapArgs a, std::int64_t in_rows, int d) {
+  const std::int64_t n = a.out_rows() * d;
+  for (std::int64_t e = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t dst = retro_src_row(a, e / d);
+    if (dst >= 0 && dst < in_rows) out[dst * d + e % d] = dy[e];
+  }
+}
+
+// retro_gather_rows' transpose: out [in_rows, d] row map(o) = dy [a.out_rows(), d] row o, for every
+// o the map takes a row for; the other rows of out are left as they are (the caller zeroes them
+// for the gather's backward, or fills them from another map of disjoint rows). Every map takes an
+// input row at most once, so no two threads write one element: no atomics, no rounding (a copy).
+inline void retro_scatter_rows(DType dt, const void* dy, void* out, const RetroMapArgs& a, std::int64_t in_rows, int d,
+                               cudaStream_t stream) {
+  require(dy && out && dy != out, "retro_scatter_rows: null or aliased dy / out");
+  require(d > 0 && in_rows >= 0, "retro_scatter_rows: bad shape");
+  const std::int64_t n = a.out_rows() * d;
+  // cost: every element of dy read once and at most one element of out written for it.
+  rt::declare_cost("retro_scatter_rows", 2.0 * dtype_size(dt) * n, 0.0);
+  if (n == 0) return;
+  dispatch_dtype(dt, "retro_scatter_rows", [&](auto tag) {
+    using T = decltype(tag);
+    const unsigned threads = elementwise_threads(n);
+    launch_kernel(retro_scatter_rows_kernel<T>, dim3(elementwise_blocks(n, threads)), dim3(threads), 0, stream,
+                  static_cast<const T*>(dy), static_cast<T*>(out), a, in_rows, d);
+  });
+}
+
 // RetroDecoderBiasDropoutAdd: out [ns, bs, d] = residual + unchunk(dropout(x + bias) + 0), x the
 // chunked attention output [m, N, d]. Row (s, b) before pad takes residual + 0.
 template <class T>

@@ -29,6 +29,7 @@
 #include "core/record.h"
 #include "core/tensor.h"
 #include "optimized/runtime/device.h"
+#include "optimized/transformer_layer.h"  // ParamGradient
 
 namespace twin::opt::retro {
 
@@ -50,6 +51,16 @@ struct RetroForwardOptions {
   // like kernels); on the GPU at tp = 1 (its ranks' threaded collectives are host work that a
   // CUDA graph cannot capture).
   bool use_graph = false;
+  // Keep every activation backward() reads (each rank's, until the next forward). Not with
+  // use_graph (a replay overwrites the captured buffers the activations live in).
+  bool keep_for_backward = false;
+};
+
+// The gradients of a layer's or block's last forward (run with keep_for_backward).
+struct RetroGradients {
+  Tensor hidden_states;               // d hidden_states [ns, bs, d]
+  std::optional<Tensor> context;      // d context (the input's shape), when the forward was given one
+  std::vector<ParamGradient> params;  // every parameter, unsharded, under its state-dict key
 };
 
 struct RetroOutput {
@@ -85,6 +96,12 @@ class RetroDecoderLayer {
   // [k*bs*l or 1, 1 or np, r, r] (the encoder's self-attention mask) or null.
   RetroOutput forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                       const RetroForwardOptions& options = {});
+  // Megatron's backward of the last forward for grad_output [ns, bs, d] and grad_context, the
+  // gradient of the context forward returned (null: not in the loss). with_magnitudes: each
+  // parameter gradient's ParamGradient::magnitude (the bound's scale; host work). logic_error
+  // when the last forward did not keep_for_backward; ShapeError for gradients of other shapes.
+  RetroGradients backward(const Tensor& grad_output, const Tensor* grad_context = nullptr,
+                          bool with_magnitudes = false);
 
   struct Impl;
 
@@ -103,6 +120,8 @@ class RetroDecoderBlock {
 
   RetroOutput forward(const Tensor& hidden_states, const Tensor* context, const Tensor* context_mask,
                       const RetroForwardOptions& options = {});
+  // As RetroDecoderLayer::backward; a block hands back its hidden states only (no grad_context).
+  RetroGradients backward(const Tensor& grad_output, bool with_magnitudes = false);
 
   struct Impl;
 

@@ -158,7 +158,7 @@ void run_case(const AttnCase& c) {
       g_bproj(sim(), c.h * es), s_proj(sim(), n * c.h * es), s_ctx(sim(), n * cw * es), s_qkv(sim(), n * qw * es),
       s_ln1(sim(), n * c.h * es);
 
-  k::AttentionHalfBackward a;
+  opt::AttentionHalfBackward a;
   a.dt = dt;
   a.s = c.s;
   a.b = c.b;
@@ -272,7 +272,7 @@ TEST(OptimizedBackward, AttentionHalfMatchesReference) {
 TEST(OptimizedBackward, AttentionHalfRefusesWhatItDoesNotCover) {
   EXPECT_EQ("", twin::opt::attention_half_backward_unsupported(false));
   EXPECT_NE(std::string::npos, twin::opt::attention_half_backward_unsupported(true).find("post_layernorm"));
-  k::AttentionHalfBackward a;
+  opt::AttentionHalfBackward a;
   a.post_ln_residual = true;
   try {
     k::attention_half_backward(a, nullptr);

@@ -125,7 +125,7 @@ void run_case(const MlpCase& c) {
       s_fc1(sim(), std::size_t(c.n) * w * es), s_ln2(sim(), std::size_t(c.n) * c.h * es);
   const std::size_t ws_bytes = k::mlp_half_backward_workspace_bytes(c.rms, c.n, c.h, c.ffn, c.glu);
   rt::DeviceBuffer ws(sim(), ws_bytes);
-  k::MlpHalfBackward a;
+  opt::MlpHalfBackward a;
   a.dt = dt;
   a.n = c.n;
   a.h = c.h;

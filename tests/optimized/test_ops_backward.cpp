@@ -531,7 +531,7 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
   const std::int64_t tokens_q = std::int64_t(c.sq) * c.b;
   rt::DeviceBuffer d_q, d_k, d_v, g_q, g_k, g_v, d_qkv, g_qkv;
   opt::AttnOperands ops;
-  k::AttnGradOperands grads;
+  opt::AttnGradOperands grads;
   const opt::QkvLayout lay{ld, gs, hpg};
   if (fused) {  // q / k / v of token t, group gg at t * ld + gg * gs + (head, hpg, hpg + 1) * hn
     Tensor qkv = Tensor::empty(c.dt, {c.sq, c.b, ld});
@@ -546,7 +546,7 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
     d_qkv = to_device(qkv);
     g_qkv = poisoned(qkv.nbytes());
     ops = opt::AttnOperands::from_qkv(d_qkv.get(), lay, c.b, c.hn, es);
-    grads = k::AttnGradOperands::from_qkv(g_qkv.get(), lay, c.hn, es);
+    grads = opt::AttnGradOperands::from_qkv(g_qkv.get(), lay, c.hn, es);
   } else {
     d_q = to_device(q);
     d_k = to_device(kt);

@@ -61,6 +61,10 @@ TEST(TensorParallelShard, RanksShardsReassembleEveryParameterInMegatronsLayout) 
     c.gated_linear_unit = z.glu;
     for (const ShardedKey& k : keys_of(z)) {
       SCOPED_TRACE(k.key + " tp " + std::to_string(z.tp) + (z.glu ? " glu" : ""));
+      // The layout a backward gathers its gradients' shards by is the sharding rule's.
+      const ShardLayout layout = tensor_parallel_layout(c, k.key);
+      EXPECT_EQ(layout.dim, k.layout.dim);
+      EXPECT_EQ(layout.blocks, k.layout.blocks);
       const Tensor full = indexed(k.shape);
       std::vector<Tensor> shards;
       for (int r = 0; r < z.tp; ++r) shards.push_back(tensor_parallel_shard(c, k.key, full, r, z.tp));

@@ -63,19 +63,21 @@ TransformerConfig to_config(const RetroCase& c);
 struct RetroRun {
   Tensor hidden_states;
   std::optional<Tensor> context;
-  Record record;  // outputs and taps
+  Record record;  // outputs and taps, then (with backward) the gradients as a golden names them
 };
-RetroRun run_reference(const RetroCase& c);
+// backward: then the backward of random gradients of the outputs (of the hidden states, and of a
+// layer's context too: the context handed on is in the loss), the gradients recorded after the
+// outputs ("param.<key>" with its magnitude, "input.hidden_states", "input.context").
+RetroRun run_reference(const RetroCase& c, bool backward = false);
 // use_graph: the twin's CUDA-graph path, no taps. The graph is captured on other inputs of the
 // same shapes (the case's seed + 1) and then replayed on the case's: the outputs are the replay's
 // only if the replay recomputes from the refilled input buffers.
-RetroRun run_optimized(const RetroCase& c, bool use_graph = false);
+RetroRun run_optimized(const RetroCase& c, bool use_graph = false, bool backward = false);
 
 // Both records compared entry by entry with compare_record's golden bound from the counted
 // rounding points: every reference entry is expected of the optimized twin (the per-neighbour
 // calls inside the retriever encoder's cross attention aside, which the optimized twin runs as
-// one), and an entry only the optimized twin recorded fails. outputs_only: the outputs alone (the
-// optimized twin records no taps at tp > 1).
-std::vector<Comparison> compare_runs(const RetroRun& optimized, const RetroRun& reference, bool outputs_only = false);
+// one), and an entry only the optimized twin recorded fails.
+std::vector<Comparison> compare_runs(const RetroRun& optimized, const RetroRun& reference);
 
 }  // namespace twin::test

@@ -137,6 +137,42 @@ TEST(RetroMaps, GatherEqualsTheReferenceBitwise) {
     }
 }
 
+// The scatter (every map's transpose, the backward of the gather) equals the reference's
+// scatter_rows bitwise on every map, including the rows no output takes (left as they were: the
+// caller's zeros).
+TEST(RetroMaps, ScatterEqualsTheReferenceTransposeBitwise) {
+  for (DType dt : {DType::F32, DType::BF16})
+    for (std::int64_t ns : {5, 8, 11}) {
+      const std::int64_t bs = 2, d = 3, m = 4, l = ref::num_chunks(ns, m), pad = ref::attending_pad(ns, m);
+      opt::RetroMapArgs a;
+      a.ns = ns;
+      a.bs = bs;
+      a.m = m;
+      a.l = l;
+      a.pad = pad;
+      for (auto [map, want_map, in_rows] :
+           {std::tuple{opt::RetroMap::ChunkEncoderContext, ref::chunk_encoder_context_map(ns, bs, m), ns * bs},
+            std::tuple{opt::RetroMap::PadAttendingChunks, ref::pad_attending_chunks_map(ns, bs, m), ns * bs},
+            std::tuple{opt::RetroMap::UnchunkDecoderOutput, ref::unchunk_decoder_output_map(m, ns, bs, l, pad),
+                       m * bs * l}}) {
+        a.map = map;
+        const std::int64_t out_rows = a.out_rows();
+        const Tensor dy = random_tensor(dt, {out_rows, d}, -2, 2, std::uint64_t(ns) + std::uint64_t(map));
+        const rt::DeviceBuffer dyd = to_device(dy);
+        rt::DeviceBuffer out = to_device(Tensor::zeros(dt, {in_rows, d}));
+        k::retro_scatter_rows(dt, dyd.get(), out.get(), a, in_rows, int(d), nullptr);
+        const Tensor got = from_device(out, dt, {in_rows, d});
+        using twin::reference::Mat;
+        const std::vector<double> dy64 = dy.to_f64();
+        const Mat want_mat = ref::scatter_rows(Eigen::Map<const Mat>(dy64.data(), out_rows, d), want_map, in_rows);
+        const Tensor want = Tensor::from_doubles(
+            dt, {in_rows, d}, std::vector<double>(want_mat.data(), want_mat.data() + want_mat.size()));
+        EXPECT_EQ(std::memcmp(got.raw(), want.raw(), want.nbytes()), 0)
+            << dt_name(dt) << " ns=" << ns << " map " << int(map);
+      }
+    }
+}
+
 // ---- errors before anything runs ------------------------------------------------------------------
 
 namespace {
@@ -197,18 +233,6 @@ TEST(RetroErrors, UnsupportedConfigsAreRejectedByName) {
                                  "retro_chunk_length");
 }
 
-TEST(RetroErrors, TapsAtTp1Only) {
-  using opt::retro::RetroLayerKind;
-  RetroCase c = small_case(RetroKind::Later);
-  c.tp = 2;
-  const TransformerConfig cfg = to_config(c);
-  opt::retro::RetroDecoderLayer layer(cfg, zero_params(cfg, RetroLayerKind::Retro), RetroLayerKind::Retro, 6);
-  const Tensor h = Tensor::zeros(DType::F32, {5, 1, 8}), ctx = Tensor::zeros(DType::F32, {4, 3, 8});
-  opt::retro::RetroForwardOptions o;
-  o.record_taps = true;
-  expect_throw_with<std::invalid_argument>([&] { layer.forward(h, &ctx, nullptr, o); }, "tensor_model_parallel_size 1");
-}
-
 // What Megatron runs but the twin does not implement is named (the golden runner reports it
 // unsupported), and the constructor rejects the same.
 TEST(RetroErrors, UnimplementedFeaturesAreNamed) {
@@ -238,6 +262,32 @@ TEST(RetroErrors, GraphReplayRecordsNoTaps) {
   o.use_graph = true;
   o.record_taps = true;
   expect_throw_with<std::invalid_argument>([&] { layer.forward(h, &ctx, nullptr, o); }, "use_graph records no taps");
+}
+
+// backward() names what it lacks: a forward that kept its activations, gradients of the forward's
+// output and context shapes; keep_for_backward cannot ride a graph replay.
+TEST(RetroErrors, BackwardNamesWhatItNeeds) {
+  using opt::retro::RetroLayerKind;
+  const TransformerConfig cfg = to_config(small_case(RetroKind::Later));
+  opt::retro::RetroDecoderLayer layer(cfg, zero_params(cfg, RetroLayerKind::Retro), RetroLayerKind::Retro, 6);
+  const Tensor h = Tensor::zeros(DType::F32, {5, 1, 8}), ctx = Tensor::zeros(DType::F32, {4, 3, 8});
+  expect_throw_with<std::logic_error>([&] { layer.backward(h); }, "needs a forward run with keep_for_backward");
+  opt::retro::RetroForwardOptions o;
+  layer.forward(h, &ctx, nullptr, o);
+  expect_throw_with<std::logic_error>([&] { layer.backward(h); }, "needs a forward run with keep_for_backward");
+  o.keep_for_backward = true;
+  layer.forward(h, &ctx, nullptr, o);
+  expect_throw_with<ShapeError>(
+      [&] {
+        layer.backward(Tensor::zeros(DType::F32, {5, 1, 4}));
+      },
+      "grad_output expected F32 [5, 1, 8]");
+  expect_throw_with<ShapeError>([&] { layer.backward(h, &h); }, "grad_context expected F32 [4, 3, 8]");
+  EXPECT_EQ(layer.backward(h, &ctx).params.size(),
+            opt::retro::retro_layer_param_keys(cfg, RetroLayerKind::Retro).size());
+  o.use_graph = true;
+  expect_throw_with<std::invalid_argument>([&] { layer.forward(h, &ctx, nullptr, o); },
+                                           "keep_for_backward with use_graph");
 }
 
 TEST(RetroErrors, ParametersAreCheckedByKey) {

@@ -2,7 +2,7 @@
 // Retro cases per property (chunk length, neighbours, retrieved chunks, encoder layers, sequence
 // lengths divisible by the chunk length and not, with and without context_mask, fp32, bf16 and fp16,
 // dropout on and off; later layer, first layer with the retriever encoder, 6- and 9-layer
-// blocks; eager and CUDA-graph replay). A failure prints the case id; TWIN_CASE='<id>' reruns it
+// blocks; eager and CUDA-graph replay; forward and backward). A failure prints the case id; TWIN_CASE='<id>' reruns it
 // (tests/case_id.h).
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
@@ -55,35 +55,46 @@ bool bitwise_equal(const Tensor& a, const Tensor& b) {
 
 }  // namespace
 
-// Every tensor both twins record (outputs, the context, the taps) within compare_record's bound
-// from the counted rounding points. With dropout on, one differing mask element would move an
-// output by about |x| / (1 - p), far outside the bound: the dropout streams match too.
+// Every tensor both twins record (outputs, the context, the taps, and the backward's gradients of
+// every parameter, the hidden states and the context) within compare_record's bound from the
+// counted rounding points and the optimized twin's magnitudes. With dropout on, one differing mask
+// element would move an output or gradient by about |x| / (1 - p), far outside the bound: the
+// dropout streams match too, forward and backward.
 RC_GTEST_PROP(OptimizedRetroProperty, OptimizedEqualsReferenceWithinBound, ()) {
   const RetroCase c = *gen_retro_case();
   RC_LOG() << to_id(c) << "\n";
-  const RetroRun ref = run_reference(c), opt = run_optimized(c);
-  bool outputs = false;
+  const RetroRun ref = run_reference(c, /*backward=*/true), opt = run_optimized(c, false, /*backward=*/true);
+  bool outputs = false, grads = false;
   for (const auto& cmp : compare_runs(opt, ref)) {
     outputs |= cmp.name == "output.hidden_states";
+    grads |= cmp.name == "grad.input.hidden_states";
     if (!cmp.pass)
       RC_LOG() << cmp.name << ": max abs " << cmp.max_abs << " share used " << cmp.share_used << " at "
                << cmp.worst_index_str() << " " << cmp.message << "\n";
     RC_ASSERT(cmp.pass);
   }
-  RC_ASSERT(outputs);
-  // The optimized twin's own count at each entry is the reference's: neither twin widens its bound.
+  RC_ASSERT(outputs && grads);
+  // The optimized twin's own count at each forward entry is the reference's, and at each gradient
+  // never more in any field: neither twin widens its bound. (A gradient may count fewer: the
+  // optimized twin keeps a parameter gradient's reduction off the path to the input's gradient,
+  // where the reference's Linear::backward counts it on.)
   std::map<std::string, RoundingCount> counts;
   for (const RecordEntry& e : ref.record.entries) counts.emplace(e.key(), e.rounding);
-  for (const RecordEntry& e : opt.record.entries)
-    if (!(e.rounding == counts.at(e.key())))
-      RC_FAIL(e.key() + ": optimized counts " + e.rounding.describe() + ", reference " + counts.at(e.key()).describe());
+  for (const RecordEntry& e : opt.record.entries) {
+    const RoundingCount& r = counts.at(e.key());
+    const RoundingCount& o = e.rounding;
+    const bool ok = e.role == Role::Grad
+                        ? o.bf16 <= r.bf16 && o.fp16 <= r.fp16 && o.fp32 <= r.fp32 && o.reduction <= r.reduction
+                        : o == r;
+    if (!ok) RC_FAIL(e.key() + ": optimized counts " + o.describe() + ", reference " + r.describe());
+  }
 }
 
-// Two runs of the optimized twin give the same bits (outputs and every tap).
+// Two runs of the optimized twin give the same bits (outputs, every tap and every gradient).
 RC_GTEST_PROP(OptimizedRetroProperty, TwoRunsAreBitwiseEqual, ()) {
   const RetroCase c = *gen_retro_case();
   RC_LOG() << to_id(c) << "\n";
-  const RetroRun a = run_optimized(c), b = run_optimized(c);
+  const RetroRun a = run_optimized(c, false, true), b = run_optimized(c, false, true);
   RC_ASSERT(a.record.entries.size() == b.record.entries.size());
   for (std::size_t i = 0; i < a.record.entries.size(); ++i) {
     RC_LOG() << a.record.entries[i].name << "\n";
@@ -93,26 +104,28 @@ RC_GTEST_PROP(OptimizedRetroProperty, TwoRunsAreBitwiseEqual, ()) {
 }
 
 // At tensor_model_parallel_size 2 and 4 (heads, query groups and ffn sharded as Megatron, the
-// row-parallel sums all-reduced across simulated ranks) the outputs equal the reference's within
-// the bound (rank 0's count: the reference's points plus the sums over ranks) and the TP = 1
-// twin's within the same bound.
+// row-parallel sums and the column-parallel input gradients all-reduced across simulated ranks,
+// the sharded taps and the parameter gradients' shards put back together) the outputs, every tap
+// and every gradient equal the reference's within the bound (the ranks' joined count: the
+// reference's points plus the sums over ranks) and the TP = 1 twin's within the same bound.
 RC_GTEST_PROP(OptimizedRetroProperty, TensorParallelMatchesReferenceAndTp1, ()) {
   const RetroCase c = *gen_retro_case({2, 4});
   RC_LOG() << to_id(c) << "\n";
-  const RetroRun ref = run_reference(c), opt = run_optimized(c);
+  const RetroRun ref = run_reference(c, true), opt = run_optimized(c, false, true);
   RetroCase c1 = c;
   c1.tp = 1;
-  const RetroRun opt1 = run_optimized(c1);
+  const RetroRun opt1 = run_optimized(c1, false, true);
   std::size_t compared = 0;
   for (const RetroRun* expected : {&ref, &opt1})
-    for (const auto& cmp : compare_runs(opt, *expected, /*outputs_only=*/true)) {  // no taps at tp > 1
-      compared += cmp.name.rfind("output.", 0) == 0;
+    for (const auto& cmp : compare_runs(opt, *expected)) {
+      compared += cmp.name.rfind("output.", 0) == 0 || cmp.name == "grad.input.hidden_states" ||
+                  cmp.name == "tap.mlp.linear_fc1.0" || cmp.name == "tap.layers.0.mlp.linear_fc1.0";
       if (!cmp.pass)
         RC_LOG() << cmp.name << ": max abs " << cmp.max_abs << " share used " << cmp.share_used << " " << cmp.message
                  << "\n";
       RC_ASSERT(cmp.pass);
     }
-  RC_ASSERT(compared >= 2u);
+  RC_ASSERT(compared >= 6u);
 }
 
 // A CUDA-graph replay of the layer / block equals eager execution bit for bit, at TP 1, 2 and 4
