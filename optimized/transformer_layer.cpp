@@ -200,14 +200,14 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   if (sp && in.s % tp != 0)
     throw ShapeError(std::string(kWho) + ": sequence length " + std::to_string(in.s) + " not divisible by tp " +
                      std::to_string(tp) + " with sequence parallelism");
-  if (fo.use_graph && (tp != 1 || fo.record_taps))
-    throw std::invalid_argument(std::string(kWho) + ": graph replay is for tp = 1 without taps");
+  if (fo.use_graph && fo.record_taps) throw std::invalid_argument(std::string(kWho) + ": graph replay records no taps");
+  check_graph_ranks(std::string(kWho) + ":", fo.use_graph, tp, options_.backend);
 
   m.ensure_activations(in, attention_mask ? attention_mask->nbytes() : 0);
   if (attention_mask) m.mask.upload(attention_mask->raw(), attention_mask->nbytes());  // BOOL: one byte per element
   if (in.rot) m.freqs.upload(rotary_pos_emb->raw(), rotary_pos_emb->nbytes());         // [s, 1, 1, rot] == [s, rot]
   m.kept = false;            // set again once this forward has run
-  m.backward_graph.reset();  // captured against the buffers and plan of the forward before
+  for (auto& R : m.ranks) R.backward_graph.reset();  // captured against the buffers and plan of the forward before
   const MaskMode mask_mode = self_attention_mask_mode(attention_mask != nullptr, options_.attn_mask_type, in.s);
   for (int r = 0; r < tp; ++r)
     m.set_rank_inputs(r, hidden_states, fo, mask_mode, in, attention_mask != nullptr, config_.rotary_interleaved);

@@ -55,7 +55,7 @@ void DenseTransformerLayer::Impl::ensure_grad_buffers(rt::Backend backend) {
   const RankPlan& p0 = m.ranks.at(0).plan;
   if (m.grads_s == p0.s && m.grads_b == p0.b) return;
   m.grads_s = m.grads_b = -1;
-  m.backward_graph.reset();  // it wrote into the buffers released here
+  for (Rank& R : m.ranks) R.backward_graph.reset();  // it wrote into the buffers released here
   for (Rank& R : m.ranks) {
     const RankPlan& p = R.plan;
     const std::int64_t n = std::int64_t(p.s) * p.b, nl = std::int64_t(p.s_local()) * p.b;
@@ -99,8 +99,7 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   if (!m.kept)
     throw std::logic_error("optimized dense layer: backward() needs the last forward run with keep_for_backward");
   const int tp = options_.tp;
-  if (use_graph && tp != 1)
-    throw std::invalid_argument("optimized dense layer: graph replay of the backward is for tp = 1");
+  check_graph_ranks("optimized dense layer: the backward's", use_graph, tp, options_.backend);
   const RankPlan& p = m.ranks.at(0).plan;
   const std::int64_t n = std::int64_t(p.s) * p.b, n_local = std::int64_t(p.s_local()) * p.b;
   const std::size_t es = dtype_size(m.dt), slice_bytes = std::size_t(n_local) * m.h * es;
@@ -114,7 +113,7 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   const LayerKernels& kernels = layer_kernels(options_.backend);
   run_ranks_counted(tp, [&](int r) {
     Impl::Rank& R = m.ranks[r];
-    m.backward_graph.run(*R.stream, use_graph, [&] { kernels.rank_backward(R.plan, R.grads, R.stream->handle()); });
+    R.backward_graph.run(*R.stream, use_graph, [&] { kernels.rank_backward(R.plan, R.grads, R.stream->handle()); });
     R.stream->synchronize();
   });
 
@@ -200,8 +199,8 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
 // ---- timing it -----------------------------------------------------------------------------------
 double DenseTransformerLayer::time_backward_ms(int iters) {
   Impl::Rank& R = impl_->ranks.at(0);
-  return impl_->backward_graph.time_ms(*impl_->dev, *R.stream, iters,
-                                       "time_backward_ms: call backward() with use_graph first (tp = 1)");
+  return R.backward_graph.time_ms(*impl_->dev, *R.stream, iters,
+                                 "time_backward_ms: call backward() with use_graph first (tp = 1)");
 }
 
 }  // namespace twin::opt

@@ -30,7 +30,8 @@ struct DenseTransformerLayer::Impl {
     BufferArena acts;  // activations for the current (s, b)
     std::optional<rt::Stream> stream;
     RankPlan plan;
-    StreamGraph graph;  // its forward (use_graph)
+    StreamGraph graph;           // its forward (use_graph)
+    StreamGraph backward_graph;  // its backward (use_graph), captured against the last forward's buffers
     // What backward() reads beyond the activation buffers, kept by the last forward when it was
     // asked to (kept: for that forward's shape): the softmax statistics, and linear_qkv's output
     // before qk-layernorm (which works in place).
@@ -44,7 +45,6 @@ struct DenseTransformerLayer::Impl {
   BufferShape buffer_shape;  // what the activations are allocated for
   rt::DeviceBuffer freqs, mask;
   std::vector<rt::DeviceBuffer> inputs;  // per rank [s_local, b, h]
-  StreamGraph backward_graph;            // rank 0's backward (tp = 1), captured against the last forward's buffers
   bool kept = false;                     // the last forward kept what backward() reads
   int grads_s = -1, grads_b = -1;        // the shape the ranks' backward buffers are sized for
   // (Re)allocates every rank's backward buffers for the ranks' plans (transformer_layer_backward.cpp).

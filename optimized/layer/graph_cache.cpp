@@ -7,6 +7,13 @@
 
 namespace twin::opt {
 
+void check_graph_ranks(const std::string& who, bool use_graph, int tp, rt::Backend backend) {
+  if (use_graph && tp != 1 && backend == rt::Backend::Cuda)
+    throw std::invalid_argument(who +
+                                " graph replay on the GPU is for tensor_model_parallel_size 1 (the ranks' threaded "
+                                "collectives are host work a CUDA graph cannot capture)");
+}
+
 namespace {
 
 RoundingCount minus(RoundingCount a, const RoundingCount& b) {

@@ -18,6 +18,12 @@
 
 namespace twin::opt {
 
+// invalid_argument ("<who> graph replay ...") when use_graph cannot run at tp ranks on `backend`:
+// on the simulator a rank's collectives are stream work, captured and replayed with its kernels,
+// at any tp; on the GPU the ranks' threaded collectives are host work a CUDA graph cannot
+// capture, so tp = 1 only.
+void check_graph_ranks(const std::string& who, bool use_graph, int tp, rt::Backend backend);
+
 // `launch`'s work on `stream` captured into a graph (nothing executes). If `launch` throws, the
 // capture is ended and dropped, so the stream can run again.
 rt::Graph capture_graph(rt::Stream& stream, const std::function<void()>& launch);

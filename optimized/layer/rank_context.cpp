@@ -142,10 +142,7 @@ void RankGroup::check_run(const GroupRun& run) const {
     throw std::invalid_argument(what_ +
                                 ": use_graph records no taps (a tap copies to the host mid-forward, which a captured "
                                 "stream cannot)");
-  if (run.use_graph && dev_->backend() == rt::Backend::Cuda && tp_ != 1)
-    throw std::invalid_argument(what_ +
-                                ": use_graph on the GPU is for tensor_model_parallel_size 1 (the ranks' threaded "
-                                "collectives are host work a CUDA graph cannot capture)");
+  check_graph_ranks(what_ + ":", run.use_graph, tp_, dev_->backend());
 }
 
 std::vector<std::optional<Tensor>> RankGroup::forward(const std::vector<const Tensor*>& inputs, const GroupRun& run,

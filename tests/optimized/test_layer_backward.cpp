@@ -18,6 +18,7 @@
 
 #include "core/safetensors.h"
 #include "fixtures/fixture.h"
+#include "optimized/layer/graph_cache.h"
 #include "optimized/transformer_layer.h"
 #include "parity/bounds.h"
 #include "parity/dense_case.h"
@@ -294,15 +295,15 @@ RC_GTEST_PROP(OptimizedBackwardProperty, TensorParallelGradientsAgree, ()) {
   }
 }
 
-// Random layers at tp 1 (100 cases): the backward captured into a CUDA graph (at its first call
-// after the forward) and replayed (at the second) gives the eager backward's bits for the same
-// output gradient.
+// Random layers at tp 1, 2 and 4 with and without SP (100 cases): the backward captured into a
+// CUDA graph (at its first call after the forward; each rank's, its collectives captured with its
+// kernels on the simulator) and replayed (at the second) gives the eager backward's bits for the
+// same output gradient.
 RC_GTEST_PROP(OptimizedBackwardProperty, GraphReplayIsBitwiseEqualToEager, ()) {
   parity::CaseLimits lim;
-  lim.force_tp = true;
-  lim.tp = 1;
   lim.allow_dropout = true;
   const DenseCase c = *parity::gen_dense_case(lim);
+  RC_TAG("tp " + std::to_string(c.tp) + (c.sp ? " + sp" : ""));
   const parity::DenseInputs in = parity::make_inputs(c);
   const Tensor dout = random_tensor(c.dtype, {c.s, c.b, c.hidden}, -1, 1, 99);
   opt::DenseTransformerLayer layer = make_layer(c, in);
@@ -327,8 +328,9 @@ RC_GTEST_PROP(OptimizedBackwardProperty, GraphReplayIsBitwiseEqualToEager, ()) {
   RC_ASSERT(!same(eager, eager2));  // the two gradients differ, so the replay's check can fail
 }
 
-// What the layer's backward refuses, each with its reason: a graph replay at tp > 1, and a
-// backward without a kept forward.
+// What the layer's backward refuses, each with its reason: a graph replay at tp > 1 on the GPU
+// (the check every layer kind makes; on the simulator it runs), and a backward without a kept
+// forward.
 // Each parameter gradient's magnitude (the sum of absolute terms its rounding error scales with,
 // which sets its bound) as the reference's ParamGrad computes it in its fp64 run: the twin computes
 // it from the activations and gradients its ranks left in their buffers, gathered over tp 1, 2 or
@@ -370,11 +372,13 @@ TEST(OptimizedBackward, DenseLayerBackwardSaysWhatItDoesNotCover) {
     opt::DenseTransformerLayer layer = make_layer(c, in);
     EXPECT_FALSE(layer.backward_unsupported().has_value());
     forward_kept(layer, in);
+    layer.backward(random_tensor(DType::F32, {c.s, c.b, c.hidden}, -1, 1, 1), false, /*use_graph=*/true);
+    EXPECT_NO_THROW(opt::check_graph_ranks("x:", true, 2, rt::Backend::Sim));
     try {
-      layer.backward(random_tensor(DType::F32, {c.s, c.b, c.hidden}, -1, 1, 1), false, /*use_graph=*/true);
-      ADD_FAILURE() << "a graph replay at tp 2 was not refused";
+      opt::check_graph_ranks("optimized dense layer: the backward's", true, 2, rt::Backend::Cuda);
+      ADD_FAILURE() << "a graph replay at tp 2 on the GPU was not refused";
     } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string::npos, std::string(e.what()).find("tp = 1")) << e.what();
+      EXPECT_NE(std::string::npos, std::string(e.what()).find("tensor_model_parallel_size 1")) << e.what();
     }
   }
   {

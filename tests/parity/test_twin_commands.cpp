@@ -92,6 +92,10 @@ TEST(TwinCase, Tp4IdPrintsEveryTapInTheReferenceOrderWithItsError) {
   double largest = 0;
   for (const auto& t : rows) largest = std::max(largest, t.max_abs);
   EXPECT_GT(largest, 0.0);
+  // Replayed from each simulated rank's captured graph: the output passes the same bound.
+  const TwinRun graph = run_twin("case --graph " + quote(kTp4));
+  ASSERT_EQ(graph.code, 0) << graph.out << graph.err;
+  EXPECT_TRUE(has(graph.out, "PASS")) << graph.out;
 }
 
 TEST(TwinCase, BadIdsAndOptionsExit2WithOneLine) {
@@ -106,7 +110,7 @@ TEST(TwinCase, BadIdsAndOptionsExit2WithOneLine) {
       {"case " + quote("retro(kind=later,m=2)"), "TWIN_CASE='retro(kind=later,m=2)'"},
       {"case", "ID is required"},
       {"case --backend tpu " + quote(kTp4), "tpu"},
-      {"case --graph " + quote(kTp4), "tp=1"},
+      {"case --backend cuda --graph " + quote(kTp4), "tp=1"},
   };
   for (const auto& [args, part] : cases) {
     SCOPED_TRACE(args);
