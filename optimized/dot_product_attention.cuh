@@ -5,7 +5,8 @@
  * One file per technique, sharing the per-pair helpers (dot_product_attention_common.cuh):
  *   dot_product_attention_simt.cuh      the forward on CUDA cores (every dtype);
  *   dot_product_attention_wmma.cuh      the forward on tensor cores (bf16 / fp16);
- *   dot_product_attention_backward.cuh  the backward (dq; dk and dv), on CUDA cores.
+ *   dot_product_attention_backward.cuh  the backward (dq; dk and dv), on CUDA cores, its launcher;
+ *   dot_product_attention_backward_wmma.cuh  the backward's dq on tensor cores (bf16 / fp16).
  * Here: the forward's launcher (which kernel, its cost, its counted rounding points).
  */
 #pragma once
@@ -42,24 +43,12 @@ inline void dot_product_attention_forward(DType dt, const AttnOperands& ops, voi
   }
   if (tensor_cores) {
     const dim3 grid(ceil_div(p.sq, kTcBQ), static_cast<unsigned>(p.np_local), static_cast<unsigned>(p.b));
-    auto launch = [&](auto tag, auto nt) {
+    dispatch_wmma(dt, p.hn, [&](auto tag, auto nt) {
       using T = decltype(tag);
       constexpr int NT = decltype(nt)::value;
       launch_kernel((dot_product_attention_forward_wmma_kernel<T, NT>), grid, dim3(32 * kTcWarps),
                     attention_wmma_smem_bytes(dt, p.hn), stream, ops, static_cast<T*>(context), p);
-    };
-    auto by_head_dim = [&](auto tag) {
-      if (p.hn <= 64)
-        launch(tag, std::integral_constant<int, 4>{});
-      else if (p.hn <= 128)
-        launch(tag, std::integral_constant<int, 8>{});
-      else
-        launch(tag, std::integral_constant<int, kAttnMaxHeadDim / 16>{});
-    };
-    if (dt == DType::BF16)
-      by_head_dim(__nv_bfloat16{});
-    else
-      by_head_dim(__half{});
+    });
     return;
   }
   dispatch_dtype(dt, op.c_str(), [&](auto tag) {

@@ -1,11 +1,13 @@
 /* Backward (dot_product_attention_backward; the reference's DotProductAttention::backward, which is
- * autograd through the forward's ops). The forward saves each row's m and l (AttnParams::softmax_stats,
- * [b, np_local, sq, 2], written after pass 1 by either kernel when asked); nothing of size sq x sk is
- * saved or written, and no atomics are used, so two runs are bitwise equal. Two CUDA-core kernels
- * (fp32 accumulation, every dtype), each recomputing a pair's score with the forward's instructions
- * (attn_score: the CUDA-core forward's bits; after the WMMA forward the same bits on the simulator,
- * whose mma_sync adds the exact 16-bit products in k order, and an fp32 reordering apart on a GPU,
- * which the counted reduce(hn) covers) and its probability exp(s - m) / l as pass 2 did:
+ * autograd through the forward's ops). For bf16 / fp16 the dq kernel runs on tensor cores
+ * (dot_product_attention_backward_wmma.cuh, chosen by the forward's attention_wmma_supports), the
+ * same passes and rounding points; the dk / dv kernel below serves every dtype. The forward saves each row's m and l
+ * (AttnParams::softmax_stats, [b, np_local, sq, 2], written after pass 1 by either kernel when asked); nothing of size
+ * sq x sk is saved or written, and no atomics are used, so two runs are bitwise equal. Two CUDA-core kernels (fp32
+ * accumulation, every dtype), each recomputing a pair's score with the forward's instructions (attn_score: the
+ * CUDA-core forward's bits; after the WMMA forward the same bits on the simulator, whose mma_sync adds the exact 16-bit
+ * products in k order, and an fp32 reordering apart on a GPU, which the counted reduce(hn) covers) and its probability
+ * exp(s - m) / l as pass 2 did:
  *   1. dq (one block per query tile of one (batch, head), the forward's layout). Pass 1: d probs_ij =
  *      dctx_i . v_j stored in T, dropout's backward with the forward's regenerated mask (the same
  *      Philox element numbering), and D_i = sum_j dprobs_ij y_ij, y the softmax's own output (fp32
@@ -29,57 +31,10 @@
 #pragma once
 
 #include "optimized/dot_product_attention_common.cuh"
+#include "optimized/dot_product_attention_backward_wmma.cuh"
 #include "optimized/dot_product_attention_simt.cuh"  // attention_smem_bytes: the dq kernel extends its layout
 
 namespace twin::opt::TWIN_BACKEND {
-
-// Whether the softmax runs in fp32 on a 16-bit T (attention_softmax_in_fp32): its input and output
-// are fp32 and the probabilities are cast back to T after it.
-template <class T>
-__host__ __device__ inline bool attn_softmax_upcast(const AttnParams& p) {
-  return p.softmax_fp32 && !std::is_same<T, float>::value;
-}
-
-// One (query row i, key j) pair of the backward, from its score s (attn_score: the forward's bits)
-// and the row's saved m, l: y, the softmax's own output its backward multiplies by (fp32 under the
-// upcast, else stored in T); prob, the probability probs v read (in T, after dropout); dprob, the
-// grad of the softmax output (d context . v stored in T, through dropout's backward).
-struct AttnBwdPair {
-  float y = 0.0f, prob = 0.0f, dprob = 0.0f;
-};
-template <class T>
-__device__ inline AttnBwdPair attn_backward_pair(float s, float m, float l, float dctx_dot_v, const AttnParams& p,
-                                                 int bi, int h_global, int i, int j) {
-  AttnBwdPair t;
-  const float e = attn_softmax_out(s, m, l);  // the forward's pass 2: the same bits
-  t.prob = round_to<T>(e);                    // rounds: softmax output (fp32), probs.to(T)
-  t.y = attn_softmax_upcast<T>(p) ? e : t.prob;
-  t.dprob = round_to<T>(dctx_dot_v);  // rounds: d probs = d context v^T, T
-  if (p.drop.active) {                // the forward's mask, regenerated
-    if (philox_keep(p.drop.seed, p.drop.offset, attn_dropout_element(p, bi, h_global, i, j), p.drop.threshold)) {
-      t.prob = dropout_scaled<T>(t.prob, p.drop.scale);
-      t.dprob = dropout_scaled<T>(t.dprob, p.drop.scale);  // rounds: dropout's backward, T
-    } else {
-      t.prob = t.dprob = 0.0f;
-    }
-  }
-  return t;
-}
-
-// d score of a pair from y, d probs and the row's D = sum_j dprobs_j y_j, with the reference's
-// rounding sequence: the softmax backward y (dy - D) (fp32 under the upcast, else stored in T),
-// masked_fill's backward (0 where masked), the layer-scaling coefficient's (fp32), .float()'s (a
-// store in T under the upcast).
-template <class T>
-__device__ inline float attn_dscore(float y, float dprob, float dsum, bool masked, const AttnParams& p) {
-  const bool upcast = attn_softmax_upcast<T>(p);
-  float d = y * (dprob - dsum);     // rounds: softmax backward output, fp32
-  if (!upcast) d = round_to<T>(d);  // rounds: ... stored in T when the softmax runs in T
-  if (masked) d = 0.0f;
-  if (p.coeff != 0.0f) d = d * p.coeff;  // rounds: grad of input * scale, fp32
-  if (upcast) d = round_to<T>(d);        // rounds: .float()'s backward, T
-  return d;
-}
 
 // Kernel 1: dq and the rows' D. One block per query tile (kAttnBQ rows) of one (batch, head), the
 // forward's layout (4 warps x 4 rows, key tiles of kAttnBK keys, one per lane). Pass 1 accumulates
@@ -348,13 +303,14 @@ inline std::size_t dot_product_attention_backward_workspace_bytes(const AttnPara
 struct AttnBwdCost {
   AttnCost dq, dkv;
 };
-inline AttnBwdCost attention_backward_cost(DType dt, const AttnParams& p, int hpg) {
+// dq_rows: the query rows of a dq block (kAttnBQ on CUDA cores, kTcBQ on tensor cores).
+inline AttnBwdCost attention_backward_cost(DType dt, const AttnParams& p, int hpg, int dq_rows = kAttnBQ) {
   const double e = dtype_size(dt), heads = p.np_local, groups = double(p.np_local) / hpg;
   const bool causal = p.mask == MaskMode::Causal;
   const double mask_bytes = p.mask == MaskMode::Explicit ? double(p.mask_b) * p.mask_h * p.sq * p.sk : 0.0;
   double key_rows = 0, row_keys = 0;  // dq kernel, per (batch, head): keys read per query tile; pairs computed
-  for (int q0 = 0; q0 < p.sq; q0 += kAttnBQ) {
-    const int rows = std::min(kAttnBQ, p.sq - q0);
+  for (int q0 = 0; q0 < p.sq; q0 += dq_rows) {
+    const int rows = std::min(dq_rows, p.sq - q0);
     const int k_end = causal ? std::min(p.sk, q0 + rows) : p.sk;
     key_rows += k_end;
     row_keys += double(rows) * k_end;
@@ -377,11 +333,13 @@ inline AttnBwdCost attention_backward_cost(DType dt, const AttnParams& p, int hp
 // Gradients of dot_product_attention_forward for dcontext [sq, b, np_local * hn]: dq, dk, dv with
 // the strides of `ops` (must not alias q, k, v or dcontext: the dk / dv kernel reads q after dq is
 // written). softmax_stats: the forward's AttnParams::softmax_stats of the same inputs and params.
-// Deterministic: no atomics, every sum in an order fixed by the shapes.
-inline void dot_product_attention_backward(DType dt, const AttnOperands& ops, const void* dcontext,
-                                           const AttnGradOperands& grads, const float* softmax_stats,
-                                           const AttnParams& p, void* workspace, std::size_t workspace_bytes,
-                                           cudaStream_t stream) {
+// Deterministic: no atomics, every sum in an order fixed by the shapes. tensor_cores: the dq kernel on
+// tensor cores (dot_product_attention_backward_wmma.cuh; attention_wmma_supports must hold), else
+// on CUDA cores; dot_product_attention_backward below chooses as the forward does.
+inline void dot_product_attention_backward_on(bool tensor_cores, DType dt, const AttnOperands& ops,
+                                              const void* dcontext, const AttnGradOperands& grads,
+                                              const float* softmax_stats, const AttnParams& p, void* workspace,
+                                              std::size_t workspace_bytes, cudaStream_t stream) {
   const std::string op = "dot_product_attention_backward";
   require(ops.q && ops.k && ops.v && dcontext, op + ": null q / k / v / dcontext");
   require(grads.dq && grads.dk && grads.dv, op + ": null dq / dk / dv");
@@ -391,6 +349,7 @@ inline void dot_product_attention_backward(DType dt, const AttnOperands& ops, co
     require(in != grads.dq && in != grads.dk && in != grads.dv,
             op + ": dq / dk / dv must not alias q / k / v / dcontext (they are read after the grads are written)");
   attention_check_shapes(op, ops, p);
+  require(!tensor_cores || attention_wmma_supports(dt, p.hn), op + ": no tensor-core kernel for this dtype / head dim");
   require(p.coeff == 0.0f || p.softmax_fp32 || dt == DType::F32,
           op + ": the layer-scaling coefficient needs the softmax in fp32 (Megatron asserts it)");
   const std::size_t ws_need = dot_product_attention_backward_workspace_bytes(p);
@@ -418,7 +377,7 @@ inline void dot_product_attention_backward(DType dt, const AttnOperands& ops, co
   if (ops.hpg > 1) rounding_store(dt);
   {
     // cost: attention_backward_cost, one declaration per kernel.
-    const AttnBwdCost c = attention_backward_cost(dt, p, ops.hpg);
+    const AttnBwdCost c = attention_backward_cost(dt, p, ops.hpg, tensor_cores ? kTcBQ : kAttnBQ);
     rt::declare_cost("dot_product_attention_backward_dq", c.dq.bytes, c.dq.flops);
     rt::declare_cost("dot_product_attention_backward_dkv", c.dkv.bytes, c.dkv.flops);
   }
@@ -428,8 +387,11 @@ inline void dot_product_attention_backward(DType dt, const AttnOperands& ops, co
     const T* dctx = static_cast<const T*>(dcontext);
     const dim3 block(32 * kAttnWarps);
     const dim3 grid_q(ceil_div(p.sq, kAttnBQ), static_cast<unsigned>(p.np_local), static_cast<unsigned>(p.b));
-    launch_kernel(dot_product_attention_backward_dq_kernel<T>, grid_q, block, attention_backward_dq_smem_bytes(p.hn),
-                  stream, ops, dctx, static_cast<T*>(grads.dq), softmax_stats, dsum, p);
+    if (tensor_cores)
+      launch_attention_backward_dq_wmma(dt, ops, dctx, grads.dq, softmax_stats, dsum, p, stream);
+    else
+      launch_kernel(dot_product_attention_backward_dq_kernel<T>, grid_q, block, attention_backward_dq_smem_bytes(p.hn),
+                    stream, ops, dctx, static_cast<T*>(grads.dq), softmax_stats, dsum, p);
     const dim3 grid_k(ceil_div(p.sk, kAttnBwdBK), static_cast<unsigned>(p.np_local / ops.hpg),
                       static_cast<unsigned>(p.b));
     auto dkv = [&](auto nc) {
@@ -446,6 +408,14 @@ inline void dot_product_attention_backward(DType dt, const AttnOperands& ops, co
     else
       dkv(std::integral_constant<int, kAttnMaxChunks>{});
   });
+}
+
+inline void dot_product_attention_backward(DType dt, const AttnOperands& ops, const void* dcontext,
+                                           const AttnGradOperands& grads, const float* softmax_stats,
+                                           const AttnParams& p, void* workspace, std::size_t workspace_bytes,
+                                           cudaStream_t stream) {
+  dot_product_attention_backward_on(attention_wmma_supports(dt, p.hn), dt, ops, dcontext, grads, softmax_stats, p,
+                                    workspace, workspace_bytes, stream);
 }
 
 // Self attention on the fused linear_qkv output (as the forward's overload): the grads land in

@@ -111,4 +111,54 @@ inline void attention_check_shapes(const std::string& op, const AttnOperands& op
   require(p.head_offset + p.np_local <= p.np_total, op + ": local heads exceed the layer's heads");
 }
 
+// ---- the backward's per-pair steps (both dq kernels and the dk / dv kernel)
+
+// Whether the softmax runs in fp32 on a 16-bit T (attention_softmax_in_fp32): its input and output
+// are fp32 and the probabilities are cast back to T after it.
+template <class T>
+__host__ __device__ inline bool attn_softmax_upcast(const AttnParams& p) {
+  return p.softmax_fp32 && !std::is_same<T, float>::value;
+}
+
+// One (query row i, key j) pair of the backward, from its score s (attn_score: the forward's bits)
+// and the row's saved m, l: y, the softmax's own output its backward multiplies by (fp32 under the
+// upcast, else stored in T); prob, the probability probs v read (in T, after dropout); dprob, the
+// grad of the softmax output (d context . v stored in T, through dropout's backward).
+struct AttnBwdPair {
+  float y = 0.0f, prob = 0.0f, dprob = 0.0f;
+};
+template <class T>
+__device__ inline AttnBwdPair attn_backward_pair(float s, float m, float l, float dctx_dot_v, const AttnParams& p,
+                                                 int bi, int h_global, int i, int j) {
+  AttnBwdPair t;
+  const float e = attn_softmax_out(s, m, l);  // the forward's pass 2: the same bits
+  t.prob = round_to<T>(e);                    // rounds: softmax output (fp32), probs.to(T)
+  t.y = attn_softmax_upcast<T>(p) ? e : t.prob;
+  t.dprob = round_to<T>(dctx_dot_v);  // rounds: d probs = d context v^T, T
+  if (p.drop.active) {                // the forward's mask, regenerated
+    if (philox_keep(p.drop.seed, p.drop.offset, attn_dropout_element(p, bi, h_global, i, j), p.drop.threshold)) {
+      t.prob = dropout_scaled<T>(t.prob, p.drop.scale);
+      t.dprob = dropout_scaled<T>(t.dprob, p.drop.scale);  // rounds: dropout's backward, T
+    } else {
+      t.prob = t.dprob = 0.0f;
+    }
+  }
+  return t;
+}
+
+// d score of a pair from y, d probs and the row's D = sum_j dprobs_j y_j, with the reference's
+// rounding sequence: the softmax backward y (dy - D) (fp32 under the upcast, else stored in T),
+// masked_fill's backward (0 where masked), the layer-scaling coefficient's (fp32), .float()'s (a
+// store in T under the upcast).
+template <class T>
+__device__ inline float attn_dscore(float y, float dprob, float dsum, bool masked, const AttnParams& p) {
+  const bool upcast = attn_softmax_upcast<T>(p);
+  float d = y * (dprob - dsum);     // rounds: softmax backward output, fp32
+  if (!upcast) d = round_to<T>(d);  // rounds: ... stored in T when the softmax runs in T
+  if (masked) d = 0.0f;
+  if (p.coeff != 0.0f) d = d * p.coeff;  // rounds: grad of input * scale, fp32
+  if (upcast) d = round_to<T>(d);        // rounds: .float()'s backward, T
+  return d;
+}
+
 }  // namespace twin::opt::TWIN_BACKEND

@@ -202,6 +202,24 @@ __global__ void dot_product_attention_forward_wmma_kernel(AttnOperands op, T* co
   }
 }
 
+// Calls f(T{}, std::integral_constant<int, NT>{}) with the 16-bit T of dt and the fragment count NT a
+// head dim of hn needs (4, 8 or 16 tiles of 16 columns): the kernels' template arguments.
+template <class F>
+inline void dispatch_wmma(DType dt, int hn, F&& f) {
+  auto by_head_dim = [&](auto tag) {
+    if (hn <= 64)
+      f(tag, std::integral_constant<int, 4>{});
+    else if (hn <= 128)
+      f(tag, std::integral_constant<int, 8>{});
+    else
+      f(tag, std::integral_constant<int, kAttnMaxHeadDim / 16>{});
+  };
+  if (dt == DType::BF16)
+    by_head_dim(__nv_bfloat16{});
+  else
+    by_head_dim(__half{});
+}
+
 inline std::size_t attention_wmma_smem_bytes(DType dt, int hn) {
   const std::size_t e = dtype_size(dt);
   return e * (std::size_t(kTcBQ) + 2 * kTcBK) * attention_wmma_padded_head_dim(hn) +

@@ -206,7 +206,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   m.ensure_activations(in, attention_mask ? attention_mask->nbytes() : 0);
   if (attention_mask) m.mask.upload(attention_mask->raw(), attention_mask->nbytes());  // BOOL: one byte per element
   if (in.rot) m.freqs.upload(rotary_pos_emb->raw(), rotary_pos_emb->nbytes());         // [s, 1, 1, rot] == [s, rot]
-  m.kept = false;            // set again once this forward has run
+  m.kept = false;                                    // set again once this forward has run
   for (auto& R : m.ranks) R.backward_graph.reset();  // captured against the buffers and plan of the forward before
   const MaskMode mask_mode = self_attention_mask_mode(attention_mask != nullptr, options_.attn_mask_type, in.s);
   for (int r = 0; r < tp; ++r)

@@ -200,7 +200,7 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
 double DenseTransformerLayer::time_backward_ms(int iters) {
   Impl::Rank& R = impl_->ranks.at(0);
   return R.backward_graph.time_ms(*impl_->dev, *R.stream, iters,
-                                 "time_backward_ms: call backward() with use_graph first (tp = 1)");
+                                  "time_backward_ms: call backward() with use_graph first (tp = 1)");
 }
 
 }  // namespace twin::opt

@@ -122,7 +122,8 @@ DTensor Layer::mlp_backward(const RankContext& ex, const LayerActs& a, const DTe
   g.add(ex, pre, "mlp.linear_fc1.weight", *d_fc1_w,
         [&] { return weight_magnitude(abs(d_fc1), abs(a.ln2), n, width, h); });
   if (d_fc1_b) g.add(ex, pre, "mlp.linear_fc1.bias", *d_fc1_b, [&] { return column_magnitude(abs(d_fc1), n, width); });
-  g.add(ex, pre, "mlp.linear_fc2.weight", *d_fc2_w, [&] { return weight_magnitude(abs(d_mlp), abs(a.act), n, h, f_l); });
+  g.add(ex, pre, "mlp.linear_fc2.weight", *d_fc2_w,
+        [&] { return weight_magnitude(abs(d_mlp), abs(a.act), n, h, f_l); });
   if (d_fc2_b) g.add(ex, pre, "mlp.linear_fc2.bias", *d_fc2_b, [&] { return column_magnitude(abs(d_mlp), n, h); });
   return dhidden;
 }
@@ -274,10 +275,9 @@ std::pair<DTensor, DTensor> Layer::cross_attn_backward(const RankContext& ex, co
   const std::size_t es = dtype_size(ex.dt);
   const DTensor dq = ex.alloc({rows_q, D}), dkv = ex.alloc({rows_kv, 2 * D});
   const auto ws = ex.workspace(ex.ops->dot_product_attention_backward_workspace_bytes(ap));
-  ex.ops->dot_product_attention_backward(
-      ex.dt, AttnOperands::from_q_kv(k.q.get(), k.N * D, k.kv.get(), k.N, D, hn, es), d_core.get(),
-      AttnGradOperands::from_q_kv(dq.get(), dkv.get(), hn, es), static_cast<const float*>(k.stats.get()), ap,
-      ws->get(), ws->bytes(), ex.st());
+  ex.ops->dot_product_attention_backward(ex.dt, AttnOperands::from_q_kv(k.q.get(), k.N * D, k.kv.get(), k.N, D, hn, es),
+                                         d_core.get(), AttnGradOperands::from_q_kv(dq.get(), dkv.get(), hn, es),
+                                         static_cast<const float*>(k.stats.get()), ap, ws->get(), ws->bytes(), ex.st());
   // linear_kv, then linear_q (column parallel), in the reference's order.
   const DTensor d_kv_in = column_parallel_linear_backward(ex, *this, dkv, k.kv_in, attn + "linear_kv", pre, g, abs);
   const DTensor d_query_in = column_parallel_linear_backward(ex, *this, dq, k.query_in, attn + "linear_q", pre, g, abs);

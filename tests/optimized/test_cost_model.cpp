@@ -196,9 +196,10 @@ TEST(CostModel, AttentionReadsKTwiceAndVOncePerQueryTileAndNoScores) {
 }
 
 // Every dense golden passes with the attention the supports function chooses, and the 16-bit ones
-// (the bf16 goldens of random/) run it on tensor cores: the launched attention kernel is the WMMA one.
+// (the bf16 goldens of random/) run it on tensor cores: the launched attention kernels are the WMMA
+// ones, the forward's and, for the goldens with gradients, the backward's dq kernel.
 TEST(CostModel, DenseGoldensRunAttentionOnTensorCoresWhereSupported) {
-  int goldens = 0, on_tensor_cores = 0;
+  int goldens = 0, on_tensor_cores = 0, backward_on_tensor_cores = 0;
   for (const std::string& dir : {golden_dir(), golden_dir() + "/random"})
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
       if (entry.path().extension() != ".safetensors") continue;
@@ -207,13 +208,17 @@ TEST(CostModel, DenseGoldensRunAttentionOnTensorCoresWhereSupported) {
       SCOPED_TRACE(entry.path().string());
       rt::CostScope scope;
       for (const Comparison& c : compare_fixture(f, TwinKind::Optimized)) EXPECT_EQ(c.mismatches, 0) << c.name;
-      for (const auto& [name, n] : scope.kernel_launches())
-        if (name.find("dot_product_attention_forward_wmma_kernel") != std::string::npos) {
-          ++on_tensor_cores;
-          break;
-        }
+      bool forward = false, backward = false;
+      for (const auto& [name, n] : scope.kernel_launches()) {
+        forward |= name.find("dot_product_attention_forward_wmma_kernel") != std::string::npos;
+        backward |= name.find("dot_product_attention_backward_dq_wmma_kernel") != std::string::npos;
+      }
+      on_tensor_cores += forward;
+      backward_on_tensor_cores += backward;
+      EXPECT_EQ(backward, forward && f.has("grad_in.output")) << "the backward's dq kernel follows the forward's";
       ++goldens;
     }
   EXPECT_GE(goldens, 20);
   EXPECT_GE(on_tensor_cores, 5);  // the bf16 dense goldens of random/ (head dims 8, 16, 24, 32)
+  EXPECT_GE(backward_on_tensor_cores, 5);
 }

@@ -598,20 +598,36 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
   rt::DeviceBuffer ws(sim(), ws_bytes);
   const RoundingCount fwd_count =
       counted([&] { k::dot_product_attention_forward(c.dt, ops, d_ctx.get(), p, nullptr); });
-  auto backward = [&] {
-    k::dot_product_attention_backward(c.dt, ops, d_dctx.get(), grads, static_cast<const float*>(d_stats.get()), p,
-                                      ws.get(), ws_bytes, nullptr);
+  // The dq kernel the supports function chooses (tensor cores for 16-bit inputs), and where that
+  // is the tensor-core one, the CUDA-core one too: each counts the reference's rounding points,
+  // gives the same bits twice, and lands within the bound below.
+  const bool wmma = k::attention_wmma_supports(c.dt, c.hn);
+  struct Grads {
+    std::string kernel;
+    Tensor dq, dk, dv;
   };
-  const RoundingCount bwd_count = counted(backward);
-  EXPECT_TRUE(bwd_count == ref_count) << id << ": the launcher counts " << bwd_count.describe()
-                                      << ", the reference's backward " << ref_count.describe();
-  Tensor dq, dk, dv, dq2, dk2, dv2;
-  download(dq, dk, dv);
-  backward();
-  download(dq2, dk2, dv2);
-  EXPECT_TRUE(same_bits(dq, dq2)) << id << ": dq differs between two runs";
-  EXPECT_TRUE(same_bits(dk, dk2)) << id << ": dk differs between two runs";
-  EXPECT_TRUE(same_bits(dv, dv2)) << id << ": dv differs between two runs";
+  std::vector<Grads> runs;
+  std::vector<bool> kernels = {wmma};
+  if (wmma) kernels.push_back(false);
+  for (const bool tensor_cores : kernels) {
+    auto backward = [&] {
+      k::dot_product_attention_backward_on(tensor_cores, c.dt, ops, d_dctx.get(), grads,
+                                           static_cast<const float*>(d_stats.get()), p, ws.get(), ws_bytes, nullptr);
+    };
+    const std::string kernel = tensor_cores ? " (dq on tensor cores)" : "";
+    const RoundingCount bwd_count = counted(backward);
+    EXPECT_TRUE(bwd_count == ref_count) << id << kernel << ": the launcher counts " << bwd_count.describe()
+                                        << ", the reference's backward " << ref_count.describe();
+    Grads g1{kernel, {}, {}, {}}, g2;
+    download(g1.dq, g1.dk, g1.dv);
+    backward();
+    download(g2.dq, g2.dk, g2.dv);
+    EXPECT_TRUE(same_bits(g1.dq, g2.dq)) << id << kernel << ": dq differs between two runs";
+    EXPECT_TRUE(same_bits(g1.dk, g2.dk)) << id << kernel << ": dk differs between two runs";
+    EXPECT_TRUE(same_bits(g1.dv, g2.dv)) << id << kernel << ": dv differs between two runs";
+    runs.push_back(std::move(g1));
+  }
+  const RoundingCount bwd_count = ref_count;  // each run's, checked above
 
   // ---- the bound. The grads pass through the forward's rounding points (the probabilities are
   // recomputed as the forward rounded them) and the backward's: both launchers' counts. Magnitudes
@@ -672,12 +688,15 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
     return t;
   };
   const ref::Precision pr = prec(c.dt);
-  const Comparison cq = compare(id + " dq", dq, pr.to_tensor(g.query, dq.shape()), bound(mq.maxCoeff()));
-  const Comparison ck = compare(id + " dk", dk, pr.to_tensor(g.key, dk.shape()), bound(mk.maxCoeff()));
-  const Comparison cv = compare(id + " dv", dv, pr.to_tensor(g.value, dv.shape()), bound(mvv.maxCoeff()));
-  for (const Comparison* cmp : {&cq, &ck, &cv}) {
-    expect_pass(*cmp, id);
-    share.note(*cmp);
+  for (const Grads& r : runs) {
+    const std::string rid = id + r.kernel;
+    const Comparison cq = compare(rid + " dq", r.dq, pr.to_tensor(g.query, r.dq.shape()), bound(mq.maxCoeff()));
+    const Comparison ck = compare(rid + " dk", r.dk, pr.to_tensor(g.key, r.dk.shape()), bound(mk.maxCoeff()));
+    const Comparison cv = compare(rid + " dv", r.dv, pr.to_tensor(g.value, r.dv.shape()), bound(mvv.maxCoeff()));
+    for (const Comparison* cmp : {&cq, &ck, &cv}) {
+      expect_pass(*cmp, rid);
+      share.note(*cmp);
+    }
   }
 }
 
