@@ -26,6 +26,28 @@
 
 namespace twin::opt::TWIN_BACKEND {
 
+// The warp's 16 rows of dS K (acc, fp32) finished as Megatron's grad.bmm(k).mul_(alpha): through
+// acc_w ([16, hp] fp32 shared memory) into dq rows w0.. (q_tok apart) below sq.
+template <class T, int NT>
+__device__ inline void attn_wmma_store_dq(
+    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> (&acc)[NT], bool warp_rows, float* acc_w,
+    int hp, T* dq_base, std::int64_t q_tok, int w0, const AttnParams& p) {
+  namespace wmma = nvcuda::wmma;
+  if (warp_rows) {
+    for (int c = 0; c < NT; ++c)
+      if (c * 16 < hp) wmma::store_matrix_sync(acc_w + c * 16, acc[c], hp, wmma::mem_row_major);
+  }
+  __syncwarp();
+  const int lane = threadIdx.x % 32;
+  for (int r = 0; r < 16; ++r) {
+    const int i = w0 + r;
+    if (i >= p.sq) break;
+    // rounds: the bmm ds k, T; dq = its product with alpha, T
+    for (int c = lane; c < p.hn; c += 32)
+      dq_base[i * q_tok + c] = Io<T>::store(p.alpha * round_to<T>(acc_w[r * hp + c]));
+  }
+}
+
 // NT: 16-column tiles of the head dim held in registers (hp <= 16 NT).
 template <class T, int NT>
 __global__ void dot_product_attention_backward_dq_wmma_kernel(AttnOperands op, const T* dcontext, T* dq,
@@ -169,18 +191,7 @@ __global__ void dot_product_attention_backward_dq_wmma_kernel(AttnOperands op, c
     __syncwarp();  // ds_w / s_w / dp_w are rewritten by the next tile
   }
   __syncthreads();  // k_s / v_s become acc_s
-  if (warp_rows) {
-    for (int c = 0; c < NT; ++c)
-      if (c * 16 < hp) wmma::store_matrix_sync(acc_s + warp * 16 * hp + c * 16, acc[c], hp, wmma::mem_row_major);
-  }
-  __syncwarp();
-  for (int r = 0; r < 16; ++r) {
-    const int i = w0 + r;
-    if (i >= p.sq) break;
-    // rounds: the bmm ds k, T; dq = its product with alpha, T (torch's grad.bmm(k).mul_(alpha))
-    for (int c = lane; c < hn; c += 32)
-      dq_base[i * op.q_tok + c] = Io<T>::store(p.alpha * round_to<T>(acc_s[(warp * 16 + r) * hp + c]));
-  }
+  attn_wmma_store_dq<T, NT>(acc, warp_rows, acc_s + warp * 16 * hp, hp, dq_base, op.q_tok, w0, p);
 }
 
 inline std::size_t attention_backward_dq_wmma_smem_bytes(DType dt, int hn) {
