@@ -1,4 +1,4 @@
-// dynlib.h: opens a vendor shared library (cuBLASLt, NCCL) on first use instead of at startup.
+// dynlib.h: opens a vendor shared library (cuBLASLt, cuBLAS, NCCL) on first use instead of at startup.
 //
 // Why: linking libcublasLt (~500 MB) and libnccl makes every process that links the runtime map
 // them before main, also `twin --help` and the tests on machines without a GPU. The CUDA backends
@@ -113,6 +113,7 @@ namespace twin::rt {
 // else the one-line reason. Defined with the backends: gemm_cublaslt.cpp (builds with
 // TWIN_HAVE_CUDA) and collectives_nccl.cpp (TWIN_HAVE_NCCL). Needs the library, not a GPU.
 std::string load_cublaslt();
+std::string load_cublas();  // libcublas: the grouped GEMM's one call (gemm_cublaslt.cpp)
 std::string load_nccl();
 
 }  // namespace twin::rt

@@ -3,7 +3,9 @@
 
 #include "optimized/runtime/cost_model.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 namespace twin::rt {
@@ -56,6 +58,41 @@ void declare_gemm_cost(const GemmArgs& g, const char* kernel) {
   std::string name = std::string(kernel) + " m=" + std::to_string(g.m) + ",n=" + std::to_string(g.n) +
                      ",k=" + std::to_string(g.k) + (g.batch > 1 ? ",batch=" + std::to_string(g.batch) : "");
   declare_cost(name.c_str(), bytes, 2.0 * batch * g.m * g.n * g.k);
+}
+
+std::string grouped_call_refusal(const GemmArgs& g) {
+  const std::int64_t int_max = std::numeric_limits<int>::max();
+  if (g.k == 0) return "k = 0";  // the matmul path's zero-product form handles it
+  if (g.batch != 1) return "a strided batch";
+  if (g.epilogue != Epilogue::Default || g.bias) return std::string("epilogue ") + epilogue_name(g.epilogue);
+  // cuBLAS's table for CUBLAS_COMPUTE_32F: A, B and C of one type (bf16, fp16 or fp32).
+  if (g.cd_dtype != g.ab_dtype) return std::string("C/D dtype ") + dtype_name(g.cd_dtype) + " != A/B dtype";
+  // The call writes C: D must be C unless beta is 0 (then C is not read and D is passed as C).
+  if (g.beta != 0.0f && (g.c != g.d || g.ldc != g.ldd)) return "C and D apart with beta != 0";
+  for (std::int64_t v : {g.m, g.n, g.k, g.lda, g.ldb, g.ldd})
+    if (v > int_max) return "a size or leading dimension past 32 bits";
+  return "";
+}
+
+GroupedGemmCalls split_grouped_gemm(const std::vector<GemmArgs>& groups) {
+  GroupedGemmCalls calls;
+  std::vector<DType> call_dtype;  // the A/B (= C/D) dtype of each grouped call
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const GemmArgs& g = groups[i];
+    if (g.m == 0 || g.n == 0) continue;
+    if (!grouped_call_refusal(g).empty()) {
+      calls.alone.push_back(i);
+      continue;
+    }
+    const auto at = std::find(call_dtype.begin(), call_dtype.end(), g.ab_dtype);
+    if (at == call_dtype.end()) {
+      call_dtype.push_back(g.ab_dtype);
+      calls.grouped.push_back({i});
+    } else {
+      calls.grouped[std::size_t(at - call_dtype.begin())].push_back(i);
+    }
+  }
+  return calls;
 }
 
 void validate_gemm(const GemmArgs& g, const char* who) {

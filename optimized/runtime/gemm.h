@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace twin::rt {
@@ -70,6 +71,18 @@ class Gemm {
 };
 
 Gemm& gemm(Backend b);
+
+// How the GPU backend runs a grouped GEMM: the groups one cublasGemmGroupedBatchedEx call can take
+// (D = alpha op(A) op(B) + beta C written over C, fp32 compute, 32-bit sizes, no epilogue, no batch)
+// go in one call per dtype pair, the others one cublasLtMatmul each; groups with m or n == 0 are in
+// neither (nothing to write). Shared with the tests, so the split is checked without a GPU.
+struct GroupedGemmCalls {
+  std::vector<std::vector<std::size_t>> grouped;  // indices into the groups, one list per call
+  std::vector<std::size_t> alone;                 // indices run one matmul each
+};
+GroupedGemmCalls split_grouped_gemm(const std::vector<GemmArgs>& groups);
+// Why cublasGemmGroupedBatchedEx cannot take g ("" when it can).
+std::string grouped_call_refusal(const GemmArgs& g);
 
 // Epilogue activation in fp32 (shared by the simulator and tests).
 float apply_epilogue_activation(Epilogue e, float x);

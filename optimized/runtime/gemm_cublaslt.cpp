@@ -4,21 +4,28 @@
 // use), compute type CUBLAS_COMPUTE_32F with fp32 scale type, layouts built from GemmArgs exactly
 // (rows/cols of the stored matrix, ld, batch count and strided batch offset), the epilogue and
 // bias pointer/dtype set on the descriptor, and the first algorithm of the heuristic. Arguments
-// are validated first by validate_gemm, the same check the simulator applies. Grouped GEMMs run
-// as one matmul per non-empty group. k == 0 (D = beta * C + bias, then the activation) is run as
-// a k = 1 matmul of a zero column by a zero row, since cuBLASLt does not accept k = 0.
-// libcublasLt is opened at the first GEMM (dynlib.h says why); cublasLt.h only gives the types.
+// are validated first by validate_gemm, the same check the simulator applies. A grouped GEMM (the
+// experts' linears) runs as ONE cublasGemmGroupedBatchedEx call over the groups it can take (one per
+// dtype; split_grouped_gemm in gemm.cpp says which) and one matmul per other group; the call reads
+// its pointer arrays from device memory, uploaded on the stream each time (the group sizes are host
+// values after routing, so these calls are never captured in a graph). k == 0 (D = beta * C + bias, then the
+// activation) is run as a k = 1 matmul of a zero column by a zero row, since cuBLASLt does not accept k = 0.
+// libcublasLt (and libcublas, for the grouped call) are opened at first use (dynlib.h says why); the
+// headers only give the types.
 #include "optimized/runtime/cuda_check.h"
 #include "optimized/runtime/dynlib.h"
 #include "optimized/runtime/gemm.h"
 
+#include <cublas_api.h>
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #ifndef TWIN_CUBLASLT_DIR
 #define TWIN_CUBLASLT_DIR ""
@@ -53,6 +60,24 @@ LazyLibrary<CublasLtApi>& cublaslt() {
   return lib;
 }
 const CublasLtApi& lt() { return cublaslt().api(); }
+
+// The cuBLAS entry points of the grouped call.
+// clang-format off
+#define TWIN_CUBLAS_FUNCTIONS(X) X(cublasCreate_v2) X(cublasSetStream_v2) X(cublasGemmGroupedBatchedEx)
+// clang-format on
+
+struct CublasApi {
+  TWIN_CUBLAS_FUNCTIONS(TWIN_DYNLIB_DECLARE_FN)
+};
+
+bool resolve_cublas(DynLib& lib, CublasApi& api) { return true TWIN_CUBLAS_FUNCTIONS(TWIN_DYNLIB_RESOLVE_FN); }
+
+LazyLibrary<CublasApi>& cublas() {
+  static LazyLibrary<CublasApi> lib(
+      "cuBLAS", library_candidates("libcublas.so." + std::to_string(CUBLAS_VER_MAJOR), TWIN_CUBLASLT_DIR),
+      resolve_cublas);
+  return lib;
+}
 
 const char* status_name(cublasStatus_t st) {  // cublasGetStatusString lives in libcublas, not cublasLt
   switch (st) {
@@ -162,10 +187,10 @@ class CublasLtGemm final : public Gemm {
       std::string who = "grouped gemm [cuBLASLt] group " + std::to_string(i);
       validate_gemm(groups[i], who.c_str());
     }
-    for (const auto& g : groups) {
-      declare_gemm_cost(g, "grouped_gemm");
-      matmul(g, stream);
-    }
+    for (const auto& g : groups) declare_gemm_cost(g, "grouped_gemm");
+    const GroupedGemmCalls calls = split_grouped_gemm(groups);
+    for (std::size_t i : calls.alone) matmul(groups[i], stream);
+    for (const std::vector<std::size_t>& call : calls.grouped) grouped_matmul(groups, call, stream);
   }
 
  private:
@@ -226,6 +251,55 @@ class CublasLtGemm final : public Gemm {
              "cublasLtMatmul");
   }
 
+  // groups[i] for i in `call` (one dtype, each taken by grouped_call_refusal) as one
+  // cublasGemmGroupedBatchedEx call of one problem per group: sizes, ops, scalars on the host; the
+  // A, B, C pointer arrays in a stream-ordered device allocation (the copy from pageable memory is
+  // staged before cudaMemcpyAsync returns, so the host vector may go right after).
+  void grouped_matmul(const std::vector<GemmArgs>& groups, const std::vector<std::size_t>& call, cudaStream_t stream) {
+    const std::size_t count = call.size();
+    std::vector<cublasOperation_t> ta(count), tb(count);
+    std::vector<int> m(count), n(count), k(count), lda(count), ldb(count), ldc(count), size(count, 1);
+    std::vector<float> alpha(count), beta(count);
+    std::vector<const void*> pointers(3 * count);  // [A..., B..., C...]
+    for (std::size_t j = 0; j < count; ++j) {
+      const GemmArgs& g = groups[call[j]];
+      ta[j] = g.transa == Op::N ? CUBLAS_OP_N : CUBLAS_OP_T;
+      tb[j] = g.transb == Op::N ? CUBLAS_OP_N : CUBLAS_OP_T;
+      m[j] = int(g.m), n[j] = int(g.n), k[j] = int(g.k), lda[j] = int(g.lda), ldb[j] = int(g.ldb), ldc[j] = int(g.ldd);
+      alpha[j] = g.alpha, beta[j] = g.beta;
+      pointers[j] = g.a, pointers[count + j] = g.b, pointers[2 * count + j] = g.d;  // C is D (refusal's rule)
+    }
+    const cudaDataType_t dt = to_cuda(groups[call[0]].ab_dtype);
+    const std::size_t bytes = pointers.size() * sizeof(void*);
+    void* device_pointers = nullptr;
+    cuda_check(cudaMallocAsync(&device_pointers, bytes, stream), "cudaMallocAsync(grouped gemm pointers)");
+    cuda_check(cudaMemcpyAsync(device_pointers, pointers.data(), bytes, cudaMemcpyHostToDevice, stream),
+               "cudaMemcpyAsync(grouped gemm pointers)");
+    const void* const* a = static_cast<const void* const*>(device_pointers);
+    {
+      std::lock_guard<std::mutex> lock(cublas_mutex_);  // one handle's stream is set per call
+      cublasHandle_t h = cublas_handle();
+      lt_check(cublas().api().cublasSetStream_v2(h, stream), "cublasSetStream");
+      lt_check(cublas().api().cublasGemmGroupedBatchedEx(h, ta.data(), tb.data(), m.data(), n.data(), k.data(),
+                                                         alpha.data(), a, dt, lda.data(), a + count, dt, ldb.data(),
+                                                         beta.data(), const_cast<void* const*>(a + 2 * count), dt,
+                                                         ldc.data(), int(count), size.data(), CUBLAS_COMPUTE_32F),
+               "cublasGemmGroupedBatchedEx(" + std::to_string(count) + " groups, " +
+                   dtype_name(groups[call[0]].ab_dtype) + ")");
+    }
+    cuda_check(cudaFreeAsync(device_pointers, stream), "cudaFreeAsync(grouped gemm pointers)");
+  }
+
+  // The cuBLAS handle of the current device (a handle belongs to the device it was made on);
+  // called under cublas_mutex_.
+  cublasHandle_t cublas_handle() {
+    int device = 0;
+    cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+    cublasHandle_t& h = cublas_handles_[device];
+    if (!h) lt_check(cublas().api().cublasCreate_v2(&h), "cublasCreate");
+    return h;
+  }
+
   // A zeroed device buffer of at least `bytes` (grown on demand, kept for later calls).
   const void* zero_buffer(std::size_t bytes, cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(zero_mutex_);
@@ -242,6 +316,8 @@ class CublasLtGemm final : public Gemm {
   std::mutex zero_mutex_;
   void* zeros_ = nullptr;
   std::size_t zero_bytes_ = 0;
+  std::mutex cublas_mutex_;
+  std::map<int, cublasHandle_t> cublas_handles_;  // per device, kept for the process
   std::once_flag once_;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
@@ -250,6 +326,7 @@ class CublasLtGemm final : public Gemm {
 }  // namespace
 
 std::string load_cublaslt() { return cublaslt().error(); }
+std::string load_cublas() { return cublas().error(); }
 
 Gemm& cublaslt_gemm() {
   static CublasLtGemm g;

@@ -1,4 +1,4 @@
-// DynLib (optimized/runtime/dynlib.h), which opens cuBLASLt and NCCL at first use: a missing file
+// DynLib (optimized/runtime/dynlib.h), which opens cuBLASLt, cuBLAS and NCCL at first use: a missing file
 // or symbol is one line naming the library, the file and the symbol, never a crash; and in CUDA
 // builds neither vendor library is mapped until asked for (no GPU needed: only the files).
 #include "optimized/runtime/dynlib.h"
@@ -32,6 +32,7 @@ bool mapped(const char* name) {
 
 // Taken before main, so that the order the tests run in does not matter.
 const bool g_cublaslt_at_start = mapped("libcublasLt");
+const bool g_cublas_at_start = mapped("libcublas.so");
 const bool g_nccl_at_start = mapped("libnccl");
 
 TEST(DynLib, MissingLibraryIsOneLineNamingItAndTheFile) {
@@ -67,6 +68,12 @@ TEST(DynLib, CublasLtLoadsOnFirstUseOnly) {
   EXPECT_EQ(twin::rt::load_cublaslt(), "");  // every entry point gemm_cublaslt.cpp calls resolves
   EXPECT_TRUE(mapped("libcublasLt"));
   EXPECT_EQ(twin::rt::load_cublaslt(), "");  // once: the second call finds the table
+}
+
+TEST(DynLib, CublasLoadsOnFirstUseOnly) {
+  EXPECT_FALSE(g_cublas_at_start) << "libcublas is mapped before main: something links it";
+  EXPECT_EQ(twin::rt::load_cublas(), "");  // cublasGemmGroupedBatchedEx and the handle calls resolve
+  EXPECT_TRUE(mapped("libcublas.so"));
 }
 #endif
 

@@ -298,3 +298,35 @@ TEST(GemmSim, GroupedGemmWithEmptyGroups) {
   }
   EXPECT_EQ(groups[0].d.get(0), -768.0f) << "group 0 ran although group 2 was invalid";
 }
+
+// Which groups the GPU backend gives its one cublasGemmGroupedBatchedEx call (the rest run one
+// matmul each): the rule is host code, checked here without a GPU.
+TEST(GemmGrouped, SplitSendsTheGroupedCallOnlyWhatItComputes) {
+  int buffer[4];
+  auto plain = [&](DType dt) {
+    GemmArgs g;
+    g.m = 8, g.n = 4, g.k = 16, g.lda = g.ldb = 16, g.ldc = g.ldd = 8;
+    g.transa = Op::T, g.ab_dtype = g.cd_dtype = dt;
+    g.a = g.b = buffer, g.c = g.d = buffer;
+    return g;
+  };
+  std::vector<GemmArgs> groups(11, plain(DType::BF16));
+  groups[1].ab_dtype = groups[1].cd_dtype = DType::F16;  // another dtype: a second call
+  groups[2].m = 0;                                       // nothing to write: neither
+  groups[3].k = 0;                                       // D = beta C: the matmul path's form
+  groups[4].epilogue = Epilogue::Bias, groups[4].bias = buffer;
+  groups[5].cd_dtype = DType::F32;                  // mixed types: not in cuBLAS's grouped table
+  groups[6].beta = 1.0f, groups[6].c = buffer + 1;  // the call writes C: C apart from D cannot go
+  groups[7].beta = 1.0f;                            // C is D: accumulates in place, goes
+  groups[8].batch = 2;
+  groups[9].m = std::int64_t(1) << 31, groups[9].ldc = groups[9].ldd = groups[9].m;  // past int
+  groups[10].n = 0;
+  const twin::rt::GroupedGemmCalls calls = twin::rt::split_grouped_gemm(groups);
+  using V = std::vector<std::size_t>;
+  ASSERT_EQ(calls.grouped.size(), 2u);
+  EXPECT_EQ(calls.grouped[0], (V{0, 7}));
+  EXPECT_EQ(calls.grouped[1], (V{1}));
+  EXPECT_EQ(calls.alone, (V{3, 4, 5, 6, 8, 9}));
+  for (std::size_t i : calls.alone) EXPECT_NE(twin::rt::grouped_call_refusal(groups[i]), "") << "group " << i;
+  EXPECT_EQ(twin::rt::grouped_call_refusal(groups[6]), "C and D apart with beta != 0");
+}
