@@ -1,13 +1,14 @@
 /* Backward (dot_product_attention_backward; the reference's DotProductAttention::backward, which is
  * autograd through the forward's ops). For bf16 / fp16 the dq kernel runs on tensor cores
  * (dot_product_attention_backward_wmma.cuh, chosen by the forward's attention_wmma_supports), the
- * same passes and rounding points; the dk / dv kernel below serves every dtype. The forward saves each row's m and l
- * (AttnParams::softmax_stats, [b, np_local, sq, 2], written after pass 1 by either kernel when asked); nothing of size
- * sq x sk is saved or written, and no atomics are used, so two runs are bitwise equal. Two CUDA-core kernels (fp32
- * accumulation, every dtype), each recomputing a pair's score with the forward's instructions (attn_score: the
- * CUDA-core forward's bits; after the WMMA forward the same bits on the simulator, whose mma_sync adds the exact 16-bit
- * products in k order, and an fp32 reordering apart on a GPU, which the counted reduce(hn) covers) and its probability
- * exp(s - m) / l as pass 2 did:
+ * same passes and rounding points, and so does the dk / dv kernel for head dims up to 128
+ * (attention_wmma_dkv_supports); the CUDA-core kernels below serve every dtype and head dim. The forward saves each
+ * row's m and l (AttnParams::softmax_stats, [b, np_local, sq, 2], written after pass 1 by either kernel when asked);
+ * nothing of size sq x sk is saved or written, and no atomics are used, so two runs are bitwise equal. Two CUDA-core
+ * kernels (fp32 accumulation, every dtype), each recomputing a pair's score with the forward's instructions
+ * (attn_score: the CUDA-core forward's bits; after the WMMA forward the same bits on the simulator, whose mma_sync adds
+ * the exact 16-bit products in k order, and an fp32 reordering apart on a GPU, which the counted reduce(hn) covers) and
+ * its probability exp(s - m) / l as pass 2 did:
  *   1. dq (one block per query tile of one (batch, head), the forward's layout). Pass 1: d probs_ij =
  *      dctx_i . v_j stored in T, dropout's backward with the forward's regenerated mask (the same
  *      Philox element numbering), and D_i = sum_j dprobs_ij y_ij, y the softmax's own output (fp32
@@ -304,7 +305,9 @@ struct AttnBwdCost {
   AttnCost dq, dkv;
 };
 // dq_rows: the query rows of a dq block (kAttnBQ on CUDA cores, kTcBQ on tensor cores).
-inline AttnBwdCost attention_backward_cost(DType dt, const AttnParams& p, int hpg, int dq_rows = kAttnBQ) {
+// dkv_keys: the keys of a dk / dv block (kAttnBwdBK on CUDA cores, kTcBwdBK on tensor cores).
+inline AttnBwdCost attention_backward_cost(DType dt, const AttnParams& p, int hpg, int dq_rows = kAttnBQ,
+                                           int dkv_keys = kAttnBwdBK) {
   const double e = dtype_size(dt), heads = p.np_local, groups = double(p.np_local) / hpg;
   const bool causal = p.mask == MaskMode::Causal;
   const double mask_bytes = p.mask == MaskMode::Explicit ? double(p.mask_b) * p.mask_h * p.sq * p.sk : 0.0;
@@ -316,8 +319,8 @@ inline AttnBwdCost attention_backward_cost(DType dt, const AttnParams& p, int hp
     row_keys += double(rows) * k_end;
   }
   double q_rows = 0, pairs = 0;  // dk / dv kernel, per (batch, head): rows read per key tile; pairs computed
-  for (int k0 = 0; k0 < p.sk; k0 += kAttnBwdBK) {
-    const int keys = std::min(kAttnBwdBK, p.sk - k0), rows = causal ? p.sq - k0 : p.sq;
+  for (int k0 = 0; k0 < p.sk; k0 += dkv_keys) {
+    const int keys = std::min(dkv_keys, p.sk - k0), rows = causal ? p.sq - k0 : p.sq;
     q_rows += rows;
     pairs += double(rows) * keys;
   }
@@ -334,8 +337,9 @@ inline AttnBwdCost attention_backward_cost(DType dt, const AttnParams& p, int hp
 // the strides of `ops` (must not alias q, k, v or dcontext: the dk / dv kernel reads q after dq is
 // written). softmax_stats: the forward's AttnParams::softmax_stats of the same inputs and params.
 // Deterministic: no atomics, every sum in an order fixed by the shapes. tensor_cores: the dq kernel on
-// tensor cores (dot_product_attention_backward_wmma.cuh; attention_wmma_supports must hold), else
-// on CUDA cores; dot_product_attention_backward below chooses as the forward does.
+// tensor cores (dot_product_attention_backward_wmma.cuh; attention_wmma_supports must hold), and the
+// dk / dv kernel too where attention_wmma_dkv_supports holds (head dims up to 128), else both on CUDA
+// cores; dot_product_attention_backward below chooses as the forward does.
 inline void dot_product_attention_backward_on(bool tensor_cores, DType dt, const AttnOperands& ops,
                                               const void* dcontext, const AttnGradOperands& grads,
                                               const float* softmax_stats, const AttnParams& p, void* workspace,
@@ -350,6 +354,7 @@ inline void dot_product_attention_backward_on(bool tensor_cores, DType dt, const
             op + ": dq / dk / dv must not alias q / k / v / dcontext (they are read after the grads are written)");
   attention_check_shapes(op, ops, p);
   require(!tensor_cores || attention_wmma_supports(dt, p.hn), op + ": no tensor-core kernel for this dtype / head dim");
+  const bool dkv_tensor_cores = tensor_cores && attention_wmma_dkv_supports(dt, p.hn);
   require(p.coeff == 0.0f || p.softmax_fp32 || dt == DType::F32,
           op + ": the layer-scaling coefficient needs the softmax in fp32 (Megatron asserts it)");
   const std::size_t ws_need = dot_product_attention_backward_workspace_bytes(p);
@@ -377,7 +382,8 @@ inline void dot_product_attention_backward_on(bool tensor_cores, DType dt, const
   if (ops.hpg > 1) rounding_store(dt);
   {
     // cost: attention_backward_cost, one declaration per kernel.
-    const AttnBwdCost c = attention_backward_cost(dt, p, ops.hpg, tensor_cores ? kTcBQ : kAttnBQ);
+    const AttnBwdCost c = attention_backward_cost(dt, p, ops.hpg, tensor_cores ? kTcBQ : kAttnBQ,
+                                                  dkv_tensor_cores ? kTcBwdBK : kAttnBwdBK);
     rt::declare_cost("dot_product_attention_backward_dq", c.dq.bytes, c.dq.flops);
     rt::declare_cost("dot_product_attention_backward_dkv", c.dkv.bytes, c.dkv.flops);
   }
@@ -392,6 +398,8 @@ inline void dot_product_attention_backward_on(bool tensor_cores, DType dt, const
     else
       launch_kernel(dot_product_attention_backward_dq_kernel<T>, grid_q, block, attention_backward_dq_smem_bytes(p.hn),
                     stream, ops, dctx, static_cast<T*>(grads.dq), softmax_stats, dsum, p);
+    if (dkv_tensor_cores)
+      return launch_attention_backward_dkv_wmma(dt, ops, dctx, grads.dk, grads.dv, softmax_stats, dsum, p, stream);
     const dim3 grid_k(ceil_div(p.sk, kAttnBwdBK), static_cast<unsigned>(p.np_local / ops.hpg),
                       static_cast<unsigned>(p.b));
     auto dkv = [&](auto nc) {

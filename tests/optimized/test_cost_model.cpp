@@ -197,7 +197,7 @@ TEST(CostModel, AttentionReadsKTwiceAndVOncePerQueryTileAndNoScores) {
 
 // Every dense golden passes with the attention the supports function chooses, and the 16-bit ones
 // (the bf16 goldens of random/) run it on tensor cores: the launched attention kernels are the WMMA
-// ones, the forward's and, for the goldens with gradients, the backward's dq kernel.
+// ones, the forward's and, for the goldens with gradients, the backward's dq and dk / dv kernels.
 TEST(CostModel, DenseGoldensRunAttentionOnTensorCoresWhereSupported) {
   int goldens = 0, on_tensor_cores = 0, backward_on_tensor_cores = 0;
   for (const std::string& dir : {golden_dir(), golden_dir() + "/random"})
@@ -208,11 +208,13 @@ TEST(CostModel, DenseGoldensRunAttentionOnTensorCoresWhereSupported) {
       SCOPED_TRACE(entry.path().string());
       rt::CostScope scope;
       for (const Comparison& c : compare_fixture(f, TwinKind::Optimized)) EXPECT_EQ(c.mismatches, 0) << c.name;
-      bool forward = false, backward = false;
+      bool forward = false, backward = false, dkv = false;
       for (const auto& [name, n] : scope.kernel_launches()) {
         forward |= name.find("dot_product_attention_forward_wmma_kernel") != std::string::npos;
         backward |= name.find("dot_product_attention_backward_dq_wmma_kernel") != std::string::npos;
+        dkv |= name.find("dot_product_attention_backward_dkv_wmma_kernel") != std::string::npos;
       }
+      EXPECT_EQ(dkv, backward) << "the goldens' head dims (up to 32) take the dk / dv kernel on tensor cores too";
       on_tensor_cores += forward;
       backward_on_tensor_cores += backward;
       EXPECT_EQ(backward, forward && f.has("grad_in.output")) << "the backward's dq kernel follows the forward's";

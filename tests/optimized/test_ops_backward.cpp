@@ -598,9 +598,9 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
   rt::DeviceBuffer ws(sim(), ws_bytes);
   const RoundingCount fwd_count =
       counted([&] { k::dot_product_attention_forward(c.dt, ops, d_ctx.get(), p, nullptr); });
-  // The dq kernel the supports function chooses (tensor cores for 16-bit inputs), and where that
-  // is the tensor-core one, the CUDA-core one too: each counts the reference's rounding points,
-  // gives the same bits twice, and lands within the bound below.
+  // The kernels the supports functions choose (tensor cores for 16-bit inputs: dq, and dk / dv up
+  // to head dim 128), and where those are on tensor cores, the CUDA-core ones too: each counts the reference's rounding
+  // points, gives the same bits twice, and lands within the bound below.
   const bool wmma = k::attention_wmma_supports(c.dt, c.hn);
   struct Grads {
     std::string kernel;
@@ -614,7 +614,9 @@ void run_attention_backward_case(const AttnBwdCase& c, AttnBwdShare& share) {
       k::dot_product_attention_backward_on(tensor_cores, c.dt, ops, d_dctx.get(), grads,
                                            static_cast<const float*>(d_stats.get()), p, ws.get(), ws_bytes, nullptr);
     };
-    const std::string kernel = tensor_cores ? " (dq on tensor cores)" : "";
+    const std::string kernel = !tensor_cores                                ? ""
+                               : k::attention_wmma_dkv_supports(c.dt, c.hn) ? " (tensor cores)"
+                                                                            : " (dq on tensor cores)";
     const RoundingCount bwd_count = counted(backward);
     EXPECT_TRUE(bwd_count == ref_count) << id << kernel << ": the launcher counts " << bwd_count.describe()
                                         << ", the reference's backward " << ref_count.describe();
