@@ -19,6 +19,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/tensor.h"
 #include "optimized/moe/experts.cuh"
 #include "optimized/moe/moe_transformer_layer_plan.h"
 #include "optimized/moe/router.cuh"
@@ -44,6 +45,40 @@ inline void moe_download(void* host, const void* dev, std::size_t bytes, cudaStr
 inline std::int64_t routed_rows_bound(const MoEPlan& p) {
   const std::int64_t T = std::int64_t(p.attn.s) * p.attn.b;
   return p.drop && p.pad_to_capacity ? p.E * expert_capacity(T * p.topk, p.E, p.capacity_factor) : T * p.topk;
+}
+
+// With capacity dropping, a golden's post-drop map still shows where a token's top-k choice flipped
+// on a (near) tie: the top-k runs again with each token's recorded experts, then its own by
+// probability, largest first, up to k (the reference's recorded_selection), before the drop.
+inline void moe_recorded_choice(MoEPlan& p, RouterArgs ra, std::int64_t T, cudaStream_t st) {
+  if (p.capturing) throw std::invalid_argument("a recorded routing map is checked on the host: not in a graph");
+  const int E = p.E;
+  std::vector<std::uint8_t> pre(std::size_t(T * E));
+  moe_download(pre.data(), p.map_pre, pre.size(), st);
+  twin::Tensor probs = twin::Tensor::empty(p.rdt, {T, E});
+  moe_download(probs.raw_mut(), p.probs_pre, probs.nbytes(), st);
+  const std::vector<double> pv = probs.to_f64();
+  std::vector<std::uint8_t> chosen(pre.size());
+  for (std::int64_t t = 0; t < T; ++t) {
+    std::vector<int> ours;
+    int n = 0;
+    for (int e = 0; e < E; ++e) {
+      chosen[std::size_t(t * E + e)] = p.recorded_map[t * E + e] != 0;
+      n += chosen[std::size_t(t * E + e)];
+      if (pre[std::size_t(t * E + e)] && !chosen[std::size_t(t * E + e)]) ours.push_back(e);
+    }
+    if (n > p.topk)
+      throw std::invalid_argument("recorded routing map gives token " + std::to_string(t) + " " + std::to_string(n) +
+                                  " experts, moe_router_topk is " + std::to_string(p.topk));
+    std::stable_sort(ours.begin(), ours.end(),
+                     [&](int a, int b) { return pv[std::size_t(t * E + a)] > pv[std::size_t(t * E + b)]; });
+    for (std::size_t i = 0; i < ours.size() && n < p.topk; ++i, ++n) chosen[std::size_t(t * E + ours[i])] = 1;
+  }
+  if (chosen == pre) return;
+  rt::device(this_backend()).copy(p.map_pre, chosen.data(), chosen.size(), rt::CopyKind::HostToDevice, st);
+  ra.selection = p.map_pre;  // read per token before its map is written (the kernel's rule)
+  router_topk_forward(p.rdt, p.logits, p.expert_bias, p.padding, p.probs_pre, p.map_pre, p.aux_scores, p.aux_map, p.z,
+                      ra, st);
 }
 
 // apply_router_token_dropping: each expert keeps at most its capacity of tokens; a golden's
@@ -168,6 +203,7 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
   }
   router_topk_forward(rdt, p.logits, p.expert_bias, p.padding, p.drop ? p.probs_pre : p.probs,
                       p.drop ? p.map_pre : p.routing_map, p.aux_scores, p.aux_map, p.z, ra, st);
+  if (p.recorded_map && p.drop && !p.pad_to_capacity) moe_recorded_choice(p, ra, T, st);  // padded: no top-k's
   if (p.z_loss) {
     LossArgs la;
     la.kind = AuxLossKind::ZLoss;

@@ -195,15 +195,12 @@ def check_case(twin, tp1, tpn, kind, cfg):
     """(problems ([] when the case passes), what happened to the gradients, notes). A config with a
     feature the optimized twin does not implement is checked by the reference twin alone
     (live.optimized_unsupported)."""
-    from . import st_io
 
     problems, notes = [], []
-    # Decided before running: a dense feature the optimized twin lacks, or an MoE golden whose
-    # capacity cut Megatron decided among ties: the optimized twin takes its post-drop map only as
-    # a subset of its own top-k choice, which a near tie in that choice contradicts (the engine
-    # resolves near ties without a capacity only); the reference alone checks those.
-    tie_cut = st_io.read(tpn)[1].get("tie_break_dependent") == "true" and cfg.get("moe_expert_capacity_factor")
-    both = not (live.optimized_unsupported(cfg) if kind == "dense_layer" else tie_cut)
+    # Decided before running: a dense feature the optimized twin lacks; the reference alone checks
+    # those. (An MoE golden whose capacity cut Megatron decided among ties runs through both: each
+    # twin routes with the top-k choice the recorded post-drop map shows, then drops.)
+    both = not (kind == "dense_layer" and live.optimized_unsupported(cfg))
     tp1 = without_what_the_layout_leaves_out(tp1, tpn, tp1[: -len(".safetensors")] + "_same_names.safetensors")
     code, results, err = twin_json(twin, ["fixture", "--json", "--twin", "both" if both else "reference", tpn])
     if not results:

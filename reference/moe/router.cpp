@@ -1,6 +1,8 @@
 #include "reference/moe/router.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace twin::reference::moe {
 
@@ -16,6 +18,26 @@ double uniform01(std::uint64_t seed, std::uint64_t call, std::uint64_t i) {
     z ^= z >> 31;
   }
   return static_cast<double>(z >> 11) * 0x1.0p-53;
+}
+
+// The top-k choice a recorded post-drop routing map implies: each token's recorded experts, then
+// its experts of `routed` (the top-k's choice) by probability, largest first, up to k. Megatron's
+// choice where a (near) tie at a token's top-k cut flipped, ours elsewhere (the experts capacity
+// dropping removed come back from ours).
+BoolMat recorded_selection(const BoolMat& recorded, const Routing& routed, int k) {
+  BoolMat s = recorded;  // [T, E]
+  for (Index t = 0; t < s.rows(); ++t) {
+    if (s.row(t).count() > k)
+      throw MoEError("recorded routing map gives token " + std::to_string(t) + " " + std::to_string(s.row(t).count()) +
+                     " experts, moe_router_topk is " + std::to_string(k));
+    std::vector<Index> ours;
+    for (Index e = 0; e < s.cols(); ++e)
+      if (routed.routing_map(t, e) && !s(t, e)) ours.push_back(e);
+    std::stable_sort(ours.begin(), ours.end(),
+                     [&](Index a, Index b) { return routed.probs(t, a) > routed.probs(t, b); });
+    for (std::size_t i = 0; i < ours.size() && s.row(t).count() < k; ++i) s(t, ours[i]) = true;
+  }
+  return s;
 }
 
 }  // namespace
@@ -281,9 +303,20 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
     opt.scaling_factor = config_.moe_router_topk_scaling_factor;
     opt.score_function = config_.moe_router_score_function;
     opt.scores_fp32 = config_.megatron.router_scores_fp32;
-    opt.selection = selection;
-    const Routing routed =
-        topk_routing_with_score_function(logits, opt, expert_bias ? &*expert_bias : nullptr, router_dtype_, rnd);
+    auto route = [&](const BoolMat* chosen) {
+      opt.selection = chosen;
+      return topk_routing_with_score_function(logits, opt, expert_bias ? &*expert_bias : nullptr, router_dtype_, rnd);
+    };
+    Routing routed = route(selection);
+    // With capacity dropping, a recorded (post-drop) map still shows where a token's top-k choice
+    // flipped on a (near) tie: route with that choice, then drop (checked below). Not when padding
+    // to capacity: the padded map holds pairs no top-k chose.
+    if (config_.moe_expert_capacity_factor && !config_.moe_pad_expert_input_to_capacity && recorded_routing_map &&
+        recorded_routing_map->rows() == routed.routing_map.rows() &&
+        recorded_routing_map->cols() == routed.routing_map.cols()) {
+      const BoolMat chosen = recorded_selection(*recorded_routing_map, routed, topk_);
+      if (chosen != routed.routing_map) routed = route(&chosen);
+    }
     r.probs = routed.probs;
     r.routing_map = routed.routing_map;
   }

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/safetensors.h"
 #include "parity/fixture_kinds.h"
 #include "parity/routing_ties.h"
@@ -126,5 +127,36 @@ TEST(RoutingTies, EqualRoutingReportsNothing) {
     const Compared c = compare(golden(name), TwinKind::Reference);
     EXPECT_EQ(c.routing, "");
     for (const Comparison& row : c.rows) EXPECT_TRUE(row.pass) << row.name;
+  }
+}
+
+// Real Megatron-Core at ep 4 (alltoall, gathered), bf16, sigmoid top-3 of 8 with capacity factor
+// 0.75: token 14's bf16 scores of experts 0 and 4 are equal at its top-k cut, torch.topk chose 4,
+// and the capacity rule then kept what it kept. Each twin routes with the choice the golden's
+// post-drop map shows (its own rule takes the lower index), drops, and matches every tensor.
+TEST(RoutingTies, ATieAtTheTopkCutUnderCapacityIsRoutedWithTheGoldensChoice) {
+  const Fixture f = golden("parallel/ep4_alltoall_bf16_sigmoid_top3_capacity_topk_tie.safetensors");
+  const std::int64_t E = 8, t = 14;
+  const Tensor& logits = f.tensor("tap.mlp.router.logits");
+  // The scores as the router holds them: sigmoid in fp32, stored in bf16.
+  auto score = [&](int e) {
+    const float x = float(logits.at_f64(t * E + e));
+    return bf16_bits_to_float(float_to_bf16_bits(1.0f / (1.0f + std::exp(-x))));
+  };
+  std::vector<float> s;
+  for (int e = 0; e < E; ++e) s.push_back(score(e));
+  std::vector<float> sorted = s;
+  std::sort(sorted.rbegin(), sorted.rend());
+  ASSERT_EQ(s[0], s[4]) << "experts 0 and 4 no longer tie: the golden no longer tests this";
+  EXPECT_EQ(s[4], sorted[2]);  // the third largest: at the top-3 cut
+  EXPECT_GT(sorted[2], sorted[4]) << "only the two tie there";
+  const Tensor& map = f.tensor("tap.mlp.router.1");
+  EXPECT_EQ(map.at_f64(t * E + 4), 1.0);
+  EXPECT_EQ(map.at_f64(t * E + 0), 0.0);
+  for (const TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) {
+    SCOPED_TRACE(twin_kind_name(twin));
+    const Compared c = compare(f, twin);
+    ASSERT_FALSE(c.rows.empty());
+    for (const Comparison& row : c.rows) EXPECT_TRUE(row.pass) << row.name << " " << row.message;
   }
 }

@@ -246,13 +246,21 @@ TEST(MoEErrors, RecordedRoutingMapThatIsNotACapacityOutcome) {
   std::mt19937_64 rng(11);
   MoELayer layer(c, kFp32);
   layer.load_state_dict(random_moe_state_dict(c, rng), "mlp.");
-  const Tensor every_pair =
-      Tensor::from_vector<bool>({8, 4}, std::vector<bool>(32, true));  // every token to every expert
+  const Mat x = random_mat(rng, 8, c.hidden_size);
   MlpArgs args;
   args.lead = {4, 2};
+  const Tensor every_pair =
+      Tensor::from_vector<bool>({8, 4}, std::vector<bool>(32, true));  // every token to every expert
   args.recorded_routing_map = &every_pair;
-  const std::string msg = error_of<MoEError>([&] { layer.forward(random_mat(rng, 8, c.hidden_size), args, Taps()); });
-  EXPECT_NE(msg.find("recorded routing map gives expert 0"), std::string::npos) << msg;
+  std::string msg = error_of<MoEError>([&] { layer.forward(x, args, Taps()); });
+  EXPECT_NE(msg.find("recorded routing map gives token 0 4 experts, moe_router_topk is 2"), std::string::npos) << msg;
+  std::vector<bool> first_two(32, false);  // every token to experts 0 and 1: a top-2 choice, past the capacity 2
+  for (int t = 0; t < 8; ++t) first_two[std::size_t(t * 4)] = first_two[std::size_t(t * 4 + 1)] = true;
+  const Tensor over_capacity = Tensor::from_vector<bool>({8, 4}, first_two);
+  args.recorded_routing_map = &over_capacity;
+  msg = error_of<MoEError>([&] { layer.forward(x, args, Taps()); });
+  EXPECT_NE(msg.find("recorded routing map gives expert 0 8 tokens, the capacity rule gives 2"), std::string::npos)
+      << msg;
 }
 
 }  // namespace
