@@ -6,9 +6,6 @@
 //   BM_MoELayer          the whole MoETransformerLayer forward (attention included)
 //   BM_MoERouterBackward the router's backward kernel (score function, aux loss, z-loss) over [T, E]
 //   BM_MoELayerBackward  the whole layer's backward after one kept forward (its three phases)
-//   BM_ExpertGemmGpu     on a GPU (skipped with the reason without one): the experts' linear_fc1 as
-//                        one grouped GEMM (cublasGemmGroupedBatchedEx), as one cuBLASLt GEMM per
-//                        expert, and one dense GEMM of equal FLOPs, side by side in one run
 // Counters: bytes moved (permute / unpermute: read + written), FLOP/s of the grouped GEMM. The
 // simulator's times measure the host, not a device: they track regressions of the kernels' work,
 // not GPU speed. Write JSON with --benchmark_out=<file> --benchmark_out_format=json.
@@ -17,7 +14,6 @@
 #include <memory>
 #include <random>
 
-#include "bench/bench_util.h"
 #include "optimized/moe/experts.cuh"
 #include "optimized/moe/moe_transformer_layer.h"
 #include "optimized/moe/router.cuh"
@@ -198,95 +194,8 @@ void BM_MoELayerBackward(benchmark::State& state) {
   state.SetLabel("s=64 b=2 h=256 E=8 k=2 swiglu ffn=512 bf16");
 }
 
-// ---- GPU: DeepSeek-V3's routed expert shape (h 7168 -> moe_ffn_hidden_size 2048, bf16), 32 local
-// experts (256 at ep 8) over 16384 routed rows in ragged counts (uniform weights in [0.5, 1.5)).
-enum ExpertGemmMode { kGrouped, kPerExpert, kDense };
-constexpr std::int64_t kGpuRows = 16384, kGpuH = 7168, kGpuFfn = 2048;
-constexpr int kGpuExperts = 32;
-
-std::vector<std::int64_t> ragged_counts() {
-  std::mt19937 rng(7);
-  std::uniform_real_distribution<double> u(0.5, 1.5);
-  std::vector<double> w(kGpuExperts);
-  double sum = 0;
-  for (double& x : w) sum += (x = u(rng));
-  std::vector<std::int64_t> counts(kGpuExperts);
-  std::int64_t left = kGpuRows;
-  for (int e = 0; e + 1 < kGpuExperts; ++e) left -= (counts[e] = std::int64_t(kGpuRows * w[e] / sum));
-  counts.back() = left;
-  return counts;
-}
-
-// Random bf16 values in [-1, 1] (a 1 Mi-element draw, tiled): GEMM power, and so clocks, depend on
-// the data, so no zeros.
-void fill_bf16_pattern(rt::DeviceBuffer& b) {
-  std::mt19937 rng(8);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<std::uint16_t> tile(std::size_t(1) << 20);
-  for (auto& v : tile) v = float_to_bf16_bits(u(rng));
-  std::vector<std::uint16_t> host(b.bytes() / 2);
-  for (std::size_t i = 0; i < host.size(); ++i) host[i] = tile[i % tile.size()];
-  b.upload(host.data(), b.bytes());
-}
-
-void BM_ExpertGemmGpu(benchmark::State& state) {
-  if (bench::skip_without_gpu(state)) return;
-  const auto mode = ExpertGemmMode(state.range(0));
-  rt::Device& gpu = rt::device(rt::Backend::Cuda);
-  const std::vector<std::int64_t> counts = ragged_counts();
-  rt::DeviceBuffer x(gpu, kGpuRows * kGpuH * 2), w(gpu, kGpuExperts * kGpuFfn * kGpuH * 2),
-      y(gpu, kGpuRows * kGpuFfn * 2);
-  fill_bf16_pattern(x), fill_bf16_pattern(w);
-  auto run = [&] {
-    if (mode == kGrouped) {
-      k::grouped_linear_forward(rt::Backend::Cuda, kDt, x.get(), w.get(), y.get(), counts, kGpuH, kGpuFfn, nullptr);
-    } else if (mode == kPerExpert) {
-      std::int64_t row = 0;
-      for (int e = 0; e < kGpuExperts; ++e) {  // each group of the grouped form as its own GEMM
-        rt::gemm(rt::Backend::Cuda)
-            .run(k::linear_gemm_args(kDt, rt::Op::T, w.as<char>() + e * kGpuFfn * kGpuH * 2, kGpuH, rt::Op::N,
-                                     x.as<char>() + row * kGpuH * 2, kGpuH, y.as<char>() + row * kGpuFfn * 2, kGpuFfn,
-                                     counts[e], kGpuH),
-                 nullptr);
-        row += counts[e];
-      }
-    } else {  // [16384, 7168] x [7168, 2048]: the same FLOPs as one GEMM
-      rt::gemm(rt::Backend::Cuda)
-          .run(k::linear_gemm_args(kDt, rt::Op::T, w.get(), kGpuH, rt::Op::N, x.get(), kGpuH, y.get(), kGpuFfn,
-                                   kGpuRows, kGpuH),
-               nullptr);
-    }
-  };
-  run();  // warm-up: libraries, handles, heuristics
-  cudaEvent_t start = gpu.create_event(), end = gpu.create_event();
-  constexpr int kReps = 10;
-  for (auto _ : state) {
-    gpu.record(start, nullptr);
-    for (int i = 0; i < kReps; ++i) run();
-    gpu.record(end, nullptr);
-    gpu.synchronize(end);
-    state.SetIterationTime(gpu.elapsed_ms(start, end) / kReps / 1e3);
-  }
-  gpu.destroy_event(start), gpu.destroy_event(end);
-  const double flops = 2.0 * kGpuRows * kGpuH * kGpuFfn;
-  state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["fraction_of_peak"] =
-      benchmark::Counter(flops / bench::peak_flops(kDt), benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(std::string(mode == kGrouped     ? "grouped"
-                             : mode == kPerExpert ? "per_expert"
-                                                  : "dense") +
-                 ": 16384 rows, 32 experts, 7168 -> 2048 bf16");
-}
-
 }  // namespace
 
-BENCHMARK(BM_ExpertGemmGpu)
-    ->ArgName("mode")
-    ->Arg(kGrouped)
-    ->Arg(kPerExpert)
-    ->Arg(kDense)
-    ->UseManualTime()
-    ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MoERouter)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MoEPermute)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MoEGroupedGemm)->Unit(benchmark::kMillisecond);
