@@ -106,7 +106,9 @@ void BM_ExpertGemmGpu(benchmark::State& state) {
   state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["fraction_of_peak"] =
       benchmark::Counter(flops / bench::peak_flops(DType::BF16), benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(std::string(mode == kGrouped ? "grouped" : mode == kPerExpert ? "per_expert" : "dense") +
+  state.SetLabel(std::string(mode == kGrouped     ? "grouped"
+                             : mode == kPerExpert ? "per_expert"
+                                                  : "dense") +
                  ": 16384 rows, 32 experts, 7168 -> 2048 bf16");
 }
 

@@ -226,13 +226,7 @@ __global__ void dot_product_attention_backward_dkv_kernel(AttnOperands op, const
         q_s[r * stride + c] = ok ? Io<T>::load(q_base[(q0 + r) * op.q_tok + c]) : 0.0f;
         o_s[r * stride + c] = ok ? Io<T>::load(o_base[(q0 + r) * ctx_tok + c]) : 0.0f;
       }
-      for (int r = threadIdx.x; r < kAttnBwdBQ; r += blockDim.x) {
-        const int i = q0 + r;
-        const bool ok = i < p.sq;
-        st_s[r * 3 + 0] = ok ? stats[(row0 + i) * 2] : 0.0f;
-        st_s[r * 3 + 1] = ok ? stats[(row0 + i) * 2 + 1] : 1.0f;
-        st_s[r * 3 + 2] = ok ? dsum[row0 + i] : 0.0f;
-      }
+      attn_load_row_stats(st_s, stats, dsum, row0, q0, kAttnBwdBQ, p.sq);
       __syncthreads();
       for (int e = threadIdx.x; e < kAttnBwdBQ * kAttnBwdBK; e += blockDim.x) {
         const int r = e / kAttnBwdBK, jj = e % kAttnBwdBK, i = q0 + r, j = k0 + jj;

@@ -316,13 +316,7 @@ __global__ void dot_product_attention_backward_dkv_wmma_kernel(AttnOperands op, 
         q_s[e] = ok ? q_base[(q0 + r) * op.q_tok + c] : zero;
         o_s[e] = ok ? o_base[(q0 + r) * ctx_tok + c] : zero;
       }
-      for (int r = threadIdx.x; r < kTcBwdBQ; r += blockDim.x) {
-        const int i = q0 + r;
-        const bool ok = i < p.sq;
-        st_s[r * 3 + 0] = ok ? stats[(row0 + i) * 2] : 0.0f;
-        st_s[r * 3 + 1] = ok ? stats[(row0 + i) * 2 + 1] : 1.0f;
-        st_s[r * 3 + 2] = ok ? dsum[row0 + i] : 0.0f;
-      }
+      attn_load_row_stats(st_s, stats, dsum, row0, q0, kTcBwdBQ, p.sq);
       __syncthreads();
       if (!warp_keys) continue;
       attn_wmma_transposed_scores<T, NT>(k_s + warp * 16 * hp, q_s, hp, s_w);   // rounds: q k^T, fp32 over hn

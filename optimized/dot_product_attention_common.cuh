@@ -55,6 +55,20 @@ __device__ inline float attn_score(const float* q, const float* k, int hn, const
 // The softmax's own output for score s of a row with online max m and sum l (fp32).
 __device__ inline float attn_softmax_out(float s, float m, float l) { return expf(s - m) / l; }
 
+// The dk / dv kernels' step of n query rows from q0 on (this (batch, head)'s rows from row0 in the
+// forward's stats [.., 2] and D [..]): st_s[r * 3 + 0 / 1 / 2] = m, l, D of row q0 + r, rows past sq
+// m 0, l 1, D 0 (their pairs are zero). The block's threads share the rows.
+__device__ inline void attn_load_row_stats(float* st_s, const float* stats, const float* dsum, std::int64_t row0,
+                                           int q0, int n, int sq) {
+  for (int r = threadIdx.x; r < n; r += blockDim.x) {
+    const int i = q0 + r;
+    const bool ok = i < sq;
+    st_s[r * 3 + 0] = ok ? stats[(row0 + i) * 2] : 0.0f;
+    st_s[r * 3 + 1] = ok ? stats[(row0 + i) * 2 + 1] : 1.0f;
+    st_s[r * 3 + 2] = ok ? dsum[row0 + i] : 0.0f;
+  }
+}
+
 // The dropout element of (batch bi, global head h_global, i, j) in the flat [b, np_total, sq, sk]
 // probabilities.
 __device__ inline std::uint64_t attn_dropout_element(const AttnParams& p, int bi, int h_global, int i, int j) {

@@ -253,8 +253,9 @@ class CublasLtGemm final : public Gemm {
 
   // groups[i] for i in `call` (one dtype, each taken by grouped_call_refusal) as one
   // cublasGemmGroupedBatchedEx call of one problem per group: sizes, ops, scalars on the host; the
-  // A, B, C pointer arrays in a stream-ordered device allocation (the copy from pageable memory is
-  // staged before cudaMemcpyAsync returns, so the host vector may go right after).
+  // A, B, C pointer arrays in a stream-ordered device allocation. The copy from pageable memory is
+  // staged before cudaMemcpyAsync returns, so the host vector may go right after; it also waits for
+  // the stream's earlier work, as the experts' phases already do for the routing's counts.
   void grouped_matmul(const std::vector<GemmArgs>& groups, const std::vector<std::size_t>& call, cudaStream_t stream) {
     const std::size_t count = call.size();
     std::vector<cublasOperation_t> ta(count), tb(count);
