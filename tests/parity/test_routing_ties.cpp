@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -135,7 +136,10 @@ TEST(RoutingTies, EqualRoutingReportsNothing) {
 // and the capacity rule then kept what it kept. Each twin routes with the choice the golden's
 // post-drop map shows (its own rule takes the lower index), drops, and matches every tensor.
 TEST(RoutingTies, ATieAtTheTopkCutUnderCapacityIsRoutedWithTheGoldensChoice) {
-  const Fixture f = golden("parallel/ep4_alltoall_bf16_sigmoid_top3_capacity_topk_tie.safetensors");
+  // A gathered multi-rank capture: beside the one-rank goldens, in fixtures/megatron-core-parallel/.
+  const Fixture f =
+      load_fixture(std::filesystem::path(twin::golden_dir()).parent_path().string() +
+                   "/megatron-core-parallel/ep4_alltoall_bf16_sigmoid_top3_capacity_topk_tie.safetensors");
   const std::int64_t E = 8, t = 14;
   const Tensor& logits = f.tensor("tap.mlp.router.logits");
   // The scores as the router holds them: sigmoid in fp32, stored in bf16.
