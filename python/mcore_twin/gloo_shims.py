@@ -26,7 +26,10 @@ def _wire(t):
 
 
 def _gathered(t, group):
-    """Every rank's `t` (same shape on all), in rank order, carried exactly (WIRE)."""
+    """Every rank's `t` (same shape on all), in rank order, carried exactly (WIRE); empty ones not
+    sent (gloo dies of SIGFPE on a zero-size gather)."""
+    if t.numel() == 0:
+        return [t.clone() for _ in range(dist.get_world_size(group))]
     wire = _wire(t)
     parts = [torch.empty_like(wire) for _ in range(dist.get_world_size(group))]
     gloo_all_gather(parts, wire, group=group)
@@ -68,6 +71,28 @@ def reduce_scatter_tensor(output, input_, group=None, async_op=False):
     return _handle(async_op)
 
 
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    """torch.distributed.all_gather for what gloo lacks: bf16, fp16 and bool carried as fp32 /
+    int32 (exactly), uneven sizes padded to the largest; nothing at all when every rank's part is
+    empty (gloo dies of SIGFPE on a zero-size gather; the sizes are the caller's list, the same on
+    every rank, so all ranks skip together)."""
+    if all(t.numel() == 0 for t in tensor_list):
+        return _handle(async_op)
+    uneven = any(t.numel() != tensor.numel() for t in tensor_list)
+    if tensor.dtype not in WIRE and not uneven:
+        return gloo_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    # gloo gathers equal sizes only: every rank's flattened tensor padded to the largest (the
+    # caller's list says each rank's size), then cut back.
+    n = max(t.numel() for t in tensor_list)
+    flat = torch.zeros(n, dtype=WIRE.get(tensor.dtype, tensor.dtype))
+    flat[: tensor.numel()] = _wire(tensor).reshape(-1)
+    parts = [torch.empty_like(flat) for _ in tensor_list]
+    gloo_all_gather(parts, flat, group=group)
+    for dst, src in zip(tensor_list, parts):
+        dst.copy_(src[: dst.numel()].reshape(dst.shape).to(dst.dtype))
+    return _handle(async_op)
+
+
 def apply():
     """Patches Megatron-Core's collective entry points and torch.distributed where gloo falls
     short. Idempotent."""
@@ -97,21 +122,6 @@ def apply():
 
     dist.all_reduce = all_reduce
     APPLIED.append("torch.distributed.all_reduce: bf16 summed in rank order in fp32, rounded once (gloo has no bf16)")
-
-    def all_gather(tensor_list, tensor, group=None, async_op=False):
-        uneven = any(t.numel() != tensor.numel() for t in tensor_list)
-        if tensor.dtype not in WIRE and not uneven:
-            return gloo_all_gather(tensor_list, tensor, group=group, async_op=async_op)
-        # gloo gathers equal sizes only: every rank's flattened tensor padded to the largest (the
-        # caller's list says each rank's size), then cut back.
-        n = max(t.numel() for t in tensor_list)
-        flat = torch.zeros(n, dtype=WIRE.get(tensor.dtype, tensor.dtype))
-        flat[: tensor.numel()] = _wire(tensor).reshape(-1)
-        parts = [torch.empty_like(flat) for _ in tensor_list]
-        gloo_all_gather(parts, flat, group=group)
-        for dst, src in zip(tensor_list, parts):
-            dst.copy_(src[: dst.numel()].reshape(dst.shape).to(dst.dtype))
-        return _handle(async_op)
 
     dist.all_gather = all_gather
     APPLIED.append("torch.distributed.all_gather: bf16, fp16 and bool carried as fp32 / int32 (exactly); "
