@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "parity/bounds.h"
+#include "reference/moe/router.h"
 
 namespace twin::parity {
 
@@ -49,12 +50,25 @@ Scores selection_scores(const TransformerConfig& cfg, const Tensor& logits, cons
   return s;
 }
 
+// Training-mode sinkhorn chooses by the top-k of sinkhorn(logits), whose column scaling every
+// token's logits set: a logit within its bound may move another token's choice, so no per-token
+// score bound holds. A flip is a near tie there when each side's choice is the top-k of the
+// sinkhorn of its own logits (the logits themselves are compared against their bound as a tap),
+// up to the rounding of Megatron's fp32 iteration: each step's row and column sums round T or E
+// terms and exp, the reciprocal and the products a few more, and the scaling contracts (Hilbert's
+// metric), so it does not compound: a ratio of two scores is within 2 (T + E + 4) u_fp32.
+Eigen::MatrixXd sinkhorn_log_scores(const Tensor& logits, std::int64_t T, std::int64_t E) {
+  Eigen::MatrixXd l(T, E);
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t e = 0; e < E; ++e) l(t, e) = static_cast<float>(logits.at_f64(t * E + e));  // .to(float32)
+  return reference::moe::sinkhorn(l).array().log().matrix();
+}
+
 // Why the twins cannot run on the golden's map ("" when they can): with capacity dropping the
-// golden records the map after the drop, not the top-k choice; sinkhorn does not choose by top-k.
+// golden records the map after the drop, not the top-k choice.
 std::string why_not_golden_routing(const TransformerConfig& cfg) {
   if (cfg.moe_expert_capacity_factor)
     return "with capacity dropping the golden records the map after the drop, not the top-k choice";
-  if (cfg.moe_router_load_balancing_type == "sinkhorn") return "sinkhorn routing does not choose by top-k";
   return "";
 }
 
@@ -83,6 +97,14 @@ std::optional<RoutingFlips> routing_flips(const Fixture& f, const Record& twin) 
   if (f.config.moe_router_enable_expert_bias && f.has("param.mlp.router.expert_bias"))
     bias = f.tensor("param.mlp.router.expert_bias").to_f64();
 
+  const bool sinkhorn = f.config.moe_router_load_balancing_type == "sinkhorn" && f.training;
+  Eigen::MatrixXd mine_sk, golden_sk;
+  if (sinkhorn) {
+    mine_sk = sinkhorn_log_scores(my_logits->value, T, E);
+    golden_sk = sinkhorn_log_scores(logits, T, E);
+  }
+  const double sk_slack = 2.0 * static_cast<double>(T + E + 4) * unit_roundoff(DType::F32);
+
   RoutingFlips r;
   for (std::int64_t t = 0; t < T; ++t) {
     std::vector<std::int64_t> chosen, displaced;  // by the twin alone, by the golden alone
@@ -100,6 +122,20 @@ std::optional<RoutingFlips> routing_flips(const Fixture& f, const Record& twin) 
                           : "";
     for (std::int64_t c : chosen)
       for (std::int64_t d : displaced) {
+        if (sinkhorn) {
+          const double mine_gap = mine_sk(t, d) - mine_sk(t, c), golden_gap = golden_sk(t, c) - golden_sk(t, d);
+          if (why.empty() && mine_gap > sk_slack)
+            why = fmt::format(
+                "token {} is far from a tie: the twin chose expert {} over expert {}, which the sinkhorn of the twin's "
+                "logits ranks higher by {:.3g} (log) > {:.3g}",
+                t, c, d, mine_gap, sk_slack);
+          if (why.empty() && golden_gap > sk_slack)
+            why = fmt::format(
+                "token {} is far from a tie: the golden chose expert {} over expert {}, which the sinkhorn of the "
+                "golden's logits ranks higher by {:.3g} (log) > {:.3g}",
+                t, d, c, golden_gap, sk_slack);
+          continue;
+        }
         const auto ci = static_cast<std::size_t>(c), di = static_cast<std::size_t>(d);
         const double gap = s.value[di] - s.value[ci], bound = s.bound[ci] + s.bound[di];
         if (why.empty() && std::fabs(gap) > bound)

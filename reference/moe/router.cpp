@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <vector>
 
 namespace twin::reference::moe {
@@ -126,7 +127,7 @@ Mat sinkhorn(const Mat& cost_in, double tol) {
   return (d0.asDiagonal() * cost) * d1.asDiagonal();
 }
 
-RouterOutput TopKRouter::sinkhorn_load_balancing(const Mat& logits) const {
+Routing TopKRouter::sinkhorn_load_balancing(const Mat& logits, const BoolMat* selection) const {
   const Rounding rnd = Rounding::of(precision_);
   auto activation = [&](const Mat& x) -> Mat {
     if (topk_ == 1) return rnd(router_dtype_, x.unaryExpr([](double v) { return 1.0 / (1.0 + std::exp(-v)); }));
@@ -138,11 +139,24 @@ RouterOutput TopKRouter::sinkhorn_load_balancing(const Mat& logits) const {
     return rnd(router_dtype_, rnd(DType::F32, y));
   };
   const Mat act = activation(logits);
-  const TopK top = training ? topk_rows(sinkhorn(rnd(DType::F32, logits)), topk_) : topk_rows(act, topk_);
-  RouterOutput r;
-  r.routing_map = BoolMat::Constant(logits.rows(), logits.cols(), false);
-  for (Index t = 0; t < top.indices.rows(); ++t)
-    for (Index j = 0; j < top.indices.cols(); ++j) r.routing_map(t, top.indices(t, j)) = true;
+  Routing r;
+  if (selection) {  // a given choice (a golden's): k experts per token
+    if (selection->rows() != logits.rows() || selection->cols() != logits.cols())
+      throw MoEError("a given sinkhorn selection is [" + std::to_string(selection->rows()) + ", " +
+                     std::to_string(selection->cols()) + "], the logits [" + std::to_string(logits.rows()) + ", " +
+                     std::to_string(logits.cols()) + "]");
+    for (Index t = 0; t < selection->rows(); ++t)
+      if (selection->row(t).count() != topk_)
+        throw MoEError("a given sinkhorn selection gives token " + std::to_string(t) + " " +
+                       std::to_string(selection->row(t).count()) + " experts, moe_router_topk is " +
+                       std::to_string(topk_));
+    r.routing_map = *selection;
+  } else {
+    const TopK top = training ? topk_rows(sinkhorn(rnd(DType::F32, logits)), topk_) : topk_rows(act, topk_);
+    r.routing_map = BoolMat::Constant(logits.rows(), logits.cols(), false);
+    for (Index t = 0; t < top.indices.rows(); ++t)
+      for (Index j = 0; j < top.indices.cols(); ++j) r.routing_map(t, top.indices(t, j)) = true;
+  }
   r.probs = act.array() * r.routing_map.cast<double>().array();
   return r;
 }
@@ -289,13 +303,11 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
   // A recorded map without capacity dropping is Megatron's top-k choice itself (a golden whose
   // choice flipped on a near tie): it chooses instead of the top-k.
   const BoolMat* selection = config_.moe_expert_capacity_factor ? nullptr : recorded_routing_map;
+  std::function<Routing(const BoolMat*)> route;
+  RoutingOptions opt;
   if (config_.moe_router_load_balancing_type == "sinkhorn") {
-    if (selection) throw MoEError("a recorded top-k choice with sinkhorn routing (its choice is not the top-k's)");
-    const RouterOutput s = sinkhorn_load_balancing(logits);
-    r.probs = s.probs;
-    r.routing_map = s.routing_map;
+    route = [&](const BoolMat* chosen) { return sinkhorn_load_balancing(logits, chosen); };
   } else {
-    RoutingOptions opt;
     opt.topk = topk_;
     opt.use_pre_softmax = config_.moe_router_pre_softmax;
     opt.num_groups = config_.moe_router_num_groups;
@@ -303,23 +315,23 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
     opt.scaling_factor = config_.moe_router_topk_scaling_factor;
     opt.score_function = config_.moe_router_score_function;
     opt.scores_fp32 = config_.megatron.router_scores_fp32;
-    auto route = [&](const BoolMat* chosen) {
+    route = [&](const BoolMat* chosen) {
       opt.selection = chosen;
       return topk_routing_with_score_function(logits, opt, expert_bias ? &*expert_bias : nullptr, router_dtype_, rnd);
     };
-    Routing routed = route(selection);
-    // With capacity dropping, a recorded (post-drop) map still shows where a token's top-k choice
-    // flipped on a (near) tie: route with that choice, then drop (checked below). Not when padding
-    // to capacity: the padded map holds pairs no top-k chose.
-    if (config_.moe_expert_capacity_factor && !config_.moe_pad_expert_input_to_capacity && recorded_routing_map &&
-        recorded_routing_map->rows() == routed.routing_map.rows() &&
-        recorded_routing_map->cols() == routed.routing_map.cols()) {
-      const BoolMat chosen = recorded_selection(*recorded_routing_map, routed, topk_);
-      if (chosen != routed.routing_map) routed = route(&chosen);
-    }
-    r.probs = routed.probs;
-    r.routing_map = routed.routing_map;
   }
+  Routing routed = route(selection);
+  // With capacity dropping, a recorded (post-drop) map still shows where a token's choice flipped
+  // on a (near) tie: route with that choice, then drop (checked below). Not when padding to
+  // capacity: the padded map holds pairs no choice made.
+  if (config_.moe_expert_capacity_factor && !config_.moe_pad_expert_input_to_capacity && recorded_routing_map &&
+      recorded_routing_map->rows() == routed.routing_map.rows() &&
+      recorded_routing_map->cols() == routed.routing_map.cols()) {
+    const BoolMat chosen = recorded_selection(*recorded_routing_map, routed, topk_);
+    if (chosen != routed.routing_map) routed = route(&chosen);
+  }
+  r.probs = routed.probs;
+  r.routing_map = routed.routing_map;
   if (saving_) saving_->selected = r.routing_map;
 
   // Token dropping under the expert capacity.

@@ -99,7 +99,9 @@ class TopKRouter {
   std::uint64_t jitter_calls = 0;
 
  private:
-  RouterOutput sinkhorn_load_balancing(const Mat& logits) const;
+  // The sinkhorn choice (training: the top-k of sinkhorn(logits); eval: of the activation), or a
+  // given one (a golden's: k experts per token), and the activation's probabilities on it.
+  Routing sinkhorn_load_balancing(const Mat& logits, const BoolMat* selection = nullptr) const;
   Mat apply_load_balancing_losses(const Mat& logits, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
                                   AuxLosses* aux_losses);
   void use_recorded_routing_map(RouterOutput& r, const RouterOutput& before_drop, const BoolMat& rec) const;

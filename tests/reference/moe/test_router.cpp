@@ -314,7 +314,9 @@ TEST(TopKRouter, SinkhornRoutingFollowsMegatronsFormula) {
           const std::vector<int> top = topk_def(row, k);
           for (Index e = 0; e < E; ++e) {
             const bool chosen = std::find(top.begin(), top.end(), e) != top.end();
-            if (!tie) EXPECT_EQ(out.routing_map(t, e), chosen) << "token " << t << " expert " << e;
+            if (!tie) {
+              EXPECT_EQ(out.routing_map(t, e), chosen) << "token " << t << " expert " << e;
+            }
             const double want = out.routing_map(t, e) ? act(t, e) : 0.0;  // scores = logits * map
             // fp64 mode: the same formula to double rounding; else the same stores of the same
             // double values (to ~1e-16, far from any rounding midpoint of these fixed inputs): equal.
