@@ -81,6 +81,9 @@ json write(const std::optional<T>& v) {
   X(glu_linear_offset) X(add_bias_linear) X(add_qkv_bias) X(attention_output_gate)                    \
   X(apply_residual_connection_post_layernorm) X(hidden_dropout) X(attention_dropout) X(window_size)  \
   X(position_embedding_type) X(rotary_interleaved) X(rotary_percent) X(rotary_base)                  \
+  X(multi_latent_attention) X(q_lora_rank) X(kv_lora_rank) X(qk_head_dim) X(qk_pos_emb_head_dim)      \
+  X(v_head_dim) X(rope_type) X(rotary_scaling_factor) X(original_max_position_embeddings)            \
+  X(beta_fast) X(beta_slow) X(mscale) X(mscale_all_dim)                                              \
   X(apply_rope_fusion) X(bias_activation_fusion) X(bias_dropout_fusion) X(masked_softmax_fusion)     \
   X(calculate_per_token_loss) X(test_mode) X(tensor_model_parallel_size)                              \
   X(pipeline_model_parallel_size) X(virtual_pipeline_model_parallel_size) X(context_parallel_size)   \

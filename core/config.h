@@ -80,6 +80,23 @@ struct TransformerConfig {
   double rotary_base = 10000;
 
   // --- fusion flags (no numeric effect in the twins; kept so configs round-trip)
+  // Multi-latent attention (MLATransformerConfig): the layer's self attention is MLASelfAttention,
+  // with these sizes, and it computes its own rotary embedding (rope_type "rope": RotaryEmbedding
+  // of qk_pos_emb_head_dim with rotary_percent; "yarn": YarnRotaryEmbedding with the fields below).
+  bool multi_latent_attention = false;
+  std::optional<int> q_lora_rank = 512;  // None: linear_q_proj instead of the q down / up projections
+  int kv_lora_rank = 512;
+  int qk_head_dim = 128;
+  int qk_pos_emb_head_dim = 64;
+  int v_head_dim = 128;
+  std::string rope_type = "yarn";  // rope | yarn (MLA only)
+  double rotary_scaling_factor = 40;
+  int original_max_position_embeddings = 4096;
+  double beta_fast = 32;
+  double beta_slow = 1;
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
+
   bool apply_rope_fusion = false;
   bool bias_activation_fusion = false;
   bool bias_dropout_fusion = false;

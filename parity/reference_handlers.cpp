@@ -61,7 +61,8 @@ LayerInputs layer_inputs(const Fixture& f) {
   LayerInputs in;
   in.attention_mask = optional_input(f, "attention_mask");
   in.rotary_pos_emb = optional_input(f, "rotary_pos_emb");
-  if (f.config.position_embedding_type == "rope" && !in.rotary_pos_emb)
+  // Multi-latent attention computes its own rotary embedding (the golden has none as an input).
+  if (f.config.position_embedding_type == "rope" && !in.rotary_pos_emb && !f.config.multi_latent_attention)
     throw FixtureError(f.path + ": position_embedding_type is rope but input.rotary_pos_emb is missing");
   return in;
 }
@@ -137,8 +138,9 @@ TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
   const TransformerConfig& cfg = f.config;
   validate_transformer_config(cfg);
   check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb"});
-  const ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
-                                                   attn_mask_type_from_name(cfg.attn_mask_type));
+  const ModuleSpec spec =
+      get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
+                               attn_mask_type_from_name(cfg.attn_mask_type), cfg.multi_latent_attention);
   TransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
   const LayerInputs in = layer_inputs(f);
   return run_layer_with_backward(layer, f, in, mode);
@@ -149,8 +151,9 @@ TwinRun run_reference_moe_layer(const Fixture& f, const RunMode& mode) {
   cfg.expert_model_parallel_size = 1;  // a golden is the whole layer: a capture gathers every rank's experts
   if (!cfg.num_moe_experts) throw FixtureError(f.path + ": kind moe_layer but config.num_moe_experts is None");
   check_inputs(f, {"hidden_states", "attention_mask", "rotary_pos_emb", "padding_mask"});
-  const ModuleSpec spec = moe::get_gpt_layer_local_moe_spec(*cfg.num_moe_experts, cfg.moe_grouped_gemm,
-                                                            cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm);
+  const ModuleSpec spec =
+      moe::get_gpt_layer_local_moe_spec(*cfg.num_moe_experts, cfg.moe_grouped_gemm, cfg.qk_layernorm, cfg.normalization,
+                                        cfg.qk_l2_norm, cfg.multi_latent_attention);
   moe::MoETransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
   LayerInputs in = layer_inputs(f);
   in.padding_mask = optional_input(f, "padding_mask");

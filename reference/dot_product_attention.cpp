@@ -21,13 +21,15 @@ AttnMaskType attn_mask_type_from_name(const std::string& name) {
 
 DotProductAttention::DotProductAttention(const TransformerConfig& config, int layer_number_, AttnMaskType mask_type,
                                          Precision p, std::optional<double> attention_dropout_,
-                                         std::optional<double> softmax_scale_)
+                                         std::optional<double> softmax_scale_, std::optional<int> k_channels,
+                                         std::optional<int> v_channels)
     : layer_number(std::max(1, layer_number_)),
       attn_mask_type(mask_type),
       attention_dropout(attention_dropout_.value_or(config.attention_dropout)),
       np_(config.num_attention_heads),
       ng_(config.query_groups()),
-      hn_(config.head_dim()),
+      hn_(k_channels.value_or(config.head_dim())),
+      hv_(v_channels.value_or(config.head_dim())),
       // TransformerConfig.__post_init__: apply_query_key_layer_scaling sets attention_softmax_in_fp32.
       softmax_in_fp32_(config.attention_softmax_in_fp32 || config.apply_query_key_layer_scaling),
       input_in_float16_(config.fp16 || config.bf16),
@@ -134,29 +136,29 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
     throw ShapeError("DotProductAttention: query expected [" + std::to_string(sq) + ", " + std::to_string(b) + ", " +
                      std::to_string(np_) + ", " + std::to_string(hn_) + "]");
   if (key.rows() != static_cast<Eigen::Index>(sk) * b * ng_ || key.cols() != hn_ || value.rows() != key.rows() ||
-      value.cols() != hn_)
+      value.cols() != hv_)
     throw ShapeError("DotProductAttention: key/value expected [" + std::to_string(sk) + ", " + std::to_string(b) +
-                     ", " + std::to_string(ng_) + ", " + std::to_string(hn_) + "]");
+                     ", " + std::to_string(ng_) + ", " + std::to_string(hn_) + " / " + std::to_string(hv_) + "]");
   if (attention_mask) check_attention_mask(*attention_mask, b, np_, sq, sk, "attention_mask");
 
   const int group = np_ / ng_;
   const bool dropout = training && attention_dropout > 0.0;
-  Mat context;                  // [sq, b, np * hn]
+  Mat context;                  // [sq, b, np * hv]
   if (p_.fast() && !dropout) {  // with dropout, fast mode takes the loops below (same math, slower)
     context = forward_fast(query, key, value, sq, sk, b, attention_mask);
   } else {
-    context.resize(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);
+    context.resize(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hv_);
     for (int bi = 0; bi < b; ++bi) {
       for (int h = 0; h < np_; ++h) {
         const int g = h / group;  // repeat_interleave(np / ng, dim=2)
         const Mat probs = probabilities(query, key, sq, sk, b, bi, h, attention_mask, training, rng);
-        // context = bmm(probs, v): [sq, hn] for this (b, h)
+        // context = bmm(probs, v): [sq, hv] for this (b, h)
         for (int i = 0; i < sq; ++i) {
-          for (int c = 0; c < hn_; ++c) {
+          for (int c = 0; c < hv_; ++c) {
             double acc = 0.0;
             for (int j = 0; j < sk; ++j)
               acc += probs(i, j) * value((static_cast<Eigen::Index>(j) * b + bi) * ng_ + g, c);
-            context(static_cast<Eigen::Index>(i) * b + bi, static_cast<Eigen::Index>(h) * hn_ + c) =
+            context(static_cast<Eigen::Index>(i) * b + bi, static_cast<Eigen::Index>(h) * hv_ + c) =
                 p_.act(acc);  // rounds: bmm output
           }
         }
@@ -191,7 +193,7 @@ Mat DotProductAttention::stored_probabilities(const Mat& query, const Mat& key, 
   if (attention_mask) check_attention_mask(*attention_mask, b, np_, sq, sk, "attention_mask");
   Mat out(static_cast<Eigen::Index>(b) * np_ * sq, sk);
   if (p_.fast() && !(training && attention_dropout > 0.0)) {
-    forward_fast(query, key, Mat::Zero(key.rows(), hn_), sq, sk, b, attention_mask, &out);
+    forward_fast(query, key, Mat::Zero(key.rows(), hv_), sq, sk, b, attention_mask, &out);
     return out;
   }
   for (int bi = 0; bi < b; ++bi)
@@ -204,15 +206,15 @@ Mat DotProductAttention::stored_probabilities(const Mat& query, const Mat& key, 
 CoreAttentionGrads DotProductAttention::backward(const Mat& dcontext, const Mat& query, const Mat& key,
                                                  const Mat& value, int sq, int sk, int b, const Tensor* attention_mask,
                                                  bool training, const DropoutRng& rng) const {
-  if (dcontext.rows() != static_cast<Eigen::Index>(sq) * b || dcontext.cols() != static_cast<Eigen::Index>(np_) * hn_)
+  if (dcontext.rows() != static_cast<Eigen::Index>(sq) * b || dcontext.cols() != static_cast<Eigen::Index>(np_) * hv_)
     throw ShapeError("DotProductAttention backward: grad of context expected [" + std::to_string(sq) + ", " +
-                     std::to_string(b) + ", " + std::to_string(np_ * hn_) + "]");
+                     std::to_string(b) + ", " + std::to_string(np_ * hv_) + "]");
   if (query.rows() != static_cast<Eigen::Index>(sq) * b * np_ || query.cols() != hn_ ||
       key.rows() != static_cast<Eigen::Index>(sk) * b * ng_ || key.cols() != hn_ || value.rows() != key.rows() ||
-      value.cols() != hn_)
+      value.cols() != hv_)
     throw ShapeError("DotProductAttention backward: query / key / value do not match [" + std::to_string(sq) + ", " +
                      std::to_string(b) + ", " + std::to_string(np_) + " / " + std::to_string(ng_) + ", " +
-                     std::to_string(hn_) + "]");
+                     std::to_string(hn_) + " / " + std::to_string(hv_) + "]");
   if (attention_mask) check_attention_mask(*attention_mask, b, np_, sq, sk, "attention_mask");
   if (softmax_type_ == "learnable")
     throw ConfigError("DotProductAttention backward: the learnable softmax offset's gradient is not implemented");
@@ -222,7 +224,7 @@ CoreAttentionGrads DotProductAttention::backward(const Mat& dcontext, const Mat&
   CoreAttentionGrads g;
   g.query = Mat::Zero(query.rows(), hn_);
   g.key = Mat::Zero(key.rows(), hn_);
-  g.value = Mat::Zero(value.rows(), hn_);
+  g.value = Mat::Zero(value.rows(), hv_);
   Mat softmax_out;
   std::vector<bool> masked;
   for (int bi = 0; bi < b; ++bi) {
@@ -230,11 +232,11 @@ CoreAttentionGrads DotProductAttention::backward(const Mat& dcontext, const Mat&
       const int kv = h / group;
       const Mat probs =
           probabilities(query, key, sq, sk, b, bi, h, attention_mask, training, rng, &softmax_out, &masked);
-      Mat q(sq, hn_), k(sk, hn_), v(sk, hn_), dctx(sq, hn_);  // this (b, h) slice
+      Mat q(sq, hn_), k(sk, hn_), v(sk, hv_), dctx(sq, hv_);  // this (b, h) slice
       for (int i = 0; i < sq; ++i) {
         q.row(i) = query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h);
         dctx.row(i) =
-            dcontext.row(static_cast<Eigen::Index>(i) * b + bi).segment(static_cast<Eigen::Index>(h) * hn_, hn_);
+            dcontext.row(static_cast<Eigen::Index>(i) * b + bi).segment(static_cast<Eigen::Index>(h) * hv_, hv_);
       }
       for (int j = 0; j < sk; ++j) {
         k.row(j) = key.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + kv);
@@ -242,7 +244,7 @@ CoreAttentionGrads DotProductAttention::backward(const Mat& dcontext, const Mat&
       }
       // bmm(probs, v)'s backward
       Mat dprobs = p_.act(dctx * v.transpose());        // rounds: [sq, sk] grad of probs, activation dtype
-      const Mat dv = p_.act(probs.transpose() * dctx);  // rounds: [sk, hn] grad of v (this head)
+      const Mat dv = p_.act(probs.transpose() * dctx);  // rounds: [sk, hv] grad of v (this head)
       if (dropout) {                                    // the forward's mask, regenerated
         const std::uint32_t threshold = dropout_keep_threshold(attention_dropout);
         const double scale = attention_dropout == 1.0 ? 0.0 : 1.0 / (1.0 - attention_dropout);
@@ -281,7 +283,7 @@ CoreAttentionGrads DotProductAttention::backward(const Mat& dcontext, const Mat&
       }
     }
   }
-  p_.count_reduce(hn_);  // dctx . v
+  p_.count_reduce(hv_);  // dctx . v
   p_.count_act();
   if (dropout) p_.count_act();
   p_.count_reduce(sk);  // the softmax backward's sum

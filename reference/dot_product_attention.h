@@ -45,15 +45,18 @@ class DotProductAttention {
  public:
   DotProductAttention(const TransformerConfig& config, int layer_number, AttnMaskType attn_mask_type, Precision p,
                       std::optional<double> attention_dropout = std::nullopt,
-                      std::optional<double> softmax_scale = std::nullopt);
+                      std::optional<double> softmax_scale = std::nullopt, std::optional<int> k_channels = std::nullopt,
+                      std::optional<int> v_channels = std::nullopt);
 
-  // query [sq, b, np, hn], key / value [sk, b, ng, hn], all as row-major (s * b * heads) x hn
-  // matrices. attention_mask: BOOL, [b or 1, 1 or np, sq, sk] (True = masked), or nullptr.
-  // Returns context [sq * b, np * hn].
+  // query [sq, b, np, hn], key [sk, b, ng, hn], value [sk, b, ng, hv], all as row-major
+  // (s * b * heads) x hn (hv) matrices: hn = k_channels, hv = v_channels (the kv_channels of the
+  // config unless given, as Transformer Engine's attention takes them: multi-latent attention's
+  // q / k head dim differs from its v head dim). attention_mask: BOOL, [b or 1, 1 or np, sq, sk]
+  // (True = masked), or nullptr. Returns context [sq * b, np * hv].
   Mat forward(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b, const Tensor* attention_mask,
               bool training, const DropoutRng& rng) const;
 
-  // Gradients of forward for dcontext [sq * b, np * hn], on the forward's own inputs. ConfigError
+  // Gradients of forward for dcontext [sq * b, np * hv], on the forward's own inputs. ConfigError
   // for softmax_type "learnable" (the offset's gradient is not implemented).
   CoreAttentionGrads backward(const Mat& dcontext, const Mat& query, const Mat& key, const Mat& value, int sq, int sk,
                               int b, const Tensor* attention_mask, bool training, const DropoutRng& rng) const;
@@ -86,7 +89,7 @@ class DotProductAttention {
   Mat probabilities(const Mat& query, const Mat& key, int sq, int sk, int b, int bi, int h,
                     const Tensor* attention_mask, bool training, const DropoutRng& rng, Mat* softmax_out = nullptr,
                     std::vector<bool>* masked_out = nullptr) const;
-  int np_, ng_, hn_;
+  int np_, ng_, hn_, hv_;  // heads, query groups, q / k head dim, v head dim
   bool softmax_in_fp32_, input_in_float16_;
   std::string softmax_type_;
   std::optional<std::vector<int>> window_size_;

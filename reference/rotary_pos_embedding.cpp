@@ -53,12 +53,13 @@ Mat rotary_freqs(const Tensor& rotary_pos_emb, int s, int head_dim) {
   return to_mat(rotary_pos_emb, s, rot_dim, "rotary_pos_emb");
 }
 
-RopeTables rope_tables(const Mat& freqs, const Precision& p) {
-  // cos_ = cos(freqs).to(t.dtype): torch.cos in fp32, then stored in the activation dtype
+RopeTables rope_tables(const Mat& freqs, const Precision& p, double mscale) {
+  // cos_ = (cos(freqs) * mscale).to(t.dtype): torch.cos in fp32, the fp32 product (exact for
+  // mscale 1), then stored in the activation dtype
   RopeTables t{Mat(freqs.rows(), freqs.cols()), Mat(freqs.rows(), freqs.cols())};
   for (Eigen::Index i = 0; i < freqs.size(); ++i) {
-    t.cos_.data()[i] = p.act(p.f32(std::cos(freqs.data()[i])));  // rounds: cos in fp32, .to(t.dtype)
-    t.sin_.data()[i] = p.act(p.f32(std::sin(freqs.data()[i])));  // rounds: sin in fp32, .to(t.dtype)
+    t.cos_.data()[i] = p.act(p.f32(p.f32(std::cos(freqs.data()[i])) * mscale));  // rounds: cos, * mscale, .to
+    t.sin_.data()[i] = p.act(p.f32(p.f32(std::sin(freqs.data()[i])) * mscale));  // rounds: sin, * mscale, .to
   }
   return t;
 }
@@ -101,15 +102,12 @@ TWIN_VECTOR_CLONES Mat apply_rotary_pos_emb(const Mat& t, const RopeTables& tabl
 }
 
 Mat apply_rotary_pos_emb_backward(const Mat& dout, const Mat& freqs, int rows_per_position, bool rotary_interleaved,
-                                  const Precision& p) {
+                                  const Precision& p, double mscale) {
   const Eigen::Index rot_dim = freqs.cols();
   if (rot_dim > dout.cols() || dout.rows() != freqs.rows() * rows_per_position)
     throw ShapeError("apply_rotary_pos_emb_backward: grad_output does not match freqs and rows_per_position");
-  Mat cos_(freqs.rows(), rot_dim), sin_(freqs.rows(), rot_dim);
-  for (Eigen::Index i = 0; i < freqs.size(); ++i) {
-    cos_.data()[i] = p.act(p.f32(std::cos(freqs.data()[i])));  // the forward's tables
-    sin_.data()[i] = p.act(p.f32(std::sin(freqs.data()[i])));
-  }
+  const RopeTables tables = rope_tables(freqs, p, mscale);  // the forward's tables
+  const Mat &cos_ = tables.cos_, &sin_ = tables.sin_;
   Mat dt = dout;  // t_pass columns
   const Eigen::Index half = rot_dim / 2;
   for (Eigen::Index r = 0; r < dout.rows(); ++r) {

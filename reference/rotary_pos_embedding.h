@@ -39,12 +39,13 @@ class RotaryEmbedding {
 // rot_dim or one larger than head_dim.
 Mat rotary_freqs(const Tensor& rotary_pos_emb, int s, int head_dim);
 
-// cos_ = cos(freqs).to(t.dtype) and sin_ likewise, [s, rot_dim] each (torch.cos / torch.sin in
-// fp32 first): what the unfused path computes for q and again for k, the same values both times.
+// cos_ = (cos(freqs) * mscale).to(t.dtype) and sin_ likewise, [s, rot_dim] each (torch.cos /
+// torch.sin in fp32 first; mscale is YaRN's concentration factor, 1 otherwise): what the unfused
+// path computes for q and again for k, the same values both times.
 struct RopeTables {
   Mat cos_, sin_;
 };
-RopeTables rope_tables(const Mat& freqs, const Precision& p);
+RopeTables rope_tables(const Mat& freqs, const Precision& p, double mscale = 1.0);
 
 // t: [s, b, heads, hn] as (s * b * heads) x hn rows; freqs [s, rot_dim]. rows_per_position =
 // b * heads. Each torch op's output stored in the activation dtype; cos/sin in fp32 first.
@@ -56,6 +57,6 @@ Mat apply_rotary_pos_emb(const Mat& t, const RopeTables& tables, int rows_per_po
 
 // Gradient of apply_rotary_pos_emb for dout (same layout as t).
 Mat apply_rotary_pos_emb_backward(const Mat& dout, const Mat& freqs, int rows_per_position, bool rotary_interleaved,
-                                  const Precision& p);
+                                  const Precision& p, double mscale = 1.0);
 
 }  // namespace twin::reference

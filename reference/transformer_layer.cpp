@@ -23,6 +23,12 @@ AttentionBuilder self_attention_builder(const SelfAttentionSubmodules& submodule
     return std::make_unique<SelfAttention>(c, submodules, layer_number, attn_mask_type, p);
   };
 }
+AttentionBuilder mla_self_attention_builder(const MLASelfAttentionSubmodules& submodules, AttnMaskType attn_mask_type) {
+  return [submodules, attn_mask_type](const TransformerConfig& c, int layer_number,
+                                      Precision p) -> std::unique_ptr<AttentionModule> {
+    return std::make_unique<MLASelfAttention>(c, submodules, layer_number, attn_mask_type, p);
+  };
+}
 AttentionBuilder cross_attention_builder(AttnMaskType attn_mask_type) {
   return
       [attn_mask_type](const TransformerConfig& c, int layer_number, Precision p) -> std::unique_ptr<AttentionModule> {
@@ -49,7 +55,7 @@ std::unique_ptr<BaseTransformerLayer> ModuleSpec::build(const TransformerConfig&
 }
 
 ModuleSpec get_gpt_layer_local_spec(std::optional<int> num_experts, bool qk_layernorm, const std::string& normalization,
-                                    bool qk_l2_norm, AttnMaskType attn_mask_type) {
+                                    bool qk_l2_norm, AttnMaskType attn_mask_type, bool multi_latent_attention) {
   if (num_experts)
     throw std::invalid_argument(
         "get_gpt_layer_local_spec: num_experts is set; the MoE spec (reference/moe) "
@@ -69,7 +75,14 @@ ModuleSpec get_gpt_layer_local_spec(std::optional<int> num_experts, bool qk_laye
     return std::make_unique<TransformerLayer>(c, s, layer_number, std::nullopt, p);
   };
   spec.submodules.input_layernorm = layer_norm;
-  spec.submodules.self_attention = self_attention_builder(attn, attn_mask_type);
+  if (multi_latent_attention) {
+    MLASelfAttentionSubmodules mla;
+    mla.q_layernorm = qk_layernorm ? qk_norm : NormBuilder();
+    mla.kv_layernorm = qk_layernorm ? qk_norm : NormBuilder();
+    spec.submodules.self_attention = mla_self_attention_builder(mla, attn_mask_type);
+  } else {
+    spec.submodules.self_attention = self_attention_builder(attn, attn_mask_type);
+  }
   spec.submodules.self_attn_bda = get_bias_dropout_add();
   spec.submodules.pre_mlp_layernorm = layer_norm;
   spec.submodules.mlp = mlp_builder();
@@ -144,8 +157,9 @@ Mat TransformerLayer::apply_bda(const BdaBuilder& bda, const AttentionOutput& x_
 }
 
 std::optional<std::string> TransformerLayer::backward_unsupported() const {
-  if (self_attention && !dynamic_cast<const SelfAttention*>(self_attention.get()))
-    return std::string("self_attention is not a SelfAttention");
+  if (self_attention && !dynamic_cast<const SelfAttention*>(self_attention.get()) &&
+      !dynamic_cast<const MLASelfAttention*>(self_attention.get()))
+    return std::string("self_attention is neither a SelfAttention nor an MLASelfAttention");
   if (cross_attention) {
     const auto* ca = dynamic_cast<const CrossAttentionBackward*>(cross_attention.get());
     if (!ca) return std::string("cross_attention has no backward (not a CrossAttentionBackward)");
@@ -240,7 +254,11 @@ std::pair<Mat, std::optional<Tensor>> TransformerLayer::_forward_attention(const
   if (self_attention) {
     AttentionArgs args = attention_args(inputs.attention_mask, DropoutSite::SelfAttention);
     args.rotary_pos_emb = inputs.rotary_pos_emb;
-    if (saving_)
+    auto* mla = dynamic_cast<MLASelfAttention*>(self_attention.get());
+    if (saving_ && mla)
+      attention_output_with_bias =
+          mla->forward(input_layernorm_output, args, taps.child("self_attention"), &saving_->mla_self_attention);
+    else if (saving_)
       attention_output_with_bias =
           static_cast<SelfAttention&>(*self_attention)
               .forward(input_layernorm_output, args, taps.child("self_attention"), &saving_->self_attention);
@@ -422,7 +440,10 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
     args.rotary_pos_emb = saved.inputs.rotary_pos_emb;
     args.training = training;
     args.rng = rng.at(DropoutSite::SelfAttention);
-    AttentionGrads ag = static_cast<const SelfAttention&>(*self_attention).backward(d, saved.self_attention, args);
+    const auto* mla = dynamic_cast<const MLASelfAttention*>(self_attention.get());
+    AttentionGrads ag =
+        mla ? mla->backward(d, saved.mla_self_attention, args)
+            : static_cast<const SelfAttention&>(*self_attention).backward(d, saved.self_attention, args);
     add("self_attention.", ag.params);
     d = std::move(ag.hidden_states);
   }

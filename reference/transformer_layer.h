@@ -77,6 +77,7 @@
 #include "core/config.h"
 #include "core/tensor.h"
 #include "reference/attention.h"
+#include "reference/multi_latent_attention.h"
 #include "reference/fused_bias_dropout.h"
 #include "reference/mlp.h"
 #include "reference/philox.h"
@@ -103,6 +104,8 @@ NormBuilder wrapped_torch_norm_builder();  // WrappedTorchNorm (LayerNorm / RMSN
 NormBuilder l2_norm_builder();             // L2Norm (qk_l2_norm)
 AttentionBuilder self_attention_builder(const SelfAttentionSubmodules& submodules,
                                         AttnMaskType attn_mask_type = AttnMaskType::causal);
+AttentionBuilder mla_self_attention_builder(const MLASelfAttentionSubmodules& submodules,
+                                            AttnMaskType attn_mask_type = AttnMaskType::causal);
 AttentionBuilder cross_attention_builder(AttnMaskType attn_mask_type = AttnMaskType::padding);
 MlpBuilder mlp_builder();           // MLP with ColumnParallelLinear / RowParallelLinear
 BdaBuilder get_bias_dropout_add();  // fused_bias_dropout.py
@@ -148,9 +151,12 @@ struct ModuleSpec {
 // the MoE spec puts an MoELayer builder into submodules.mlp (reference/moe).
 // attn_mask_type is the self_attention ModuleSpec's params={"attn_mask_type": causal}; a caller
 // may override that param as a ModuleSpec allows (the fixtures record it as config.attn_mask_type).
+// multi_latent_attention: self_attention is an MLASelfAttention, its q / kv layernorms the qk
+// norm under qk_layernorm (IdentityOp otherwise), as Megatron's spec builds it.
 ModuleSpec get_gpt_layer_local_spec(std::optional<int> num_experts = std::nullopt, bool qk_layernorm = false,
                                     const std::string& normalization = "LayerNorm", bool qk_l2_norm = false,
-                                    AttnMaskType attn_mask_type = AttnMaskType::causal);
+                                    AttnMaskType attn_mask_type = AttnMaskType::causal,
+                                    bool multi_latent_attention = false);
 
 // forward's keyword arguments (all optional).
 struct LayerInputs {
@@ -176,14 +182,15 @@ struct TransformerLayerSaved {
   // The forward's masks and RoPE angles (pointers: the caller's tensors, which must outlive backward;
   // backward does not read inputs.context, whose shape is context_shape).
   LayerInputs inputs;
-  Mat hidden_states;                      // [s*b, h] the layer's input (input_layernorm's input, first residual)
-  SelfAttentionSaved self_attention;      // linear_qkv / linear_proj inputs, q, k, v, q/k layernorm inputs, RoPE angles
-  Mat pre_cross_attn_layernorm_input;     // [s*b, h] hidden_states after self_attn_bda (the second residual)
-  std::shared_ptr<void> cross_attention;  // the cross-attention module's own saved activations
-  bool cross_attention_context = false;   // the cross-attention returned a context (Retro decoder)
-  std::optional<Shape> context_shape;     // inputs.context's shape, when there was one
-  Mat pre_mlp_layernorm_input;            // [s*b, h] hidden_states after cross_attn_bda (the last residual)
-  MlpSaved mlp;                           // linear_fc1 / linear_fc2 inputs, the activation's input
+  Mat hidden_states;                  // [s*b, h] the layer's input (input_layernorm's input, first residual)
+  SelfAttentionSaved self_attention;  // linear_qkv / linear_proj inputs, q, k, v, q/k layernorm inputs, RoPE angles
+  MLASelfAttentionSaved mla_self_attention;    // instead, for an MLASelfAttention
+  Mat pre_cross_attn_layernorm_input;          // [s*b, h] hidden_states after self_attn_bda (the second residual)
+  std::shared_ptr<void> cross_attention;       // the cross-attention module's own saved activations
+  bool cross_attention_context = false;        // the cross-attention returned a context (Retro decoder)
+  std::optional<Shape> context_shape;          // inputs.context's shape, when there was one
+  Mat pre_mlp_layernorm_input;                 // [s*b, h] hidden_states after cross_attn_bda (the last residual)
+  MlpSaved mlp;                                // linear_fc1 / linear_fc2 inputs, the activation's input
   std::shared_ptr<MlpModuleSaved> mlp_module;  // instead of `mlp` for another module (MoE)
 };
 

@@ -99,6 +99,10 @@ const std::vector<LayerFeature>& layer_features() {
           [](TransformerConfig& c) { c.context_parallel_size = 2; }),
       // ---- attention
       none_implement(
+          "multi_latent_attention", [](const TransformerConfig& c) { return c.multi_latent_attention; },
+          "multi-latent attention has no optimized kernels yet (the reference twin runs it)",
+          [](TransformerConfig& c) { c.multi_latent_attention = true; }),
+      none_implement(
           "window_size", [](const TransformerConfig& c) { return c.window_size.has_value(); },
           "sliding-window attention has no optimized kernel",
           [](TransformerConfig& c) {

@@ -12,7 +12,8 @@ A tarball is unpacked once into $XDG_CACHE_HOME/mcore_twin (default ~/.cache/mco
 by its name and size. The shims that make a commit run on Debian's CPU-only torch 1.13 are
 imported before Megatron: `mcore_shims.py` where it sits beside the tarball or the source (the
 January pin's), else the project's own for that commit (`shims_<commit>.py`, only on a torch
-older than 2: a newer torch runs Megatron as it is).
+older than 2: a newer torch runs Megatron as it is). The project's multi-latent attention shims
+follow them where needed (mla.apply_shims: YaRN on a torch older than 2, Transformer Engine absent).
 """
 
 import glob
@@ -182,6 +183,9 @@ def bootstrap(*, rank=0, world_size=1, tensor_parallel=1, expert_parallel=1, mas
         ps.initialize_model_parallel(tensor_parallel, 1, expert_model_parallel_size=expert_parallel)
     if mcore_shims is not None:
         mcore_shims.post_import_patches()
+    from . import mla
+
+    applied = list(applied) + mla.apply_shims()  # multi-latent attention on this CPU (mla.py)
     if world_size > 1:
         from . import gloo_shims
 

@@ -6,7 +6,10 @@ fields plus the run description (seq_length, micro_batch_size, attn_mask_type,
 position_embedding_type, rotary_base, rotary_percent; Retro context_shape, retro_r,
 retro_l_chunks). The layer is built as the project's goldens were: local specs, CPU
 initialisation, no fusions, dropout 0 (what the capture records), bf16 models cast with
-`.bfloat16()` as Float16Module does.
+`.bfloat16()` as Float16Module does. A config with `multi_latent_attention` true builds an
+`MLATransformerConfig` (its rotary_base / rotary_percent are config fields there, not the run's)
+and the MLA local spec with the CPU core attention of mla.py; the layer computes its own RoPE, so
+no rotary_pos_emb is passed.
 
 The seed decides everything random, from one CPU generator in a fixed order: parameters (weights
 N(0, 0.05^2), norm weights 1 + N(0, 0.1^2), biases and the expert bias N(0, 0.02^2) / N(0, 0.05^2);
@@ -19,7 +22,7 @@ import math
 
 import torch
 
-from .capture import RUN_FIELDS, CaptureError
+from .capture import MLA_FIELDS, RUN_FIELDS, CaptureError
 
 # Run-description fields the CLI takes beside the config (not TransformerConfig fields).
 EXTRA_FIELDS = set(RUN_FIELDS)
@@ -66,6 +69,9 @@ def make_config(cfg, kind):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cls = TransformerConfig
+    mla = bool(cfg.get("multi_latent_attention")) and not kind.startswith("retro")
+    if mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as cls
     if kind.startswith("retro"):
         try:
             from megatron.core.models.retro.config import RetroConfig
@@ -78,7 +84,9 @@ def make_config(cfg, kind):
     known = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for k, v in cfg.items():
-        if k in EXTRA_FIELDS or (k not in known and k in REMOVED_FIELDS and v == REMOVED_FIELDS[k]):
+        if (k in EXTRA_FIELDS and not (mla and k in MLA_FIELDS)) or (
+            k not in known and k in REMOVED_FIELDS and v == REMOVED_FIELDS[k]
+        ):
             continue
         if k not in known:
             raise CaptureError(f"config field {k!r} is not a {cls.__name__} field at Megatron-Core {_running_commit()}")
@@ -102,6 +110,15 @@ def _spec(config, kind, attn_mask_type):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.enums import AttnMaskType
 
+    if kind in ("dense_layer", "moe_layer") and getattr(config, "multi_latent_attention", False):
+        from . import mla
+
+        return mla.layer_spec(
+            num_experts=config.num_moe_experts if kind == "moe_layer" else None,
+            qk_layernorm=config.qk_layernorm,
+            normalization=config.normalization,
+            attn_mask_type=attn_mask_type,
+        )
     if kind in ("dense_layer", "moe_layer"):
         spec = get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts if kind == "moe_layer" else None,
@@ -234,7 +251,8 @@ def build(kind, cfg, seed, *, layer_number=None, padding_mask=False, context_mas
                         m[i, :, :, s - pad :] = True
                         m[i, :, :, 0] = False  # every query keeps one key
             kw["attention_mask"] = m
-        if cfg.get("position_embedding_type", "none") == "rope":
+        mla = getattr(config, "multi_latent_attention", False)  # MLA computes its own RoPE
+        if cfg.get("position_embedding_type", "none") == "rope" and not mla:
             from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
             rope = RotaryEmbedding(

@@ -30,6 +30,12 @@ The capture leaves the training job as it found it: gradients come from `torch.a
 the aux-loss tracker, the aux-loss backward scale, dropout probabilities and gradient-accumulation
 fusion flags are restored afterwards. Dropout runs at probability 0 during the capture (a twin
 cannot replay torch's dropout masks) and the recorded config says so.
+
+A dense or MoE layer whose self attention is multi-latent attention (`MLASelfAttention`, with
+`config.multi_latent_attention`) computes its own RoPE from its config: it takes no rotary_pos_emb,
+its config adds MLA_FIELDS (the MLA sizes, rope_type and the YaRN fields, under Megatron's names)
+and records position_embedding_type "rope", and its notes say which attention modules ran (mla.py:
+the CPU capture substitutes one, the core attention).
 """
 
 import dataclasses
@@ -75,6 +81,13 @@ RETRO_FIELDS = (
     "retro_encoder_num_layers", "retro_neighbor_dirs", "retro_num_neighbors", "retro_num_retrieved_chunks",
     "retro_project_dir", "retro_retrieved_length", "retro_split_preprocessing", "retro_verify_neighbor_count",
 )  # fmt: skip
+# MLATransformerConfig fields a golden's config adds when multi_latent_attention is on (the MLA sizes and
+# the RoPE MLA computes itself: rope_type "rope" or "yarn", the YaRN fields used by "yarn" only).
+MLA_FIELDS = (
+    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+    "rope_type", "rotary_base", "rotary_percent", "rotary_scaling_factor", "original_max_position_embeddings",
+    "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+)  # fmt: skip
 # Run-description fields of a golden's config (not TransformerConfig fields).
 RUN_FIELDS = (
     "seq_length", "micro_batch_size", "attn_mask_type", "position_embedding_type", "rotary_base", "rotary_percent",
@@ -86,6 +99,10 @@ RETRO_ATTN_MASK_TYPE = "causal (decoder self-attn); padding (encoder self-attn, 
 MOE_SPEC = (
     "get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False) -> "
     "TransformerLayer(mlp=MoELayer(SequentialMLP, SharedExpertMLP))"
+)
+MLA_MOE_SPEC = (
+    "get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, multi_latent_attention=True) -> "
+    "TransformerLayer(self_attention=MLASelfAttention, mlp=MoELayer(SequentialMLP, SharedExpertMLP))"
 )
 
 NOTES = {
@@ -188,8 +205,11 @@ def _activation_name(fn):
 def config_fields(config, kind):
     """The golden's `config` fields taken from `config` (a TransformerConfig / RetroConfig)."""
     names = list(BASE_FIELDS)
+    mla = bool(getattr(config, "multi_latent_attention", False))
     if kind == "moe_layer":
         names += MOE_FIELDS
+    if mla:
+        names += MLA_FIELDS
     if kind.startswith("retro"):
         names += RETRO_FIELDS
     out = {}
@@ -205,7 +225,7 @@ def config_fields(config, kind):
         except TypeError:
             raise CaptureError(f"config.{name} = {v!r} cannot be written as JSON for the twin") from None
     if kind == "moe_layer":
-        out["moe_spec"] = MOE_SPEC
+        out["moe_spec"] = MLA_MOE_SPEC if mla else MOE_SPEC
     return out
 
 
@@ -408,6 +428,9 @@ def capture_layer(
         raise CaptureError("padding_mask is an MoE layer input")
     if is_retro and (attention_mask is not None or rotary_pos_emb is not None):
         raise CaptureError("the Retro handlers take no attention_mask / rotary_pos_emb (causal self attention, no RoPE)")
+    mla = bool(getattr(config, "multi_latent_attention", False))
+    if mla and rotary_pos_emb is not None:
+        raise CaptureError("multi-latent attention computes its own RoPE (config rope_type): pass no rotary_pos_emb")
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         raise CaptureError("attention_mask must be bool (True = masked)")
     if padding_mask is not None and (padding_mask.dtype != torch.bool or tuple(padding_mask.shape) != (b, s)):
@@ -665,9 +688,9 @@ def capture_layer(
             amt = getattr(layer.self_attention, "attn_mask_type", amt)
             attn_mask_type = _py_name(amt) if amt is not None else "causal"
         cfg["attn_mask_type"] = attn_mask_type
-        pet = position_embedding_type or ("rope" if rotary_pos_emb is not None else "none")
+        pet = position_embedding_type or ("rope" if rotary_pos_emb is not None or mla else "none")
         cfg["position_embedding_type"] = pet
-        if pet == "rope":
+        if pet == "rope" and not mla:  # MLA's rotary_base / rotary_percent are its config's (MLA_FIELDS)
             if rotary_percent is None and rotary_pos_emb is not None:
                 kv = config.kv_channels or config.hidden_size // config.num_attention_heads
                 rotary_percent = rotary_pos_emb.shape[-1] / kv
@@ -687,7 +710,7 @@ def capture_layer(
         "config": json.dumps(cfg),
         "config_full": json.dumps(config_full(config)),
         "training": "true" if layer.training else "false",
-        "notes": notes or NOTES["retro" if is_retro else kind],
+        "notes": notes or _notes(layer, kind, is_retro),
         "tap_order": json.dumps(tap_order),
         "grad_seed": str(int(grad_seed)),
     }
@@ -712,6 +735,22 @@ def capture_layer(
     if not parallel:
         st_io.write(str(path), written, meta)
     return CaptureResult(path=str(path), kind=kind, tensors=written, metadata=meta)
+
+
+def _notes(layer, kind, is_retro):
+    """The default notes: the kind's, and for an MLA layer what its self attention is."""
+    text = NOTES["retro" if is_retro else kind]
+    attn = getattr(layer, "self_attention", None)
+    if not is_retro and getattr(getattr(layer, "config", None), "multi_latent_attention", False):
+        if getattr(getattr(attn, "core_attention", None), "mcore_twin_substitute", False):
+            from .mla import SUBSTITUTION_NOTE
+
+            text += " " + SUBSTITUTION_NOTE
+        else:
+            text += (f" MLA: self_attention is Megatron's {_cls(attn)}, core attention "
+                     f"{_cls(getattr(attn, 'core_attention', None))}; it computes its own RoPE from the config's "
+                     "rope_type and YaRN fields (no input.rotary_pos_emb).")  # fmt: skip
+    return text
 
 
 def _megatron_version():

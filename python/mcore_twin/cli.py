@@ -4,12 +4,14 @@
         [--kind dense_layer|moe_layer|retro_decoder_layer_first|retro_decoder_layer|retro_block]
 
 `--config` is a JSON object in the form of a golden's `__metadata__.config` (or a golden
-`.safetensors` file, whose config, kind and layer number are taken). The config is checked before
-Megatron-Core builds anything: field names, dtypes as the golden format spells them, sizes, and
-that it fits the kind. Exit codes: 0 written; 2 bad arguments or config (one line `error: ...` on
-stderr, naming the option or config field); 3 Megatron-Core raised (one line: its exception, the
-config fields its message names, where it raised; `--traceback` adds the traceback); 4
-Megatron-Core's own output is not finite (nothing written; a golden with a NaN proves nothing).
+`.safetensors` file, whose config, kind and layer number are taken); `multi_latent_attention` true
+with the MLA fields (capture.MLA_FIELDS) builds a layer whose self attention is Megatron's
+MLASelfAttention (mla.py). The config is checked before Megatron-Core builds anything: field names,
+dtypes as the golden format spells them, sizes, and that it fits the kind. Exit codes: 0 written;
+2 bad arguments or config (one line `error: ...` on stderr, naming the option or config field); 3
+Megatron-Core raised (one line: its exception, the config fields its message names, where it
+raised; `--traceback` adds the traceback); 4 Megatron-Core's own output is not finite (nothing
+written; a golden with a NaN proves nothing).
 """
 
 import argparse
@@ -26,7 +28,8 @@ import warnings
 
 from . import bootstrap, st_io
 from .capture import (
-    BASE_FIELDS, KINDS, MOE_FIELDS, RETRO_FIELDS, RUN_FIELDS, CaptureError, NonFiniteError, capture_layer,
+    BASE_FIELDS, KINDS, MLA_FIELDS, MOE_FIELDS, RETRO_FIELDS, RUN_FIELDS, CaptureError, NonFiniteError,
+    capture_layer,
 )  # fmt: skip
 
 # --------------------------------------------------------------------------------------------
@@ -89,7 +92,12 @@ CHOICES = {
     "attn_mask_type": ("causal", "padding", "no_mask", "padding_causal", "arbitrary"),
     "position_embedding_type": ("none", "rope", "learned_absolute"),
 }
-GOLDEN_FIELDS = frozenset(BASE_FIELDS + MOE_FIELDS + RETRO_FIELDS + RUN_FIELDS)
+GOLDEN_FIELDS = frozenset(BASE_FIELDS + MOE_FIELDS + RETRO_FIELDS + RUN_FIELDS + MLA_FIELDS)
+# Multi-latent attention (MLA_FIELDS, MLATransformerConfig): sizes, and the RoPE MLA computes itself.
+MLA_SIZES = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "original_max_position_embeddings")
+MLA_POSITIVE_NUMBERS = ("rotary_scaling_factor", "beta_fast", "beta_slow")
+MLA_NUMBERS = ("mscale", "mscale_all_dim")
+MLA_CHOICES = {"rope_type": ("rope", "yarn")}
 
 
 def _is_int(v):
@@ -123,6 +131,24 @@ def _check_value(name, value, retro):
     elif name in STRINGS:
         if not isinstance(value, str):
             raise _bad(name, value, "must be a string")
+    elif name == "multi_latent_attention":
+        if not isinstance(value, bool):
+            raise _bad(name, value, "must be true or false")
+    elif name == "q_lora_rank":
+        if value is not None and (not _is_int(value) or value < 1):
+            raise _bad(name, value, "must be a positive integer, or null (no query down / up projection)")
+    elif name in MLA_SIZES:
+        if not _is_int(value) or value < 1:
+            raise _bad(name, value, "must be a positive integer")
+    elif name in MLA_POSITIVE_NUMBERS:
+        if not _is_number(value) or value <= 0:
+            raise _bad(name, value, "must be a positive number")
+    elif name in MLA_NUMBERS:
+        if not _is_number(value):
+            raise _bad(name, value, "must be a finite number")
+    elif name in MLA_CHOICES:
+        if value not in MLA_CHOICES[name]:
+            raise _bad(name, value, f"must be one of {', '.join(MLA_CHOICES[name])}")
     elif name in CHOICES and not (name == "attn_mask_type" and retro):
         if value not in CHOICES[name]:
             spelt = ", ".join("null" if v is None else v for v in CHOICES[name])
@@ -183,10 +209,54 @@ def check_config(cfg, kind, megatron_fields=None):
     if experts is not None and cfg.get("moe_router_topk", 2) > experts:
         raise CaptureError(f"config field 'moe_router_topk' = {cfg.get('moe_router_topk', 2)} is more than "
                            f"num_moe_experts = {experts}")  # fmt: skip
+    _check_mla(cfg, kind)
     if retro:
         for name in ("retro_chunk_length", "retro_split_preprocessing"):
             if cfg.get(name) is None:
                 raise CaptureError(f"config field {name!r} is missing or null: --kind {kind} needs it")
+
+
+def _check_mla(cfg, kind):
+    """An MLA config (multi_latent_attention true) as the MLA local spec takes it on the CPU; the
+    MLA fields without it."""
+    mla = cfg.get("multi_latent_attention") is True
+    if not mla:
+        # rotary_base / rotary_percent are also the run's RoPE settings for a layer without MLA
+        only = [k for k in MLA_FIELDS if k in cfg and k not in RUN_FIELDS and k != "multi_latent_attention"]
+        if only:
+            raise CaptureError(f"config field {only[0]!r} is a multi-latent attention field: set "
+                               "multi_latent_attention true (or leave it out)")  # fmt: skip
+        return
+    if kind not in ("dense_layer", "moe_layer"):
+        raise CaptureError(f"config field 'multi_latent_attention' = true: --kind {kind} is not a dense or MoE layer")
+    if cfg.get("position_embedding_type", "rope") != "rope":
+        raise _bad("position_embedding_type", cfg["position_embedding_type"], "must be \"rope\" with "
+                   "multi_latent_attention: MLA always applies its own RoPE (rope_type), GPTModel then adds "
+                   "none")  # fmt: skip
+    if cfg.get("rope_type", "yarn") == "yarn" and cfg.get("rotary_percent", 1.0) != 1.0:
+        raise _bad("rotary_percent", cfg["rotary_percent"], "must be 1.0 with rope_type \"yarn\": MLA's "
+                   "YarnRotaryEmbedding ignores it and rotates all of qk_pos_emb_head_dim")  # fmt: skip
+    if cfg.get("softmax_scale") is not None:
+        raise _bad("softmax_scale", cfg["softmax_scale"], "must be null with multi_latent_attention: MLA sets "
+                   "its own (mscale(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(qk_head_dim + "
+                   "qk_pos_emb_head_dim))")  # fmt: skip
+    dim = cfg.get("qk_pos_emb_head_dim", 64)
+    rot = int(dim * cfg.get("rotary_percent", 1.0)) if cfg.get("rope_type", "yarn") == "rope" else dim
+    if rot % 2:
+        raise CaptureError(f"config field 'qk_pos_emb_head_dim' = {dim}: the rotated width "
+                           f"({rot}) must be even (RoPE rotates halves)")  # fmt: skip
+    heads = cfg["num_attention_heads"]
+    if cfg.get("num_query_groups") not in (None, heads):
+        raise _bad("num_query_groups", cfg["num_query_groups"], f"must be null or num_attention_heads = {heads} "
+                   "with multi_latent_attention (MLA's keys and values have a head per query head)")  # fmt: skip
+    for name, why in (
+        ("apply_rope_fusion", "the fused MLA RoPE needs Triton on a GPU"),
+        ("attention_output_gate", "MLATransformerConfig raises: no output gate with MLA"),
+        ("rotary_interleaved", "TransformerConfig raises: MLA's RoPE rotates halves"),
+        ("qk_l2_norm", "the MLA spec asserts qk_l2_norm is false"),
+    ):
+        if cfg.get(name) is True:
+            raise _bad(name, True, f"must be false with multi_latent_attention: {why}")
 
 
 def megatron_config_fields(kind):

@@ -278,6 +278,9 @@ def _check_layout(config, kind):
     ep = ps.get_expert_model_parallel_world_size()
     if kind not in ("dense_layer", "moe_layer"):
         raise CaptureError(f"multi-rank capture takes dense and MoE layers (for now), not {kind}")
+    if getattr(config, "multi_latent_attention", False) and tp > 1:
+        raise CaptureError(f"multi-latent attention at tensor parallel {tp}: its projections' shards are not gathered "
+                           "(for now); capture an MLA layer on one rank")  # fmt: skip
     etp = getattr(config, "expert_tensor_parallel_size", None) or tp
     if kind == "moe_layer" and config.sequence_parallel and getattr(config, "moe_expert_capacity_factor", None):
         raise CaptureError("an expert capacity under sequence parallelism cuts each rank's slice of the tokens, not "

@@ -58,7 +58,7 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
   // probability is stored in the activation dtype before probs @ v), as apply_activation_fast
   // argues for the activations; fp32 activations keep double arithmetic between their stores.
   const bool fp32_softmax = p_.params_dtype == DType::BF16 || p_.params_dtype == DType::F16;
-  Mat context(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hn_);   // [sq, b, np * hn]
+  Mat context(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hv_);   // [sq, b, np * hv]
   const FMat qf = query.cast<float>(), kf = key.cast<float>(), vf = value.cast<float>();  // exact in fp32
   const int n = softmax_offset ? sk + 1 : sk;  // with the sink logit's column
   Mat scores(sq, n);
@@ -73,7 +73,7 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
   for (int bi = 0; bi < b; ++bi) {
     for (int g = 0; g < ng_; ++g) {
       const GemmOperand k(slice_rows(kf, sk, b, bi, ng_, g), bf16);  // [sk, hn]
-      const GemmOperand v(slice_rows(vf, sk, b, bi, ng_, g), bf16);  // [sk, hn]
+      const GemmOperand v(slice_rows(vf, sk, b, bi, ng_, g), bf16);  // [sk, hv]
       for (int h = g * group; h < (g + 1) * group; ++h) {            // repeat_interleave(np / ng, dim=2)
         const SliceMask masked(*this, sq, sk, bi, h, attention_mask, &mask_values);
         if (masked.source != SliceMask::Source::None) {
@@ -171,7 +171,7 @@ Mat DotProductAttention::forward_fast(const Mat& query, const Mat& key, const Ma
           ctx = matmul_nn(FMat(pr.cast<float>()), v, bf16);  // [sq, hn]: bmm(probs, v), fp32 sums
         }
         for (int i = 0; i < sq; ++i)
-          context.row(static_cast<Eigen::Index>(i) * b + bi).segment(static_cast<Eigen::Index>(h) * hn_, hn_) =
+          context.row(static_cast<Eigen::Index>(i) * b + bi).segment(static_cast<Eigen::Index>(h) * hv_, hv_) =
               ctx.row(i).cast<double>();
       }
     }

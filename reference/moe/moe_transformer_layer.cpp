@@ -11,13 +11,15 @@ MlpBuilder moe_layer_builder() {
 }
 
 ModuleSpec get_gpt_layer_local_moe_spec(int num_experts, bool moe_grouped_gemm, bool qk_layernorm,
-                                        const std::string& normalization, bool qk_l2_norm) {
+                                        const std::string& normalization, bool qk_l2_norm,
+                                        bool multi_latent_attention) {
   if (num_experts <= 0)
     throw MoEError("get_gpt_layer_local_spec: num_experts must be positive, got " + std::to_string(num_experts));
   if (moe_grouped_gemm)
     throw MoEError(
         "get_gpt_layer_local_spec: moe_grouped_gemm=True (GroupedMLP) is not implemented; SequentialMLP only");
-  ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, qk_layernorm, normalization, qk_l2_norm);
+  ModuleSpec spec = get_gpt_layer_local_spec(std::nullopt, qk_layernorm, normalization, qk_l2_norm,
+                                             AttnMaskType::causal, multi_latent_attention);
   spec.submodules.mlp = moe_layer_builder();  // get_mlp_module_spec_for_backend(num_experts=...) -> MoELayer
   spec.module = [](const TransformerConfig& c, const TransformerLayerSubmodules& s, int layer_number,
                    Precision p) -> std::unique_ptr<BaseTransformerLayer> {

@@ -34,7 +34,8 @@ MlpBuilder moe_layer_builder();
 // get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm, normalization, qk_l2_norm)
 // with num_experts set. moe_grouped_gemm=True (GroupedMLP) is not implemented: MoEError.
 ModuleSpec get_gpt_layer_local_moe_spec(int num_experts, bool moe_grouped_gemm = false, bool qk_layernorm = false,
-                                        const std::string& normalization = "LayerNorm", bool qk_l2_norm = false);
+                                        const std::string& normalization = "LayerNorm", bool qk_l2_norm = false,
+                                        bool multi_latent_attention = false);
 
 // _forward_mlp_router's outputs: (residual, hidden_states, probs, shared_expert_output) and the
 // dispatcher attributes the next phase restores.

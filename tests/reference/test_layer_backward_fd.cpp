@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <limits>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -59,8 +60,61 @@ struct Case {
 using twin::test::f64_tensor;
 using twin::test::with_element;
 
-Case make_case(std::uint64_t id) {
-  std::mt19937_64 g(id * 0x9E3779B97F4A7C15ull + 1);
+// Multi-latent attention's config and parameters in place of the standard attention's: the q
+// path with or without q_lora_rank, the kv path, the rotary part and v of their own head dims,
+// plain RoPE (with rotary_percent) or YaRN (its ramp inside or outside the rotary dims, mscale
+// and mscale_all_dim equal or not, scaling factor 1 or more).
+template <class Pick, class Coin, class Add>
+std::string draw_mla(TransformerConfig& c, Pick pick, Coin coin, Add add, int np) {
+  c.multi_latent_attention = true;
+  c.num_query_groups = np;
+  c.position_embedding_type = "rope";
+  c.q_lora_rank = coin() ? std::optional<int>(pick(3, 8)) : std::nullopt;
+  c.kv_lora_rank = pick(3, 8);
+  c.qk_head_dim = 2 * pick(1, 3);
+  c.qk_pos_emb_head_dim = 4 * pick(1, 2);
+  c.v_head_dim = 2 * pick(1, 4);
+  c.rope_type = coin() ? "yarn" : "rope";
+  c.rotary_base = coin() ? 10000.0 : 100.0;
+  if (c.rope_type == "rope") {
+    c.rotary_percent = coin() ? 1.0 : 0.5;
+  } else {
+    static const double factors[] = {1.0, 4.0, 40.0}, mscales[] = {0.0, 0.5, 1.0};
+    c.rotary_scaling_factor = factors[pick(0, 2)];
+    c.original_max_position_embeddings = pick(2, 64);
+    c.mscale = mscales[pick(0, 2)];
+    c.mscale_all_dim = coin() ? c.mscale : mscales[pick(0, 2)];
+  }
+  const int h = c.hidden_size, qhd = c.qk_head_dim + c.qk_pos_emb_head_dim;
+  const bool ln = c.normalization == "LayerNorm";
+  if (c.q_lora_rank) {
+    add("self_attention.linear_q_down_proj.weight", {*c.q_lora_rank, h}, 0.5);
+    add("self_attention.linear_q_up_proj.weight", {np * qhd, *c.q_lora_rank}, 0.5);
+    if (c.qk_layernorm) add("self_attention.q_layernorm.weight", {*c.q_lora_rank}, 1.0);
+    if (c.qk_layernorm && ln) add("self_attention.q_layernorm.bias", {*c.q_lora_rank}, 0.1);
+  } else {
+    add("self_attention.linear_q_proj.weight", {np * qhd, h}, 0.5);
+  }
+  add("self_attention.linear_kv_down_proj.weight", {c.kv_lora_rank + c.qk_pos_emb_head_dim, h}, 0.5);
+  add("self_attention.linear_kv_up_proj.weight", {np * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank}, 0.5);
+  if (c.qk_layernorm) add("self_attention.kv_layernorm.weight", {c.kv_lora_rank}, 1.0);
+  if (c.qk_layernorm && ln) add("self_attention.kv_layernorm.bias", {c.kv_lora_rank}, 0.1);
+  add("self_attention.linear_proj.weight", {h, np * c.v_head_dim}, 0.5);
+  if (c.add_bias_linear) add("self_attention.linear_proj.bias", {h}, 0.1);
+  std::ostringstream d;
+  d << " mla q_lora " << (c.q_lora_rank ? std::to_string(*c.q_lora_rank) : "none") << " kv_lora " << c.kv_lora_rank
+    << " qk " << c.qk_head_dim << " pe " << c.qk_pos_emb_head_dim << " v " << c.v_head_dim << " " << c.rope_type;
+  if (c.rope_type == "yarn")
+    d << " factor " << c.rotary_scaling_factor << " original_max " << c.original_max_position_embeddings << " mscale "
+      << c.mscale << "/" << c.mscale_all_dim;
+  else
+    d << " percent " << c.rotary_percent;
+  return d.str();
+}
+
+// mla: the self attention is multi-latent attention (draw_mla).
+Case make_case(std::uint64_t id, bool mla = false) {
+  std::mt19937_64 g(id * 0x9E3779B97F4A7C15ull + 1 + (mla ? 0x5A5A : 0));
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(g); };
   auto coin = [&](double p = 0.5) { return std::bernoulli_distribution(p)(g); };
   Case k;
@@ -82,7 +136,7 @@ Case make_case(std::uint64_t id) {
   c.attention_softmax_in_fp32 = true;
   c.apply_query_key_layer_scaling = coin(0.25);
   if (c.apply_query_key_layer_scaling) k.layer_number = pick(1, 3);
-  if (coin(0.2)) c.softmax_type = "off-by-one";
+  if (!mla && coin(0.2)) c.softmax_type = "off-by-one";
   k.training = coin();
   if (k.training && coin()) {
     c.hidden_dropout = 0.25;
@@ -96,11 +150,17 @@ Case make_case(std::uint64_t id) {
   auto add = [&](const std::string& key, Shape shape, double scale) { k.params[key] = f64_tensor(g, shape, scale); };
   add("input_layernorm.weight", {h}, 1.0);
   if (c.normalization == "LayerNorm") add("input_layernorm.bias", {h}, 0.1);
-  add("self_attention.linear_qkv.weight", {qkv, h}, 0.5);
-  if (c.add_bias_linear || c.add_qkv_bias) add("self_attention.linear_qkv.bias", {qkv}, 0.1);
-  add("self_attention.linear_proj.weight", {h, np * hn}, 0.5);
-  if (c.add_bias_linear) add("self_attention.linear_proj.bias", {h}, 0.1);
-  if (c.qk_layernorm) {
+  std::string mla_describe;
+  if (mla) {
+    c.add_qkv_bias = false;
+    mla_describe = draw_mla(c, pick, coin, add, np);
+  } else {
+    add("self_attention.linear_qkv.weight", {qkv, h}, 0.5);
+    if (c.add_bias_linear || c.add_qkv_bias) add("self_attention.linear_qkv.bias", {qkv}, 0.1);
+    add("self_attention.linear_proj.weight", {h, np * hn}, 0.5);
+    if (c.add_bias_linear) add("self_attention.linear_proj.bias", {h}, 0.1);
+  }
+  if (c.qk_layernorm && !mla) {
     add("self_attention.q_layernorm.weight", {hn}, 1.0);
     add("self_attention.k_layernorm.weight", {hn}, 1.0);
     if (c.normalization == "LayerNorm") {
@@ -124,7 +184,7 @@ Case make_case(std::uint64_t id) {
     k.attention_mask = Tensor::from_vector<bool>({k.b, 1, k.s, k.s}, m);
   }
   if (mask_kind == 2) c.attn_mask_type = "padding";
-  if (coin()) {
+  if (!mla && coin()) {
     c.position_embedding_type = "rope";
     c.rotary_interleaved = coin();
     c.rotary_percent = coin() ? 1.0 : 0.5;
@@ -141,7 +201,7 @@ Case make_case(std::uint64_t id) {
         : mask_kind == 1 ? "explicit"
                          : "none")
     << (k.rotary_pos_emb ? " rope" : "") << (c.rotary_interleaved ? " interleaved" : "")
-    << (k.training ? " training" : "") << (c.hidden_dropout > 0 ? " dropout" : "");
+    << (k.training ? " training" : "") << (c.hidden_dropout > 0 ? " dropout" : "") << mla_describe;
   k.describe = d.str();
   return k;
 }
@@ -156,7 +216,8 @@ class Harness {
   explicit Harness(const Case& k)
       : k_(k),
         spec_(get_gpt_layer_local_spec(std::nullopt, k.config.qk_layernorm, k.config.normalization, false,
-                                       attn_mask_type_from_name(k.config.attn_mask_type))) {
+                                       attn_mask_type_from_name(k.config.attn_mask_type),
+                                       k.config.multi_latent_attention)) {
     in_.attention_mask = k_.attention_mask ? &*k_.attention_mask : nullptr;
     in_.rotary_pos_emb = k_.rotary_pos_emb ? &*k_.rotary_pos_emb : nullptr;
   }
@@ -234,13 +295,11 @@ std::vector<int> kink_sides(const TransformerConfig& c, const Mat& a) {
       tally);
 }
 
-}  // namespace
-
-TEST(TransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
+void check_central_differences(bool mla) {
   twin::test::FdTally total;
   int cases = 0;
   for (const std::uint64_t id : twin::test::fd_case_ids()) {
-    const Case k = make_case(id);
+    const Case k = make_case(id, mla);
     const Harness hx(k);
     const TransformerLayerGrads grads = hx.grads();
     std::mt19937_64 g(id + 7);
@@ -268,4 +327,13 @@ TEST(TransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
   }
   std::cout << cases << " cases, " << total.compared << " probes compared, " << total.excluded
             << " excluded at non-smooth points\n";
+}
+
+}  // namespace
+
+TEST(TransformerLayerBackward, MatchesCentralDifferencesInExactMode) { check_central_differences(false); }
+
+// The layer with multi-latent attention (MLASelfAttention): the same probes on its parameters.
+TEST(TransformerLayerBackward, MultiLatentAttentionMatchesCentralDifferencesInExactMode) {
+  check_central_differences(true);
 }
