@@ -9,16 +9,6 @@ namespace twin::reference {
 namespace {
 std::string dims(std::initializer_list<std::int64_t> d) { return shape_str(Shape(d)); }
 
-// linear_proj's output, recorded as linear_proj.0 / .1 and again as the module's own output 0 / 1
-// (the same tensors: the module returns linear_proj's pair). Continues with what the taps return.
-void record_output(const Taps& taps, AttentionOutput& out, int s, int b, const Precision& p) {
-  if (!taps.enabled()) return;
-  for (const std::string name : {"linear_proj.", ""}) {
-    out.output = taps.record(name + "0", out.output, {s, b, out.output.cols()}, p);
-    if (out.bias) taps.record_param(name + "1", p.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
-  }
-}
-
 int checked_groups(const TransformerConfig& c) {
   const int np = c.num_attention_heads, ng = c.query_groups();
   if (np <= 0) throw ConfigError("num_attention_heads must be positive, got " + std::to_string(np));
@@ -36,6 +26,14 @@ int qkv_out_dim(const TransformerConfig& c) {
   return out;
 }
 }  // namespace
+
+void record_output(const Taps& taps, AttentionOutput& out, int s, int b, const Precision& p) {
+  if (!taps.enabled()) return;
+  for (const std::string name : {"linear_proj.", ""}) {
+    out.output = taps.record(name + "0", out.output, {s, b, out.output.cols()}, p);
+    if (out.bias) taps.record_param(name + "1", p.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
+  }
+}
 
 int qkv_row_offset(int num_heads, int num_query_groups, int head_dim, int group, int part) {
   const int r = num_heads / num_query_groups;

@@ -88,6 +88,10 @@ struct SelfAttentionSaved {
   LinearSaved linear_proj;
 };
 
+// linear_proj's output, recorded as linear_proj.0 / .1 and again as the module's own output 0 / 1
+// (the same tensors: the module returns linear_proj's pair). Continues with what the taps return.
+void record_output(const Taps& taps, AttentionOutput& out, int s, int b, const Precision& p);
+
 struct AttentionGrads {
   Mat hidden_states;  // [s*b, h]
   ParamGrads params;  // relative to the module ("linear_qkv.weight", ...)

@@ -188,7 +188,7 @@ AttentionOutput MLASelfAttention::forward(const Mat& hidden_states, const Attent
   const Mat freqs = rotary_freqs(rope.emb, a.s, pe_);
   const RopeTables tables = rope_tables(freqs, p_, rope.mscale);
   auto count_rope = [&] {
-    p_.count_act(3);  // t * cos_, _rotate_half(t) * sin_, sum
+    p_.count_act(3);                         // t * cos_, _rotate_half(t) * sin_, sum
     if (rope.mscale != 1.0) p_.count_f32();  // cos / sin times mscale
   };
 
@@ -223,11 +223,7 @@ AttentionOutput MLASelfAttention::forward(const Mat& hidden_states, const Attent
 
   AttentionOutput out;
   static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out, saved ? &saved->linear_proj : nullptr);
-  if (taps.enabled())
-    for (const std::string name : {"linear_proj.", ""}) {
-      out.output = taps.record(name + "0", out.output, {a.s, a.b, out.output.cols()}, p_);
-      if (out.bias) taps.record_param(name + "1", p_.to_tensor(*out.bias, {static_cast<std::int64_t>(out.bias->size())}));
-    }
+  record_output(taps, out, a.s, a.b, p_);
   return out;
 }
 

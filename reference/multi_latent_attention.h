@@ -68,11 +68,11 @@ class MLASelfAttention : public AttentionModule {
   AttentionGrads backward(const Mat& doutput, const MLASelfAttentionSaved& saved, const AttentionArgs& args) const;
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;
 
-  std::optional<Linear> linear_q_proj;       // [np * q_head_dim, h]           (no q_lora_rank)
-  std::optional<Linear> linear_q_down_proj;  // [q_lora_rank, h]
-  std::optional<Linear> linear_q_up_proj;    // [np * q_head_dim, q_lora_rank]
-  Linear linear_kv_down_proj;                // [kv_lora_rank + qk_pos_emb_head_dim, h]
-  Linear linear_kv_up_proj;                  // [np * (qk_head_dim + v_head_dim), kv_lora_rank]
+  std::optional<Linear> linear_q_proj;              // [np * q_head_dim, h]           (no q_lora_rank)
+  std::optional<Linear> linear_q_down_proj;         // [q_lora_rank, h]
+  std::optional<Linear> linear_q_up_proj;           // [np * q_head_dim, q_lora_rank]
+  Linear linear_kv_down_proj;                       // [kv_lora_rank + qk_pos_emb_head_dim, h]
+  Linear linear_kv_up_proj;                         // [np * (qk_head_dim + v_head_dim), kv_lora_rank]
   std::unique_ptr<Norm> q_layernorm, kv_layernorm;  // null: IdentityOp
   DotProductAttention core_attention;
   Linear linear_proj;  // [h, np * v_head_dim]

@@ -44,22 +44,23 @@ YarnRotaryEmbedding::YarnRotaryEmbedding(int kv_channels, double rotary_base, do
     throw ConfigError("YaRN rotary embedding: qk_pos_emb_head_dim must be positive and even, got " +
                       std::to_string(dim_));
   if (original_max_position_embeddings_ <= 0 || base_ <= 1.0 || scaling_factor_ <= 0.0)
-    throw ConfigError("YaRN rotary embedding: original_max_position_embeddings, rotary_base > 1 and "
-                      "rotary_scaling_factor must be positive");
+    throw ConfigError(
+        "YaRN rotary embedding: original_max_position_embeddings, rotary_base > 1 and "
+        "rotary_scaling_factor must be positive");
 }
 
 std::pair<Tensor, double> YarnRotaryEmbedding::forward(int max_seq_len, int offset) const {
   const int half = dim_ / 2;
   // _yarn_find_correction_range (round_to_int), clamped.
-  const double low = std::max(
-      std::floor(correction_dim(beta_fast_, dim_, base_, original_max_position_embeddings_)), 0.0);
+  const double low =
+      std::max(std::floor(correction_dim(beta_fast_, dim_, base_, original_max_position_embeddings_)), 0.0);
   double high = std::min(std::ceil(correction_dim(beta_slow_, dim_, base_, original_max_position_embeddings_)),
                          static_cast<double>(dim_ - 1));
   if (low == high) high += 0.001;  // _yarn_linear_ramp_mask: prevent the singularity
   std::vector<float> inv_freq(half);
   for (int i = 0; i < half; ++i) {
     const float power = f32(std::pow(base_, static_cast<double>(f32(2.0 * i) / f32(dim_))));  // fp32 pow
-    const float extra = f32(1.0 / power);                                                    // 1 / (base ** x)
+    const float extra = f32(1.0 / power);                                                     // 1 / (base ** x)
     const float inter = f32(1.0 / f32(scaling_factor_ * power));  // 1 / (scaling_factor * base ** x)
     const float ramp = std::clamp(f32((f32(i) - f32(low)) / f32(high - low)), 0.0f, 1.0f);
     const float mask = f32(1.0 - ramp);  // inv_freq_mask

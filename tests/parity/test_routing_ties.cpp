@@ -37,6 +37,18 @@ struct Compared {
   std::string grads, routing;
 };
 
+// The golden `f` with its routing map (tap.mlp.router.1) replaced by `map`, written into `dir`.
+Fixture with_routing_map(const Fixture& f, const std::vector<double>& map, const twin::testing::TempDir& dir) {
+  const SafetensorsFile src = read_safetensors(f.path);
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const auto& n : src.names())
+    tensors.emplace_back(
+        n, n == "tap.mlp.router.1" ? Tensor::from_doubles(DType::BOOL, f.tensor(n).shape(), map) : src.at(n));
+  const std::string path = dir.file("changed_map.safetensors");
+  write_safetensors(path, tensors, src.metadata());
+  return load_fixture(path);
+}
+
 Compared compare(const Fixture& f, TwinKind twin) {
   Compared c;
   c.rows = compare_fixture(find_fixture_handler(f.kind, twin), f, twin, RunMode{}, &c.grads, &c.routing);
@@ -100,15 +112,8 @@ TEST(RoutingTies, AMapChangedFarFromATieStillFails) {
   ASSERT_GE(worst, 0);
   map[std::size_t(best)] = 0.0;
   map[std::size_t(worst)] = 1.0;
-  const SafetensorsFile src = read_safetensors(twin::golden_dir() + "/" + kNearTie);
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  for (const auto& n : src.names())
-    tensors.emplace_back(
-        n, n == "tap.mlp.router.1" ? Tensor::from_doubles(DType::BOOL, f.tensor(n).shape(), map) : src.at(n));
   twin::testing::TempDir dir;
-  const std::string path = dir.file("far.safetensors");
-  write_safetensors(path, tensors, src.metadata());
-  const Fixture far = load_fixture(path);
+  const Fixture far = with_routing_map(f, map, dir);
   for (const TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) {
     SCOPED_TRACE(twin_kind_name(twin));
     const Compared c = compare(far, twin);
@@ -201,15 +206,8 @@ TEST(RoutingTies, ASinkhornMapChangedFarFromATieStillFails) {
   ASSERT_EQ(map[2], 1.0) << "token 0 routed to expert 2 in the golden";
   map[2] = 0.0;
   map[1] = 1.0;  // the sinkhorn of the golden's logits ranks expert 1 last for token 0 (0.0057 vs 0.0106)
-  const SafetensorsFile src = read_safetensors(f.path);
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  for (const auto& n : src.names())
-    tensors.emplace_back(
-        n, n == "tap.mlp.router.1" ? Tensor::from_doubles(DType::BOOL, f.tensor(n).shape(), map) : src.at(n));
   twin::testing::TempDir dir;
-  const std::string path = dir.file("far.safetensors");
-  write_safetensors(path, tensors, src.metadata());
-  const Compared c = compare(load_fixture(path), TwinKind::Reference);
+  const Compared c = compare(with_routing_map(f, map, dir), TwinKind::Reference);
   EXPECT_NE(c.routing.find("token 0 is far from a tie: the golden chose expert 1 over expert 2"), std::string::npos)
       << c.routing;
   const auto map_row =
