@@ -50,6 +50,38 @@ Scores selection_scores(const TransformerConfig& cfg, const Tensor& logits, cons
   return s;
 }
 
+// Group-limited routing (moe_router_num_groups, moe_router_group_topk) first chooses groups by the
+// sum of each group's top m = topk / group_topk scores: a flip between experts of two groups is
+// also a near tie when the two groups' sums lie within their bounds. A sum of a group's top m
+// scores moves by at most the m largest of its members' bounds (whichever m are the top), plus the
+// sum's rounding in the scores' dtype (m terms: m u |sum|).
+struct GroupScores {
+  std::vector<double> value, bound;
+  std::int64_t size = 0;  // experts per group
+};
+std::optional<GroupScores> group_scores(const TransformerConfig& cfg, const Scores& s, double u) {
+  const int groups = cfg.moe_router_num_groups.value_or(0), group_topk = cfg.moe_router_group_topk.value_or(0);
+  const std::int64_t E = static_cast<std::int64_t>(s.value.size());
+  if (groups <= 1 || group_topk <= 0 || E % groups != 0) return std::nullopt;
+  const int m = cfg.moe_router_topk / group_topk;
+  GroupScores g;
+  g.size = E / groups;
+  for (int grp = 0; grp < groups; ++grp) {
+    std::vector<double> values(s.value.begin() + grp * g.size, s.value.begin() + (grp + 1) * g.size);
+    std::vector<double> bounds(s.bound.begin() + grp * g.size, s.bound.begin() + (grp + 1) * g.size);
+    std::sort(values.rbegin(), values.rend());
+    std::sort(bounds.rbegin(), bounds.rend());
+    double sum = 0.0, bound = 0.0;
+    for (int i = 0; i < m && i < g.size; ++i) {
+      sum += values[static_cast<std::size_t>(i)];
+      bound += bounds[static_cast<std::size_t>(i)];
+    }
+    g.value.push_back(sum);
+    g.bound.push_back(bound + m * u * std::fabs(sum));
+  }
+  return g;
+}
+
 // Training-mode sinkhorn chooses by the top-k of sinkhorn(logits), whose column scaling every
 // token's logits set: a logit within its bound may move another token's choice, so no per-token
 // score bound holds. A flip is a near tie there when each side's choice is the top-k of the
@@ -116,6 +148,8 @@ std::optional<RoutingFlips> routing_flips(const Fixture& f, const Record& twin) 
     if (chosen.empty() && displaced.empty()) continue;
     ++r.tokens;
     const Scores s = selection_scores(f.config, logits, tol, bias, t, E);
+    const std::optional<GroupScores> grouped =
+        group_scores(f.config, s, unit_roundoff(f.config.megatron.router_scores_fp32 ? DType::F32 : logits.dtype()));
     std::string why = chosen.size() != displaced.size()
                           ? fmt::format("token {}: the twin chose {} experts where the golden chose {}", t,
                                         chosen.size(), displaced.size())
@@ -138,6 +172,10 @@ std::optional<RoutingFlips> routing_flips(const Fixture& f, const Record& twin) 
         }
         const auto ci = static_cast<std::size_t>(c), di = static_cast<std::size_t>(d);
         const double gap = s.value[di] - s.value[ci], bound = s.bound[ci] + s.bound[di];
+        if (grouped && c / grouped->size != d / grouped->size) {
+          const auto gc = static_cast<std::size_t>(c / grouped->size), gd = static_cast<std::size_t>(d / grouped->size);
+          if (std::fabs(grouped->value[gd] - grouped->value[gc]) <= grouped->bound[gc] + grouped->bound[gd]) continue;
+        }
         if (why.empty() && std::fabs(gap) > bound)
           why = fmt::format(
               "token {} is far from a tie: the twin chose expert {} (score {:.6g}) over the golden's expert {} "

@@ -9,6 +9,8 @@
 //   - each score may be off by its logit's bound (x 1/4, sigmoid's largest slope, for sigmoid), plus
 //     one rounding u of the router dtype where the scores are stored in it before the top-k compares
 //     them (pre-softmax and sigmoid scores): storing may make two close scores exactly equal;
+//   - group-limited routing: a flip between experts of two groups is also near when the two
+//     groups' scores (the sum of each one's top topk / group_topk) lie within their members' bounds;
 //   - training-mode sinkhorn: each side's choice the top-k of the sinkhorn of its own logits (every
 //     token's logits scale every column, so no per-token bound exists; routing_ties.cpp says why);
 //   - a token is a near tie when every expert the golden chose and the twin did not (displaced)

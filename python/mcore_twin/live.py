@@ -10,6 +10,12 @@ file (reference twin; `--twin both` for dense layers), which holds it to that co
 It draws until `--cases` cases were checked by a twin; a case meeting a difference from the pin
 the twins do not implement yet (their `unsupported`) is counted apart, not checked.
 
+About 1 case in 5 is a dense or MoE layer with multi-latent attention (MLA, draw_mla: case seeds
+from MLA_SEEDS = 2^31 up, so the seeds below draw as they did before MLA was drawn), and every run
+checks at least MLA_MIN of them (forced at fixed positions: by the 2nd case checked and by the
+middle). The optimized twin has no MLA kernels yet: its `unsupported` for an MLA case is taken and
+counted (the reference twin checks it alone); the summary line says how many MLA cases were checked.
+
 - A case Megatron-Core rejects or fails to run, or whose Megatron output is not finite, proves
   nothing: it is skipped and counted by reason.
 - A failing case prints its case seed and config and is kept in `--kept` (the file reruns with
@@ -216,11 +222,127 @@ def draw_retro(r):
     return kind, cfg, opts
 
 
-def draw(case_seed, retro=True, sqrtsoftplus=False):
+# Multi-latent attention (MLA): mcore_twin.mla, the MLA goldens of fixtures/megatron-core-partial/.
+# Features of the dense / MoE draws MLA does not take (cli._check_mla) or computes otherwise.
+MLA_DROPPED = ("kv_channels", "rotary_interleaved", "softmax_scale", "qk_l2_norm", "attention_output_gate",
+               "apply_rope_fusion")  # fmt: skip
+MLA_RANKS = [8, 12, 16, 24, 32]
+MLA_HEAD_DIMS = [8, 12, 16, 24, 32]
+MLA_MSCALES = [0.0, 0.5, 0.707, 1.0, 2.0]
+
+
+def _mla(r, cfg, qk_norm_needs_q_lora=False):
+    """Makes a dense or MoE draw's layer multi-latent attention (MLATransformerConfig): small heads
+    and latent ranks, q_lora_rank or none (40%), qk_layernorm on or off (half; off without
+    q_lora_rank where qk_norm_needs_q_lora, see _mla_qk_norm_needs_q_lora), rope_type "rope" (40%)
+    or "yarn" (original_max_position_embeddings below or above seq_length, scaling factor > 1, mscale /
+    mscale_all_dim varied, 0 and equal ones included, beta_fast / beta_slow at their defaults or
+    varied). Every YaRN field is in the config under either rope_type, as a golden records it: the
+    softmax scale is mscale(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(q/k head width) for
+    both, so "rope" draws those two (at MLATransformerConfig's defaults, 40 and 0, half the time)."""
+    for k in MLA_DROPPED:
+        cfg.pop(k, None)
+    heads = r.choice([1, 2, 3, 4])
+    cfg["num_attention_heads"] = heads
+    cfg["num_query_groups"] = heads  # MLA: a key / value head per query head
+    cfg["hidden_size"] = r.choice([16, 24, 32, 48, 64])
+    cfg["seq_length"] = r.randint(4, 16)
+    cfg["multi_latent_attention"] = True
+    cfg["q_lora_rank"] = None if r.random() < 0.4 else r.choice(MLA_RANKS)
+    cfg["kv_lora_rank"] = r.choice(MLA_RANKS)
+    cfg["qk_head_dim"] = r.choice(MLA_HEAD_DIMS)
+    cfg["qk_pos_emb_head_dim"] = r.choice([4, 6, 8, 10, 12, 14, 16])
+    cfg["v_head_dim"] = cfg["qk_head_dim"] if r.random() < 0.3 else r.choice(MLA_HEAD_DIMS)
+    cfg["qk_layernorm"] = r.random() < 0.5 and not (qk_norm_needs_q_lora and cfg["q_lora_rank"] is None)
+    cfg["position_embedding_type"] = "rope"
+    cfg["rotary_base"] = r.choice([100, 500, 10000])
+    s = cfg["seq_length"]
+    if r.random() < 0.4:
+        cfg["rope_type"] = "rope"
+        # half the rotated width must be even (RoPE rotates halves)
+        cfg["rotary_percent"] = 0.5 if cfg["qk_pos_emb_head_dim"] % 4 == 0 and r.random() < 0.3 else 1.0
+        if r.random() < 0.5:
+            cfg["rotary_scaling_factor"] = r.choice([0.5, 1.0, 2.0, 4.0])
+            cfg["mscale_all_dim"] = r.choice(MLA_MSCALES)
+        else:
+            cfg["rotary_scaling_factor"], cfg["mscale_all_dim"] = 40.0, 0.0
+        cfg["original_max_position_embeddings"], cfg["mscale"] = 4096, 1.0
+        cfg["beta_fast"], cfg["beta_slow"] = 32.0, 1.0
+    else:
+        cfg["rope_type"] = "yarn"
+        cfg["rotary_percent"] = 1.0
+        cfg["rotary_scaling_factor"] = r.choice([1.5, 2.0, 4.0, 8.0, 40.0])
+        if r.random() < 0.5:
+            cfg["original_max_position_embeddings"] = r.randint(1, s - 1)
+        else:
+            cfg["original_max_position_embeddings"] = r.choice([s + r.randint(1, 16), 64, 4096])
+        cfg["mscale"] = r.choice(MLA_MSCALES)
+        cfg["mscale_all_dim"] = cfg["mscale"] if r.random() < 0.3 else r.choice(MLA_MSCALES)
+        if r.random() < 0.5:
+            cfg["beta_fast"], cfg["beta_slow"] = 32.0, 1.0
+        else:
+            cfg["beta_fast"] = r.choice([2.0, 4.0, 8.0, 16.0, 64.0])
+            cfg["beta_slow"] = r.choice([0.25, 0.5, 1.0, 2.0])
+
+
+def _deepseek_moe(r, cfg):
+    """DeepSeek's router (the MLA MoE goldens'): sigmoid scores, expert bias, group-limited top-k
+    over 2 to 4 groups, a top-k scaling factor, fp32 router, a shared expert."""
+    e = r.choice([4, 6, 8])
+    g = r.choice([g for g in _divisors(e) if 1 < g < e])
+    gt = r.randint(1, g - 1)
+    # top-k a multiple of the groups' top-k, as DeepSeek's: a group scores the sum of its
+    # topk // group_topk best experts, all groups 0 (a tie broken by torch.topk) below it
+    topk = gt * r.randint(1, min(e // g, 4 // gt))
+    cfg.update(num_moe_experts=e, moe_router_num_groups=g, moe_router_group_topk=gt, moe_router_topk=topk,
+               moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
+               moe_router_topk_scaling_factor=r.choice([1.0, 2.5]), moe_router_dtype="fp32",
+               moe_ffn_hidden_size=8 * r.randint(1, 4), moe_shared_expert_intermediate_size=16 * r.randint(1, 2),
+               moe_shared_expert_gate=False)  # fmt: skip
+    if cfg.get("moe_router_load_balancing_type") == "sinkhorn":  # sinkhorn routes by its own scores
+        cfg["moe_router_load_balancing_type"] = "seq_aux_loss"
+        cfg["moe_aux_loss_coeff"] = 0.01
+    cfg.pop("moe_apply_probs_on_input", None)
+
+
+def draw_mla(r, sqrtsoftplus=False, qk_norm_needs_q_lora=False):
+    """An MLA case: half dense (draw_dense's layer and masks), half MoE (draw_moe's, a third of
+    them with DeepSeek's router); a third bf16."""
+    if r.random() < 0.5:
+        kind, cfg, opts = draw_dense(r)
+    else:
+        kind, cfg, opts = draw_moe(r, sqrtsoftplus)
+        if r.random() < 0.35:
+            _deepseek_moe(r, cfg)
+            opts["padding_mask"] = False  # the expert-bias counter takes no padding mask (draw_moe)
+    _mla(r, cfg, qk_norm_needs_q_lora)
+    cfg.pop("bf16", None)
+    if r.random() < 1 / 3:
+        cfg["bf16"], cfg["params_dtype"] = True, "bfloat16"
+    else:
+        cfg["params_dtype"] = "float32"
+    return kind, cfg, opts
+
+
+# Case seeds from MLA_SEEDS up are MLA cases (draw_mla): the others draw as before MLA was drawn.
+MLA_SEEDS = 1 << 31
+MLA_SHARE = 0.2  # of a run's cases
+MLA_MIN = 2  # MLA cases checked by every run (of at least as many cases), by fixed positions
+
+
+def is_mla(case_seed):
+    return case_seed >= MLA_SEEDS
+
+
+def draw(case_seed, retro=True, sqrtsoftplus=False, qk_norm_needs_q_lora=False):
     """A case: 40% dense, 35% MoE, 25% Retro; without Retro (a Megatron-Core after the January
     pin) dense and MoE in the same proportion. With sqrtsoftplus (after the pin) half the sigmoid
-    routers use it."""
+    routers use it. A case seed from MLA_SEEDS up draws an MLA case (draw_mla; qk_layernorm only
+    with q_lora_rank where qk_norm_needs_q_lora, after the pin)."""
     r = random.Random(case_seed)
+    if is_mla(case_seed):
+        kind, cfg, opts = draw_mla(r, sqrtsoftplus, qk_norm_needs_q_lora)
+        return kind, dict(sorted(cfg.items())), opts
     u = r.random() * (1.0 if retro else 0.75)
     kind, cfg, opts = draw_dense(r) if u < 0.4 else draw_moe(r, sqrtsoftplus) if u < 0.75 else draw_retro(r)
     return kind, dict(sorted(cfg.items())), opts
@@ -393,6 +515,18 @@ def _has_sqrtsoftplus():
     return '"sqrtsoftplus"' in inspect.getsource(moe_utils.topk_routing_with_score_function)
 
 
+def _mla_qk_norm_needs_q_lora():
+    """Whether this Megatron-Core rejects MLA's qk_layernorm without q_lora_rank on the local spec
+    (d98e8a64: mla_qk_norm_config.QKNormConfigResolver wants the Q norm fused into linear_q_proj
+    there, which only Transformer Engine has; the January pin normalises the latent keys / values
+    alone then)."""
+    try:
+        import megatron.core.transformer.mla_qk_norm_config  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def missing_dependency(why):
     """SKIP (exit 77) for a missing dependency, or FAIL under CI=true."""
     ci = os.environ.get("CI", "").lower() == "true"
@@ -438,13 +572,14 @@ def main(argv=None):
         a.seed = int(os.environ["MEGATRON_LIVE_SEED"])
     run_seed = a.seed if a.seed is not None else int(time.time() * 1000) % (1 << 31)
     commit = state["commit"] or "unknown"
-    retro, sqrtsoftplus = _has_retro(), _has_sqrtsoftplus()
+    retro, sqrtsoftplus, qk_norm_needs_q_lora = _has_retro(), _has_sqrtsoftplus(), _mla_qk_norm_needs_q_lora()
     print(f"megatron-live: run seed {run_seed} (rerun: --seed {run_seed}); Megatron-Core {commit[:8]} from {loc[0]}"
           f" ({len(state['shims'])} shims{'' if retro else '; no Retro at this commit'}); "
           f"startup {time.time() - t_start:.1f}s")  # fmt: skip
     os.makedirs(a.kept, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="megatron-live.")
     rng = random.Random(run_seed)
+    mla_rng = random.Random(f"mla {run_seed}")  # which cases are MLA; rng's case seeds stay as they were
     seeds = a.replay or None
     golden_problems = []
     if not seeds:
@@ -463,13 +598,23 @@ def main(argv=None):
     failures = []
     api_done = set()
     by_kind = {}
+    mla_kinds = {}
     attempts = 0
     checked = 0
+    # MLA at fixed positions too: at least one of the first two cases checked, MLA_MIN by the middle
+    mla_due = [min(1, target - 1), max(1, target // 2)][: min(MLA_MIN, target)] if not seeds else []
     try:
         while checked < target and attempts < max_attempts:
-            case_seed = seeds[attempts] if seeds else rng.randrange(1 << 31)
+            if seeds:
+                case_seed = seeds[attempts]
+            else:
+                case_seed = rng.randrange(1 << 31)
+                mla_count = sum(mla_kinds.values())
+                if mla_rng.random() < MLA_SHARE or (mla_count < len(mla_due) and checked >= mla_due[mla_count]):
+                    case_seed += MLA_SEEDS
             attempts += 1
-            kind, cfg, opts = draw(case_seed, retro, sqrtsoftplus)
+            kind, cfg, opts = draw(case_seed, retro, sqrtsoftplus, qk_norm_needs_q_lora)
+            mla = is_mla(case_seed)
             path = os.path.join(workdir, f"{kind}_{case_seed}.safetensors")
             tag = f"[{checked + 1}/{target}] case {case_seed} {kind}"
             try:
@@ -482,6 +627,10 @@ def main(argv=None):
                 continue
             unsupported = optimized_unsupported(cfg) if kind == "dense_layer" else []
             results = run_twin(a.twin, path, both=kind == "dense_layer" and not unsupported)
+            if mla:  # the optimized twin has no MLA kernels yet: its `unsupported` is taken, counted
+                no_mla = [res for res in results if res["twin"] == "optimized" and res["status"] == "unsupported"]
+                results = [res for res in results if res not in no_mla]
+                unsupported = unsupported + ["multi_latent_attention"] if no_mla else unsupported
             not_yet = next((res["message"] for res in results if res["status"] == "unsupported"
                             and "do not implement" in res.get("message", "")), None)  # fmt: skip
             if not_yet:  # a difference of this commit from the pin the twins do not implement yet
@@ -489,6 +638,8 @@ def main(argv=None):
                 continue
             checked += 1
             by_kind[kind] = by_kind.get(kind, 0) + 1
+            if mla:
+                mla_kinds[kind] = mla_kinds.get(kind, 0) + 1
             for f in unsupported:
                 opt_unsupported[f] = opt_unsupported.get(f, 0) + 1
             case_ok, cut_flip = True, False
@@ -517,13 +668,14 @@ def main(argv=None):
                 for line in lines:
                     print("    " + line.replace("\n", "\n    "))
                 continue
-            if kind not in api_done and case_ok:
-                api_done.add(kind)
+            api_kind = ("mla " if mla else "") + kind  # MLA layers' captures are checked apart
+            if api_kind not in api_done and case_ok:
+                api_done.add(api_kind)
                 try:
                     problems = api_checks(kind, cfg, case_seed, opts, path, workdir)
                 except NonFiniteError:
                     problems = []  # inconclusive: checked on the next case of this kind
-                    api_done.discard(kind)
+                    api_done.discard(api_kind)
                 except Exception as e:
                     problems = [f"the API capture raised {_first_line(e)}"]
                 if problems:
@@ -549,7 +701,8 @@ def main(argv=None):
         shutil.rmtree(workdir, ignore_errors=True)
 
     elapsed = time.time() - t_start
-    print(f"megatron-live: Megatron-Core {commit[:8]}: {checked} cases checked ({', '.join(f'{k} {v}' for k, v in sorted(by_kind.items()))}) "
+    mla_note = f"; mla {sum(mla_kinds.values())}" + "".join(f", {k} {v}" for k, v in sorted(mla_kinds.items()))
+    print(f"megatron-live: Megatron-Core {commit[:8]}: {checked} cases checked ({', '.join(f'{k} {v}' for k, v in sorted(by_kind.items()))}{mla_note}) "
           f"of {attempts} drawn in {elapsed:.0f}s: {counts['pass']} pass, {counts['fail']} fail, "
           f"{sum(map(len, skips.values()))} skipped; {near_ties} routed otherwise by a twin on near ties "
           f"(compared on Megatron's routing), {cut_flips} capacity cut decided otherwise among close values")  # fmt: skip

@@ -420,8 +420,29 @@ RouterOutput TopKRouter::forward(const Mat& input, Index seq_length, Index bsz, 
   return r;
 }
 
+// sinkhorn_load_balancing's backward: the choice is made under no_grad, so only the activation
+// carries a gradient: scores = act(logits) * map. top-1: torch.sigmoid in the router dtype, whose
+// backward computes g (1 - y) y from its stored output y and stores it in that dtype; top-k > 1:
+// softmax(dtype=float32).type_as(logits), the pre-softmax top-k's (topk_routing_backward's).
+Mat TopKRouter::sinkhorn_backward(const Mat& logits, const Mat& dscores, const BoolMat& selected) const {
+  const Rounding rnd = Rounding::of(precision_);
+  const DType rdt = router_dtype_;
+  if (topk_ > 1) {
+    RoutingOptions opt;
+    opt.topk = topk_;
+    opt.use_pre_softmax = true;
+    opt.score_function = "softmax";
+    return topk_routing_backward(logits, dscores, selected, opt, rdt, rnd);
+  }
+  Mat d(logits.rows(), logits.cols());
+  for (Index i = 0; i < logits.size(); ++i) {
+    const double y = rnd(rdt, 1.0 / (1.0 + std::exp(-logits.data()[i])));  // the forward's stored sigmoid
+    d.data()[i] = selected.data()[i] ? rnd(rdt, dscores.data()[i] * (1.0 - y) * y) : 0.0;  // rounds: sigmoid's grad
+  }
+  return d;
+}
+
 std::optional<std::string> TopKRouter::backward_unsupported() const {
-  if (config_.moe_router_load_balancing_type == "sinkhorn") return std::string("sinkhorn routing");
   if (config_.moe_input_jitter_eps) return std::string("moe_input_jitter_eps (the jitter's backward)");
   if (config_.moe_router_force_load_balancing) return std::string("moe_router_force_load_balancing");
   if (config_.calculate_per_token_loss)
@@ -444,19 +465,24 @@ RouterGrads TopKRouter::backward(const Mat& dprobs, const RouterSaved& saved) co
   const std::vector<bool>* padding_mask = saved.padding_mask ? &*saved.padding_mask : nullptr;
   // Token dropping: probs * routing_map; its backward masks the gradient the same way.
   const Mat dkept = dprobs.array() * saved.routing_map.cast<double>().array();
-  RoutingOptions opt;
-  opt.topk = topk_;
-  opt.use_pre_softmax = config_.moe_router_pre_softmax;
-  opt.num_groups = config_.moe_router_num_groups;
-  opt.group_topk = config_.moe_router_group_topk;
-  opt.scaling_factor = config_.moe_router_topk_scaling_factor;
-  opt.score_function = config_.moe_router_score_function;
-  opt.scores_fp32 = config_.megatron.router_scores_fp32;
-  Mat dlogits = topk_routing_backward(saved.logits, dkept, saved.selected, opt, rdt, rnd);  // [T, E]
+  Mat dlogits;  // [T, E]
+  if (config_.moe_router_load_balancing_type == "sinkhorn") {
+    dlogits = sinkhorn_backward(saved.logits, dkept, saved.selected);
+  } else {
+    RoutingOptions opt;
+    opt.topk = topk_;
+    opt.use_pre_softmax = config_.moe_router_pre_softmax;
+    opt.num_groups = config_.moe_router_num_groups;
+    opt.group_topk = config_.moe_router_group_topk;
+    opt.scaling_factor = config_.moe_router_topk_scaling_factor;
+    opt.score_function = config_.moe_router_score_function;
+    opt.scores_fp32 = config_.megatron.router_scores_fp32;
+    dlogits = topk_routing_backward(saved.logits, dkept, saved.selected, opt, rdt, rnd);
+  }
   count_score_rounding();
   // The losses' gradients, accumulated into the logits' gradient (autograd's sum, in rdt).
   if (saved.aux_scores_grad) {
-    const Mat d = aux_scores_backward(saved.logits, *saved.aux_scores_grad, opt.score_function,
+    const Mat d = aux_scores_backward(saved.logits, *saved.aux_scores_grad, config_.moe_router_score_function,
                                       config_.megatron.aux_loss_scores_fp32, rdt, rnd);
     dlogits = rnd(rdt, Mat(dlogits + d));  // rounds: the accumulated gradient
     precision_.count_reduce(num_experts_);

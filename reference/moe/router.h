@@ -12,7 +12,8 @@
 // d loss / d scores_for_aux_loss = tokens_per_expert[e] E coeff / (k T^2) (/ b for seq_aux_loss)
 // through its scores' backward, and the z-loss its own gradient of the logits; then the gating
 // GEMM's backward (RouterGatingLinearFunction: in the router dtype, cast to the input's and the
-// weight's dtype). Sinkhorn routing and input jitter have no backward here (MoEError).
+// weight's dtype). Sinkhorn routing's backward is its activation's (sinkhorn_backward); input
+// jitter has no backward here (MoEError).
 #pragma once
 
 #include <cstdint>
@@ -102,6 +103,7 @@ class TopKRouter {
   // The sinkhorn choice (training: the top-k of sinkhorn(logits); eval: of the activation), or a
   // given one (a golden's: k experts per token), and the activation's probabilities on it.
   Routing sinkhorn_load_balancing(const Mat& logits, const BoolMat* selection = nullptr) const;
+  Mat sinkhorn_backward(const Mat& logits, const Mat& dscores, const BoolMat& selected) const;
   Mat apply_load_balancing_losses(const Mat& logits, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
                                   AuxLosses* aux_losses);
   void use_recorded_routing_map(RouterOutput& r, const RouterOutput& before_drop, const BoolMat& rec) const;

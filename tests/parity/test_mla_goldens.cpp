@@ -18,8 +18,7 @@ using namespace twin;
 namespace {
 
 std::vector<std::string> mla_goldens() {
-  const std::filesystem::path dir =
-      std::filesystem::path(twin::golden_dir()).parent_path() / "megatron-core-partial";
+  const std::filesystem::path dir = std::filesystem::path(twin::golden_dir()).parent_path() / "megatron-core-partial";
   std::vector<std::string> paths;
   for (const auto& e : std::filesystem::directory_iterator(dir))
     if (e.path().filename().string().rfind("mla_", 0) == 0) paths.push_back(e.path().string());
@@ -57,8 +56,8 @@ TEST(MLAGoldens, TheReferencePassesEveryOneForwardAndBackward) {
                           "tap.self_attention.core_attention", "grad.param.self_attention.linear_kv_down_proj.weight"})
       if (f.has(n)) EXPECT_TRUE(compared.count(n)) << n;
   }
-  for (const char* k : {"dense_layer F32", "dense_layer BF16", "moe_layer F32", "moe_layer BF16",
-                        "yarn q_lora", "rope no q_lora"})
+  for (const char* k :
+       {"dense_layer F32", "dense_layer BF16", "moe_layer F32", "moe_layer BF16", "yarn q_lora", "rope no q_lora"})
     EXPECT_TRUE(kinds.count(k)) << "no MLA golden of " << k;
 }
 
