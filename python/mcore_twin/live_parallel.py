@@ -5,21 +5,29 @@ processes over gloo on the CPU, against the twins and against the same layer on 
 
 Cases take the layouts in turn (LAYOUTS): a dense layer (live.draw_dense, with heads, query groups
 and the FFN divisible by the tensor-parallel size, and under sequence parallelism the sequence) at
-TP 2, TP 2 + SP and TP 4; an MoE layer (live.draw_moe, its experts a multiple of ep) at EP 2 and
-EP 4 with the alltoall and the allgather dispatcher, and at TP 2 + SP x EP 2; fp32 and bf16 in
+TP 2, TP 2 + SP and TP 4; a dense layer with multi-latent attention (draw_mla: MLASelfAttention,
+mla.py) at TP 2 and TP 2 + SP; an MoE layer (live.draw_moe, its experts a multiple of ep) at EP 2
+and EP 4 with the alltoall and the allgather dispatcher, and at TP 2 + SP x EP 2; fp32 and bf16 in
 turn. `--layout` runs the named layouts alone. Each is captured twice
 from one seed, so with the same weights, inputs and upstream gradient: on one rank, and on the
 layout's ranks (parallel.py, gathered into one golden). Then:
 
 - `twin fixture --twin both` on the gathered golden: the reference on the whole layer, the
   optimized twin at the golden's own layout; both pass (the optimized twin may refuse a feature it
-  does not implement: unsupported);
+  does not implement: unsupported; it has no MLA yet);
 - `twin diff` of the one-rank capture (less the taps the gathered golden leaves out) against the
   gathered one: every forward tensor and gradient within its counted bound (exit 0).
 
+MLA at TP is captured with Megatron-LM #1699 mended (parallel.mend_k_pos_emb_grad: Megatron leaves
+k_pos_emb's gradient partial on each rank, so its gathered gradients would not be the one-rank
+layer's; the golden's notes say so).
+
 Last, one planted tensor-parallel bug must be found: a TP 2 capture whose column-parallel input
 gradient all-reduce drops rank 1's partial sum (in Megatron's backward only); `twin diff` against
-the one-rank capture must exit 1 and name a gradient as the first divergence.
+the one-rank capture must exit 1 and name a gradient as the first divergence. And Megatron's own
+(Megatron-LM #1699, where this Megatron-Core has it): the first MLA case at TP 2 captured again as
+Megatron computes it, without the mend; `twin diff` against its one-rank capture must exit 1 and
+name a gradient.
 
 Exit codes: 0 pass; 1 a failure; 2 bad arguments; 77 Megatron-Core or torch not found (a failure when
 CI=true).
@@ -38,20 +46,23 @@ import time
 from . import live
 from .parallel import Layout
 
-# (layout, MoE token dispatcher): dense layers at tensor parallelism, MoE layers at expert
-# parallelism with each dispatcher.
+# (layout, variant): dense layers at tensor parallelism (variant None), MLA dense layers at tensor
+# parallelism ("mla"), MoE layers at expert parallelism with each dispatcher (variant the MoE token
+# dispatcher). Cases of one layout run in one set of rank processes, whatever their variant.
+MLA = "mla"
 LAYOUTS = (
     (Layout(tp=2), None), (Layout(tp=2, sp=True), None), (Layout(tp=4), None),
+    (Layout(tp=2), MLA), (Layout(tp=2, sp=True), MLA),
     (Layout(ep=2), "alltoall"), (Layout(ep=2), "allgather"), (Layout(ep=4), "alltoall"), (Layout(ep=4), "allgather"),
     (Layout(tp=2, sp=True, ep=2), "alltoall"),
 )  # fmt: skip
 
 
-def layout_name(layout, dispatcher=None):
+def layout_name(layout, variant=None):
     parts = [f"tp {layout.tp}"] if layout.tp > 1 else []
     parts += ["sp"] if layout.sp else []
     parts += [f"ep {layout.ep}"] if layout.ep > 1 else []
-    return " + ".join(parts) + (f" {dispatcher}" if dispatcher else "")
+    return " + ".join(parts) + (f" {variant}" if variant else "")
 
 
 def draw_moe(case_seed, layout, dispatcher, bf16):
@@ -104,11 +115,69 @@ def _set_dtype(cfg, bf16):
         cfg["bf16"] = True
 
 
-def draw(case_seed, layout, bf16, dispatcher=None):
-    """A case Megatron can run at `layout`: a dense layer (live.draw_dense's, resized) at tensor
-    parallelism, an MoE layer at expert parallelism."""
+# MLA draws (small heads and latent ranks, as the MLA goldens'): what MLA does not take of a dense
+# draw (cli._check_mla refuses it, or MLA computes it otherwise).
+MLA_DROPPED = ("kv_channels", "rotary_interleaved", "rotary_percent", "rotary_base", "softmax_scale", "qk_l2_norm",
+               "attention_output_gate", "apply_rope_fusion")  # fmt: skip
+MLA_DIMS = [8, 12, 16, 24, 32]
+
+
+def draw_mla(case_seed, layout, bf16):
+    """A dense MLA case Megatron can run at `layout` (tensor parallelism, with or without SP):
+    live.draw_dense's layer (norms, MLP, masks, rare features) resized for tp, with multi-latent
+    attention: tp or 2 tp heads; q_lora_rank (a multiple of tp) or none (linear_q_proj), 40%;
+    kv_lora_rank + qk_pos_emb_head_dim a multiple of tp, linear_kv_down_proj's rows split across the
+    ranks anywhere (inside the latent part or the RoPE part); qk_head_dim and v_head_dim apart or
+    equal; qk_layernorm half the time; rope_type "rope" (40%) or "yarn" (original length below or
+    above the sequence, mscale / mscale_all_dim varied)."""
+    r = random.Random(case_seed)
+    kind, cfg, opts = live.draw_dense(r)
+    _resize_for_tensor_parallel(r, cfg, layout)
+    for k in MLA_DROPPED:
+        cfg.pop(k, None)
+    tp = layout.tp
+    cfg["num_query_groups"] = cfg["num_attention_heads"]  # MLA: a key / value head per query head
+    cfg["hidden_size"] = r.choice([16, 24, 32, 48, 64])
+    if not layout.sp:
+        cfg["seq_length"] = r.randint(4, 16)
+    if "window_size" in cfg:
+        cfg["window_size"] = [min(cfg["window_size"][0], cfg["seq_length"] - 1) or 1, 0]
+    cfg["multi_latent_attention"] = True
+    cfg["q_lora_rank"] = None if r.random() < 0.4 else tp * r.choice(MLA_DIMS) // 2
+    cfg["qk_pos_emb_head_dim"] = r.choice([4, 6, 8, 12, 16])
+    cfg["kv_lora_rank"] = r.choice([d for d in MLA_DIMS if (d + cfg["qk_pos_emb_head_dim"]) % tp == 0])
+    cfg["qk_head_dim"] = r.choice(MLA_DIMS)
+    cfg["v_head_dim"] = cfg["qk_head_dim"] if r.random() < 0.3 else r.choice(MLA_DIMS)
+    cfg["qk_layernorm"] = r.random() < 0.5
+    cfg["position_embedding_type"] = "rope"
+    cfg["rotary_base"] = r.choice([100, 500, 10000])
+    cfg["rotary_percent"] = 1.0
+    cfg["beta_fast"], cfg["beta_slow"] = 32.0, 1.0
+    if r.random() < 0.4:
+        cfg["rope_type"] = "rope"
+        if cfg["qk_pos_emb_head_dim"] % 4 == 0 and r.random() < 0.3:
+            cfg["rotary_percent"] = 0.5  # half the rotated width stays even
+        cfg["rotary_scaling_factor"], cfg["mscale_all_dim"] = r.choice([(40.0, 0.0), (1.0, 1.0), (4.0, 0.707)])
+        cfg["original_max_position_embeddings"], cfg["mscale"] = 4096, 1.0
+    else:
+        cfg["rope_type"] = "yarn"
+        cfg["rotary_scaling_factor"] = r.choice([2.0, 4.0, 40.0])
+        s = cfg["seq_length"]
+        cfg["original_max_position_embeddings"] = r.randint(1, s - 1) if r.random() < 0.5 else r.choice([s + 4, 4096])
+        cfg["mscale"] = r.choice([0.5, 0.707, 1.0])
+        cfg["mscale_all_dim"] = cfg["mscale"] if r.random() < 0.3 else r.choice([0.0, 0.707, 1.0])
+    _set_dtype(cfg, bf16)
+    return kind, dict(sorted(cfg.items())), opts
+
+
+def draw(case_seed, layout, bf16, variant=None):
+    """A case Megatron can run at `layout` (a LAYOUTS entry with its variant): a dense layer
+    (live.draw_dense's, resized) at tensor parallelism, an MLA dense layer (draw_mla) where
+    `variant` is MLA, an MoE layer at expert parallelism (`variant` its dispatcher)."""
     if layout.ep > 1:
-        return draw_moe(case_seed, layout, dispatcher, bf16)
+        return draw_moe(case_seed, layout, variant, bf16)
+    if variant == MLA:
+        return draw_mla(case_seed, layout, bf16)
     r = random.Random(case_seed)
     kind, cfg, opts = live.draw_dense(r)
     _resize_for_tensor_parallel(r, cfg, layout)
@@ -165,9 +234,10 @@ def _drop_rank1_input_grad():
     dist.all_reduce = dropping
 
 
-def capture_cases(rank, cases, plant):
+def capture_cases(rank, cases, plant, mend=True):
     """One rank's part of every case of one layout; a case Megatron refuses is written as
-    <out>.error by rank 0 (every rank raises alike, so the ranks stay in step)."""
+    <out>.error by rank 0 (every rank raises alike, so the ranks stay in step). mend: MLA's
+    k_pos_emb gradient summed across the ranks (Megatron-LM #1699), as Megatron should."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -184,7 +254,7 @@ def capture_cases(rank, cases, plant):
             try:
                 module, kw = build(kind, cfg, seed, **opts)
                 capture_parallel(module, out, kind=kind, grad_seed=seed, case=os.path.basename(out)[:-12],
-                                 attn_mask_type=cfg.get("attn_mask_type"), **kw)  # fmt: skip
+                                 attn_mask_type=cfg.get("attn_mask_type"), mend_mla_k_pos_emb=mend, **kw)  # fmt: skip
                 break
             except Exception as e:
                 # Every rank gets the same error (capture_parallel shares the first one), so every
@@ -195,6 +265,31 @@ def capture_cases(rank, cases, plant):
                     with open(out + ".error", "w") as f:
                         f.write(live._first_line(e))
                 break
+
+
+def megatron_bug_found(twin, case):
+    """Megatron-LM #1699 (MLA's k_pos_emb gradient left partial on each tensor-parallel rank), where
+    this Megatron-Core has it: `twin diff` of the one-rank capture against the tp 2 one as Megatron
+    computes it must name a gradient as the first divergence. True when found or not present."""
+    if not case:
+        print("megatron-parallel: Megatron-LM #1699: no MLA case at tp 2 was captured (see the skips)")
+        return True
+    tag, tp1, unmended = case
+    if not os.path.exists(unmended):
+        print(f"megatron-parallel: Megatron-LM #1699: {tag} did not capture without the mend")
+        return False
+    from . import st_io
+
+    if "megatron_tp_bug" not in st_io.read(unmended)[1]:
+        print("megatron-parallel: Megatron-LM #1699: not present at this Megatron-Core (nothing to find)")
+        return True
+    code, diffs, _ = twin_json(twin, ["diff", "--json", tp1, unmended])
+    first = diffs[0].get("first_divergence") if diffs else None
+    found = code == 1 and isinstance(first, str) and first.startswith("grad.")
+    print(f"megatron-parallel: Megatron's own MLA bug at tp 2 (Megatron-LM #1699, k_pos_emb's gradient not summed "
+          f"across the ranks), {tag}: {'found' if found else 'NOT FOUND'}: twin diff exit {code}, first divergence "
+          f"{first}")  # fmt: skip
+    return found
 
 
 def twin_json(twin, args):
@@ -282,12 +377,12 @@ def main(argv=None):
         by_layout = {layout: [] for layout, _ in layouts}
         for i in range(a.cases + 1):  # the last: the planted bug
             planted = i == a.cases
-            layout, dispatcher = LAYOUTS[0] if planted else layouts[i % len(layouts)]
+            layout, variant = LAYOUTS[0] if planted else layouts[i % len(layouts)]
             seed = rng.randrange(1 << 31)
-            kind, cfg, opts = draw(seed, layout, bf16=(i // len(layouts)) % 2 == 1 and not planted, dispatcher=dispatcher)
+            kind, cfg, opts = draw(seed, layout, bf16=(i // len(layouts)) % 2 == 1 and not planted, variant=variant)
             if planted:
                 cfg = with_reference_backward(cfg)
-            tag = f"{'planted' if planted else 'case'}_{seed}_{layout_name(layout, dispatcher).replace(' + ', '_').replace(' ', '')}"
+            tag = f"{'planted' if planted else 'case'}_{seed}_{layout_name(layout, variant).replace(' + ', '_').replace(' ', '')}"
             tp1, tpn = os.path.join(work, tag + "_tp1.safetensors"), os.path.join(work, tag + ".safetensors")
             try:
                 live.capture_retrying(capture_config, cfg, kind, seed, tp1, case=tag + "_tp1", **opts)
@@ -306,6 +401,15 @@ def main(argv=None):
                 run_ranks(layout, capture_cases, layout_cases, False)
         if planted_case:
             run_ranks(planted_case[0], capture_cases, [planted_case[1]], True)
+        # Megatron's own bug: the first MLA case at tp 2 again, as Megatron computes it (no mend).
+        megatron_bug = next(((tag, tp1, tpn) for tag, kind, cfg, tp1, tpn in cases
+                             if cfg.get("multi_latent_attention") and "tp2mla" in tag and "sp" not in tag), None)  # fmt: skip
+        if megatron_bug:
+            layout = Layout(tp=2)
+            case = next(c for c in by_layout[layout] if c[3] == megatron_bug[2])
+            unmended = megatron_bug[2][: -len(".safetensors")] + "_unmended.safetensors"
+            run_ranks(layout, capture_cases, [case[:3] + (unmended,) + case[4:]], False, False)
+            megatron_bug = (megatron_bug[0], megatron_bug[1], unmended)
         print(f"megatron-parallel: {len(cases) + 1} cases captured on one rank and at their layout in "
               f"{time.time() - t0:.0f}s ({time.time() - t_capture:.0f}s on the ranks)")  # fmt: skip
 
@@ -340,6 +444,7 @@ def main(argv=None):
             outcome = "its one-rank capture failed (see the skips)"
         print(f"megatron-parallel: planted bug (rank 1's input-gradient partial sum dropped at tp 2): "
               f"{'found' if found else 'NOT FOUND'}: {outcome}")  # fmt: skip
+        found = found and megatron_bug_found(a.twin, megatron_bug)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -18,10 +18,19 @@ None). How each tensor is gathered follows Megatron's layout:
   learnable softmax offset holds the rank's heads); a parameter with neither is replicated, and
   where each rank's gradient is a part (a sequence-parallel parameter's over the rank's tokens, a
   q/k layernorm's over the rank's heads) the parts are summed in rank order in fp32 and rounded
-  once, as Megatron's finalize_model_grads all-reduces them;
+  once, as Megatron's finalize_model_grads all-reduces them. Multi-latent attention (MLA, the
+  local spec): every projection is column parallel (rows), linear_proj row parallel: the down
+  projections (gather_output=False) by rows of their output, linear_kv_down_proj's
+  [kv_lora_rank + qk_pos_emb_head_dim] split anywhere (inside the latent or the RoPE part), the up
+  projections (linear_q_up_proj, linear_q_proj, linear_kv_up_proj) by heads; its q / kv
+  layernorms, on the gathered latent, are replicated (their gradients whole on every rank, summed
+  under sequence parallelism, where each rank normalises its own tokens);
 - taps by the module that produced them: a column-parallel linear's output along its last
-  dimension (its bias along dim 0), core attention's along its last, q/k layernorm's along the
-  heads; a row-parallel linear's output (and SelfAttention's and MLP's) and every other tap
+  dimension (MLA's down projections' [s, b, width / tp], recorded before MLA gathers them; its up
+  projections' heads) and its bias along dim 0, core attention's along its last (MLA's substitute too),
+  SelfAttention's q/k layernorm's along the heads; MLA's rotary_pos_emb (the whole sequence's
+  angles on every rank) replicated; a row-parallel linear's output (and SelfAttention's,
+  MLASelfAttention's and MLP's) and every other tap (MLA's q / kv layernorms included)
   replicated, or under sequence parallelism along the sequence (dim 0);
 - inputs, outputs, the upstream gradient and the input gradient replicated, or along the sequence;
 - MoE under sequence parallelism: the load-balancing losses and expert-bias counts each rank
@@ -31,6 +40,13 @@ None). How each tensor is gathered follows Megatron's layout:
   (rank r holds experts [r L, (r + 1) L)), their gradients divided by ep (each rank's copy of the
   tokens contributed one share); the experts' own taps and inputs, which depend on the layout, are
   left out.
+
+MLA at tp > 1 has a tensor-parallel bug of Megatron's own (Megatron-LM #1699, K_POS_EMB_BUG):
+k_pos_emb's gradient is left partial on each rank, so the input gradient and linear_kv_down_proj's
+and input_layernorm's are not the one-rank layer's; the golden holds them as Megatron computed them
+and `megatron_tp_bug` names them, or, with `mend_mla_k_pos_emb=True` (the live tests), the capture
+runs with the proposed fix (mend_k_pos_emb_grad: that gradient summed across the ranks) and the
+golden's notes and `mended` say so.
 
 A replicated tensor must be equal on every rank; where it is not (a tensor-parallel bug: a
 gradient left partial, a missing all-reduce), rank 0's is written and the metadata's
@@ -58,7 +74,10 @@ import torch.distributed as dist
 from .capture import CaptureError, CaptureResult, capture_layer, infer_kind
 
 COLUMN_PARALLEL = {"ColumnParallelLinear"}
-ROW_PARALLEL = {"RowParallelLinear", "SelfAttention", "MLP"}  # the last two return their row-parallel output
+# The attentions and the MLP return their row-parallel output (linear_proj's, linear_fc2's).
+ROW_PARALLEL = {"RowParallelLinear", "SelfAttention", "MLASelfAttention", "MLP"}
+CORE_ATTENTION = {"DotProductAttention", "MLADotProductAttention"}  # the latter: mla.py's (k / v channels)
+ROTARY = {"RotaryEmbedding", "YarnRotaryEmbedding"}  # MLA's own: the whole sequence's angles on every rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +182,18 @@ def _tap_rule(name, modules, config, layout):
         return ("cat", -1 if index == "0" else 0, is_glu_fc1(path + ".weight", config))
     if cls in ROW_PARALLEL:
         return along_sequence if index in ("", "0") else ("same",)
-    if cls == "DotProductAttention":
+    if cls in CORE_ATTENTION:
         return ("cat", -1, False)
-    if path is not None and path.endswith(("q_layernorm", "k_layernorm")):
-        return ("cat", 2, False)
+    if cls in ROTARY:
+        return ("same",)
+    if path is not None and path.endswith(("q_layernorm", "k_layernorm")) and not _is_mla(config):
+        return ("cat", 2, False)  # SelfAttention's, on [s, b, heads, head dim]
+    # MLA's q / kv layernorms act on the whole latent (replicated), under SP on the rank's tokens
     return along_sequence
+
+
+def _is_mla(config):
+    return bool(getattr(config, "multi_latent_attention", False))
 
 
 def _rule(name, layer, modules, params, layout):
@@ -183,11 +209,12 @@ def _rule(name, layer, modules, params, layout):
             # A replicated parameter whose gradient each rank holds in part, reduced across the
             # tensor-parallel ranks after the backward as finalize_model_grads does: summed for
             # sequence-parallel parameters and q/k layernorms (each rank's heads), averaged where
-            # Megatron marks average_gradients_across_tp_domain.
+            # Megatron marks average_gradients_across_tp_domain. (MLA's q / kv layernorms act on
+            # the whole latent, gathered: replicated, each rank's gradient whole but under SP.)
             if getattr(p, "average_gradients_across_tp_domain", False):
                 return ("mean",)
             if (layout.sp and getattr(p, "sequence_parallel", False)) or (
-                config.qk_layernorm and ("q_layernorm" in key or "k_layernorm" in key)
+                config.qk_layernorm and not _is_mla(config) and ("q_layernorm" in key or "k_layernorm" in key)
             ):
                 return ("sum",)
         return ("same",)
@@ -264,6 +291,106 @@ def gather(parts, layer, layout):
 
 
 # --------------------------------------------------------------------------------------------
+# a tensor-parallel bug of Megatron-Core's MLA: named in the golden, or mended for the capture
+
+K_POS_EMB_BUG = (
+    "Megatron-LM issue #1699: MLA's k_pos_emb (the RoPE part of linear_kv_down_proj's output, one key head "
+    "shared by all heads) gets on each tensor-parallel rank the gradient of that rank's heads only, never summed "
+    "across the ranks (gather_from_tensor_model_parallel_region's backward splits it), so at tp > 1 the "
+    "k_pos_emb rows of linear_kv_down_proj.weight's gradient, the layer's input gradient and the gradients "
+    "before the attention (input_layernorm's) are not the one-rank layer's"
+)
+K_POS_EMB_MEND = (
+    "MLA k_pos_emb gradient mended for this capture (mcore_twin.parallel.mend_k_pos_emb_grad, the fix proposed "
+    "for Megatron-LM #1699): its gradient summed across the tensor-parallel ranks before the gather's backward "
+    "splits it; the forward unchanged. Without it: " + K_POS_EMB_BUG
+)
+
+
+def _k_pos_emb_bug(layer, tp):
+    """Whether `layer` has the k_pos_emb gradient bug (K_POS_EMB_BUG) at tensor parallel `tp`: MLA
+    with a column-parallel linear_kv_down_proj (the local spec), at a Megatron-Core that does not
+    sum k_pos_emb's gradient across the ranks (the fix proposed upstream wraps it in
+    copy_to_tensor_model_parallel_region; the January pin has none)."""
+    import inspect
+
+    down = getattr(getattr(layer, "self_attention", None), "linear_kv_down_proj", None)
+    if tp == 1 or not _is_mla(layer.config) or type(down).__name__ not in COLUMN_PARALLEL:
+        return False
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    src = inspect.getsource(MLASelfAttention.get_query_key_value_tensors)
+    return not any(f"{fn}(k_pos_emb" in src for fn in ("copy_to_tensor_model_parallel_region",
+                                                       "reduce_from_tensor_model_parallel_region"))  # fmt: skip
+
+
+def k_pos_emb_bug_gradients(names):
+    """The gradients among `names` that K_POS_EMB_BUG makes wrong."""
+    wrong = ("grad.input.hidden_states", "grad.param.self_attention.linear_kv_down_proj.")
+    return [n for n in names if n.startswith(wrong) or n.startswith("grad.param.input_layernorm.")]
+
+
+class _SumTrailingGrad(torch.autograd.Function):
+    """Forward: the tensor as is. Backward: its gradient's last channels from `start` on summed
+    across `group` (the others as they are)."""
+
+    @staticmethod
+    def forward(ctx, x, start, group):
+        ctx.start, ctx.group = start, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        part = grad[..., ctx.start :].contiguous()
+        dist.all_reduce(part, group=ctx.group)
+        grad[..., ctx.start :] = part
+        return grad, None, None
+
+
+class mend_k_pos_emb_grad:
+    """While entered, `layer`'s MLA sums k_pos_emb's gradient across the tensor-parallel ranks (the
+    fix proposed for Megatron-LM #1699, K_POS_EMB_BUG): the gathered output of its
+    linear_kv_down_proj, [s, b, kv_lora_rank + qk_pos_emb_head_dim], gets a backward that all-reduces
+    the last qk_pos_emb_head_dim channels of its gradient (kv_compressed's, the others, are whole on
+    every rank already: linear_kv_up_proj's backward all-reduced them) before the gather's backward
+    keeps the rank's slice. The forward is unchanged. Only this layer, only while entered: the
+    module's gather_from_tensor_model_parallel_region is restored on exit. For a layer with the bug
+    (_k_pos_emb_bug); a no-op unless `active`."""
+
+    def __init__(self, layer, active=True):
+        self.layer, self.active = layer, active
+
+    def __enter__(self):
+        if not self.active:
+            return self
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer import multi_latent_attention as mla_module
+
+        attn = self.layer.self_attention
+        start, group = attn.config.kv_lora_rank, ps.get_tensor_model_parallel_group()
+        down_out = []
+        self._hook = attn.linear_kv_down_proj.register_forward_hook(lambda m, a, out: down_out.append(out[0]))
+        self._module, self._orig = mla_module, mla_module.gather_from_tensor_model_parallel_region
+        orig = self._orig
+
+        def gather_from_tensor_model_parallel_region(input_, *args, **kwargs):
+            out = orig(input_, *args, **kwargs)
+            if any(input_ is t for t in down_out):
+                out = _SumTrailingGrad.apply(out, start, group)
+            return out
+
+        mla_module.gather_from_tensor_model_parallel_region = gather_from_tensor_model_parallel_region
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            self._hook.remove()
+            self._module.gather_from_tensor_model_parallel_region = self._orig
+        return False
+
+
+# --------------------------------------------------------------------------------------------
 # the capture on every rank
 
 
@@ -278,9 +405,6 @@ def _check_layout(config, kind):
     ep = ps.get_expert_model_parallel_world_size()
     if kind not in ("dense_layer", "moe_layer"):
         raise CaptureError(f"multi-rank capture takes dense and MoE layers (for now), not {kind}")
-    if getattr(config, "multi_latent_attention", False) and tp > 1:
-        raise CaptureError(f"multi-latent attention at tensor parallel {tp}: its projections' shards are not gathered "
-                           "(for now); capture an MLA layer on one rank")  # fmt: skip
     etp = getattr(config, "expert_tensor_parallel_size", None) or tp
     if kind == "moe_layer" and config.sequence_parallel and getattr(config, "moe_expert_capacity_factor", None):
         raise CaptureError("an expert capacity under sequence parallelism cuts each rank's slice of the tokens, not "
@@ -318,12 +442,16 @@ def _all_or_none(ok, error):
             raise CaptureError(f"rank {rank}: {err_r}")
 
 
-def capture_parallel(layer, path, hidden_states, *, grad_seed=0, **kwargs):
+def capture_parallel(layer, path, hidden_states, *, grad_seed=0, mend_mla_k_pos_emb=False, **kwargs):
     """Captures `layer` on this rank and writes the gathered golden on rank 0 (see the module
-    docstring). Call on every rank with the same arguments but the rank's own hidden_states."""
+    docstring). Call on every rank with the same arguments but the rank's own hidden_states.
+    mend_mla_k_pos_emb: an MLA layer at tp > 1 with Megatron-LM #1699 (K_POS_EMB_BUG) is captured
+    with the fix (mend_k_pos_emb_grad; the golden's notes and `mended` say so), so that its gradients
+    are the one-rank layer's; without it the golden holds Megatron's and `megatron_tp_bug` names
+    the gradients the bug makes wrong."""
     from megatron.core import parallel_state as ps
 
-    error = None
+    error, bug, mended = None, False, False
     try:
         kind = kwargs.pop("kind", None) or infer_kind(layer)
         layout = _check_layout(layer.config, kind)
@@ -336,8 +464,11 @@ def capture_parallel(layer, path, hidden_states, *, grad_seed=0, **kwargs):
         grad = torch.randn((s, b, h), generator=gen, dtype=torch.float32)
         if layout.sp:
             grad = grad.chunk(layout.tp, dim=0)[rank]
-        mine = capture_layer(layer, path, hidden_states, grad_seed=grad_seed, grad_output=grad, kind=kind,
-                             parallel=True, **kwargs)  # fmt: skip
+        bug = _k_pos_emb_bug(layer, layout.tp)
+        mended = bug and bool(mend_mla_k_pos_emb)
+        with mend_k_pos_emb_grad(layer, active=mended):
+            mine = capture_layer(layer, path, hidden_states, grad_seed=grad_seed, grad_output=grad, kind=kind,
+                                 parallel=True, **kwargs)  # fmt: skip
     except Exception as e:  # every rank must reach the gather below, or the others wait forever
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     _all_or_none(error is None, error)
@@ -354,6 +485,12 @@ def capture_parallel(layer, path, hidden_states, *, grad_seed=0, **kwargs):
     meta["tap_order"] = json.dumps([n for n in json.loads(meta["tap_order"]) if n in tensors])
     if disagree:
         meta["ranks_disagree"] = json.dumps(disagree)
+    if mended:
+        meta["notes"] = (meta.get("notes", "") + " " + K_POS_EMB_MEND).strip()
+        meta["mended"] = json.dumps({"k_pos_emb_grad": "Megatron-LM #1699"})
+    elif bug:
+        wrong = k_pos_emb_bug_gradients(tensors)
+        meta["megatron_tp_bug"] = json.dumps({"issue": "Megatron-LM #1699", "gradients": wrong, "why": K_POS_EMB_BUG})
     from . import st_io
 
     written = dict(sorted(tensors.items()))
