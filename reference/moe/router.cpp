@@ -105,6 +105,18 @@ double TopKRouter::get_aux_loss_coeff(const std::string& aux_loss_type) const {
   return config_.moe_router_load_balancing_type == aux_loss_type ? config_.moe_aux_loss_coeff : 0.0;
 }
 
+RoutingOptions TopKRouter::routing_options() const {
+  RoutingOptions opt;
+  opt.topk = topk_;
+  opt.use_pre_softmax = config_.moe_router_pre_softmax;
+  opt.num_groups = config_.moe_router_num_groups;
+  opt.group_topk = config_.moe_router_group_topk;
+  opt.scaling_factor = config_.moe_router_topk_scaling_factor;
+  opt.score_function = config_.moe_router_score_function;
+  opt.scores_fp32 = config_.megatron.router_scores_fp32;
+  return opt;
+}
+
 bool TopKRouter::is_aux_loss_enabled() const {
   for (const char* t : {"aux_loss", "seq_aux_loss", "global_aux_loss"})
     if (get_aux_loss_coeff(t) > 0) return true;
@@ -304,17 +316,10 @@ RouterOutput TopKRouter::routing(const Mat& logits, Index seq_length, Index bsz,
   // choice flipped on a near tie): it chooses instead of the top-k.
   const BoolMat* selection = config_.moe_expert_capacity_factor ? nullptr : recorded_routing_map;
   std::function<Routing(const BoolMat*)> route;
-  RoutingOptions opt;
+  RoutingOptions opt = routing_options();
   if (config_.moe_router_load_balancing_type == "sinkhorn") {
     route = [&](const BoolMat* chosen) { return sinkhorn_load_balancing(logits, chosen); };
   } else {
-    opt.topk = topk_;
-    opt.use_pre_softmax = config_.moe_router_pre_softmax;
-    opt.num_groups = config_.moe_router_num_groups;
-    opt.group_topk = config_.moe_router_group_topk;
-    opt.scaling_factor = config_.moe_router_topk_scaling_factor;
-    opt.score_function = config_.moe_router_score_function;
-    opt.scores_fp32 = config_.megatron.router_scores_fp32;
     route = [&](const BoolMat* chosen) {
       opt.selection = chosen;
       return topk_routing_with_score_function(logits, opt, expert_bias ? &*expert_bias : nullptr, router_dtype_, rnd);
@@ -469,15 +474,7 @@ RouterGrads TopKRouter::backward(const Mat& dprobs, const RouterSaved& saved) co
   if (config_.moe_router_load_balancing_type == "sinkhorn") {
     dlogits = sinkhorn_backward(saved.logits, dkept, saved.selected);
   } else {
-    RoutingOptions opt;
-    opt.topk = topk_;
-    opt.use_pre_softmax = config_.moe_router_pre_softmax;
-    opt.num_groups = config_.moe_router_num_groups;
-    opt.group_topk = config_.moe_router_group_topk;
-    opt.scaling_factor = config_.moe_router_topk_scaling_factor;
-    opt.score_function = config_.moe_router_score_function;
-    opt.scores_fp32 = config_.megatron.router_scores_fp32;
-    dlogits = topk_routing_backward(saved.logits, dkept, saved.selected, opt, rdt, rnd);
+    dlogits = topk_routing_backward(saved.logits, dkept, saved.selected, routing_options(), rdt, rnd);
   }
   count_score_rounding();
   // The losses' gradients, accumulated into the logits' gradient (autograd's sum, in rdt).

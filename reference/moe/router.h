@@ -104,6 +104,7 @@ class TopKRouter {
   // given one (a golden's: k experts per token), and the activation's probabilities on it.
   Routing sinkhorn_load_balancing(const Mat& logits, const BoolMat* selection = nullptr) const;
   Mat sinkhorn_backward(const Mat& logits, const Mat& dscores, const BoolMat& selected) const;
+  RoutingOptions routing_options() const;  // topk_routing_with_score_function's options from the config
   Mat apply_load_balancing_losses(const Mat& logits, Index seq_length, Index bsz, const std::vector<bool>* padding_mask,
                                   AuxLosses* aux_losses);
   void use_recorded_routing_map(RouterOutput& r, const RouterOutput& before_drop, const BoolMat& rec) const;
