@@ -208,6 +208,17 @@ TopK group_limited_topk(const Mat& scores, int topk, int num_groups, int group_t
   return topk_rows(masked_scores, topk);
 }
 
+void check_given_selection(const BoolMat& selection, Index T, Index E, int k) {
+  if (selection.rows() != T || selection.cols() != E)
+    throw MoEError("a given top-k selection is [" + std::to_string(selection.rows()) + ", " +
+                   std::to_string(selection.cols()) + "], the logits [" + std::to_string(T) + ", " + std::to_string(E) +
+                   "]");
+  for (Index t = 0; t < T; ++t)
+    if (selection.row(t).count() != k)
+      throw MoEError("a given top-k selection gives token " + std::to_string(t) + " " +
+                     std::to_string(selection.row(t).count()) + " experts, moe_router_topk is " + std::to_string(k));
+}
+
 Routing topk_routing_with_score_function(const Mat& logits, const RoutingOptions& opt,
                                          const std::vector<double>* expert_bias, DType rdt, const Rounding& rnd) {
   const Index T = logits.rows(), E = logits.cols();
@@ -215,10 +226,7 @@ Routing topk_routing_with_score_function(const Mat& logits, const RoutingOptions
   if (k < 1 || k > E)
     throw MoEError("moe_router_topk (" + std::to_string(k) + ") must be in [1, num_moe_experts (" + std::to_string(E) +
                    ")]");
-  if (opt.selection && (opt.selection->rows() != T || opt.selection->cols() != E))
-    throw MoEError("a given top-k selection is [" + std::to_string(opt.selection->rows()) + ", " +
-                   std::to_string(opt.selection->cols()) + "], the logits [" + std::to_string(T) + ", " +
-                   std::to_string(E) + "]");
+  if (opt.selection) check_given_selection(*opt.selection, T, E, k);
   // Scores are stored in sdt until the final cast (the pin: the router dtype throughout).
   const DType sdt = opt.scores_fp32 ? DType::F32 : rdt;
   // top-k over scores held in dtype `dt` (a group's score sum is stored in it).
@@ -226,10 +234,6 @@ Routing topk_routing_with_score_function(const Mat& logits, const RoutingOptions
     if (opt.selection) {  // the given experts, largest score first as torch.topk orders them
       Mat given = Mat::Constant(T, E, -std::numeric_limits<double>::infinity());
       for (Index t = 0; t < T; ++t) {
-        if (opt.selection->row(t).count() != k)
-          throw MoEError("a given top-k selection gives token " + std::to_string(t) + " " +
-                         std::to_string(opt.selection->row(t).count()) + " experts, moe_router_topk is " +
-                         std::to_string(k));
         for (Index e = 0; e < E; ++e)
           if ((*opt.selection)(t, e)) given(t, e) = scores(t, e);
       }

@@ -115,6 +115,9 @@ struct Routing {
 };
 // topk_routing_with_score_function. `logits` are in router dtype `rdt`; expert_bias (fp32, [E])
 // only changes which experts are chosen (sigmoid scoring).
+// A given choice (a golden's) for T tokens of E experts: MoEError unless it is [T, E] with k
+// experts per token.
+void check_given_selection(const BoolMat& selection, Index T, Index E, int k);
 Routing topk_routing_with_score_function(const Mat& logits, const RoutingOptions& opt,
                                          const std::vector<double>* expert_bias, DType rdt, const Rounding& rnd);
 

@@ -153,15 +153,7 @@ Routing TopKRouter::sinkhorn_load_balancing(const Mat& logits, const BoolMat* se
   const Mat act = activation(logits);
   Routing r;
   if (selection) {  // a given choice (a golden's): k experts per token
-    if (selection->rows() != logits.rows() || selection->cols() != logits.cols())
-      throw MoEError("a given sinkhorn selection is [" + std::to_string(selection->rows()) + ", " +
-                     std::to_string(selection->cols()) + "], the logits [" + std::to_string(logits.rows()) + ", " +
-                     std::to_string(logits.cols()) + "]");
-    for (Index t = 0; t < selection->rows(); ++t)
-      if (selection->row(t).count() != topk_)
-        throw MoEError("a given sinkhorn selection gives token " + std::to_string(t) + " " +
-                       std::to_string(selection->row(t).count()) + " experts, moe_router_topk is " +
-                       std::to_string(topk_));
+    check_given_selection(*selection, logits.rows(), logits.cols(), topk_);
     r.routing_map = *selection;
   } else {
     const TopK top = training ? topk_rows(sinkhorn(rnd(DType::F32, logits)), topk_) : topk_rows(act, topk_);
