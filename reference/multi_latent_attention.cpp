@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "reference/rotary_pos_embedding.h"
-#include "reference/yarn_rotary_pos_embedding.h"
+#include "core/rotary_embedding.h"
 
 namespace twin::reference {
 
@@ -31,11 +31,6 @@ void check_mla_config(const TransformerConfig& c) {
     throw ConfigError("rope_type: '" + c.rope_type + "' is not supported (rope, yarn)");
   if (c.rotary_interleaved) throw ConfigError("multi-latent attention's RoPE is not interleaved (rotary_interleaved)");
   if (c.attention_output_gate) throw ConfigError("attention_output_gate is not supported with multi-latent attention");
-}
-
-double mla_softmax_scale(const TransformerConfig& c) {
-  const double mscale = yarn_get_mscale(c.rotary_scaling_factor, c.mscale_all_dim);
-  return mscale * mscale / std::sqrt(static_cast<double>(c.qk_head_dim + c.qk_pos_emb_head_dim));
 }
 
 // _apply_rotary_pos_emb_bshd with multi_latent_attention: the rotated part t[..., :rot_dim] is
@@ -113,16 +108,6 @@ void MLASelfAttention::load_state_dict(const StateDict& sd, const std::string& p
   linear_proj.load_state_dict(sd, prefix + "linear_proj.");
 }
 
-MLASelfAttention::Rope MLASelfAttention::rotary_pos_emb(int s) const {
-  if (config_.rope_type == "rope")
-    return {RotaryEmbedding(pe_, config_.rotary_percent, false, config_.rotary_base).forward(s), 1.0};
-  const YarnRotaryEmbedding yarn(pe_, config_.rotary_base, config_.rotary_scaling_factor,
-                                 config_.original_max_position_embeddings, config_.beta_fast, config_.beta_slow,
-                                 config_.mscale, config_.mscale_all_dim);
-  auto [emb, mscale] = yarn.forward(s);
-  return {std::move(emb), mscale};
-}
-
 // q_compressed = q_layernorm(linear_q_down_proj(x)); q = linear_q_up_proj(q_compressed), or
 // linear_q_proj(x) without q_lora_rank. [s*b, h] -> [s*b*np, q_head_dim].
 Mat MLASelfAttention::query_path(const Mat& x, const AttentionArgs& a, const Taps& taps,
@@ -183,7 +168,7 @@ AttentionOutput MLASelfAttention::forward(const Mat& hidden_states, const Attent
   const Eigen::Index tokens = static_cast<Eigen::Index>(a.s) * a.b;
 
   // rotary_pos_emb: [s, 1, 1, rot_dim] angles, recorded as the module returns them (fp32).
-  Rope rope = rotary_pos_emb(a.s);
+  MlaRotaryEmbedding rope = mla_rotary_pos_emb(config_, a.s);
   rope.emb = taps.record(config_.rope_type == "yarn" ? "rotary_pos_emb.0" : "rotary_pos_emb", rope.emb);
   const Mat freqs = rotary_freqs(rope.emb, a.s, pe_);
   const RopeTables tables = rope_tables(freqs, p_, rope.mscale);

@@ -78,11 +78,6 @@ class MLASelfAttention : public AttentionModule {
   Linear linear_proj;  // [h, np * v_head_dim]
 
  private:
-  struct Rope {
-    Tensor emb;  // the rotary_pos_emb module's output [s, 1, 1, rot_dim] F32
-    double mscale = 1.0;
-  };
-  Rope rotary_pos_emb(int s) const;
   // The q path: q_compressed, its norm, the up projection -> q [s*b*np, q_head_dim] (before RoPE).
   Mat query_path(const Mat& x, const AttentionArgs& a, const Taps& taps, MLASelfAttentionSaved* saved) const;
   struct KV {

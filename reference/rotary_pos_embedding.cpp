@@ -6,35 +6,6 @@
 
 namespace twin::reference {
 
-RotaryEmbedding::RotaryEmbedding(int kv_channels, double rotary_percent, bool rotary_interleaved, double rotary_base)
-    : dim_(rotary_percent < 1.0 ? static_cast<int>(kv_channels * rotary_percent) : kv_channels),
-      rotary_interleaved_(rotary_interleaved),
-      rotary_base_(rotary_base) {}
-
-Tensor RotaryEmbedding::forward(int max_seq_len, int offset) const {
-  const int half = (dim_ + 1) / 2;  // arange(0, dim, 2)
-  std::vector<float> inv_freq(half);
-  for (int i = 0; i < half; ++i) {
-    const float e = static_cast<float>(2 * i) / static_cast<float>(dim_);                     // fp32 arange / dim
-    inv_freq[i] = 1.0f / static_cast<float>(std::pow(rotary_base_, static_cast<double>(e)));  // fp32 pow, reciprocal
-  }
-  std::vector<float> emb(static_cast<std::size_t>(max_seq_len) * 2 * half);
-  for (int s = 0; s < max_seq_len; ++s) {
-    const float pos = static_cast<float>(s + offset);
-    for (int i = 0; i < half; ++i) {
-      const float f = pos * inv_freq[i];  // torch.outer in fp32
-      if (!rotary_interleaved_) {
-        emb[s * 2 * half + i] = f;  // cat((freqs, freqs))
-        emb[s * 2 * half + half + i] = f;
-      } else {
-        emb[s * 2 * half + 2 * i] = f;  // stack((f, f), -1).view
-        emb[s * 2 * half + 2 * i + 1] = f;
-      }
-    }
-  }
-  return Tensor::from_vector<float>({max_seq_len, 1, 1, 2 * half}, emb);
-}
-
 Mat rotary_freqs(const Tensor& rotary_pos_emb, int s, int head_dim) {
   const Shape& sh = rotary_pos_emb.shape();
   if (sh.size() != 4 || sh[1] != 1 || sh[2] != 1)

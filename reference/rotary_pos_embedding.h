@@ -12,26 +12,14 @@
 // too; t_pass passes dout through.
 #pragma once
 
+#include "core/rotary_embedding.h"
 #include "core/tensor.h"
 #include "reference/precision.h"
 
 namespace twin::reference {
 
-class RotaryEmbedding {
- public:
-  // dim = kv_channels, or int(kv_channels * rotary_percent) when rotary_percent < 1.
-  RotaryEmbedding(int kv_channels, double rotary_percent, bool rotary_interleaved = false,
-                  double rotary_base = 10000.0);
-  // get_emb(max_seq_len, offset): [max_seq_len, 1, 1, dim] F32 angles, as Megatron computes them
-  // in fp32 (inv_freq = 1 / base^(arange(0, dim, 2) / dim), freqs = outer(seq, inv_freq)).
-  Tensor forward(int max_seq_len, int offset = 0) const;
-  int dim() const { return dim_; }
-
- private:
-  int dim_;
-  bool rotary_interleaved_;
-  double rotary_base_;
-};
+// Megatron's RotaryEmbedding (the angles, core/rotary_embedding.h: both twins compute them alike).
+using twin::RotaryEmbedding;
 
 // Checks rotary_pos_emb against the sequence length and head size and returns it as a
 // [s, rot_dim] matrix. ShapeError when it is not [s, 1, 1, rot_dim], is shorter than the

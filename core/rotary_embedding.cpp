@@ -1,12 +1,10 @@
-#include "reference/yarn_rotary_pos_embedding.h"
+#include "core/rotary_embedding.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "core/config.h"
-
-namespace twin::reference {
+namespace twin {
 
 namespace {
 
@@ -77,4 +75,47 @@ std::pair<Tensor, double> YarnRotaryEmbedding::forward(int max_seq_len, int offs
           yarn_get_concentration_factor(scaling_factor_, mscale_, mscale_all_dim_)};
 }
 
-}  // namespace twin::reference
+RotaryEmbedding::RotaryEmbedding(int kv_channels, double rotary_percent, bool rotary_interleaved, double rotary_base)
+    : dim_(rotary_percent < 1.0 ? static_cast<int>(kv_channels * rotary_percent) : kv_channels),
+      rotary_interleaved_(rotary_interleaved),
+      rotary_base_(rotary_base) {}
+
+Tensor RotaryEmbedding::forward(int max_seq_len, int offset) const {
+  const int half = (dim_ + 1) / 2;  // arange(0, dim, 2)
+  std::vector<float> inv_freq(half);
+  for (int i = 0; i < half; ++i) {
+    const float e = static_cast<float>(2 * i) / static_cast<float>(dim_);                     // fp32 arange / dim
+    inv_freq[i] = 1.0f / static_cast<float>(std::pow(rotary_base_, static_cast<double>(e)));  // fp32 pow, reciprocal
+  }
+  std::vector<float> emb(static_cast<std::size_t>(max_seq_len) * 2 * half);
+  for (int s = 0; s < max_seq_len; ++s) {
+    const float pos = static_cast<float>(s + offset);
+    for (int i = 0; i < half; ++i) {
+      const float f = pos * inv_freq[i];  // torch.outer in fp32
+      if (!rotary_interleaved_) {
+        emb[s * 2 * half + i] = f;  // cat((freqs, freqs))
+        emb[s * 2 * half + half + i] = f;
+      } else {
+        emb[s * 2 * half + 2 * i] = f;  // stack((f, f), -1).view
+        emb[s * 2 * half + 2 * i + 1] = f;
+      }
+    }
+  }
+  return Tensor::from_vector<float>({max_seq_len, 1, 1, 2 * half}, emb);
+}
+
+MlaRotaryEmbedding mla_rotary_pos_emb(const TransformerConfig& c, int s) {
+  const int pe = c.qk_pos_emb_head_dim;
+  if (c.rope_type == "rope") return {RotaryEmbedding(pe, c.rotary_percent, false, c.rotary_base).forward(s), 1.0};
+  const YarnRotaryEmbedding yarn(pe, c.rotary_base, c.rotary_scaling_factor, c.original_max_position_embeddings,
+                                 c.beta_fast, c.beta_slow, c.mscale, c.mscale_all_dim);
+  auto [emb, mscale] = yarn.forward(s);
+  return {std::move(emb), mscale};
+}
+
+double mla_softmax_scale(const TransformerConfig& c) {
+  const double mscale = yarn_get_mscale(c.rotary_scaling_factor, c.mscale_all_dim);
+  return mscale * mscale / std::sqrt(static_cast<double>(c.qk_head_dim + c.qk_pos_emb_head_dim));
+}
+
+}  // namespace twin
