@@ -27,12 +27,16 @@
  * branches through RoPE, as in the forward); nothing is synchronised, so the sequence can be
  * captured into a graph.
  *
+ * With multi-latent attention the steps from core_attention to linear_qkv are MLA's
+ * (mla_attention_backward, layer/mla_attention.cuh), ending in the same d ln1 partial.
+ *
  * Not covered (attention_half_backward refuses it): apply_residual_connection_post_layernorm (the
  * residual would be ln1: its gradient joins d ln1 before the norm's backward). */
 #pragma once
 
 #include "optimized/dot_product_attention.cuh"
 #include "optimized/fused_bias_dropout.cuh"
+#include "optimized/layer/mla_attention.cuh"
 #include "optimized/linear.cuh"
 #include "optimized/mlp_backward.cuh"  // grad_sum
 #include "optimized/rotary_pos_embedding.cuh"
@@ -41,6 +45,9 @@
 namespace twin::opt::TWIN_BACKEND {
 
 inline std::size_t attention_half_backward_workspace_bytes(const AttentionHalfBackward& a) {
+  if (a.mla.on)
+    return std::max({norm_backward_workspace_bytes(a.rms, a.n(), a.h), column_sum_workspace_bytes(1, a.n(), a.h),
+                     mla_attention_backward_workspace_bytes(a)});
   return std::max({norm_backward_workspace_bytes(a.rms, a.n(), a.h), column_sum_workspace_bytes(1, a.n(), a.h),
                    norm_backward_workspace_bytes(a.rms, a.q_rows().n_rows, a.hn),
                    norm_backward_workspace_bytes(a.rms, a.k_rows().n_rows, a.hn),
@@ -48,43 +55,12 @@ inline std::size_t attention_half_backward_workspace_bytes(const AttentionHalfBa
                    dot_product_attention_backward_workspace_bytes(a.attn)});
 }
 
-inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t st) {
-  const std::string why = attention_half_backward_unsupported(a.post_ln_residual);
-  require(why.empty(), "attention_half_backward: not supported: " + why);
-  require(a.s > 0 && a.b > 0 && a.h > 0 && a.np > 0 && a.ng > 0 && a.np % a.ng == 0 && a.hn > 0 && a.tp.size >= 1 &&
-              (!a.tp.sp || a.n() % a.tp.size == 0),
-          "attention_half_backward: bad shape");
-  require(a.attn.sq == a.s && a.attn.sk == a.s && a.attn.b == a.b && a.attn.np_local == a.np && a.attn.hn == a.hn,
-          "attention_half_backward: the attention params' shape differs from the layer's");
-  require(a.x && a.ln1 && a.qkv && a.ctx && a.softmax_stats && a.ln1_w && a.qkv_w && a.proj_w && a.dh1 && a.dx &&
-              a.d_ln1_w && a.d_qkv_w && a.d_proj_w && a.d_proj && a.d_ctx && a.d_qkv && a.d_ln1,
-          "attention_half_backward: a required tensor is null");
-  require((a.tp.size == 1 || a.d_ln1_partial) && (!a.tp.sp || a.d_proj_full),
-          "attention_half_backward: tensor parallelism needs d_ln1_partial (and with SP d_proj_full)");
-  require(!a.rms || !a.d_ln1_b, "attention_half_backward: RMSNorm has no bias");
-  require(a.rot_dim == 0 || a.freqs, "attention_half_backward: RoPE without its angles");
-  require(!a.qk_layernorm || (a.qkv_pre_norm && a.qln_w && a.kln_w && a.d_qln_w && a.d_kln_w && a.d_qkv_pre &&
-                              (a.rms || (a.d_qln_b && a.d_kln_b))),
-          "attention_half_backward: qk_layernorm needs the pre-norm qkv, its weights and their grads");
+// The self attention with linear_qkv, backward: from d ctx to this rank's part of d ln1
+// (`d_ln1_partial`, summed over the ranks by the caller), the parameter gradients as leaves.
+inline void self_attention_qkv_backward(const AttentionHalfBackward& a, GradLeaves& leaves, void* d_ln1_partial,
+                                        cudaStream_t st) {
   const DType dt = a.dt;
-  const std::int64_t n = a.n(), n_local = a.n_local(), qw = a.qkv_width(), ctx_w = std::int64_t(a.np) * a.hn;
-  const RoundingCount at_input = rounding_now();
-  GradLeaves leaves(at_input);
-  // ---- self_attn_bda: d residual = dh1 (used below); d proj, d linear_proj.bias   // [n_local, h]
-  bias_dropout_add_backward(dt, a.dh1, a.d_proj, nullptr, nullptr, n_local, a.h, a.drop, a.tp.element_base(n, a.h),
-                            nullptr, 0, st);
-  const RoundingCount at_proj = rounding_now();
-  if (a.proj_bias) {
-    require(a.d_proj_b != nullptr, "attention_half_backward: linear_proj has a bias but d_proj_b is null");
-    linear_backward_bias(dt, a.d_proj, a.d_proj_b, n_local, a.h, a.workspace, a.workspace_bytes, st);
-    if (a.tp.sp) tp_sum_param_grads(a.tp, dt, {a.d_proj_b}, a.h, leaves, st);  // each rank summed its rows
-    leaves.done(at_proj);
-  }
-  // ---- linear_proj (row parallel)                                       // [n, np * hn], [h, np * hn]
-  const void* d_proj = tp_gather_rows(a.tp, dt, a.d_proj, a.d_proj_full, n, a.h, st);  // [n, h]
-  linear_backward_wgrad(dt, d_proj, a.ctx, a.d_proj_w, n, ctx_w, a.h, st);
-  leaves.done(at_proj);
-  linear_backward_dgrad(dt, d_proj, a.proj_w, a.d_ctx, n, ctx_w, a.h, st);
+  const std::int64_t n = a.n(), qw = a.qkv_width();
   // ---- core_attention: d q, d k, d v into d qkv (the fused layout)      // [n, qw]
   const QkvLayout lay = a.layout();
   dot_product_attention_backward(dt, a.qkv, lay, a.d_ctx, a.d_qkv, a.softmax_stats, a.attn, a.workspace,
@@ -134,8 +110,52 @@ inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t
   }
   linear_backward_wgrad(dt, d_linear_qkv, a.ln1, a.d_qkv_w, n, a.h, qw, st);
   leaves.done(at_qkv);
-  void* const d_ln1_partial = a.tp.size > 1 ? a.d_ln1_partial : a.d_ln1;
   linear_backward_dgrad(dt, d_linear_qkv, a.qkv_w, d_ln1_partial, n, a.h, qw, st);
+}
+
+inline void attention_half_backward(const AttentionHalfBackward& a, cudaStream_t st) {
+  const std::string why = attention_half_backward_unsupported(a.post_ln_residual);
+  require(why.empty(), "attention_half_backward: not supported: " + why);
+  require(a.s > 0 && a.b > 0 && a.h > 0 && a.np > 0 && a.ng > 0 && a.np % a.ng == 0 && a.hn > 0 && a.tp.size >= 1 &&
+              (!a.tp.sp || a.n() % a.tp.size == 0),
+          "attention_half_backward: bad shape");
+  require(a.attn.sq == a.s && a.attn.sk == a.s && a.attn.b == a.b && a.attn.np_local == a.np && a.attn.hn == a.hn,
+          "attention_half_backward: the attention params' shape differs from the layer's");
+  require(a.x && a.ln1 && a.ctx && a.softmax_stats && a.ln1_w && a.proj_w && a.dh1 && a.dx && a.d_ln1_w && a.d_proj_w &&
+              a.d_proj && a.d_ctx && a.d_ln1 && (a.mla.on || (a.qkv && a.qkv_w && a.d_qkv_w && a.d_qkv)),
+          "attention_half_backward: a required tensor is null");
+  require((a.tp.size == 1 || a.d_ln1_partial) && (!a.tp.sp || a.d_proj_full),
+          "attention_half_backward: tensor parallelism needs d_ln1_partial (and with SP d_proj_full)");
+  require(!a.rms || !a.d_ln1_b, "attention_half_backward: RMSNorm has no bias");
+  require(a.rot_dim == 0 || a.freqs, "attention_half_backward: RoPE without its angles");
+  require(a.mla.on || !a.qk_layernorm ||
+              (a.qkv_pre_norm && a.qln_w && a.kln_w && a.d_qln_w && a.d_kln_w && a.d_qkv_pre &&
+               (a.rms || (a.d_qln_b && a.d_kln_b))),
+          "attention_half_backward: qk_layernorm needs the pre-norm qkv, its weights and their grads");
+  const DType dt = a.dt;
+  const std::int64_t n = a.n(), n_local = a.n_local(), ctx_w = a.ctx_width();
+  const RoundingCount at_input = rounding_now();
+  GradLeaves leaves(at_input);
+  // ---- self_attn_bda: d residual = dh1 (used below); d proj, d linear_proj.bias   // [n_local, h]
+  bias_dropout_add_backward(dt, a.dh1, a.d_proj, nullptr, nullptr, n_local, a.h, a.drop, a.tp.element_base(n, a.h),
+                            nullptr, 0, st);
+  const RoundingCount at_proj = rounding_now();
+  if (a.proj_bias) {
+    require(a.d_proj_b != nullptr, "attention_half_backward: linear_proj has a bias but d_proj_b is null");
+    linear_backward_bias(dt, a.d_proj, a.d_proj_b, n_local, a.h, a.workspace, a.workspace_bytes, st);
+    if (a.tp.sp) tp_sum_param_grads(a.tp, dt, {a.d_proj_b}, a.h, leaves, st);  // each rank summed its rows
+    leaves.done(at_proj);
+  }
+  // ---- linear_proj (row parallel)                                       // [n, np * hn], [h, np * hn]
+  const void* d_proj = tp_gather_rows(a.tp, dt, a.d_proj, a.d_proj_full, n, a.h, st);  // [n, h]
+  linear_backward_wgrad(dt, d_proj, a.ctx, a.d_proj_w, n, ctx_w, a.h, st);
+  leaves.done(at_proj);
+  linear_backward_dgrad(dt, d_proj, a.proj_w, a.d_ctx, n, ctx_w, a.h, st);
+  void* const d_ln1_partial = a.tp.size > 1 ? a.d_ln1_partial : a.d_ln1;
+  if (a.mla.on)
+    mla_attention_backward(a, leaves, d_ln1_partial, st);
+  else
+    self_attention_qkv_backward(a, leaves, d_ln1_partial, st);
   tp_reduce(a.tp, dt, d_ln1_partial, a.d_ln1, n, a.h, st);
   // ---- input_layernorm, then the residual's gradient added             // [n_local, h]
   norm_backward(a.rms, dt, a.d_ln1, a.x, a.dx, a.ln1_w, a.d_ln1_w, a.d_ln1_b, NormRows::dense(n_local, a.h), a.eps,

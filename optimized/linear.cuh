@@ -73,36 +73,78 @@ inline void linear_forward(DType dt, const void* x, const void* w, const void* b
   rounding_store(dt, bias ? 2 : 1);
 }
 
+// A row-major operand's place: its pointer and row stride in elements (0: contiguous, the row
+// stride its width). The Linear GEMMs below read and write column slices of wider tensors this
+// way (multi-latent attention's latent, whose columns are split and sliced by rank) at no copy.
+struct Rows {
+  const void* ptr = nullptr;
+  std::int64_t ld = 0;
+  std::int64_t ld_or(std::int64_t width) const { return ld ? ld : width; }
+};
+struct RowsOut {
+  void* ptr = nullptr;
+  std::int64_t ld = 0;
+  std::int64_t ld_or(std::int64_t width) const { return ld ? ld : width; }
+};
+
+// y[rows, out] = x[rows, in] @ w[out, in]^T, x and y strided (no bias), counted.
+inline void linear_forward(DType dt, Rows x, const void* w, RowsOut y, std::int64_t rows, std::int64_t in,
+                           std::int64_t out, cudaStream_t stream) {
+  rt::GemmArgs g = linear_gemm_args(dt, rt::Op::T, w, in, rt::Op::N, x.ptr, x.ld_or(in), y.ptr, out, rows, in);
+  g.ldd = g.ldc = y.ld_or(out);
+  linear_gemm().run(g, stream);
+  rounding_reduce(in);
+  rounding_store(dt);
+}
+
+// dx[rows, in] (+)= dy[rows, out] @ w[out, in], dy and dx strided; accumulate: added to dx (one
+// rounding of the sum). Column-major: dx^T (in x rows) = W^T (in x out, w's row-major storage read
+// as is, ld in) * dy^T (out x rows, ld dy's row stride).
+inline void linear_backward_dgrad(DType dt, Rows dy, const void* w, RowsOut dx, std::int64_t rows, std::int64_t in,
+                                  std::int64_t out, bool accumulate, cudaStream_t stream) {
+  require(rows >= 0 && in > 0 && out > 0, "linear_backward_dgrad: bad shape rows=" + std::to_string(rows) +
+                                              " in=" + std::to_string(in) + " out=" + std::to_string(out));
+  require(dy.ptr && w && dx.ptr, "linear_backward_dgrad: null dy / w / dx");
+  // counts: as the reference: the GEMM's fp32 reduction over out, its output stored in T (with
+  // accumulate, the sum with dx: the store of the two paths' sum).
+  rounding_reduce(out);
+  rounding_store(dt);
+  if (rows == 0) return;
+  rt::GemmArgs g = linear_gemm_args(dt, rt::Op::N, w, in, rt::Op::N, dy.ptr, dy.ld_or(out), dx.ptr, in, rows, out);
+  g.ldd = g.ldc = dx.ld_or(in);
+  if (accumulate) g.beta = 1.0f;
+  linear_gemm().run(g, stream);
+}
+
 // dx[rows, in] = dy[rows, out] @ w[out, in]. Column-major: dx^T (in x rows) = W^T (in x out, w's
 // row-major storage read as is, ld in) * dy^T (out x rows, dy as is, ld out).
 inline void linear_backward_dgrad(DType dt, const void* dy, const void* w, void* dx, std::int64_t rows, std::int64_t in,
                                   std::int64_t out, cudaStream_t stream) {
-  require(rows >= 0 && in > 0 && out > 0, "linear_backward_dgrad: bad shape rows=" + std::to_string(rows) +
-                                              " in=" + std::to_string(in) + " out=" + std::to_string(out));
-  require(dy && w && dx, "linear_backward_dgrad: null dy / w / dx");
-  // counts: as the reference: the GEMM's fp32 reduction over out, its output stored in T.
-  rounding_reduce(out);
-  rounding_store(dt);
-  if (rows == 0) return;
-  linear_gemm().run(linear_gemm_args(dt, rt::Op::N, w, in, rt::Op::N, dy, out, dx, in, rows, out), stream);
+  linear_backward_dgrad(dt, Rows{dy}, w, RowsOut{dx}, rows, in, out, false, stream);
 }
 
-// dw[out, in] = dy[rows, out]^T @ x[rows, in]. Column-major: dW^T (in x out) = X^T (in x rows,
-// x's storage as is, ld in) * dy (rows x out: dy's storage transposed, ld out). rows == 0 gives
-// dw = 0 (an empty sum).
-inline void linear_backward_wgrad(DType dt, const void* dy, const void* x, void* dw, std::int64_t rows, std::int64_t in,
+// dw[out, in] = dy[rows, out]^T @ x[rows, in], dy and x strided. Column-major: dW^T (in x out) =
+// X^T (in x rows, x's storage as is, ld its row stride) * dy (rows x out: dy's storage transposed,
+// ld its row stride). rows == 0 gives dw = 0 (an empty sum).
+inline void linear_backward_wgrad(DType dt, Rows dy, Rows x, void* dw, std::int64_t rows, std::int64_t in,
                                   std::int64_t out, cudaStream_t stream) {
   require(rows >= 0 && in > 0 && out > 0, "linear_backward_wgrad: bad shape rows=" + std::to_string(rows) +
                                               " in=" + std::to_string(in) + " out=" + std::to_string(out));
-  require(dy && x && dw, "linear_backward_wgrad: null dy / x / dw");
+  require(dy.ptr && x.ptr && dw, "linear_backward_wgrad: null dy / x / dw");
   // counts: as the reference: the GEMM's fp32 reduction over the rows, stored in the param dtype.
   rounding_reduce(rows);
   rounding_store(dt);
-  const rt::GemmArgs g = linear_gemm_args(dt, rt::Op::N, x, in, rt::Op::T, dy, out, dw, in, out, rows);
+  const rt::GemmArgs g =
+      linear_gemm_args(dt, rt::Op::N, x.ptr, x.ld_or(in), rt::Op::T, dy.ptr, dy.ld_or(out), dw, in, out, rows);
   if (rows > 0)
     linear_gemm().run(g, stream);
   else
     linear_gemm().run_grouped({g}, stream);  // the grouped entry point allows k == 0 (D = 0)
+}
+
+inline void linear_backward_wgrad(DType dt, const void* dy, const void* x, void* dw, std::int64_t rows, std::int64_t in,
+                                  std::int64_t out, cudaStream_t stream) {
+  linear_backward_wgrad(dt, Rows{dy}, Rows{x}, dw, rows, in, out, stream);
 }
 
 // Workspace linear_backward_bias needs.

@@ -69,7 +69,7 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
 
   // ---- params: every key present, right shape and dtype
   const std::int64_t fc1_rows = (c.gated_linear_unit ? 2 : 1) * std::int64_t(m.ffn);
-  std::map<std::string, Shape> shapes = attention_half_param_shapes(m.h, m.np, m.ng, m.hn);
+  std::map<std::string, Shape> shapes = attention_half_param_shapes(c);
   shapes.insert({{"mlp.linear_fc1.weight", {fc1_rows, m.h}},
                  {"mlp.linear_fc1.bias", {fc1_rows}},
                  {"mlp.linear_fc2.weight", {m.h, m.ffn}},
@@ -144,7 +144,7 @@ void DenseTransformerLayer::Impl::set_rank_inputs(int r, const Tensor& hidden_st
   float* const stats = static_cast<float*>(
       kept_buffer(R.softmax_stats, sizeof(float) * 2 * std::size_t(p.b) * p.np_local() * p.s, fo.keep_for_backward));
   void* const pre_norm = kept_buffer(R.qkv_pre_norm, std::size_t(p.s) * p.b * std::size_t(p.qkv_width()) * es,
-                                     fo.keep_for_backward && p.qk_layernorm);
+                                     fo.keep_for_backward && p.qk_layernorm && !p.mla.on);
   const bool changed = set_forward_streams(p, fo, mask_mode, in.mask_b, in.mask_h) || p.softmax_stats != stats ||
                        p.qkv_pre_norm != pre_norm;
   if (changed) R.graph.reset();
@@ -165,9 +165,12 @@ void DenseTransformerLayer::Impl::set_rank_inputs(int r, const Tensor& hidden_st
 void DenseTransformerLayer::Impl::record_tap(int r, TapPoint t, std::vector<RankTap>& taps) {
   Rank& R = ranks[r];
   const RankPlan& p = R.plan;
-  auto download = [&](const void* ptr, Shape shape) { return download_tensor(*dev, *R.stream, ptr, dt, shape); };
-  RankTapRecorder rec{p, full, download, taps};
+  RankTapRecorder rec{
+      p, full,
+      [&](const void* ptr, DType type, Shape shape) { return download_tensor(*dev, *R.stream, ptr, type, shape); },
+      taps};
   if (rec.attention_half(t)) return;
+  auto download = [&](const void* ptr, Shape shape) { return rec.get(ptr, std::move(shape)); };
   if (t == TapPoint::LinearFc1) {
     rec.add("mlp.linear_fc1.0", download(p.fc1, {p.s, p.b, (p.glu ? 2 : 1) * std::int64_t(p.ffn_local())}),
             ShardLayout{2, p.glu ? 2 : 1});
@@ -195,8 +198,8 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
   Impl& m = *impl_;
   const int tp = options_.tp;
   const bool sp = options_.sp;
-  const AttentionInputs in =
-      check_attention_inputs(kWho, hidden_states, m.dt, m.h, m.np, m.hn, attention_mask, rotary_pos_emb);
+  const AttentionInputsWithAngles in =
+      check_attention_inputs(kWho, config_, hidden_states, attention_mask, rotary_pos_emb);
   if (sp && in.s % tp != 0)
     throw ShapeError(std::string(kWho) + ": sequence length " + std::to_string(in.s) + " not divisible by tp " +
                      std::to_string(tp) + " with sequence parallelism");
@@ -205,7 +208,7 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
 
   m.ensure_activations(in, attention_mask ? attention_mask->nbytes() : 0);
   if (attention_mask) m.mask.upload(attention_mask->raw(), attention_mask->nbytes());  // BOOL: one byte per element
-  if (in.rot) m.freqs.upload(rotary_pos_emb->raw(), rotary_pos_emb->nbytes());         // [s, 1, 1, rot] == [s, rot]
+  if (in.rot) m.freqs.upload(in.angles.raw(), in.angles.nbytes());                     // [s, 1, 1, rot] == [s, rot]
   m.kept = false;                                    // set again once this forward has run
   for (auto& R : m.ranks) R.backward_graph.reset();  // captured against the buffers and plan of the forward before
   const MaskMode mask_mode = self_attention_mask_mode(attention_mask != nullptr, options_.attn_mask_type, in.s);

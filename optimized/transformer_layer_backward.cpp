@@ -79,9 +79,7 @@ void DenseTransformerLayer::Impl::ensure_grad_buffers(rt::Backend backend) {
     g.d_ln2 = A.add(*m.dev, "d_ln2", m.dt, nl, m.h);
     g.d_proj = A.add(*m.dev, "d_proj", m.dt, nl, m.h);
     g.d_proj_full = buf_if(p.sp, "d_proj_full", n, m.h);
-    g.d_ctx = A.add(*m.dev, "d_ctx", m.dt, n, std::int64_t(p.np_local()) * m.hn);
-    g.d_qkv = A.add(*m.dev, "d_qkv", m.dt, n, p.qkv_width());
-    g.d_qkv_pre = buf_if(p.qk_layernorm, "d_qkv_pre", n, p.qkv_width());
+    add_attention_half_grad_scratch(A, *m.dev, p, g);
     g.d_ln1_partial = buf_if(p.tp > 1, "d_ln1_partial", n, m.h);
     g.d_ln1 = A.add(*m.dev, "d_ln1", m.dt, nl, m.h);
     g.workspace_bytes = layer_kernels(backend).rank_backward_workspace_bytes(p);
@@ -163,18 +161,26 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
     return gathered(ptr_of, n, cols / tp, ShardLayout{1, blocks});
   };
   auto whole = [&](auto ptr_of, std::int64_t cols) { return gathered(ptr_of, n, cols, ShardLayout{}); };
-  AttentionHalfMagnitudes attention(
-      fp, n,
-      {{"d_ln1", [&] { return rows_of(grad_buf(&RankGrads::d_ln1)); }},
-       {"d_qkv", [&] { return cols_of(grad_buf(&RankGrads::d_qkv), qw); }},
-       {"d_qkv_pre", [&] { return cols_of(grad_buf(&RankGrads::d_qkv_pre), qw); }},
-       {"d_proj", [&] { return rows_of(grad_buf(&RankGrads::d_proj)); }},
-       {"d_ln2", [&] { return rows_of(grad_buf(&RankGrads::d_ln2)); }},
-       {"x", [&] { return rows_of(plan_buf(&RankPlan::x)); }},
-       {"h1", [&] { return rows_of(plan_buf(&RankPlan::h1)); }},
-       {"ln1", [&] { return whole(plan_buf(&RankPlan::ln1_full), h); }},
-       {"ctx", [&] { return cols_of(plan_buf(&RankPlan::ctx), std::int64_t(m.np) * m.hn); }},
-       {"qkv_pre_norm", [&] { return cols_of(plan_buf(&RankPlan::qkv_pre_norm), qw); }}});
+  std::map<std::string, AttentionHalfMagnitudes::Source> sources = {
+      {"d_ln1", [&] { return rows_of(grad_buf(&RankGrads::d_ln1)); }},
+      {"d_qkv", [&] { return cols_of(grad_buf(&RankGrads::d_qkv), qw); }},
+      {"d_qkv_pre", [&] { return cols_of(grad_buf(&RankGrads::d_qkv_pre), qw); }},
+      {"d_proj", [&] { return rows_of(grad_buf(&RankGrads::d_proj)); }},
+      {"d_ln2", [&] { return rows_of(grad_buf(&RankGrads::d_ln2)); }},
+      {"x", [&] { return rows_of(plan_buf(&RankPlan::x)); }},
+      {"h1", [&] { return rows_of(plan_buf(&RankPlan::h1)); }},
+      {"ln1", [&] { return whole(plan_buf(&RankPlan::ln1_full), h); }},
+      {"ctx", [&] { return cols_of(plan_buf(&RankPlan::ctx), fp.ctx_width()); }},
+      {"qkv_pre_norm", [&] { return cols_of(plan_buf(&RankPlan::qkv_pre_norm), qw); }}};
+  if (fp.mla.on)
+    add_mla_magnitude_sources(
+        fp,
+        [&](const MlaBufferOf& ptr, std::int64_t cols, bool per_head) {
+          auto of_rank = [&](const Impl::Rank& R) { return ptr(R.plan, R.grads); };
+          return per_head ? cols_of(of_rank, cols) : whole(of_rank, cols);
+        },
+        sources);
+  AttentionHalfMagnitudes attention(fp, n, std::move(sources));
   std::vector<double> d_fc1, d_mlp;  // read once, for the MLP's weights and biases
   auto mlp_grads = [&] {
     if (!d_fc1.empty()) return;

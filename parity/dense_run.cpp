@@ -147,7 +147,7 @@ TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode) {
   fo.record_taps = true;
   fo.keep_for_backward = !no_backward;
   const Tensor* rope = optional_input(f, "rotary_pos_emb");
-  if (cfg.position_embedding_type == "rope" && !rope)
+  if (cfg.position_embedding_type == "rope" && !rope && !cfg.multi_latent_attention)  // MLA: its own
     throw FixtureError(f.path + ": position_embedding_type is rope but input.rotary_pos_emb is missing");
   TwinRun run;
   CountRoundings counting;

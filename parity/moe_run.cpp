@@ -24,7 +24,7 @@ TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode) {
   if (const std::string why = opt::moe_layer_unsupported(cfg, lo); !why.empty())
     throw FixtureUnsupported("the optimized twin does not implement " + why);
   const Tensor* rope = optional_input(f, "rotary_pos_emb");
-  if (cfg.position_embedding_type == "rope" && !rope)
+  if (cfg.position_embedding_type == "rope" && !rope && !cfg.multi_latent_attention)  // MLA: its own
     throw FixtureError(f.path + ": position_embedding_type is rope but input.rotary_pos_emb is missing");
   opt::MoETransformerLayer layer(cfg, params_of(f), lo);
   // The backward runs where the golden has gradients and the layer's backward covers them.

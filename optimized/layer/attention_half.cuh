@@ -4,12 +4,14 @@
  * device side of layer/attention_half.h, run by the dense layer (transformer_layer.cuh) and by the
  * MoE layer's router phase (moe/moe_layer.cuh), with its backward's arguments. The design (one
  * stream, no host synchronisation, q/k/v read in place from the fused linear_qkv output, Megatron's
- * tensor and sequence parallelism) is transformer_layer.cuh's. */
+ * tensor and sequence parallelism) is transformer_layer.cuh's. With multi_latent_attention the self
+ * attention is MLA's (layer/mla_attention.cuh) in place of linear_qkv, qk-layernorm and RoPE. */
 #pragma once
 
 #include "optimized/attention_backward.cuh"
 #include "optimized/dot_product_attention.cuh"
 #include "optimized/fused_bias_dropout.cuh"
+#include "optimized/layer/mla_attention.cuh"
 #include "optimized/layer/rank_plan.h"
 #include "optimized/linear.cuh"
 #include "optimized/rotary_pos_embedding.cuh"
@@ -54,21 +56,13 @@ inline AttnParams attention_params(const RankPlan& p) {
   return ap;
 }
 
-// The attention half of the layer, through pre_mlp_layernorm (and its SP all-gather): the part
-// the dense layer and the MoE layer share.
-inline void attention_forward_impl(const RankPlan& p, cudaStream_t st) {
+// The self attention with linear_qkv: linear_qkv, qk-layernorm, RoPE, core_attention, from
+// input_layernorm's output to ctx [s, b, np_l * hn].
+template <class Tap>
+inline void self_attention_qkv_forward(const RankPlan& p, Tap&& tap, cudaStream_t st) {
   const DType dt = p.dt;
-  const std::int64_t n_local = std::int64_t(p.s_local()) * p.b, n_full = std::int64_t(p.s) * p.b;
+  const std::int64_t n_full = std::int64_t(p.s) * p.b;
   const std::size_t esz = dtype_size(dt);
-  auto tap = [&](TapPoint t) {
-    if (p.on_tap) p.on_tap(t);
-  };
-  // ---- input_layernorm                                   // [s_local, b, h]
-  norm_forward(p.rms, dt, p.x, p.ln1, p.ln1_w, p.ln1_b, NormRows::dense(n_local, p.h), p.eps, p.zero_centered_gamma,
-               st);
-  tap(TapPoint::InputLayernorm);
-  if (p.sp) p.comm->all_gather(p.ln1, p.ln1_full, std::size_t(n_local) * p.h, dt, st);  // [s, b, h]
-
   // ---- self_attention.linear_qkv (bias in the epilogue)  // [s, b, ng_l * (hpg + 2) * hn]
   const std::int64_t qw = p.qkv_width();
   linear_forward(dt, p.sp ? p.ln1_full : p.ln1, p.qkv_w, p.qkv_b, p.qkv, n_full, p.h, qw, st);
@@ -104,12 +98,33 @@ inline void attention_forward_impl(const RankPlan& p, cudaStream_t st) {
   }
 
   // ---- core_attention                                    // [s, b, np_l * hn]
-  const AttnParams ap = attention_params(p);
-  dot_product_attention_forward(dt, p.qkv, QkvLayout{qw, gs, hpg}, p.ctx, ap, st);
+  dot_product_attention_forward(dt, p.qkv, QkvLayout{qw, gs, hpg}, p.ctx, attention_params(p), st);
+}
+
+// The attention half of the layer, through pre_mlp_layernorm (and its SP all-gather): the part
+// the dense layer and the MoE layer share.
+inline void attention_forward_impl(const RankPlan& p, cudaStream_t st) {
+  const DType dt = p.dt;
+  const std::int64_t n_local = std::int64_t(p.s_local()) * p.b, n_full = std::int64_t(p.s) * p.b;
+  auto tap = [&](TapPoint t) {
+    if (p.on_tap) p.on_tap(t);
+  };
+  // ---- input_layernorm                                   // [s_local, b, h]
+  norm_forward(p.rms, dt, p.x, p.ln1, p.ln1_w, p.ln1_b, NormRows::dense(n_local, p.h), p.eps, p.zero_centered_gamma,
+               st);
+  tap(TapPoint::InputLayernorm);
+  if (p.sp) p.comm->all_gather(p.ln1, p.ln1_full, std::size_t(n_local) * p.h, dt, st);  // [s, b, h]
+
+  if (p.mla.on) {
+    // ---- self_attention: multi-latent attention (layer/mla_attention.cuh)   // [s, b, np_l * v]
+    mla_attention_forward(p, p.sp ? p.ln1_full : p.ln1, attention_params(p), tap, st);
+  } else {
+    self_attention_qkv_forward(p, tap, st);
+  }
   tap(TapPoint::CoreAttention);
 
   // ---- self_attention.linear_proj (row parallel; bias returned for the bda)   // [s_local, b, h]
-  row_parallel_linear_forward(p, p.ctx, p.proj_w, std::int64_t(p.np_local()) * hn, p.proj_partial, p.proj, st);
+  row_parallel_linear_forward(p, p.ctx, p.proj_w, p.ctx_width(), p.proj_partial, p.proj, st);
   tap(TapPoint::LinearProj);
 
   // ---- self_attn_bda: h1 = residual + dropout(proj + bias)   // [s_local, b, h]
@@ -145,6 +160,17 @@ inline AttentionHalfBackward attention_half_backward_args(const RankPlan& p, con
   a.drop = DropoutArgs::make(p.hidden_dropout, p.training, p.seed, p.offset_self_attn_bda);
   a.qk_layernorm = p.qk_layernorm;
   a.post_ln_residual = p.post_ln_residual;
+  a.mla = p.mla;
+  a.mla_acts = p.mla_acts;
+  a.q_down_w = p.q_down_w;
+  a.q_up_w = p.q_up_w;
+  a.kv_down_w = p.kv_down_w;
+  a.kv_up_w = p.kv_up_w;
+  a.d_q_down_w = g.q_down_w;
+  a.d_q_up_w = g.q_up_w;
+  a.d_kv_down_w = g.kv_down_w;
+  a.d_kv_up_w = g.kv_up_w;
+  a.d_mla = g.mla;
   a.tp = tensor_parallel(p);
   a.x = p.x;
   a.ln1 = p.ln1_full;

@@ -21,12 +21,12 @@
 
 namespace twin::opt {
 
-// Megatron's state-dict keys of the attention half for `c` (biases and norms included or not).
+// Megatron's state-dict keys of the attention half for `c` (biases and norms included or not;
+// with multi_latent_attention, MLASelfAttention's projections and latent norms in place of
+// linear_qkv and the q/k layernorms).
 std::vector<std::string> attention_half_param_keys(const TransformerConfig& c);
-// The state-dict shapes of the attention half (input_layernorm through pre_mlp_layernorm) of a
-// layer of hidden size h, np heads in ng query groups of head dim hn.
-std::map<std::string, Shape> attention_half_param_shapes(std::int64_t h, std::int64_t np, std::int64_t ng,
-                                                         std::int64_t hn);
+// The state-dict shapes of the attention half (input_layernorm through pre_mlp_layernorm) of `c`.
+std::map<std::string, Shape> attention_half_param_shapes(const TransformerConfig& c);
 
 // The attention half's weight slots in a RankPlan by state-dict key (a slot stays null where the
 // config has no such parameter).
@@ -43,6 +43,13 @@ inline constexpr PlanWeight kAttentionHalfWeights[] = {
     {"self_attention.q_layernorm.bias", &RankPlan::qln_b},
     {"self_attention.k_layernorm.weight", &RankPlan::kln_w},
     {"self_attention.k_layernorm.bias", &RankPlan::kln_b},
+    {"self_attention.linear_q_down_proj.weight", &RankPlan::q_down_w},
+    {"self_attention.linear_q_up_proj.weight", &RankPlan::q_up_w},
+    {"self_attention.linear_q_proj.weight", &RankPlan::q_up_w},
+    {"self_attention.linear_kv_down_proj.weight", &RankPlan::kv_down_w},
+    {"self_attention.linear_kv_up_proj.weight", &RankPlan::kv_up_w},
+    {"self_attention.kv_layernorm.weight", &RankPlan::kln_w},
+    {"self_attention.kv_layernorm.bias", &RankPlan::kln_b},
     {"self_attention.linear_proj.weight", &RankPlan::proj_w},
     {"self_attention.linear_proj.bias", &RankPlan::proj_b},
     {"pre_mlp_layernorm.weight", &RankPlan::ln2_w},
@@ -53,6 +60,9 @@ inline constexpr PlanWeight kAttentionHalfWeights[] = {
 // tensor-parallel ranks hold it: shard_dim -1, the whole gradient on every rank (a replicated
 // parameter, after the backward's sum over the ranks where each computed a part); 0 / 1, split by
 // rows / columns as the weight is (linear_fc1 with GLU: rows in two blocks, [gate | linear]).
+// MLA's down projections: each rank holds its rows' gradient (Megatron's column-parallel shard;
+// the forward reads the whole weight, layer/mla_attention.cuh), its latent norms' gradients are
+// whole on every rank.
 struct GradSlot {
   const char* key;
   void* RankGrads::*slot;
@@ -70,6 +80,13 @@ inline constexpr GradSlot kAttentionHalfGradSlots[] = {
     {"self_attention.q_layernorm.bias", &RankGrads::qln_b, -1},
     {"self_attention.k_layernorm.weight", &RankGrads::kln_w, -1},
     {"self_attention.k_layernorm.bias", &RankGrads::kln_b, -1},
+    {"self_attention.linear_q_down_proj.weight", &RankGrads::q_down_w, 0},
+    {"self_attention.linear_q_up_proj.weight", &RankGrads::q_up_w, 0},
+    {"self_attention.linear_q_proj.weight", &RankGrads::q_up_w, 0},
+    {"self_attention.linear_kv_down_proj.weight", &RankGrads::kv_down_w, 0},
+    {"self_attention.linear_kv_up_proj.weight", &RankGrads::kv_up_w, 0},
+    {"self_attention.kv_layernorm.weight", &RankGrads::kln_w, -1},
+    {"self_attention.kv_layernorm.bias", &RankGrads::kln_b, -1},
     {"pre_mlp_layernorm.weight", &RankGrads::ln2_w, -1},
     {"pre_mlp_layernorm.bias", &RankGrads::ln2_b, -1},
 };
@@ -77,7 +94,8 @@ inline constexpr GradSlot kAttentionHalfGradSlots[] = {
 // A core_attention's softmax scale, Megatron's query-key layer scaling coefficient and the
 // softmax's dtype (DotProductAttention.__init__: scale 1 / sqrt(hn) or softmax_scale, divided by
 // the layer number under apply_query_key_layer_scaling, which FusedScaleMaskSoftmax multiplies
-// back in fp32; TransformerConfig.__post_init__: that scaling sets attention_softmax_in_fp32).
+// back in fp32; TransformerConfig.__post_init__: that scaling sets attention_softmax_in_fp32; MLA's
+// scale is mla_softmax_scale, core/rotary_embedding.h).
 struct AttentionScaling {
   float alpha = 1.0f;  // the scale q k^T is multiplied by
   float coeff = 0.0f;  // 0: no query-key layer scaling
@@ -94,6 +112,10 @@ void plan_attention_half(RankPlan& p, const TransformerConfig& c, int layer_numb
 // has them (else the local buffer). The input x and the MLP's buffers are the caller's.
 void add_attention_half_buffers(BufferArena& arena, rt::Device& dev, RankPlan& p);
 
+// The attention half's backward scratch of `p` (RankGrads), rows of `arena`: d ctx [n, ctx_width],
+// then d qkv (and d qkv_pre with qk-layernorm) [n, qkv_width], or MLA's (MlaGradScratch).
+void add_attention_half_grad_scratch(BufferArena& arena, rt::Device& dev, const RankPlan& p, RankGrads& g);
+
 // A forward's inputs, checked before anything runs ("<who>: ..." ShapeErrors): hidden_states
 // [s, b, h] in dt; attention_mask BOOL [b | 1, 1 | np, s, s] or null; rotary_pos_emb F32
 // [s, 1, 1, rot_dim] with rot_dim even, > 0 and <= hn, or null.
@@ -104,6 +126,17 @@ struct AttentionInputs {
 };
 AttentionInputs check_attention_inputs(const std::string& who, const Tensor& hidden_states, DType dt, int h, int np,
                                        int hn, const Tensor* attention_mask, const Tensor* rotary_pos_emb);
+
+// The same for a layer of config `c`, with the RoPE angles the attention half applies: the
+// rotary_pos_emb input, or with multi_latent_attention MLA's own rotary embedding's
+// (mla_rotary_pos_emb, as MLASelfAttention computes them; rotary_pos_emb must then be null, as
+// Megatron asserts), in `angles` [s, rot] F32 (undefined without RoPE).
+struct AttentionInputsWithAngles : AttentionInputs {
+  Tensor angles;
+};
+AttentionInputsWithAngles check_attention_inputs(const std::string& who, const TransformerConfig& c,
+                                                 const Tensor& hidden_states, const Tensor* attention_mask,
+                                                 const Tensor* rotary_pos_emb);
 
 // This forward's dropout streams (one per DropoutSite, from fo.offset), training flag, seed and
 // self-attention mask in `p`. Returns whether a value a captured graph bakes in changed.
@@ -118,13 +151,19 @@ bool set_forward_streams(RankPlan& p, const ForwardOptions& fo, MaskMode mask_mo
 //   linear_qkv.0 [s, b, ng_l * (hpg + 2) * hn]: this rank's query groups, contiguous in the
 //     grouped layout; q/k_layernorm [s, b, np_l | ng_l, hn] and core_attention [s, b, np_l * hn]:
 //     this rank's heads;
-//   biases (skip_bias_add outputs): the full parameter, no rounding point.
+//   biases (skip_bias_add outputs): the full parameter, no rounding point;
+//   MLA's: rotary_pos_emb (.0 for YaRN) [s, 1, 1, pe] (the host's angles), the down projections'
+//     outputs and the latent norms [s, b, width] whole on every rank, the up projections' outputs
+//     [s, b, np_l * width] this rank's heads.
 struct RankTapRecorder {
   const RankPlan& p;
-  const std::map<std::string, Tensor>& full;                     // the layer's full params (the biases)
-  std::function<Tensor(const void* ptr, Shape shape)> download;  // in the plan's dtype
+  const std::map<std::string, Tensor>& full;  // the layer's full params (the biases)
+  std::function<Tensor(const void* ptr, DType dtype, Shape shape)> download;
   std::vector<RankTap>& taps;
 
+  Tensor get(const void* ptr, Shape shape) const {
+    return download(ptr, p.dt, std::move(shape));
+  }  // in the plan's dtype
   void add(std::string name, Tensor value, ShardLayout layout);
   void bias(const std::string& name, const std::string& key);
   // A row-parallel linear's output [s_local, b, h] (after the reduction) and bias as
@@ -133,6 +172,8 @@ struct RankTapRecorder {
   void row_parallel(const void* y, const std::string& module, const std::string& linear);
   // The attention half's taps at `t`; false when `t` is not the attention half's.
   bool attention_half(TapPoint t);
+  // MLA's (attention_half's for its points).
+  bool mla(TapPoint t);
 };
 
 // The q/k-layernorm taps out of the grouped linear_qkv output [S * B, ng * (hpg + 2) * hn] of

@@ -98,10 +98,22 @@ const std::vector<LayerFeature>& layer_features() {
           "no twin splits the sequence across context-parallel ranks",
           [](TransformerConfig& c) { c.context_parallel_size = 2; }),
       // ---- attention
+      row(
+          "multi_latent_attention",
+          [](const TransformerConfig& c, const LayerOptions&) { return c.multi_latent_attention; }, {K::Dense, K::MoE},
+          "Retro's decoder spec has no multi-latent attention",
+          [](TransformerConfig& c, LayerOptions&) { c.multi_latent_attention = true; }),
       none_implement(
-          "multi_latent_attention", [](const TransformerConfig& c) { return c.multi_latent_attention; },
-          "multi-latent attention has no optimized kernels yet (the reference twin runs it)",
-          [](TransformerConfig& c) { c.multi_latent_attention = true; }),
+          "v_head_dim",
+          [](const TransformerConfig& c) {
+            return c.multi_latent_attention && c.v_head_dim > c.qk_head_dim + c.qk_pos_emb_head_dim;
+          },
+          "MLA's value is zero-padded to the query's head dim (qk_head_dim + qk_pos_emb_head_dim), so v_head_dim "
+          "must not exceed it",
+          [](TransformerConfig& c) {
+            c.multi_latent_attention = true;
+            c.v_head_dim = c.qk_head_dim + c.qk_pos_emb_head_dim + 8;
+          }),
       none_implement(
           "window_size", [](const TransformerConfig& c) { return c.window_size.has_value(); },
           "sliding-window attention has no optimized kernel",
@@ -120,8 +132,12 @@ const std::vector<LayerFeature>& layer_features() {
           "qk_l2_norm", [](const TransformerConfig& c) { return c.qk_l2_norm; },
           "the q/k L2 norm has no optimized kernel", [](TransformerConfig& c) { c.qk_l2_norm = true; }),
       none_implement(
-          "kv_channels", [](const TransformerConfig& c) { return c.head_dim() > kMaxHeadDim; },
-          "the attention kernel holds a head of at most " + std::to_string(kMaxHeadDim) + " channels",
+          "kv_channels",
+          [](const TransformerConfig& c) {
+            return (c.multi_latent_attention ? c.qk_head_dim + c.qk_pos_emb_head_dim : c.head_dim()) > kMaxHeadDim;
+          },
+          "the attention kernel holds a head (MLA's: qk_head_dim + qk_pos_emb_head_dim) of at most " +
+              std::to_string(kMaxHeadDim) + " channels",
           [](TransformerConfig& c) { c.kv_channels = kMaxHeadDim + 8; }),
       // ---- norms and the MLP
       none_implement(

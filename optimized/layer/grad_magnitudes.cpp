@@ -89,8 +89,71 @@ double AttentionHalfMagnitudes::qk_norm(bool keys, bool bias) {
   return norm_weight_magnitude(dy, Tensor::from_doubles(DType::F64, {rows, p_.hn}, xs), rows, p_.hn, p_.rms, p_.eps);
 }
 
+Tensor AttentionHalfMagnitudes::first_cols(const std::string& name, std::int64_t width, std::int64_t cols) {
+  const std::vector<double> all = tensor(name).to_f64();
+  std::vector<double> out;
+  out.reserve(static_cast<std::size_t>(n_ * cols));
+  for (std::int64_t r = 0; r < n_; ++r) out.insert(out.end(), all.begin() + r * width, all.begin() + r * width + cols);
+  return Tensor::from_doubles(DType::F64, {n_, cols}, out);
+}
+
+// MLA's projections and latent norms: each linear's from its output gradient and input, each
+// norm's from its output gradient and input (kv_layernorm's: the first kv_lora columns of the
+// [n, kv_lora + pe] latent).
+std::optional<double> AttentionHalfMagnitudes::mla(const std::string& key) {
+  const MlaShape& m = p_.mla;
+  const std::int64_t n = n_, h = p_.h, np = p_.np, ql = m.q_lora, kvl = m.kv_lora, kvw = m.kv_width();
+  const std::int64_t q_out = np * m.q_head(), kv_out = np * (m.qk + m.v);
+  const std::string sa = "self_attention.";
+  if (key == sa + "linear_q_down_proj.weight") return weight_magnitude(abs("d_q_compressed"), abs("ln1"), n, ql, h);
+  if (key == sa + "linear_q_up_proj.weight") return weight_magnitude(abs("d_query"), abs("q_normed"), n, q_out, ql);
+  if (key == sa + "linear_q_proj.weight") return weight_magnitude(abs("d_query"), abs("ln1"), n, q_out, h);
+  if (key == sa + "linear_kv_down_proj.weight") return weight_magnitude(abs("d_kv_combined"), abs("ln1"), n, kvw, h);
+  if (key == sa + "linear_kv_up_proj.weight")
+    return weight_magnitude(abs("d_kv"), abs_values(first_cols("kv_normed", kvw, kvl)), n, kv_out, kvl);
+  if (key == sa + "q_layernorm.weight")
+    return norm_weight_magnitude(abs("d_q_normed"), tensor("q_compressed"), n, ql, p_.rms, p_.eps);
+  if (key == sa + "q_layernorm.bias") return column_magnitude(abs("d_q_normed"), n, ql);
+  const std::vector<double> d_kv_normed = abs_values(first_cols("d_kv_latent", kvw, kvl));
+  if (key == sa + "kv_layernorm.weight")
+    return norm_weight_magnitude(d_kv_normed, first_cols("kv_combined", kvw, kvl), n, kvl, p_.rms, p_.eps);
+  if (key == sa + "kv_layernorm.bias") return column_magnitude(d_kv_normed, n, kvl);
+  return std::nullopt;
+}
+
+void add_mla_magnitude_sources(const RankPlan& fp, const MlaRead& read,
+                               std::map<std::string, AttentionHalfMagnitudes::Source>& sources) {
+  const MlaShape& m = fp.mla;
+  const std::int64_t np = fp.np, ql = m.q_lora, kvw = m.kv_width();
+  auto add = [&](const char* name, MlaBufferOf ptr, std::int64_t cols, bool per_head) {
+    sources[name] = [read, ptr = std::move(ptr), cols, per_head] { return read(ptr, cols, per_head); };
+  };
+  add(
+      "d_query", [](const RankPlan&, const RankGrads& g) { return g.mla.d_query; }, np * m.q_head(), true);
+  add(
+      "d_kv", [](const RankPlan&, const RankGrads& g) { return g.mla.d_kv; }, np * (m.qk + m.v), true);
+  add(
+      "q_compressed", [](const RankPlan& p, const RankGrads&) { return p.mla_acts.q_compressed; }, ql, false);
+  add(
+      "q_normed", [](const RankPlan& p, const RankGrads&) { return p.mla_acts.q_normed; }, ql, false);
+  add(
+      "d_q_normed", [](const RankPlan&, const RankGrads& g) { return g.mla.d_q_normed; }, ql, false);
+  add(
+      "d_q_compressed", [](const RankPlan&, const RankGrads& g) { return g.mla.d_q_compressed; }, ql, false);
+  add(
+      "kv_combined", [](const RankPlan& p, const RankGrads&) { return p.mla_acts.kv_combined; }, kvw, false);
+  add(
+      "kv_normed", [](const RankPlan& p, const RankGrads&) { return p.mla_acts.kv_normed; }, kvw, false);
+  add(
+      "d_kv_latent", [](const RankPlan&, const RankGrads& g) { return g.mla.d_kv_latent; }, kvw, false);
+  add(
+      "d_kv_combined", [](const RankPlan&, const RankGrads& g) { return g.mla.d_kv_combined; }, kvw, false);
+}
+
 std::optional<double> AttentionHalfMagnitudes::operator()(const std::string& key) {
-  const std::int64_t n = n_, h = p_.h, qw = p_.qkv_width(), cw = std::int64_t(p_.np_local()) * p_.hn;
+  if (p_.mla.on)  // MLA's q_layernorm shares its key with SelfAttention's
+    if (const std::optional<double> m = mla(key)) return m;
+  const std::int64_t n = n_, h = p_.h, qw = p_.qkv_width(), cw = p_.ctx_width();
   // linear_qkv's output gradient: after the qk-norms' backward when the layer has them
   const char* d_lin = p_.qk_layernorm ? "d_qkv_pre" : "d_qkv";
   if (key == "input_layernorm.weight") return norm_weight_magnitude(abs("d_ln1"), tensor("x"), n, h, p_.rms, p_.eps);

@@ -35,7 +35,9 @@ std::vector<double> gather_heads(const std::vector<double>& full, std::int64_t n
 //   d_ln1, d_proj, d_ln2, x (the layer input), h1 (pre_mlp_layernorm's input) [n, h];
 //   d_qkv (core attention's q, k, v gradient), d_qkv_pre (linear_qkv's output gradient, qk-norms
 //   only), qkv_pre_norm (linear_qkv's output before the qk-norms) [n, qkv_width]; ln1 [n, h];
-//   ctx [n, np * hn].
+//   ctx [n, ctx_width]; with MLA (mla_magnitude_sources): d_query [n, np * q_head], d_kv
+//   [n, np * (qk + v)], q_compressed, q_normed, d_q_normed, d_q_compressed [n, q_lora],
+//   kv_combined, kv_normed, d_kv_latent, d_kv_combined [n, kv_lora + pe].
 class AttentionHalfMagnitudes {
  public:
   using Source = std::function<Tensor()>;
@@ -48,11 +50,22 @@ class AttentionHalfMagnitudes {
   const Tensor& tensor(const std::string& name);
   const std::vector<double>& abs(const std::string& name);
   double qk_norm(bool keys, bool bias);
+  std::optional<double> mla(const std::string& key);
+  // The first `cols` columns of the [n, width] tensor `name` (F64).
+  Tensor first_cols(const std::string& name, std::int64_t width, std::int64_t cols);
   RankPlan p_;
   std::int64_t n_;
   std::map<std::string, Source> sources_;
   std::map<std::string, Tensor> tensors_;
   std::map<std::string, std::vector<double>> abs_;
 };
+
+// MLA's sources of AttentionHalfMagnitudes, each read by `read(ptr, cols, per_head)`: `ptr` picks
+// a rank's buffer from its plan and gradients, per_head tensors are each rank's heads' columns
+// ([n, cols / tp] on each, put together by heads), the others whole on every rank.
+using MlaBufferOf = std::function<const void*(const RankPlan&, const RankGrads&)>;
+using MlaRead = std::function<Tensor(const MlaBufferOf& ptr, std::int64_t cols, bool per_head)>;
+void add_mla_magnitude_sources(const RankPlan& full_plan, const MlaRead& read,
+                               std::map<std::string, AttentionHalfMagnitudes::Source>& sources);
 
 }  // namespace twin::opt

@@ -224,6 +224,48 @@ struct TensorParallel {
   }
 };
 
+// ---- multi-latent attention (layer/mla_attention.cuh) ----------------------------------------
+
+// MLASelfAttention's numbers on one tensor-parallel rank (on: the layer's self attention is MLA,
+// in place of linear_qkv and its q/k-layernorms; the core attention's head dim is q_head()).
+struct MlaShape {
+  bool on = false;
+  int q_lora = 0;  // q_lora_rank; 0: linear_q_proj, no down projection
+  int kv_lora = 0, qk = 0, pe = 0, v = 0;
+  float rope_mscale = 1.0f;  // the RoPE's concentration factor (YaRN's; 1 for plain RoPE)
+  bool yarn = false;         // rope_type "yarn" (its module returns (angles, mscale): taps name .0)
+  int q_head() const { return qk + pe; }
+  int kv_width() const { return kv_lora + pe; }  // linear_kv_down_proj's output
+};
+
+// Its activations on one rank of np_l heads, n = s * b tokens. The down projections' outputs and
+// the latent norms are whole on every rank (the values Megatron's column-parallel down projection
+// and its all-gather give), the up projections' this rank's heads.
+struct MlaActivations {
+  void* q_compressed = nullptr;  // [n, q_lora] linear_q_down_proj's output, q_layernorm's input
+  void* q_normed = nullptr;      // [n, q_lora] q_layernorm's output (= q_compressed without it)
+  void* kv_combined = nullptr;   // [n, kv_width] linear_kv_down_proj's output; its last pe columns
+                                 // (k_pos_emb) rotated in place once the taps have read them
+  void* kv_normed = nullptr;     // [n, kv_width] kv_layernorm's output in the first kv_lora columns
+                                 // (= kv_combined without it)
+  void* query = nullptr;         // [n, np_l, q_head] the q projection's output, its last pe channels rotated
+  void* kv = nullptr;            // [n, np_l, qk + v] linear_kv_up_proj's output
+  void* key_value = nullptr;     // [n, np_l, 2 q_head] the core attention's key | value (zero-padded)
+  void* context = nullptr;       // [n, np_l, q_head] the core attention's output over the padded value
+};
+
+// Its backward's scratch (each null where the layer has no such step).
+struct MlaGradScratch {
+  void* d_context = nullptr;       // [n, np_l, q_head] d context, zero past v
+  void* d_query = nullptr;         // [n, np_l, q_head] d of the q projection's output (after RoPE's backward)
+  void* d_key_value = nullptr;     // [n, np_l, 2 q_head]
+  void* d_kv = nullptr;            // [n, np_l, qk + v] d linear_kv_up_proj's output
+  void* d_q_normed = nullptr;      // [n, q_lora] d linear_q_up_proj's input (summed over the ranks)
+  void* d_q_compressed = nullptr;  // [n, q_lora] d linear_q_down_proj's output (= d_q_normed without q_layernorm)
+  void* d_kv_latent = nullptr;     // [n, kv_width] d kv_normed | d k_pos_emb (summed over the ranks)
+  void* d_kv_combined = nullptr;   // [n, kv_width] d linear_kv_down_proj's output (= d_kv_latent without kv_layernorm)
+};
+
 // ---- the attention and MLP halves' backward (attention_backward.cuh, mlp_backward.cuh) -----
 
 struct AttentionHalfBackward {
@@ -240,16 +282,21 @@ struct AttentionHalfBackward {
   TensorParallel tp;             // np and ng are this rank's heads and groups
   bool qk_layernorm = false;
   bool post_ln_residual = false;  // refused (checked here so no caller forgets)
+  MlaShape mla;                   // on: MLA's self attention (hn = mla.q_head(), ng = np)
   // The forward's saved tensors.
   const void* x = nullptr;               // [n_local, h] input_layernorm's input (the layer's input)
   const void* ln1 = nullptr;             // [n, h] its output (with SP all-gathered), linear_qkv's input
   const void* qkv = nullptr;             // [n, qw] linear_qkv's output after RoPE (core attention's q, k, v)
   const void* qkv_pre_norm = nullptr;    // [n, qw] linear_qkv's output before qk-layernorm (with it)
-  const void* ctx = nullptr;             // [n, np * hn] core attention's output, linear_proj's input
+  const void* ctx = nullptr;             // [n, ctx_width] core attention's output, linear_proj's input
   const float* softmax_stats = nullptr;  // [b, np, s, 2] the forward's row max and sum
   // Parameters (biases null when the layer has none).
   const void *ln1_w = nullptr, *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr;
   const void *qln_w = nullptr, *qln_b = nullptr, *kln_w = nullptr, *kln_b = nullptr;  // with qk_layernorm
+  // MLA's (q_layernorm / kv_layernorm in qln / kln): the down projections whole, the up
+  // projections this rank's heads; q_up_w is linear_q_proj's without q_lora.
+  const void *q_down_w = nullptr, *q_up_w = nullptr, *kv_down_w = nullptr, *kv_up_w = nullptr;
+  MlaActivations mla_acts;
   bool proj_bias = false;
   // Gradients: dh1 in, the rest out (param grads null where the parameter is absent).
   const void* dh1 = nullptr;  // [n_local, h]
@@ -257,7 +304,11 @@ struct AttentionHalfBackward {
   void *d_ln1_w = nullptr, *d_ln1_b = nullptr, *d_qkv_w = nullptr, *d_qkv_b = nullptr, *d_proj_w = nullptr,
        *d_proj_b = nullptr;
   void *d_qln_w = nullptr, *d_qln_b = nullptr, *d_kln_w = nullptr, *d_kln_b = nullptr;  // with qk_layernorm
-  // Scratch in dt: d proj [n_local, h], d ctx [n, np * hn], d qkv [n, qw], d qkv_pre [n, qw] (with
+  // MLA's: the down projections' this rank's rows (Megatron's column-parallel shard), the up
+  // projections' this rank's heads.
+  void *d_q_down_w = nullptr, *d_q_up_w = nullptr, *d_kv_down_w = nullptr, *d_kv_up_w = nullptr;
+  MlaGradScratch d_mla;
+  // Scratch in dt: d proj [n_local, h], d ctx [n, ctx_width], d qkv [n, qw], d qkv_pre [n, qw] (with
   // qk_layernorm), d ln1 [n_local, h]; at tp > 1 d ln1_partial [n, h] (this rank's part of d ln1)
   // and with SP d proj_full [n, h]; `workspace` as attention_half_backward_workspace_bytes says.
   void *d_proj = nullptr, *d_ctx = nullptr, *d_qkv = nullptr, *d_qkv_pre = nullptr, *d_ln1 = nullptr;
@@ -268,7 +319,8 @@ struct AttentionHalfBackward {
   std::int64_t n() const { return std::int64_t(s) * b; }
   std::int64_t n_local() const { return tp.rows_local(n()); }
   int hpg() const { return np / ng; }
-  std::int64_t qkv_width() const { return std::int64_t(ng) * (hpg() + 2) * hn; }
+  std::int64_t qkv_width() const { return mla.on ? 0 : std::int64_t(ng) * (hpg() + 2) * hn; }
+  std::int64_t ctx_width() const { return std::int64_t(np) * (mla.on ? mla.v : hn); }  // linear_proj's input
   QkvLayout layout() const { return QkvLayout{qkv_width(), std::int64_t(hpg() + 2) * hn, hpg()}; }
   // The q rows and the k rows of the fused layout, as the forward's qk-layernorm and RoPE address them.
   NormRows q_rows() const { return NormRows{n() * ng * hpg(), hn, hpg(), std::int64_t(hpg() + 2) * hn, hn}; }

@@ -13,7 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/dtype.h"
-#include "optimized/layer/kernel_types.h"
+#include "optimized/layer/kernel_args.h"  // MlaShape, MlaActivations, MlaGradScratch
 
 namespace twin::rt {
 class Communicator;
@@ -26,6 +26,14 @@ enum class TapPoint {
   InputLayernorm,
   LinearQkv,
   QkLayernorm,
+  // multi-latent attention's, in its order (the q path, then the kv path)
+  MlaRotaryPosEmb,
+  MlaQDownProj,
+  MlaQLayernorm,
+  MlaQUpProj,
+  MlaKvDownProj,
+  MlaKvLayernorm,
+  MlaKvUpProj,
   CoreAttention,
   LinearProj,
   PreMlpLayernorm,
@@ -44,14 +52,17 @@ struct RankPlan {
   int ng_local() const { return ng / tp; }
   int ffn_local() const { return ffn / tp; }
   int hpg() const { return np / ng; }
-  std::int64_t qkv_width() const { return std::int64_t(ng_local()) * (hpg() + 2) * hn; }
+  std::int64_t qkv_width() const { return mla.on ? 0 : std::int64_t(ng_local()) * (hpg() + 2) * hn; }
+  // linear_proj's input per token: this rank's heads' core-attention outputs
+  std::int64_t ctx_width() const { return std::int64_t(np_local()) * (mla.on ? mla.v : hn); }
 
   // ---- numerics
   DType dt = DType::F32;
   bool rms = false;
   double eps = 1e-5;
   bool zero_centered_gamma = false;
-  bool qk_layernorm = false;
+  bool qk_layernorm = false;  // with MLA: its q_layernorm and kv_layernorm
+  MlaShape mla;               // on: multi-latent attention (hn = mla.q_head(), ng = np; no linear_qkv)
   bool glu = false;
   Act act = Act::Gelu;
   bool post_ln_residual = false;  // apply_residual_connection_post_layernorm
@@ -75,9 +86,13 @@ struct RankPlan {
   const void* qln_w = nullptr;
   const void* qln_b = nullptr;  // [hn]
   const void* kln_w = nullptr;
-  const void* kln_b = nullptr;  // [hn]
+  const void* kln_b = nullptr;      // [hn]
+  const void* q_down_w = nullptr;   // MLA: [q_lora, h] linear_q_down_proj (whole on every rank)
+  const void* q_up_w = nullptr;     // MLA: [np_local * q_head, q_lora] linear_q_up_proj (or linear_q_proj's [.., h])
+  const void* kv_down_w = nullptr;  // MLA: [kv_width, h] linear_kv_down_proj (whole on every rank)
+  const void* kv_up_w = nullptr;    // MLA: [np_local * (qk + v), kv_lora] linear_kv_up_proj
   const void* proj_w = nullptr;
-  const void* proj_b = nullptr;  // [h, np_local * hn], [h] (full bias)
+  const void* proj_b = nullptr;  // [h, ctx_width], [h] (full bias)
   const void* ln2_w = nullptr;
   const void* ln2_b = nullptr;  // [h]
   const void* fc1_w = nullptr;
@@ -92,7 +107,8 @@ struct RankPlan {
   void* ln1 = nullptr;                 // [s_local, b, h]
   void* ln1_full = nullptr;            // [s, b, h] (SP: all-gathered; else = ln1)
   void* qkv = nullptr;                 // [s, b, qkv_width]
-  void* ctx = nullptr;                 // [s, b, np_local * hn]
+  void* ctx = nullptr;                 // [s, b, ctx_width]
+  MlaActivations mla_acts;             // MLA's (in place of qkv)
   void* proj_partial = nullptr;        // [s, b, h]
   void* proj = nullptr;                // [s_local, b, h] (reduced)
   void* h1 = nullptr;                  // [s_local, b, h] (after self_attn_bda)
@@ -122,7 +138,10 @@ struct RankGrads {
   const void* dout = nullptr;  // [n_local, h]
   void* dx = nullptr;          // [n_local, h]
   void *ln1_w = nullptr, *ln1_b = nullptr, *qkv_w = nullptr, *qkv_b = nullptr, *proj_w = nullptr, *proj_b = nullptr;
-  void *qln_w = nullptr, *qln_b = nullptr, *kln_w = nullptr, *kln_b = nullptr;  // qk-layernorm's
+  void *qln_w = nullptr, *qln_b = nullptr, *kln_w = nullptr,
+       *kln_b = nullptr;  // qk-layernorm's (MLA: q/kv_layernorm's)
+  // MLA's projections: the down projections' this rank's rows, the up projections' its heads
+  void *q_down_w = nullptr, *q_up_w = nullptr, *kv_down_w = nullptr, *kv_up_w = nullptr;
   void *ln2_w = nullptr, *ln2_b = nullptr, *fc1_w = nullptr, *fc1_b = nullptr, *fc2_w = nullptr, *fc2_b = nullptr;
   // scratch
   void* dh1 = nullptr;            // [n_local, h] d h1, the attention half's output
@@ -134,7 +153,8 @@ struct RankGrads {
   void* d_ln2 = nullptr;          // [n_local, h]
   void* d_proj = nullptr;         // [n_local, h] d linear_proj output
   void* d_proj_full = nullptr;    // [n, h] SP: d_proj all-gathered (else null)
-  void* d_ctx = nullptr;          // [n, np_local * hn]
+  void* d_ctx = nullptr;          // [n, ctx_width]
+  MlaGradScratch mla;             // MLA's (in place of d_qkv and d_qkv_pre)
   void* d_qkv = nullptr;          // [n, qkv_width] d of core attention's q, k, v (after RoPE's backward)
   void* d_qkv_pre = nullptr;      // [n, qkv_width] d linear_qkv output (after qk-layernorm's backward)
   void* d_ln1_partial = nullptr;  // [n, h] tp > 1: this rank's part of d ln1 (else null)

@@ -31,6 +31,12 @@ void check_tensor_parallel_sizes(const std::string& who, const TransformerConfig
   reject(np % tp != 0 || ng % tp != 0, tp_name + " " + std::to_string(tp) + " must divide num_attention_heads " +
                                            std::to_string(np) + " and num_query_groups " + std::to_string(ng));
   reject(ffn % tp != 0, tp_name + " " + std::to_string(tp) + " must divide ffn_hidden_size " + std::to_string(ffn));
+  if (c.multi_latent_attention) {  // the down projections' column-parallel shards
+    const int kv_width = c.kv_lora_rank + c.qk_pos_emb_head_dim;
+    reject(kv_width % tp != 0 || c.q_lora_rank.value_or(0) % tp != 0,
+           tp_name + " " + std::to_string(tp) + " must divide q_lora_rank and kv_lora_rank + qk_pos_emb_head_dim " +
+               std::to_string(kv_width) + " (the down projections are column parallel)");
+  }
 }
 
 Tensor take_rows(const Tensor& t, std::int64_t r0, std::int64_t r1) {
@@ -79,10 +85,15 @@ Tensor tensor_parallel_shard(const TransformerConfig& c, const std::string& key,
     return take_rows(t, r * ng_l * group_rows, (r + 1) * ng_l * group_rows);
   }
   if (starts_with(key, "cross_attention.attn.linear_q.")) return take_rows(t, r * np_l * hn, (r + 1) * np_l * hn);
+  // MLA's up projections by heads (their rows are [np, width]); its down projections whole (the
+  // forward reads the whole weight, layer/mla_attention.cuh)
+  if (key == "self_attention.linear_q_up_proj.weight" || key == "self_attention.linear_q_proj.weight" ||
+      key == "self_attention.linear_kv_up_proj.weight")
+    return take_rows(t, r * (t.size(0) / tp), (r + 1) * (t.size(0) / tp));
   if (starts_with(key, "cross_attention.attn.linear_kv."))
     return take_rows(t, r * np_l * 2 * hn, (r + 1) * np_l * 2 * hn);
   if (key == "self_attention.linear_proj.weight" || key == "cross_attention.attn.linear_proj.weight")
-    return take_cols(t, r * np_l * hn, (r + 1) * np_l * hn);
+    return take_cols(t, r * (t.size(1) / tp), (r + 1) * (t.size(1) / tp));  // np * hn (MLA: np * v) columns
   if (key == "mlp.linear_fc2.weight") return take_cols(t, r * f_l, (r + 1) * f_l);
   if (starts_with(key, "mlp.linear_fc1."))
     return c.gated_linear_unit ? glu_rows(t, ffn, f_l, r) : take_rows(t, r * f_l, (r + 1) * f_l);
@@ -91,7 +102,8 @@ Tensor tensor_parallel_shard(const TransformerConfig& c, const std::string& key,
 
 ShardLayout tensor_parallel_layout(const TransformerConfig& c, const std::string& key) {
   if (starts_with(key, "self_attention.linear_qkv.") || starts_with(key, "cross_attention.attn.linear_q.") ||
-      starts_with(key, "cross_attention.attn.linear_kv."))
+      starts_with(key, "cross_attention.attn.linear_kv.") || key == "self_attention.linear_q_up_proj.weight" ||
+      key == "self_attention.linear_q_proj.weight" || key == "self_attention.linear_kv_up_proj.weight")
     return {0, 1};
   if (key == "self_attention.linear_proj.weight" || key == "cross_attention.attn.linear_proj.weight" ||
       key == "mlp.linear_fc2.weight")

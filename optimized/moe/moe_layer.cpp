@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/rounding.h"
+#include "optimized/layer/sharding.h"  // take_rows
 
 namespace twin::opt {
 
@@ -326,14 +327,18 @@ void MoEMlpRank::tap(MoETapPoint t, const MoELayerPlan& P, std::int64_t S, std::
       break;
     }
     case MoETapPoint::ExpertsOutput: {
-      const std::int64_t N = routed_rows();
-      const Tensor all = download(P.expert_out, dt, {N, H});
+      // Each expert's rows of its linear_fc1's output (before the bias, which the activation
+      // adds) and of its output, the linear_fc2's (its bias returned apart, as the module's .1).
+      const std::int64_t N = routed_rows(), w1 = (P.glu ? 2 : 1) * std::int64_t(P.ffn);
+      const Tensor all = download(P.expert_out, dt, {N, H}), fc1 = download(P.fc1, dt, {N, w1});
       std::int64_t row = 0;
       for (int e = 0; e < E; ++e) {
         const std::int64_t n = P.tokens_per_expert[std::size_t(e)];
-        Tensor part = Tensor::empty(dt, {n, H});
-        if (n) std::memcpy(part.raw_mut(), all.raw() + std::size_t(row * H) * es, std::size_t(n * H) * es);
-        rec.add(Role::Tap, "mlp.experts.local_experts." + std::to_string(e) + ".0", part);
+        const std::string expert = "mlp.experts.local_experts." + std::to_string(e) + ".";
+        rec.add(Role::Tap, expert + "linear_fc1.0", take_rows(fc1, row, row + n));
+        const Tensor out = take_rows(all, row, row + n);
+        rec.add(Role::Tap, expert + "linear_fc2.0", out);
+        rec.add(Role::Tap, expert + "0", out);
         row += n;
       }
       rec.add(Role::Tap, "mlp.experts.0", all);

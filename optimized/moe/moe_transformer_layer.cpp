@@ -86,7 +86,7 @@ void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const s
   m.stream.emplace(*m.dev);
 
   // ---- params: every key present, right shape and dtype; no other key
-  std::map<std::string, Shape> shapes = attention_half_param_shapes(m.h, m.np, m.ng, m.hn);
+  std::map<std::string, Shape> shapes = attention_half_param_shapes(c);
   m.mlp.add_param_shapes(c, shapes);
   m.full = checked_params(kWho, params, moe_layer_param_keys(c), shapes, m.dt);
   for (const auto& [key, t] : params) {
@@ -222,8 +222,8 @@ void MoETransformerLayer::router_rank(int rank, const Tensor& hidden_states, con
 
 void MoETransformerLayer::router_rank_body(Impl& m, const Tensor& hidden_states, const MoEForwardInputs& in,
                                            const ForwardOptions& fo) {
-  const AttentionInputs ai =
-      check_attention_inputs(kWho, hidden_states, m.dt, m.h, m.np, m.hn, in.attention_mask, in.rotary_pos_emb);
+  const AttentionInputsWithAngles ai =
+      check_attention_inputs(kWho, config_, hidden_states, in.attention_mask, in.rotary_pos_emb);
   if (fo.use_graph && (fo.record_taps || in.recorded_routing_map))
     throw std::invalid_argument(std::string(kWho) + ": graph replay runs without taps and without a recorded map");
   const std::int64_t T = std::int64_t(ai.s) * ai.b;
@@ -234,7 +234,7 @@ void MoETransformerLayer::router_rank_body(Impl& m, const Tensor& hidden_states,
   RankPlan& p = P.attn;
   m.ensure_buffers(
       BufferShape{ai.s, ai.b, ai.rot, in.attention_mask ? in.attention_mask->nbytes() : 0, !m.padding.empty()});
-  m.upload_inputs(hidden_states, in);
+  m.upload_inputs(hidden_states, in, ai.angles);
   const MaskMode mask_mode = self_attention_mask_mode(in.attention_mask != nullptr, options_.attn_mask_type, ai.s);
   m.kept = false;  // set again once this forward's postprocess has run
   m.backward_done = Impl::BackwardPhase::None;
@@ -301,9 +301,10 @@ void MoETransformerLayer::Impl::ensure_buffers(const BufferShape& shape) {
   mlp.add_buffers(P, A, d, shape.s, shape.b);
 }
 
-void MoETransformerLayer::Impl::upload_inputs(const Tensor& hidden_states, const MoEForwardInputs& in) {
+void MoETransformerLayer::Impl::upload_inputs(const Tensor& hidden_states, const MoEForwardInputs& in,
+                                              const Tensor& angles) {
   x_in.upload(hidden_states.raw(), hidden_states.nbytes());
-  if (in.rotary_pos_emb) freqs.upload(in.rotary_pos_emb->raw(), in.rotary_pos_emb->nbytes());
+  if (angles.defined()) freqs.upload(angles.raw(), angles.nbytes());
   if (in.attention_mask) mask.upload(in.attention_mask->raw(), in.attention_mask->nbytes());
   if (!padding.empty()) pad.upload(padding.data(), padding.size());
 }
@@ -320,7 +321,7 @@ bool MoETransformerLayer::Impl::set_kept_buffers(bool keep) {
   float* const stats =
       static_cast<float*>(kept_buffer(softmax_stats, sizeof(float) * 2 * std::size_t(p.b) * p.np_local() * p.s, keep));
   void* const pre_norm = kept_buffer(qkv_pre_norm, std::size_t(p.s) * p.b * std::size_t(p.qkv_width()) * dtype_size(dt),
-                                     keep && p.qk_layernorm);
+                                     keep && p.qk_layernorm && !p.mla.on);
   const bool changed = p.softmax_stats != stats || p.qkv_pre_norm != pre_norm;
   p.softmax_stats = stats;
   p.qkv_pre_norm = pre_norm;
@@ -330,7 +331,9 @@ bool MoETransformerLayer::Impl::set_kept_buffers(bool keep) {
 // The attention half's taps as every kind records them (tp = 1: every tensor whole).
 void MoETransformerLayer::Impl::attention_tap(TapPoint t) {
   std::vector<RankTap> taps;
-  RankTapRecorder rec{plan.attn, full, [&](const void* ptr, Shape shape) { return download(ptr, dt, shape); }, taps};
+  RankTapRecorder rec{plan.attn, full,
+                      [&](const void* ptr, DType type, Shape shape) { return download(ptr, type, std::move(shape)); },
+                      taps};
   rec.attention_half(t);
   for (RankTap& tap : taps) pending.record.add(Role::Tap, tap.name, std::move(tap.value)).rounding = tap.rounding;
 }

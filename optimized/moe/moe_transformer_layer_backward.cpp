@@ -64,9 +64,7 @@ void MoETransformerLayer::Impl::ensure_grad_buffers(rt::Backend backend) {
   a.d_mlp = A.add(d, "d_mlp", dt, T, H);
   a.d_ln2 = A.add(d, "d_ln2", dt, T, H);
   a.d_proj = A.add(d, "d_proj", dt, T, H);
-  a.d_ctx = A.add(d, "d_ctx", dt, T, std::int64_t(np) * hn);
-  a.d_qkv = A.add(d, "d_qkv", dt, T, p.qkv_width());
-  a.d_qkv_pre = p.qk_layernorm ? A.add(d, "d_qkv_pre", dt, T, p.qkv_width()) : nullptr;
+  add_attention_half_grad_scratch(A, d, p, a);
   a.d_ln1 = A.add(d, "d_ln1", dt, T, H);
   a.workspace_bytes = layer_kernels(backend).moe_rank_backward_workspace_bytes(P);
   a.workspace = A.add<std::byte>(d, "workspace", a.workspace_bytes);
@@ -269,46 +267,22 @@ void MoETransformerLayer::set_magnitudes(LayerGradients& out) const {
   auto abs_of = [&](const void* ptr, std::int64_t rows, std::int64_t cols) {
     return abs_values(m.download(ptr, m.dt, {rows, cols}));
   };
-  AttentionHalfMagnitudes attention(p, T,
-                                    {{"d_ln1",
-                                      [&] {
-                                        return m.download(g.attn.d_ln1, m.dt, {T, h});
-                                      }},
-                                     {"d_qkv",
-                                      [&] {
-                                        return m.download(g.attn.d_qkv, m.dt, {T, p.qkv_width()});
-                                      }},
-                                     {"d_qkv_pre",
-                                      [&] {
-                                        return m.download(g.attn.d_qkv_pre, m.dt, {T, p.qkv_width()});
-                                      }},
-                                     {"d_proj",
-                                      [&] {
-                                        return m.download(g.attn.d_proj, m.dt, {T, h});
-                                      }},
-                                     {"d_ln2",
-                                      [&] {
-                                        return m.download(g.attn.d_ln2, m.dt, {T, h});
-                                      }},
-                                     {"x",
-                                      [&] {
-                                        return m.download(p.x, m.dt, {T, h});
-                                      }},
-                                     {"h1",
-                                      [&] {
-                                        return m.download(p.h1, m.dt, {T, h});
-                                      }},
-                                     {"ln1",
-                                      [&] {
-                                        return m.download(p.ln1_full, m.dt, {T, h});
-                                      }},
-                                     {"ctx",
-                                      [&] {
-                                        return m.download(p.ctx, m.dt, {T, std::int64_t(m.np) * m.hn});
-                                      }},
-                                     {"qkv_pre_norm", [&] {
-                                        return m.download(p.qkv_pre_norm, m.dt, {T, p.qkv_width()});
-                                      }}});
+  auto read = [&](const void* ptr, std::int64_t cols) { return m.download(ptr, m.dt, {T, cols}); };
+  std::map<std::string, AttentionHalfMagnitudes::Source> sources = {
+      {"d_ln1", [&] { return read(g.attn.d_ln1, h); }},
+      {"d_qkv", [&] { return read(g.attn.d_qkv, p.qkv_width()); }},
+      {"d_qkv_pre", [&] { return read(g.attn.d_qkv_pre, p.qkv_width()); }},
+      {"d_proj", [&] { return read(g.attn.d_proj, h); }},
+      {"d_ln2", [&] { return read(g.attn.d_ln2, h); }},
+      {"x", [&] { return read(p.x, h); }},
+      {"h1", [&] { return read(p.h1, h); }},
+      {"ln1", [&] { return read(p.ln1_full, h); }},
+      {"ctx", [&] { return read(p.ctx, p.ctx_width()); }},
+      {"qkv_pre_norm", [&] { return read(p.qkv_pre_norm, p.qkv_width()); }}};
+  if (p.mla.on)  // tp = 1: every tensor whole
+    add_mla_magnitude_sources(
+        p, [&](const MlaBufferOf& ptr, std::int64_t cols, bool) { return read(ptr(p, g.attn), cols); }, sources);
+  AttentionHalfMagnitudes attention(p, T, std::move(sources));
   // An expert's rows on its owner rank, read once per rank: local expert l's are
   // [offset_l, offset_l + n_l) of the rank's expert rows (at ep > 1 every rank's replica of each
   // token's row: the weight gradient's sum is scaled by 1 / ep, its magnitude likewise).

@@ -70,7 +70,8 @@ struct MoETransformerLayer::Impl {
   }
   // The router phase's steps (below).
   void ensure_buffers(const BufferShape& shape);
-  void upload_inputs(const Tensor& hidden_states, const MoEForwardInputs& in);
+  // hidden_states, the mask and padding, and the RoPE angles [s, rot] (undefined: none).
+  void upload_inputs(const Tensor& hidden_states, const MoEForwardInputs& in, const Tensor& angles);
   void attention_tap(TapPoint t);
   // The kept buffers of this forward (null unless fo.keep_for_backward); true if a pointer a
   // graph bakes in changed.

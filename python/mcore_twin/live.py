@@ -13,8 +13,10 @@ the twins do not implement yet (their `unsupported`) is counted apart, not check
 About 1 case in 5 is a dense or MoE layer with multi-latent attention (MLA, draw_mla: case seeds
 from MLA_SEEDS = 2^31 up, so the seeds below draw as they did before MLA was drawn), and every run
 checks at least MLA_MIN of them (forced at fixed positions: by the 2nd case checked and by the
-middle). The optimized twin has no MLA kernels yet: its `unsupported` for an MLA case is taken and
-counted (the reference twin checks it alone); the summary line says how many MLA cases were checked.
+middle). Both twins check the dense MLA cases (the reference twin alone the MoE ones, as every MoE
+case); an MLA config the optimized twin refuses (its `unsupported`, e.g. v_head_dim above the
+query's head dim) is taken and counted, the reference twin checking it alone; the summary line
+says how many MLA cases were checked.
 
 - A case Megatron-Core rejects or fails to run, or whose Megatron output is not finite, proves
   nothing: it is skipped and counted by reason.
@@ -627,7 +629,7 @@ def main(argv=None):
                 continue
             unsupported = optimized_unsupported(cfg) if kind == "dense_layer" else []
             results = run_twin(a.twin, path, both=kind == "dense_layer" and not unsupported)
-            if mla:  # the optimized twin has no MLA kernels yet: its `unsupported` is taken, counted
+            if mla:  # an MLA config the optimized twin refuses: its `unsupported` is taken, counted
                 no_mla = [res for res in results if res["twin"] == "optimized" and res["status"] == "unsupported"]
                 results = [res for res in results if res not in no_mla]
                 unsupported = unsupported + ["multi_latent_attention"] if no_mla else unsupported

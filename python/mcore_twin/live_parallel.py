@@ -13,8 +13,8 @@ from one seed, so with the same weights, inputs and upstream gradient: on one ra
 layout's ranks (parallel.py, gathered into one golden). Then:
 
 - `twin fixture --twin both` on the gathered golden: the reference on the whole layer, the
-  optimized twin at the golden's own layout; both pass (the optimized twin may refuse a feature it
-  does not implement: unsupported; it has no MLA yet);
+  optimized twin at the golden's own layout (MLA's at TP 2 and TP 2 + SP too); both pass (the
+  optimized twin may refuse a feature it does not implement: unsupported);
 - `twin diff` of the one-rank capture (less the taps the gathered golden leaves out) against the
   gathered one: every forward tensor and gradient within its counted bound (exit 0).
 

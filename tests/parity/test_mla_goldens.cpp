@@ -1,7 +1,6 @@
 // Multi-latent attention goldens (fixtures/megatron-core-partial/mla_*.safetensors): layers whose
 // self attention is real Megatron-Core's MLASelfAttention, dense and MoE, fp32 and bf16, with and
-// without q_lora_rank, YaRN and plain RoPE. The reference twin runs them forward and backward;
-// the optimized twin has no MLA kernels yet and says so before it runs.
+// without q_lora_rank, YaRN and plain RoPE. Both twins run them forward and backward.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -61,15 +60,41 @@ TEST(MLAGoldens, TheReferencePassesEveryOneForwardAndBackward) {
     EXPECT_TRUE(kinds.count(k)) << "no MLA golden of " << k;
 }
 
-TEST(MLAGoldens, TheOptimizedTwinSaysItHasNoMultiLatentAttention) {
+// The optimized twin runs every MLA golden forward and backward within the counted bounds: at
+// tp 1 (dense and MoE) and, for the dense layer, at tp 2 with and without sequence parallelism
+// where the heads and the latent split over two ranks (the MoE twin runs its attention at tp 1).
+TEST(MLAGoldens, TheOptimizedTwinPassesEveryOneForwardAndBackwardAtEachTensorParallelSize) {
+  int runs_at_tp2 = 0;
   for (const std::string& path : mla_goldens()) {
-    SCOPED_TRACE(path);
     const Fixture f = load_fixture(path);
-    try {
-      compare_fixture(find_fixture_handler(f.kind, TwinKind::Optimized), f, TwinKind::Optimized, RunMode{});
-      ADD_FAILURE() << "the optimized twin ran an MLA golden";
-    } catch (const FixtureUnsupported& e) {
-      EXPECT_NE(std::string(e.what()).find("multi_latent_attention"), std::string::npos) << e.what();
+    const TransformerConfig& c = f.config;
+    std::vector<RunMode> modes = {RunMode{}};
+    const bool splits = c.num_attention_heads % 2 == 0 && (c.kv_lora_rank + c.qk_pos_emb_head_dim) % 2 == 0 &&
+                        c.q_lora_rank.value_or(0) % 2 == 0;
+    if (f.kind == "dense_layer" && splits) {
+      RunMode tp2, sp;
+      tp2.tp = sp.tp = 2;
+      sp.sp = true;
+      modes.push_back(tp2);
+      if (f.tensor("input.hidden_states").size(0) % 2 == 0) modes.push_back(sp);
+    }
+    for (const RunMode& mode : modes) {
+      SCOPED_TRACE(path + " tp " + std::to_string(mode.tp) + (mode.sp ? " sp" : ""));
+      runs_at_tp2 += mode.tp == 2;
+      std::string grads;
+      const std::vector<Comparison> rows =
+          compare_fixture(find_fixture_handler(f.kind, TwinKind::Optimized), f, TwinKind::Optimized, mode, &grads);
+      EXPECT_EQ(grads, "compared");
+      std::set<std::string> compared;
+      for (const Comparison& row : rows) {
+        EXPECT_TRUE(row.pass) << row.name << ": share " << row.share_used << " " << row.message;
+        compared.insert(row.name);
+      }
+      for (const char* n : {"tap.self_attention.linear_kv_down_proj.0", "tap.self_attention.linear_kv_up_proj.0",
+                            "tap.self_attention.core_attention", "output.hidden_states",
+                            "grad.param.self_attention.linear_kv_down_proj.weight", "grad.input.hidden_states"})
+        if (f.has(n)) EXPECT_TRUE(compared.count(n)) << n << " not compared";
     }
   }
+  EXPECT_GE(runs_at_tp2, 4) << "MLA goldens at tp 2: at least the four dense ones whose heads split";
 }
