@@ -197,9 +197,10 @@ void add_fixture_jobs(std::vector<Job>& jobs, const std::string& fdir) {
   };
   for (const auto& path : files) {
     for (TwinKind twin : {TwinKind::Reference, TwinKind::Optimized}) fixture_job(path, twin, RunMode{});
-    // the layer's kind by the file's name (a multi-latent attention golden's after its "mla_")
+    // the layer's kind by the file's name (a dense multi-latent attention golden's after its "mla_";
+    // the MLA MoE goldens hold the experts' linear taps, which the MoE twin records at ep 1 only)
     std::string name = std::filesystem::path(path).filename().string();
-    if (name.rfind("mla_", 0) == 0) name = name.substr(4);
+    if (name.rfind("mla_dense_", 0) == 0) name = name.substr(4);
     // The MoE goldens again with their experts split over 2 and 4 simulated expert-parallel ranks
     // (a golden whose expert count they do not divide is listed unsupported).
     if (name.rfind("moe_", 0) == 0)

@@ -263,7 +263,6 @@ void MoEMlpRank::count_routed_tokens(const Tensor& map, const std::vector<std::u
 void MoEMlpRank::tap(MoETapPoint t, const MoELayerPlan& P, std::int64_t S, std::int64_t B,
                      const std::function<Tensor(const void*, DType, Shape)>& download, Record& rec) {
   const std::int64_t T = S * B, H = h, Es = E;
-  const std::size_t es = dtype_size(dt);
   auto routed_rows = [&] {
     std::int64_t N = 0;
     for (auto n : P.tokens_per_expert) N += n;
@@ -326,19 +325,25 @@ void MoEMlpRank::tap(MoETapPoint t, const MoELayerPlan& P, std::int64_t S, std::
           1.0 + max_logit;
       break;
     }
-    case MoETapPoint::ExpertsOutput: {
-      // Each expert's rows of its linear_fc1's output (before the bias, which the activation
-      // adds) and of its output, the linear_fc2's (its bias returned apart, as the module's .1).
-      const std::int64_t N = routed_rows(), w1 = (P.glu ? 2 : 1) * std::int64_t(P.ffn);
-      const Tensor all = download(P.expert_out, dt, {N, H}), fc1 = download(P.fc1, dt, {N, w1});
+    case MoETapPoint::ExpertsFc1:    // each expert's rows of its linear_fc1's output (before the bias)
+    case MoETapPoint::ExpertsFc2: {  // ... of its linear_fc2's (the bias returned apart, as .1)
+      const bool fc1 = t == MoETapPoint::ExpertsFc1;
+      const Tensor all = fc1 ? download(P.fc1, dt, {routed_rows(), (P.glu ? 2 : 1) * std::int64_t(P.ffn)})
+                             : download(P.expert_out, dt, {routed_rows(), H});
       std::int64_t row = 0;
       for (int e = 0; e < E; ++e) {
         const std::int64_t n = P.tokens_per_expert[std::size_t(e)];
-        const std::string expert = "mlp.experts.local_experts." + std::to_string(e) + ".";
-        rec.add(Role::Tap, expert + "linear_fc1.0", take_rows(fc1, row, row + n));
-        const Tensor out = take_rows(all, row, row + n);
-        rec.add(Role::Tap, expert + "linear_fc2.0", out);
-        rec.add(Role::Tap, expert + "0", out);
+        rec.add(Role::Tap, expert_key(e, fc1 ? "linear_fc1.0" : "linear_fc2.0"), take_rows(all, row, row + n));
+        row += n;
+      }
+      break;
+    }
+    case MoETapPoint::ExpertsOutput: {
+      const Tensor all = download(P.expert_out, dt, {routed_rows(), H});
+      std::int64_t row = 0;
+      for (int e = 0; e < E; ++e) {
+        const std::int64_t n = P.tokens_per_expert[std::size_t(e)];
+        rec.add(Role::Tap, "mlp.experts.local_experts." + std::to_string(e) + ".0", take_rows(all, row, row + n));
         row += n;
       }
       rec.add(Role::Tap, "mlp.experts.0", all);

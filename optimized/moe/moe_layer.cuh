@@ -253,9 +253,11 @@ inline void moe_grouped_experts(MoEPlan& p, const void* in, const void* probs, v
   const std::int64_t h = a.h;
   const int w1 = (p.glu ? 2 : 1) * p.ffn;
   grouped_linear_forward(this_backend(), dt, in, p.fc1_w, p.fc1, tokens_per_expert, h, w1, st);  // [n, w1]
+  if (p.ep == 1 && p.on_tap) p.on_tap(MoETapPoint::ExpertsFc1);  // at ep > 1 each expert's rows are its owner's
   grouped_bias_activation_forward(dt, rdt, p.fc1, p.fc1_b, probs, p.act_out, offsets, experts, n, p.ffn, a.act, p.glu,
                                   st);                                                                   // [n, ffn]
   grouped_linear_forward(this_backend(), dt, p.act_out, p.fc2_w, out, tokens_per_expert, p.ffn, h, st);  // [n, h]
+  if (p.ep == 1 && p.on_tap) p.on_tap(MoETapPoint::ExpertsFc2);
   if (p.fc2_b) grouped_scaled_bias_add_forward(dt, rdt, out, p.fc2_b, probs, offsets, experts, n, int(h), st);
 }
 

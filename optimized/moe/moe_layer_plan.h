@@ -26,6 +26,8 @@ enum class MoETapPoint {
   RouterLogits,   // mlp.router.logits
   RouterProbs,    // mlp.router.0 / .1, the losses, the token counter
   ExpertInputs,   // tap_in.mlp.experts.*
+  ExpertsFc1,     // mlp.experts.local_experts.<i>.linear_fc1.0 (ep 1)
+  ExpertsFc2,     // mlp.experts.local_experts.<i>.linear_fc2.0 (ep 1)
   ExpertsOutput,  // mlp.experts.local_experts.<i>.0, mlp.experts.0
   MlpOutput       // mlp.0
 };
