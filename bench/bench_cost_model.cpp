@@ -10,16 +10,21 @@
 //                                   measured suites and the dashboard shows it as a table.
 // The configurations: bench_reference_layers' dense shapes (small enough for the simulator), their
 // backward at tp 1 (backward:<id>: the backward's launches alone, after a forward that kept what it
-// reads), and the MoE and Retro layers of goldens in fixtures/megatron-core (golden:<file>), run
-// through the optimized twin's fixture handlers.
+// reads), the MoE and Retro layers of goldens in fixtures/megatron-core (golden:<file>), run
+// through the optimized twin's fixture handlers, and a DeepSeek-V3-shaped layer with multi-latent
+// attention, forward and backward (deepseek-v3:<s>: its dense layers' shape, at a sequence of s
+// tokens the simulator runs in seconds; the GEMMs' and elementwise kernels' bytes and FLOPs grow
+// with s, the core attention's FLOPs with s^2).
 #include <benchmark/benchmark.h>
 
 #include <cstring>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "optimized/runtime/cost_model.h"
 #include "optimized/transformer_layer.h"
 #include "fixtures/fixture.h"
@@ -43,6 +48,8 @@ const char* kCases[] = {
     "golden:moe_top2_capacity_probs_drop.safetensors",
     "golden:retro_first_layer_cmask.safetensors",
     "golden:retro_block_6layers_nondivisible.safetensors",
+    "deepseek-v3:32",
+    "backward:deepseek-v3:32",
 };
 
 // A golden's layer through the optimized twin's fixture handler under a CostScope.
@@ -61,20 +68,33 @@ std::vector<rt::KernelCost> golden_costs(const std::string& file) {
 std::vector<rt::KernelCost> layer_costs(const std::string& id) {
   if (id.rfind("golden:", 0) == 0) return golden_costs(id.substr(7));
   const bool backward = id.rfind("backward:", 0) == 0;
-  const parity::DenseCase c = parity::parse_case_id(backward ? id.substr(9) : id);
-  const parity::DenseInputs in = parity::make_inputs(c);
+  const std::string layer_id = backward ? id.substr(9) : id;
   opt::LayerOptions lo;
   lo.backend = rt::Backend::Sim;
-  lo.attn_mask_type = in.config.attn_mask_type;
-  opt::DenseTransformerLayer layer(in.config, in.params, lo);
   opt::ForwardOptions fo;
   fo.keep_for_backward = backward;
-  std::optional<rt::CostScope> scope(std::in_place);
-  layer.forward(in.hidden_states, in.attention_mask.defined() ? &in.attention_mask : nullptr,
-                in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, fo);
-  if (backward) {
-    scope.emplace();                   // the backward's launches alone
-    layer.backward(in.hidden_states);  // any [s, b, h] output gradient
+  std::optional<rt::CostScope> scope;
+  // One forward of `layer` (and with `backward` the backward's launches alone, for any [s, b, h]
+  // output gradient) under the scope.
+  auto run = [&](opt::DenseTransformerLayer& layer, const Tensor& x, const Tensor* mask, const Tensor* rope) {
+    scope.emplace();
+    layer.forward(x, mask, rope, fo);
+    if (backward) {
+      scope.emplace();
+      layer.backward(x);
+    }
+  };
+  if (layer_id.rfind("deepseek-v3:", 0) == 0) {
+    const bench::DeepSeekLayer d = bench::deepseek_v3_layer(std::stoi(layer_id.substr(12)));
+    opt::DenseTransformerLayer layer(d.config, d.params, lo);
+    run(layer, d.hidden_states, nullptr, nullptr);
+  } else {
+    const parity::DenseCase c = parity::parse_case_id(layer_id);
+    const parity::DenseInputs in = parity::make_inputs(c);
+    lo.attn_mask_type = in.config.attn_mask_type;
+    opt::DenseTransformerLayer layer(in.config, in.params, lo);
+    run(layer, in.hidden_states, in.attention_mask.defined() ? &in.attention_mask : nullptr,
+        in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr);
   }
   std::vector<rt::KernelCost> out = scope->kernels();
   out.push_back(scope->total());

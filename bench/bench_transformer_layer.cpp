@@ -2,6 +2,7 @@
 //   BM_ReferenceDenseLayer/<config>  the Eigen reference on the CPU (mirroring Megatron's rounding)
 //   BM_OptimizedDenseLayer/<config>  the optimized twin on the GPU when one is present (device time of
 //                                    a CUDA-graph replay of the layer; skipped with the reason otherwise)
+//   BM_OptimizedMlaLayer/deepseek-v3 the same for a DeepSeek-V3-shaped layer with multi-latent attention
 // Counters: TFLOP/s (the layer's GEMM + attention FLOPs per second) and, on the GPU, the fraction of
 // the device's dense peak for the dtype (H100/H200 SXM: 989 TFLOP/s bf16/fp16 tensor cores, 67 fp32;
 // override with TWIN_PEAK_TFLOPS). Write JSON with --benchmark_out=<file> --benchmark_out_format=json.
@@ -74,6 +75,24 @@ void BM_OptimizedDenseLayer(benchmark::State& state, const char* id) {
   state.SetLabel(id);
 }
 
+// A DeepSeek-V3-shaped layer with multi-latent attention (bench::deepseek_v3_layer) at s 4096.
+void BM_OptimizedMlaLayer(benchmark::State& state, int s) {
+  if (bench::skip_without_gpu(state)) return;
+  const bench::DeepSeekLayer d = bench::deepseek_v3_layer(s);
+  opt::LayerOptions lo;
+  lo.backend = rt::Backend::Cuda;
+  opt::DenseTransformerLayer layer(d.config, d.params, lo);
+  opt::ForwardOptions fo;
+  fo.use_graph = true;
+  layer.forward(d.hidden_states, nullptr, nullptr, fo);  // capture
+  for (auto _ : state) state.SetIterationTime(layer.time_forward_ms(10) / 1e3);
+  const double flops = bench::deepseek_v3_forward_flops(d.config, s);
+  state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["fraction_of_peak"] =
+      benchmark::Counter(flops / bench::peak_flops(DType::BF16), benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel("deepseek-v3 mla s=" + std::to_string(s));
+}
+
 int register_all() {
   int i = 0;
   for (const char* id : kCpuConfigs)
@@ -86,6 +105,9 @@ int register_all() {
                                  id)
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("BM_OptimizedMlaLayer/deepseek-v3", BM_OptimizedMlaLayer, 4096)
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond);
   return 0;
 }
 const int registered = register_all();
