@@ -9,6 +9,7 @@
 #include <benchmark/benchmark.h>
 
 #include <cstdlib>
+#include <map>
 #include <string>
 
 #include "bench/bench_util.h"
@@ -57,21 +58,29 @@ void BM_ReferenceDenseLayer(benchmark::State& state, const char* id) {
   state.SetLabel(id);
 }
 
+// The device time of a CUDA-graph replay of the layer of `config` on the GPU, with its forward's
+// FLOPs per second and fraction of the dtype's peak.
+void time_graph_forward(benchmark::State& state, const TransformerConfig& config,
+                        const std::map<std::string, Tensor>& params, const Tensor& x, const Tensor* rope,
+                        double flops) {
+  opt::LayerOptions lo;
+  lo.backend = rt::Backend::Cuda;
+  opt::DenseTransformerLayer layer(config, params, lo);
+  opt::ForwardOptions fo;
+  fo.use_graph = true;
+  layer.forward(x, nullptr, rope, fo);  // capture
+  for (auto _ : state) state.SetIterationTime(layer.time_forward_ms(10) / 1e3);
+  state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["fraction_of_peak"] =
+      benchmark::Counter(flops / bench::peak_flops(x.dtype()), benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void BM_OptimizedDenseLayer(benchmark::State& state, const char* id) {
   if (bench::skip_without_gpu(state)) return;
   const parity::DenseCase c = parity::parse_case_id(id);
   const parity::DenseInputs in = parity::make_inputs(c);
-  opt::LayerOptions lo;
-  lo.backend = rt::Backend::Cuda;
-  opt::DenseTransformerLayer layer(in.config, in.params, lo);
-  opt::ForwardOptions fo;
-  fo.use_graph = true;
-  layer.forward(in.hidden_states, nullptr, in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, fo);  // capture
-  for (auto _ : state) state.SetIterationTime(layer.time_forward_ms(10) / 1e3);
-  const double flops = layer_flops(c);
-  state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["fraction_of_peak"] =
-      benchmark::Counter(flops / bench::peak_flops(c.dtype), benchmark::Counter::kIsIterationInvariantRate);
+  time_graph_forward(state, in.config, in.params, in.hidden_states,
+                     in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr, layer_flops(c));
   state.SetLabel(id);
 }
 
@@ -79,17 +88,8 @@ void BM_OptimizedDenseLayer(benchmark::State& state, const char* id) {
 void BM_OptimizedMlaLayer(benchmark::State& state, int s) {
   if (bench::skip_without_gpu(state)) return;
   const bench::DeepSeekLayer d = bench::deepseek_v3_layer(s);
-  opt::LayerOptions lo;
-  lo.backend = rt::Backend::Cuda;
-  opt::DenseTransformerLayer layer(d.config, d.params, lo);
-  opt::ForwardOptions fo;
-  fo.use_graph = true;
-  layer.forward(d.hidden_states, nullptr, nullptr, fo);  // capture
-  for (auto _ : state) state.SetIterationTime(layer.time_forward_ms(10) / 1e3);
-  const double flops = bench::deepseek_v3_forward_flops(d.config, s);
-  state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["fraction_of_peak"] =
-      benchmark::Counter(flops / bench::peak_flops(DType::BF16), benchmark::Counter::kIsIterationInvariantRate);
+  time_graph_forward(state, d.config, d.params, d.hidden_states, nullptr,
+                     bench::deepseek_v3_forward_flops(d.config, s));
   state.SetLabel("deepseek-v3 mla s=" + std::to_string(s));
 }
 

@@ -31,48 +31,35 @@ __device__ inline void mla_rope_tables(float f, float mscale, float& c, float& s
   s = round_to<T>(sinf(f) * mscale);
 }
 
-template <class T>
-__global__ void mla_rotary_pos_emb_forward_kernel(T* t, const float* freqs, NormRows rows,
-                                                  std::int64_t rows_per_position, int rot, float mscale) {
+// One thread per row: the row's rotated channels read, then each pair written (forward: x[2i],
+// x[2i + 1] to out[i], out[i + rot/2]; backward: d out[i], d out[i + rot/2] to d x[2i], d x[2i + 1]).
+template <class T, bool Backward>
+__global__ void mla_rotary_pos_emb_kernel(T* t, const float* freqs, NormRows rows, std::int64_t rows_per_position,
+                                          int rot, float mscale) {
   const int half = rot / 2;
   for (std::int64_t r = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < rows.n_rows;
        r += std::int64_t(gridDim.x) * blockDim.x) {
     T* row = t + rows.offset(r);
     const float* f = freqs + (r / rows_per_position) * rot;  // [rot]
-    float x[kMlaMaxRopeDim];
-    for (int c = 0; c < rot; ++c) x[c] = Io<T>::load(row[c]);
+    float v[kMlaMaxRopeDim];
+    for (int c = 0; c < rot; ++c) v[c] = Io<T>::load(row[c]);
     for (int i = 0; i < half; ++i) {
       float cos0, sin0, cos1, sin1;
       mla_rope_tables<T>(f[i], mscale, cos0, sin0);
       mla_rope_tables<T>(f[i + half], mscale, cos1, sin1);
-      const float x0 = x[2 * i], x1 = x[2 * i + 1];                       // the reorder: even, then odd channels
-      const float y0 = round_to<T>(x0 * cos0) + round_to<T>(-x1 * sin0);  // rounds: t * cos_, rotate_half(t) * sin_
-      const float y1 = round_to<T>(x1 * cos1) + round_to<T>(x0 * sin1);
-      row[i] = Io<T>::store(y0);  // rounds: sum, T
-      row[i + half] = Io<T>::store(y1);
-    }
-  }
-}
-
-template <class T>
-__global__ void mla_rotary_pos_emb_backward_kernel(T* dt, const float* freqs, NormRows rows,
-                                                   std::int64_t rows_per_position, int rot, float mscale) {
-  const int half = rot / 2;
-  for (std::int64_t r = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; r < rows.n_rows;
-       r += std::int64_t(gridDim.x) * blockDim.x) {
-    T* row = dt + rows.offset(r);
-    const float* f = freqs + (r / rows_per_position) * rot;
-    float g[kMlaMaxRopeDim];
-    for (int c = 0; c < rot; ++c) g[c] = Io<T>::load(row[c]);
-    for (int i = 0; i < half; ++i) {
-      float cos0, sin0, cos1, sin1;
-      mla_rope_tables<T>(f[i], mscale, cos0, sin0);
-      mla_rope_tables<T>(f[i + half], mscale, cos1, sin1);
-      const float g0 = g[i], g1 = g[i + half];
-      const float d0 = round_to<T>(g0 * cos0) + round_to<T>(g1 * sin1);  // rounds: mul's grads
-      const float d1 = round_to<T>(g1 * cos1) - round_to<T>(g0 * sin0);
-      row[2 * i] = Io<T>::store(d0);  // rounds: the grads' sum, T; the reorder's transpose
-      row[2 * i + 1] = Io<T>::store(d1);
+      if (!Backward) {
+        const float x0 = v[2 * i], x1 = v[2 * i + 1];                       // the reorder: even, then odd channels
+        const float y0 = round_to<T>(x0 * cos0) + round_to<T>(-x1 * sin0);  // rounds: t * cos_, rotate_half(t) * sin_
+        const float y1 = round_to<T>(x1 * cos1) + round_to<T>(x0 * sin1);
+        row[i] = Io<T>::store(y0);  // rounds: sum, T
+        row[i + half] = Io<T>::store(y1);
+      } else {
+        const float g0 = v[i], g1 = v[i + half];
+        const float d0 = round_to<T>(g0 * cos0) + round_to<T>(g1 * sin1);  // rounds: mul's grads
+        const float d1 = round_to<T>(g1 * cos1) - round_to<T>(g0 * sin0);
+        row[2 * i] = Io<T>::store(d0);  // rounds: the grads' sum, T; the reorder's transpose
+        row[2 * i + 1] = Io<T>::store(d1);
+      }
     }
   }
 }
@@ -106,7 +93,7 @@ inline void mla_rotary_pos_emb_forward(DType dt, void* t, const float* freqs, co
   dispatch_dtype(dt, "mla_rotary_pos_emb_forward", [&](auto tag) {
     using T = decltype(tag);
     const unsigned threads = elementwise_threads(rows.n_rows);
-    launch_kernel(mla_rotary_pos_emb_forward_kernel<T>, dim3(elementwise_blocks(rows.n_rows, threads)), dim3(threads),
+    launch_kernel((mla_rotary_pos_emb_kernel<T, false>), dim3(elementwise_blocks(rows.n_rows, threads)), dim3(threads),
                   0, stream, static_cast<T*>(t), freqs, rows, rows_per_position, rot, mscale);
   });
 }
@@ -121,7 +108,7 @@ inline void mla_rotary_pos_emb_backward(DType dt, void* dout, const float* freqs
   dispatch_dtype(dt, "mla_rotary_pos_emb_backward", [&](auto tag) {
     using T = decltype(tag);
     const unsigned threads = elementwise_threads(rows.n_rows);
-    launch_kernel(mla_rotary_pos_emb_backward_kernel<T>, dim3(elementwise_blocks(rows.n_rows, threads)), dim3(threads),
+    launch_kernel((mla_rotary_pos_emb_kernel<T, true>), dim3(elementwise_blocks(rows.n_rows, threads)), dim3(threads),
                   0, stream, static_cast<T*>(dout), freqs, rows, rows_per_position, rot, mscale);
   });
 }
