@@ -80,7 +80,10 @@ std::string tp_sharding_problem(const Fixture& f, const RunMode& mode) {
   if (mode.tp <= 1 || f.kind != "dense_layer") return "";
   const TransformerConfig& c = f.config;
   const std::int64_t s = f.tensor("input.hidden_states").size(0);
-  if (c.num_attention_heads % mode.tp == 0 && c.query_groups() % mode.tp == 0 && c.ffn() % mode.tp == 0 &&
+  const bool latent =
+      !c.multi_latent_attention ||  // MLA's down projections are column parallel
+      ((c.kv_lora_rank + c.qk_pos_emb_head_dim) % mode.tp == 0 && c.q_lora_rank.value_or(0) % mode.tp == 0);
+  if (c.num_attention_heads % mode.tp == 0 && c.query_groups() % mode.tp == 0 && c.ffn() % mode.tp == 0 && latent &&
       !(mode.sp && s % mode.tp))
     return "";
   return fmt::format("tp {}{} does not shard this layer (heads {}, query groups {}, ffn {}{})", mode.tp,

@@ -55,7 +55,8 @@ Mat deinterleave_transpose(const Mat& d, Eigen::Index rot_dim) {
   return out;
 }
 
-// t [s*b*heads, qk_pos_emb_head_dim] (rows_per_position = b * heads) -> the rotated t.
+}  // namespace
+
 Mat mla_rope(const Mat& t, const RopeTables& tables, int rows_per_position, const Precision& p) {
   return apply_rotary_pos_emb(deinterleave(t, tables.cos_.cols()), tables, rows_per_position, false, p);
 }
@@ -63,8 +64,6 @@ Mat mla_rope_backward(const Mat& d, const Mat& freqs, double mscale, int rows_pe
   return deinterleave_transpose(apply_rotary_pos_emb_backward(d, freqs, rows_per_position, false, p, mscale),
                                 freqs.cols());
 }
-
-}  // namespace
 
 MLASelfAttention::MLASelfAttention(const TransformerConfig& config, const MLASelfAttentionSubmodules& submodules,
                                    int layer_number, AttnMaskType attn_mask_type, Precision p)

@@ -37,8 +37,16 @@
 #include <string>
 
 #include "reference/attention.h"
+#include "reference/rotary_pos_embedding.h"
 
 namespace twin::reference {
+
+// _apply_rotary_pos_emb_bshd with multi_latent_attention on t [s*b*heads, qk_pos_emb_head_dim]
+// (rows_per_position = b * heads): the rotated part t[..., :rot_dim] (rot_dim = the tables'
+// width) reordered to its even then its odd channels before the (non-interleaved) rotation, the
+// rest passing; and its backward (the rotation's, then the reorder's transpose).
+Mat mla_rope(const Mat& t, const RopeTables& tables, int rows_per_position, const Precision& p);
+Mat mla_rope_backward(const Mat& d, const Mat& freqs, double mscale, int rows_per_position, const Precision& p);
 
 struct MLASelfAttentionSubmodules {
   QKNormBuilder q_layernorm;   // empty: IdentityOp

@@ -24,6 +24,7 @@
 #include "optimized/activations.cuh"
 #include "optimized/dot_product_attention.cuh"
 #include "optimized/fused_bias_dropout.cuh"
+#include "optimized/mla_rotary_pos_embedding.cuh"
 #include "optimized/rotary_pos_embedding.cuh"
 #include "optimized/torch_norm.cuh"
 #include "optimized/runtime/cost_model.h"
@@ -31,6 +32,7 @@
 #include "reference/activations.h"
 #include "reference/dot_product_attention.h"
 #include "reference/fused_bias_dropout.h"
+#include "reference/multi_latent_attention.h"
 #include "reference/rotary_pos_embedding.h"
 #include "reference/torch_norm.h"
 #include "tests/optimized/op_test_util.h"
@@ -250,6 +252,39 @@ TEST(OptimizedOps, RotaryPosEmbMatchesReference) {
         // stores: cos/sin, the two products, the sum; cosf / sinf are not correctly rounded on a GPU,
         // so the bits may differ there (the simulator's glibc ones happen to agree).
         expect_pass(compare(id, y, e, parity::op_bound(dt, 4, 1, max_abs(e))), id);
+      }
+}
+
+// ---- mla_rotary_pos_embedding.cuh -----------------------------------------------------------
+// MLA's RoPE on the last pe channels of each head of a [s, b, heads, q_head] tensor (the rows
+// addressed in place, the first qk channels untouched) against the reference's mla_rope.
+TEST(OptimizedOps, MlaRotaryPosEmbMatchesReference) {
+  for (DType dt : kDtypes)
+    for (double percent : {1.0, 0.5})
+      for (double mscale : {1.0, 1.2}) {
+        const int s = 5, b = 2, heads = 3, qk = 4, pe = 8, qh = qk + pe, n = s * b * heads;
+        const std::string id = fmt::format("mla_rope(dtype={},rot={},mscale={},s={},b={},heads={},pe={})", dt_name(dt),
+                                           percent, mscale, s, b, heads, pe);
+        if (!selected(id)) continue;
+        const ref::RotaryEmbedding emb(pe, percent);
+        const Tensor freqs = emb.forward(s);  // [s, 1, 1, rot]
+        const int rot = emb.dim();
+        const Tensor t = random_tensor(dt, {s, b, heads, qh}, -2, 2, 33);
+        auto d_t = to_device(t), d_f = to_device(freqs);
+        k::mla_rotary_pos_emb_forward(dt, static_cast<char*>(d_t.get()) + qk * dtype_size(dt),
+                                      static_cast<const float*>(d_f.get()), opt::NormRows{n, pe, 1, qh, 0}, b * heads,
+                                      rot, static_cast<float>(mscale), nullptr);
+        const ref::Mat got = ref::to_mat(from_device(d_t, dt, {s, b, heads, qh}), n, qh, "got");
+        const ref::Mat all = ref::to_mat(t, n, qh, "t");
+        EXPECT_TRUE(got.leftCols(qk) == all.leftCols(qk)) << id << ": the no-pe channels changed";
+        const ref::Mat r =
+            ref::mla_rope(all.rightCols(pe), ref::rope_tables(ref::rotary_freqs(freqs, s, pe), prec(dt), mscale),
+                          b * heads, prec(dt));
+        const Tensor e = prec(dt).to_tensor(r, {n, pe});
+        // stores: (cos/sin * mscale) in fp32 and in T, the two products, the sum
+        expect_pass(compare(id, prec(dt).to_tensor(ref::Mat(got.rightCols(pe)), Shape{n, pe}), e,
+                            parity::op_bound(dt, 5, 1, max_abs(e))),
+                    id);
       }
 }
 

@@ -27,6 +27,7 @@
 #include "optimized/dot_product_attention.cuh"
 #include "optimized/fused_bias_dropout.cuh"
 #include "optimized/linear.cuh"
+#include "optimized/mla_rotary_pos_embedding.cuh"
 #include "optimized/rotary_pos_embedding.cuh"
 #include "optimized/torch_norm.cuh"
 #include "parity/bounds.h"
@@ -34,6 +35,7 @@
 #include "reference/dot_product_attention.h"
 #include "reference/fused_bias_dropout.h"
 #include "reference/linear.h"
+#include "reference/multi_latent_attention.h"
 #include "reference/rotary_pos_embedding.h"
 #include "reference/torch_norm.h"
 #include "tests/optimized/op_test_util.h"
@@ -361,6 +363,36 @@ TEST(OptimizedBackward, RotaryPosEmbMatchesReference) {
         // table the forward uses) may land one ulp apart: one more store. dt = dout cos + dout' sin
         // cancels: its terms are at most |dout| each (|cos|, |sin| <= 1), so the magnitude is 2 max|dout|.
         expect_pass(compare(id, dt_, e, counted_bound(dt, count, 2.0 * max_abs(dout), 1)), id);
+      }
+}
+
+// ---- mla_rotary_pos_embedding.cuh -----------------------------------------------------------
+TEST(OptimizedBackward, MlaRotaryPosEmbMatchesReference) {
+  for (DType dt : kDtypes)
+    for (double percent : {1.0, 0.5})
+      for (double mscale : {1.0, 1.2}) {
+        const int s = 5, b = 2, heads = 3, pe = 8, n = s * b * heads;
+        const std::string id = fmt::format("mla_rope_backward(dtype={},rot={},mscale={},s={},b={},heads={},pe={})",
+                                           dt_name(dt), percent, mscale, s, b, heads, pe);
+        if (!selected(id)) continue;
+        const ref::RotaryEmbedding emb(pe, percent);
+        const Tensor freqs = emb.forward(s);  // [s, 1, 1, rot]
+        const int rot = emb.dim();
+        const Tensor dout = random_tensor(dt, {s, b, heads, pe}, -2, 2, 53);
+        auto d_t = to_device(dout), d_f = to_device(freqs);
+        auto run = [&] {
+          k::mla_rotary_pos_emb_backward(dt, d_t.get(), static_cast<const float*>(d_f.get()),
+                                         opt::NormRows::dense(n, pe), b * heads, rot, static_cast<float>(mscale),
+                                         nullptr);
+        };
+        const RoundingCount count = counted(run);
+        const Tensor got = from_device(d_t, dt, {s, b, heads, pe});
+        const ref::Mat r = ref::mla_rope_backward(ref::to_mat(dout, n, pe, "dout"), ref::rotary_freqs(freqs, s, pe),
+                                                  mscale, b * heads, prec(dt));
+        const Tensor e = prec(dt).to_tensor(r, {s, b, heads, pe});
+        // Beside the counted stores, the cos/sin tables (fp32 cosf / sinf times mscale, stored in T)
+        // may land one ulp apart: one more store; the terms are at most mscale |dout| each.
+        expect_pass(compare(id, got, e, counted_bound(dt, count, 2.0 * mscale * max_abs(dout), 1)), id);
       }
 }
 
