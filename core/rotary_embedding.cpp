@@ -113,6 +113,11 @@ MlaRotaryEmbedding mla_rotary_pos_emb(const TransformerConfig& c, int s) {
   return {std::move(emb), mscale};
 }
 
+double mla_rope_mscale(const TransformerConfig& c) {
+  if (c.rope_type == "rope") return 1.0;
+  return yarn_get_concentration_factor(c.rotary_scaling_factor, c.mscale, c.mscale_all_dim);
+}
+
 double mla_softmax_scale(const TransformerConfig& c) {
   const double mscale = yarn_get_mscale(c.rotary_scaling_factor, c.mscale_all_dim);
   return mscale * mscale / std::sqrt(static_cast<double>(c.qk_head_dim + c.qk_pos_emb_head_dim));

@@ -70,6 +70,8 @@ struct MlaRotaryEmbedding {
   double mscale = 1.0;
 };
 MlaRotaryEmbedding mla_rotary_pos_emb(const TransformerConfig& c, int s);
+// That concentration factor alone (mla_rotary_pos_emb's mscale).
+double mla_rope_mscale(const TransformerConfig& c);
 // Its core attention's softmax scale: mscale_all^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim), with
 // mscale_all = _yarn_get_mscale(rotary_scaling_factor, mscale_all_dim) (for both rope types, as
 // Megatron computes it).

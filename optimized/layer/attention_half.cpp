@@ -40,19 +40,15 @@ std::vector<std::string> attention_half_param_keys(const TransformerConfig& c) {
   if (ln) k.push_back("input_layernorm.bias");
   if (c.multi_latent_attention) {
     add_mla_param_keys(c, ln, k);
-    k.push_back("self_attention.linear_proj.weight");
-    if (c.add_bias_linear) k.push_back("self_attention.linear_proj.bias");
-    k.push_back("pre_mlp_layernorm.weight");
-    if (ln) k.push_back("pre_mlp_layernorm.bias");
-    return k;
-  }
-  k.push_back("self_attention.linear_qkv.weight");
-  if (c.add_bias_linear || c.add_qkv_bias) k.push_back("self_attention.linear_qkv.bias");
-  if (c.qk_layernorm) {
-    k.push_back("self_attention.q_layernorm.weight");
-    if (ln) k.push_back("self_attention.q_layernorm.bias");
-    k.push_back("self_attention.k_layernorm.weight");
-    if (ln) k.push_back("self_attention.k_layernorm.bias");
+  } else {
+    k.push_back("self_attention.linear_qkv.weight");
+    if (c.add_bias_linear || c.add_qkv_bias) k.push_back("self_attention.linear_qkv.bias");
+    if (c.qk_layernorm) {
+      k.push_back("self_attention.q_layernorm.weight");
+      if (ln) k.push_back("self_attention.q_layernorm.bias");
+      k.push_back("self_attention.k_layernorm.weight");
+      if (ln) k.push_back("self_attention.k_layernorm.bias");
+    }
   }
   k.push_back("self_attention.linear_proj.weight");
   if (c.add_bias_linear) k.push_back("self_attention.linear_proj.bias");
@@ -141,7 +137,7 @@ void plan_attention_half(RankPlan& p, const TransformerConfig& c, int layer_numb
     p.mla.qk = c.qk_head_dim;
     p.mla.pe = c.qk_pos_emb_head_dim;
     p.mla.v = c.v_head_dim;
-    p.mla.rope_mscale = static_cast<float>(mla_rotary_pos_emb(c, 1).mscale);
+    p.mla.rope_mscale = static_cast<float>(mla_rope_mscale(c));
     p.mla.yarn = c.rope_type == "yarn";
     p.ng = p.np;
     p.hn = p.mla.q_head();

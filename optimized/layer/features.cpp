@@ -65,9 +65,11 @@ bool LayerFeature::supported(LayerKind k) const {
   return std::find(supported_by.begin(), supported_by.end(), k) != supported_by.end();
 }
 
-const std::vector<LayerFeature>& layer_features() {
-  static const std::vector<LayerFeature> rows = {
-      // ---- the layer's structure and parallel layout
+namespace {
+
+// The layer's structure and parallel layout.
+std::vector<LayerFeature> structure_features() {
+  return {
       row(
           "num_moe_experts", [](const TransformerConfig& c, const LayerOptions&) { return has_experts(c); }, {K::MoE},
           "a mixture of experts is the MoE layer's (the dense and Retro specs are dense)",
@@ -97,7 +99,12 @@ const std::vector<LayerFeature>& layer_features() {
           "context_parallel_size > 1", [](const TransformerConfig& c) { return c.context_parallel_size != 1; },
           "no twin splits the sequence across context-parallel ranks",
           [](TransformerConfig& c) { c.context_parallel_size = 2; }),
-      // ---- attention
+  };
+}
+
+// The self attention's.
+std::vector<LayerFeature> attention_features() {
+  return {
       row(
           "multi_latent_attention",
           [](const TransformerConfig& c, const LayerOptions&) { return c.multi_latent_attention; }, {K::Dense, K::MoE},
@@ -139,7 +146,12 @@ const std::vector<LayerFeature>& layer_features() {
           "the attention kernel holds a head (MLA's: qk_head_dim + qk_pos_emb_head_dim) of at most " +
               std::to_string(kMaxHeadDim) + " channels",
           [](TransformerConfig& c) { c.kv_channels = kMaxHeadDim + 8; }),
-      // ---- norms and the MLP
+  };
+}
+
+// The norms' and the MLP's.
+std::vector<LayerFeature> mlp_features() {
+  return {
       none_implement(
           "normalization",
           [](const TransformerConfig& c) { return c.normalization != "LayerNorm" && c.normalization != "RMSNorm"; },
@@ -161,7 +173,12 @@ const std::vector<LayerFeature>& layer_features() {
           "glu_linear_offset", [](const TransformerConfig& c) { return c.glu_linear_offset != 0.0; },
           "the GLU kernel multiplies by the linear half as is (no offset)",
           [](TransformerConfig& c) { c.glu_linear_offset = 1.0; }),
-      // ---- the MoE router and dispatcher
+  };
+}
+
+// The MoE router's and dispatcher's.
+std::vector<LayerFeature> moe_features() {
+  return {
       moe_lacks(
           "num_moe_experts", [](const TransformerConfig& c) { return *c.num_moe_experts > kMaxRouterExperts; },
           "the router kernel ranks at most " + std::to_string(kMaxRouterExperts) + " experts per token",
@@ -229,6 +246,17 @@ const std::vector<LayerFeature>& layer_features() {
           "the router runs in the params dtype, fp32 or fp64",
           [](TransformerConfig& c) { c.moe_router_dtype = "fp16"; }),
   };
+}
+
+}  // namespace
+
+const std::vector<LayerFeature>& layer_features() {
+  static const std::vector<LayerFeature> rows = [] {
+    std::vector<LayerFeature> all;
+    for (auto part : {structure_features, attention_features, mlp_features, moe_features})
+      for (LayerFeature& f : part()) all.push_back(std::move(f));
+    return all;
+  }();
   return rows;
 }
 
