@@ -22,18 +22,18 @@ MLA at TP is captured with Megatron-LM #1699 mended (parallel.mend_k_pos_emb_gra
 k_pos_emb's gradient partial on each rank, so its gathered gradients would not be the one-rank
 layer's; the golden's notes say so).
 
-Last, one planted tensor-parallel bug must be found: a TP 2 capture whose column-parallel input
-gradient all-reduce drops rank 1's partial sum (in Megatron's backward only); `twin diff` against
-the one-rank capture must exit 1 and name a gradient as the first divergence. And Megatron's own
-(Megatron-LM #1699, where this Megatron-Core has it): the first MLA case at TP 2 captured again as
-Megatron computes it, without the mend; `twin diff` against its one-rank capture must exit 1 and
-name a gradient.
+Last, two bugs must be found, each on a case of its own (BUGS: fp32, its gradients compared): a
+planted one, a TP 2 capture whose column-parallel input gradient all-reduce drops rank 1's partial
+sum (in Megatron's backward only); and Megatron's own (Megatron-LM #1699, where this Megatron-Core
+has it), an MLA case at TP 2 captured as Megatron computes it, without the mend. `twin diff` of each
+against its one-rank capture must exit 1 and name a gradient as the first divergence.
 
 Exit codes: 0 pass; 1 a failure; 2 bad arguments; 77 Megatron-Core or torch not found (a failure when
 CI=true).
 """
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -55,6 +55,17 @@ LAYOUTS = (
     (Layout(tp=2), MLA), (Layout(tp=2, sp=True), MLA),
     (Layout(ep=2), "alltoall"), (Layout(ep=2), "allgather"), (Layout(ep=4), "alltoall"), (Layout(ep=4), "allgather"),
     (Layout(tp=2, sp=True, ep=2), "alltoall"),
+)  # fmt: skip
+
+# The bugs a run must find, each on a case of its own (fp32, without the features whose gradients
+# twin diff does not compare: with_reference_backward), captured on one rank and at its layout:
+# plant, the tensor-parallel bug planted in Megatron's backward (_drop_rank1_input_grad); mend
+# False, Megatron's own MLA bug left as Megatron computes it (Megatron-LM #1699).
+Bug = collections.namedtuple("Bug", "name layout variant plant mend what")
+BUGS = (
+    Bug("planted", Layout(tp=2), None, True, True, "planted bug (rank 1's input-gradient partial sum dropped at tp 2)"),
+    Bug("megatron", Layout(tp=2), MLA, False, False,
+        "Megatron's own MLA bug at tp 2 (Megatron-LM #1699, k_pos_emb's gradient not summed across the ranks)"),
 )  # fmt: skip
 
 
@@ -267,28 +278,24 @@ def capture_cases(rank, cases, plant, mend=True):
                 break
 
 
-def megatron_bug_found(twin, case):
-    """Megatron-LM #1699 (MLA's k_pos_emb gradient left partial on each tensor-parallel rank), where
-    this Megatron-Core has it: `twin diff` of the one-rank capture against the tp 2 one as Megatron
-    computes it must name a gradient as the first divergence. True when found or not present."""
-    if not case:
-        print("megatron-parallel: Megatron-LM #1699: no MLA case at tp 2 was captured (see the skips)")
-        return True
-    tag, tp1, unmended = case
-    if not os.path.exists(unmended):
-        print(f"megatron-parallel: Megatron-LM #1699: {tag} did not capture without the mend")
-        return False
+def bug_found(twin, bug, case, tp1):
+    """`twin diff` of the one-rank capture against the bug's capture at its layout must exit 1 and
+    name a gradient as the first divergence. A Megatron bug this Megatron-Core does not have (its
+    capture says which it mended: "megatron_tp_bug") has nothing to find."""
     from . import st_io
 
-    if "megatron_tp_bug" not in st_io.read(unmended)[1]:
-        print("megatron-parallel: Megatron-LM #1699: not present at this Megatron-Core (nothing to find)")
+    tpn = case[3]
+    if os.path.exists(tpn + ".error"):
+        print(f"megatron-parallel: {bug.what}: NOT FOUND: its capture failed: {open(tpn + '.error').read()}")
+        return False
+    if not bug.plant and "megatron_tp_bug" not in st_io.read(tpn)[1]:
+        print(f"megatron-parallel: {bug.what}: not present at this Megatron-Core (nothing to find)")
         return True
-    code, diffs, _ = twin_json(twin, ["diff", "--json", tp1, unmended])
+    code, diffs, _ = twin_json(twin, ["diff", "--json", tp1, tpn])
     first = diffs[0].get("first_divergence") if diffs else None
     found = code == 1 and isinstance(first, str) and first.startswith("grad.")
-    print(f"megatron-parallel: Megatron's own MLA bug at tp 2 (Megatron-LM #1699, k_pos_emb's gradient not summed "
-          f"across the ranks), {tag}: {'found' if found else 'NOT FOUND'}: twin diff exit {code}, first divergence "
-          f"{first}")  # fmt: skip
+    print(f"megatron-parallel: {bug.what}: {'found' if found else 'NOT FOUND'}: twin diff exit {code}, "
+          f"first divergence {first}")  # fmt: skip
     return found
 
 
@@ -371,18 +378,18 @@ def main(argv=None):
         return 2
     rng = random.Random(run_seed)
     work = tempfile.mkdtemp(prefix="megatron-parallel.")
-    cases, skipped, planted_case = [], [], None
+    cases, skipped, bugs = [], [], []
     found = False
     try:
         by_layout = {layout: [] for layout, _ in layouts}
-        for i in range(a.cases + 1):  # the last: the planted bug
-            planted = i == a.cases
-            layout, variant = LAYOUTS[0] if planted else layouts[i % len(layouts)]
+        for i in range(a.cases + len(BUGS)):  # the last: the bugs that must be found
+            bug = BUGS[i - a.cases] if i >= a.cases else None
+            layout, variant = (bug.layout, bug.variant) if bug else layouts[i % len(layouts)]
             seed = rng.randrange(1 << 31)
-            kind, cfg, opts = draw(seed, layout, bf16=(i // len(layouts)) % 2 == 1 and not planted, variant=variant)
-            if planted:
+            kind, cfg, opts = draw(seed, layout, bf16=(i // len(layouts)) % 2 == 1 and not bug, variant=variant)
+            if bug:
                 cfg = with_reference_backward(cfg)
-            tag = f"{'planted' if planted else 'case'}_{seed}_{layout_name(layout, variant).replace(' + ', '_').replace(' ', '')}"
+            tag = f"{bug.name if bug else 'case'}_{seed}_{layout_name(layout, variant).replace(' + ', '_').replace(' ', '')}"
             tp1, tpn = os.path.join(work, tag + "_tp1.safetensors"), os.path.join(work, tag + ".safetensors")
             try:
                 live.capture_retrying(capture_config, cfg, kind, seed, tp1, case=tag + "_tp1", **opts)
@@ -390,8 +397,8 @@ def main(argv=None):
                 skipped.append(f"{tag}: one rank: {live._first_line(e)}")
                 continue
             case = (kind, at_layout(cfg, layout), seed, tpn, opts)
-            if planted:
-                planted_case = (layout, case, tp1)
+            if bug:
+                bugs.append((bug, case, tp1))
             else:
                 by_layout[layout].append(case)
                 cases.append((tag, kind, cfg, tp1, tpn))
@@ -399,18 +406,9 @@ def main(argv=None):
         for layout, layout_cases in by_layout.items():
             if layout_cases:
                 run_ranks(layout, capture_cases, layout_cases, False)
-        if planted_case:
-            run_ranks(planted_case[0], capture_cases, [planted_case[1]], True)
-        # Megatron's own bug: the first MLA case at tp 2 again, as Megatron computes it (no mend).
-        megatron_bug = next(((tag, tp1, tpn) for tag, kind, cfg, tp1, tpn in cases
-                             if cfg.get("multi_latent_attention") and "tp2mla" in tag and "sp" not in tag), None)  # fmt: skip
-        if megatron_bug:
-            layout = Layout(tp=2)
-            case = next(c for c in by_layout[layout] if c[3] == megatron_bug[2])
-            unmended = megatron_bug[2][: -len(".safetensors")] + "_unmended.safetensors"
-            run_ranks(layout, capture_cases, [case[:3] + (unmended,) + case[4:]], False, False)
-            megatron_bug = (megatron_bug[0], megatron_bug[1], unmended)
-        print(f"megatron-parallel: {len(cases) + 1} cases captured on one rank and at their layout in "
+        for bug, case, _ in bugs:
+            run_ranks(bug.layout, capture_cases, [case], bug.plant, bug.mend)
+        print(f"megatron-parallel: {len(cases) + len(bugs)} cases captured on one rank and at their layout in "
               f"{time.time() - t0:.0f}s ({time.time() - t_capture:.0f}s on the ranks)")  # fmt: skip
 
         failures = checked = with_grads = 0
@@ -433,18 +431,10 @@ def main(argv=None):
             for line in problems:
                 print("    " + line)
 
-        # The planted bug: found, as a gradient.
-        if planted_case:
-            _, (_, _, _, planted_tpn, _), planted_tp1 = planted_case
-            code, diffs, err = twin_json(a.twin, ["diff", "--json", planted_tp1, planted_tpn])
-            first = diffs[0].get("first_divergence") if diffs else None
-            found = code == 1 and isinstance(first, str) and first.startswith("grad.")
-            outcome = f"twin diff exit {code}, first divergence {first}"
-        else:
-            outcome = "its one-rank capture failed (see the skips)"
-        print(f"megatron-parallel: planted bug (rank 1's input-gradient partial sum dropped at tp 2): "
-              f"{'found' if found else 'NOT FOUND'}: {outcome}")  # fmt: skip
-        found = found and megatron_bug_found(a.twin, megatron_bug)
+        found = all([bug_found(a.twin, *b) for b in bugs])
+        for bug in (b for b in BUGS if b not in [c[0] for c in bugs]):
+            found = False
+            print(f"megatron-parallel: {bug.what}: NOT FOUND: its one-rank capture failed (see the skips)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
