@@ -7,7 +7,9 @@
 #include <fmt/format.h>
 #include <map>
 #include <set>
+#include <optional>
 
+#include "core/progress.h"
 #include "optimized/transformer_layer.h"
 #include "parity/bounds.h"
 #include "parity/fixture_kinds.h"
@@ -151,6 +153,7 @@ TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode) {
     throw FixtureError(f.path + ": position_embedding_type is rope but input.rotary_pos_emb is missing");
   TwinRun run;
   CountRoundings counting;
+  std::optional<progress::Step> step(std::in_place, "forward");
   auto out = layer.forward(input(f, "hidden_states", 3), optional_input(f, "attention_mask"), rope, fo);
   run.record = std::move(out.record);
   run.record.add(Role::Output, "hidden_states", out.hidden_states);
@@ -158,6 +161,7 @@ TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode) {
     run.no_backward_reason = *no_backward;
     return run;
   }
+  step.emplace("backward");
   record_gradients(run, layer.backward(f.tensor("grad_in.output"), /*with_magnitudes=*/true));
   return run;
 }

@@ -12,6 +12,7 @@
 #include "parity/cli_common.h"
 #include "parity/fixture_kinds.h"
 #include "parity/report.h"
+#include "parity/terminal_progress.h"
 
 namespace twin::cli {
 namespace {
@@ -183,8 +184,9 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
     std::sort(found.begin(), found.end());
     files.insert(files.end(), found.begin(), found.end());
   }
-  // Progress only for people watching a terminal; pipes and tests see the results alone.
-  const bool progress = files.size() > 1 && isatty(STDERR_FILENO);
+  // Progress only for people watching a terminal; pipes, tests and --json see the results alone.
+  const int columns = opt.json ? 0 : terminal_columns(STDERR_FILENO);
+  const bool progress = columns > 0;
   int code = -1;
   int counts[4] = {0, 0, 0, 0};
   auto emit = [&](const Result& r) {
@@ -199,7 +201,8 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
   };
   for (std::size_t i = 0; i < files.size(); ++i) {
     const std::string& path = files[i];
-    if (progress) err << fmt::format("\r\033[K[{}/{}] {}", i + 1, files.size(), path) << std::flush;
+    const std::string label = files.size() > 1 ? fmt::format("[{}/{}] {}", i + 1, files.size(), path) : path;
+    if (progress) err << "\r\033[K" << label << std::flush;
     if (!ends_with(path, ".safetensors") && !ends_with(path, ".json")) {
       // Not a fixture at all (a README beside the fixtures, say): nothing any twin can run.
       Result r;
@@ -226,7 +229,13 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
       continue;
     }
     if (megatron) fx->hold_to(megatron);
-    for (TwinKind t : twins) emit(run_one(opt, *fx, t));
+    for (TwinKind t : twins) {
+      std::optional<TerminalProgress> shown;  // each module as the twin runs it
+      if (progress) shown.emplace(err, label + " · " + twin_kind_name(t), columns);
+      Result r = run_one(opt, *fx, t);
+      shown.reset();
+      emit(r);
+    }
   }
   if (!opt.json && counts[0] + counts[1] + counts[2] + counts[3] > 1)
     out << fmt::format("{} pass, {} fail, {} unsupported, {} error\n", counts[0], counts[1], counts[2], counts[3]);

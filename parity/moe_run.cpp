@@ -2,8 +2,10 @@
 // golden's config and params, run on its inputs while counting rounding points. A config the twin
 // does not implement (opt::moe_layer_unsupported) is reported unsupported before anything runs.
 #include <cstdlib>
+#include <optional>
 
 #include "optimized/moe/moe_transformer_layer.h"
+#include "core/progress.h"
 #include "parity/fixture_kinds.h"
 
 namespace twin::parity {
@@ -41,6 +43,7 @@ TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode) {
   fo.keep_for_backward = !no_backward;
   TwinRun run;
   CountRoundings counting;
+  std::optional<progress::Step> step(std::in_place, "forward");
   auto out = layer.forward(input(f, "hidden_states", 3), in, fo);
   run.record = std::move(out.record);
   run.record.add(Role::Output, "hidden_states", out.hidden_states);
@@ -48,6 +51,7 @@ TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode) {
     run.no_backward_reason = *no_backward;
     return run;
   }
+  step.emplace("backward");
   record_gradients(run, layer.backward(f.tensor("grad_in.output"), /*with_magnitudes=*/true));
   return run;
 }

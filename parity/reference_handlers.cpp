@@ -9,8 +9,10 @@
 // (golden_substitutes).
 #include <memory>
 #include <string>
+#include <optional>
 
 #include "parity/fixture_kinds.h"
+#include "core/progress.h"
 #include "reference/moe/moe_transformer_layer.h"
 #include "reference/retro/decoder_layer_spec.h"
 #include "reference/retro/decoder_spec.h"
@@ -74,6 +76,7 @@ TwinRun run_layer(TransformerLayer& layer, const Fixture& f, const LayerInputs& 
   TwinRun run;
   const Substitutes substitutes = mode.isolate ? golden_substitutes(f) : nullptr;
   CountRoundings counting;
+  const progress::Step step("forward");
   auto [hidden_states, context] = layer.forward(input(f, "hidden_states", 3), in, Taps(&run.record, "", &substitutes));
   run.record.add(Role::Output, "hidden_states", hidden_states);
   if (context) run.record.add(Role::Output, "context", *context);
@@ -105,10 +108,12 @@ TwinRun run_layer_with_backward(TransformerLayer& layer, const Fixture& f, const
   TwinRun run;
   CountRoundings counting;
   TransformerLayerSaved saved;
+  std::optional<progress::Step> step(std::in_place, "forward");
   auto [hidden_states, context] = layer.forward(input(f, "hidden_states", 3), in, Taps(&run.record), &saved);
   run.record.add(Role::Output, "hidden_states", hidden_states);
   if (context) run.record.add(Role::Output, "context", *context);
   // output.context is not in the golden's loss (sum(output.hidden_states * grad_in.output)).
+  step.emplace("backward");
   const TransformerLayerGrads grads = layer.backward(f.tensor("grad_in.output"), saved);
   add_grads(run, layer.precision, grads.params, grads.hidden_states, grads.context);
   return run;
@@ -183,6 +188,7 @@ TwinRun run_reference_retro_block(const Fixture& f, const RunMode& mode) {
   const Substitutes substitutes = mode.isolate ? golden_substitutes(f) : nullptr;
   CountRoundings counting;
   TransformerBlockSaved saved;
+  std::optional<progress::Step> step(std::in_place, "forward");
   const Tensor hidden_states = block.forward(input(f, "hidden_states", 3), in, f.training, DropoutRng{},
                                              Taps(&run.record, "", &substitutes), nullptr, why ? nullptr : &saved);
   run.record.add(Role::Output, "hidden_states", hidden_states);
@@ -190,6 +196,7 @@ TwinRun run_reference_retro_block(const Fixture& f, const RunMode& mode) {
     run.no_backward_reason = *why;
     return run;
   }
+  step.emplace("backward");
   const TransformerBlockGrads grads = block.backward(f.tensor("grad_in.output"), saved);
   add_grads(run, block.precision, grads.params, grads.hidden_states, grads.context);
   return run;

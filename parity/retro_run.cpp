@@ -8,8 +8,10 @@
 // the backward runs too and its gradients are compared.
 #include <cstdlib>
 #include <string>
+#include <optional>
 
 #include "optimized/layer/sharding.h"
+#include "core/progress.h"
 #include "optimized/retro/retro_layer.h"
 #include "parity/fixture_kinds.h"
 #include "reference/retro/decoder_spec.h"
@@ -85,6 +87,7 @@ TwinRun run_with_backward(Twin& twin, const Fixture& f, const RunMode& mode, boo
   o.record_taps = true;
   o.keep_for_backward = !no_backward;
   CountRoundings counting;
+  std::optional<progress::Step> step(std::in_place, "forward");
   opt::retro::RetroOutput out =
       twin.forward(input(f, "hidden_states", 3), &input(f, "context", 3), optional_input(f, "context_mask", 4), o);
   if (!hand_back_context) out.context.reset();  // a block hands back its hidden states only
@@ -93,6 +96,7 @@ TwinRun run_with_backward(Twin& twin, const Fixture& f, const RunMode& mode, boo
     run.no_backward_reason = *no_backward;
     return run;
   }
+  step.emplace("backward");
   record_retro_gradients(run, twin.backward(f.tensor("grad_in.output")));
   return run;
 }

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/progress.h"
 #include "reference/rotary_pos_embedding.h"
 
 namespace twin::reference {
@@ -169,7 +170,9 @@ AttentionGrads SelfAttention::backward(const Mat& doutput, const SelfAttentionSa
   if (output_gate_)
     throw ConfigError("SelfAttention backward: the attention output gate's backward is not implemented");
   AttentionGrads g;
+  progress::now("linear_proj");
   const LinearGrads proj = linear_proj.backward(doutput, saved.linear_proj);
+  progress::now("core_attention");
   const CoreAttentionGrads core = core_attention.backward(proj.input, saved.query, saved.key, saved.value, a.s, a.s,
                                                           a.b, a.attention_mask, a.training, a.rng);
   Mat dquery = core.query, dkey = core.key;
@@ -203,6 +206,7 @@ AttentionGrads SelfAttention::backward(const Mat& doutput, const SelfAttentionSa
       col += hn_;
       dmixed.row(t).segment(base + col, hn_) = core.value.row(t * ng_ + grp);
     }
+  progress::now("linear_qkv");
   const LinearGrads qkv = linear_qkv.backward(dmixed, saved.linear_qkv);
   g.hidden_states = qkv.input;
   add_param_grads(g.params, "linear_qkv.", qkv);

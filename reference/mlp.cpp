@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "core/progress.h"
+
 namespace twin::reference {
 
 void record_output_with_bias(const Taps& taps, const std::string& prefix, OutputWithBias& o, const Shape& lead,
@@ -169,6 +171,7 @@ MlpGrads MLP::backward(const Mat& doutput, const MlpSaved& saved, const MlpArgs&
   if (scale && linear_fc2.has_bias())
     throw ConfigError("MLP backward: an fc2 bias with per_token_scale (output += bias * scale) is not implemented");
   MlpGrads g;
+  progress::now("linear_fc2");
   const LinearGrads fc2 = linear_fc2.backward(doutput, saved.linear_fc2);
   Mat dact = fc2.input;  // [n, ffn]
   if (scale) {
@@ -201,6 +204,7 @@ MlpGrads MLP::backward(const Mat& doutput, const MlpSaved& saved, const MlpArgs&
   dact = gated_linear_unit ? glu_backward(activation_func, saved.activation_input, dact, glu_linear_offset,
                                           activation_func_clamp_value, p_)
                            : activation_backward(activation_func, saved.activation_input, dact, p_);
+  progress::now("linear_fc1");
   const LinearGrads fc1 = linear_fc1.backward(dact, saved.linear_fc1);  // its bias: the column sums of dact
   g.hidden_states = fc1.input;
   add_param_grads(g.params, "linear_fc1.", fc1);

@@ -1,5 +1,7 @@
 #include "reference/taps.h"
 
+#include "core/progress.h"
+
 namespace twin::reference {
 
 Mat Taps::record(const std::string& name, const Mat& m, Shape shape, DType dtype) const {
@@ -14,6 +16,7 @@ const Tensor* Taps::add(Role role, const std::string& name, const Tensor& t, boo
   std::string full = prefix_ + name;
   const int n = record_->calls[role_prefix(role) + full]++;
   if (n > 0) full += "#" + std::to_string(n);
+  if (role == Role::Tap) progress::done(full);
   const RecordEntry& e = exact ? record_->add_exact(role, std::move(full), t) : record_->add(role, std::move(full), t);
   if (exact || !substitutes_ || !*substitutes_) return nullptr;
   const Tensor* s = (*substitutes_)(e.key());

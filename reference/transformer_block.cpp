@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "core/progress.h"
+
 namespace twin::reference {
 
 TransformerBlock::TransformerBlock(const TransformerConfig& config_, const TransformerBlockSubmodules& spec,
@@ -60,6 +62,7 @@ Tensor TransformerBlock::forward(const Tensor& hidden_states_in, const LayerInpu
     LayerInputs layer_inputs = inputs;
     layer_inputs.context = context ? &*context : nullptr;
     const Taps t = layer_taps.child(std::to_string(l_no));
+    const progress::Step step("layers." + std::to_string(l_no));
     if (saved) {
       saved->contexts.push_back(context);
       layer_inputs.context = context ? &*saved->contexts.back() : nullptr;
@@ -106,6 +109,7 @@ TransformerBlockGrads TransformerBlock::backward(const Tensor& grad_output, cons
   std::optional<Tensor> dcontext;  // d of the context the layer below returned
   if (grad_context) dcontext = *grad_context;
   for (std::size_t i = layers.size(); i-- > 0;) {
+    const progress::Step step("layers." + std::to_string(i));
     TransformerLayerGrads lg = layers[i]->backward(d, saved.layers[i], dcontext ? &*dcontext : nullptr);
     const std::string prefix = "layers." + std::to_string(i) + ".";
     for (ParamGrad& p : lg.params) p.name = prefix + p.name;

@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "core/progress.h"
 #include "reference/transformer_layer_offset.h"
 
 namespace twin::reference {
@@ -382,6 +383,7 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
   const BiasDropoutAddGrads mlp_bda_grads = bda_backward(mlp_bda, dout, DropoutSite::MlpBda);
   Mat d = mlp_bda_grads.x;
   if (mlp) {
+    const progress::Step step("mlp");
     MlpArgs args;
     args.lead = {s, b};
     args.training = training;
@@ -399,6 +401,7 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
   // [Module 6 .. 4] cross_attn_bda with cross_attention, pre_cross_attn_layernorm
   std::optional<Mat> dcontext_in;  // d inputs.context
   if (cross_attention) {
+    const progress::Step step("cross_attention");
     AttentionArgs args;
     args.s = s;
     args.b = b;
@@ -433,6 +436,7 @@ TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, cons
   const BiasDropoutAddGrads attn_bda_grads = bda_backward(self_attn_bda, d, DropoutSite::SelfAttnBda);
   d = attn_bda_grads.x;
   if (self_attention) {
+    const progress::Step step("self_attention");
     AttentionArgs args;
     args.s = s;
     args.b = b;

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/dropout_site.h"
+#include "core/progress.h"
 #include "core/rotary_embedding.h"
 #include "optimized/layer/sharding.h"  // take_cols
 
@@ -289,6 +290,7 @@ std::pair<Tensor, Tensor> qk_layernorm_taps(const Tensor& qkv, std::int64_t S, s
 }
 
 void RankTapRecorder::add(std::string name, Tensor value, ShardLayout layout) {
+  progress::done(name);
   taps.push_back({std::move(name), std::move(value), rounding_now(), layout});
 }
 

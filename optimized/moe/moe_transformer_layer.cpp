@@ -10,6 +10,7 @@
 #include <optional>
 #include <tuple>
 
+#include "core/progress.h"
 #include "optimized/layer/attention_half.h"
 #include "optimized/layer/graph_cache.h"
 #include "optimized/layer/kernels.h"
@@ -177,6 +178,7 @@ void MoETransformerLayer::on_every_rank(const std::function<void(int)>& phase) {
 
 void MoETransformerLayer::_forward_mlp_router(const Tensor& hidden_states, const MoEForwardInputs& in,
                                               const ForwardOptions& fo) {
+  progress::now("_forward_mlp_router");
   set_gather_expert_taps(fo);
   on_every_rank([&](int r) { router_rank(r, hidden_states, in, rank_options(fo, r)); });
 }
@@ -184,6 +186,7 @@ void MoETransformerLayer::_forward_mlp_router(const Tensor& hidden_states, const
 // The preconditions are checked here, before any rank runs, and leave the forward in flight as it
 // was; the ranks move through the phases in step, so rank 0's phase is every rank's.
 void MoETransformerLayer::_forward_mlp_expert_compute() {
+  progress::now("_forward_mlp_expert_compute");
   const Impl::Phase done = ranks_.front()->done;
   if (done != Impl::Phase::Router)
     throw std::logic_error(
@@ -194,6 +197,7 @@ void MoETransformerLayer::_forward_mlp_expert_compute() {
 }
 
 LayerOutput MoETransformerLayer::_forward_mlp_postprocess() {
+  progress::now("_forward_mlp_postprocess");
   const Impl::Phase done = ranks_.front()->done;
   if (done == Impl::Phase::None)
     throw std::logic_error(std::string("optimized MoE layer: _forward_mlp_postprocess needs _forward_mlp_router and "

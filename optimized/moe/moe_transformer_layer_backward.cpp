@@ -9,6 +9,7 @@
 #include <utility>
 #include <stdexcept>
 
+#include "core/progress.h"
 #include "optimized/layer/attention_half.h"
 #include "optimized/layer/grad_magnitudes.h"
 #include "optimized/layer/kernels.h"
@@ -191,6 +192,7 @@ void MoETransformerLayer::run_backward_phase(BackwardPhaseKind kind, bool use_gr
 // most rows one token was dispatched to (the permute backward's sums), mlp_bda's, the combine's
 // and the shared experts' backward.
 void MoETransformerLayer::_backward_mlp_postprocess(const Tensor& grad_output, bool use_graph) {
+  progress::now("_backward_mlp_postprocess");
   if (const auto why = backward_unsupported()) throw std::logic_error(std::string(kWho) + ": no backward for " + *why);
   Impl& m = *ranks_.front();
   if (!m.kept)
@@ -218,6 +220,7 @@ void MoETransformerLayer::_backward_mlp_postprocess(const Tensor& grad_output, b
 }
 
 void MoETransformerLayer::_backward_mlp_expert_compute() {
+  progress::now("_backward_mlp_expert_compute");
   if (ranks_.front()->backward_done != Impl::BackwardPhase::Postprocess)
     throw std::logic_error(std::string(kWho) + ": _backward_mlp_expert_compute needs _backward_mlp_postprocess first" +
                            kBackwardOrder);
@@ -228,6 +231,7 @@ void MoETransformerLayer::_backward_mlp_expert_compute() {
 // The router phase's backward, then every gradient under its Megatron key: rank 0 holds all but
 // the experts' weights', each on its owner rank.
 LayerGradients MoETransformerLayer::_backward_mlp_router(bool with_magnitudes, bool use_graph) {
+  progress::now("_backward_mlp_router");
   if (ranks_.front()->backward_done != Impl::BackwardPhase::ExpertCompute)
     throw std::logic_error(std::string(kWho) + ": _backward_mlp_router needs _backward_mlp_expert_compute first" +
                            kBackwardOrder);

@@ -1,5 +1,7 @@
 #include "reference/moe/experts.h"
 
+#include "core/progress.h"
+
 namespace twin::reference::moe {
 
 SequentialMLP::SequentialMLP(int num_local_experts, const TransformerConfig& config, Precision p, DType probs_dtype)
@@ -98,6 +100,7 @@ SequentialMLPGrads SequentialMLP::backward(const Mat& doutput, const SequentialM
     args.per_token_scale = &probs;
     args.per_token_scale_dtype = probs_dtype_;
     // An expert without tokens still ran (on [0, h]): its weights' gradients are zeros.
+    const progress::Step step("local_experts." + std::to_string(i));
     const MlpGrads eg = local_experts[i].backward(doutput.middleRows(start, n), saved.local_experts[i], args);
     g.permuted_local_hidden_states.middleRows(start, n) = eg.hidden_states;
     for (Index r = 0; r < n; ++r) g.permuted_probs[start + r] = eg.per_token_scale[r];

@@ -1,5 +1,6 @@
 #include "reference/moe/moe_layer.h"
 
+#include "core/progress.h"
 #include "reference/transformer_config.h"
 
 namespace twin::reference::moe {
@@ -270,7 +271,10 @@ MlpGrads MoELayer::backward(const Mat& doutput, const MoELayerSaved& saved) cons
   // combine's backward: each dispatched row takes its token's gradient.
   Mat drows(N, h);  // [N, h]
   for (Index i = 0; i < N; ++i) drows.row(i) = doutput.row(saved.row_tokens[i]);
-  const SequentialMLPGrads eg = experts.backward(drows, saved.experts);
+  const SequentialMLPGrads eg = [&] {
+    const progress::Step step("experts");
+    return experts.backward(drows, saved.experts);
+  }();
   add("experts.", eg.params);
 
   // dispatch's backward: scatter-add the rows' gradients to their tokens; probabilities to their entries.
@@ -289,6 +293,7 @@ MlpGrads MoELayer::backward(const Mat& doutput, const MoELayerSaved& saved) cons
   for (int c : rows_of_token) most_rows = std::max(most_rows, c);
   p_.count_act(most_rows);
 
+  progress::now("router");
   const RouterGrads rg = router.backward(dprobs, saved.router);
   add("router.", rg.params);
   Mat dinput = p_.act(Mat(dhidden + rg.input));  // rounds: autograd's sum of the two uses
@@ -297,7 +302,10 @@ MlpGrads MoELayer::backward(const Mat& doutput, const MoELayerSaved& saved) cons
   if (shared_experts) {
     const RoundingCount routed_end = rounding_now();
     rounding_set(at_output);  // the shared experts' backward starts from the output's gradient
-    const MlpGrads sg = shared_experts->backward(doutput, *saved.shared_experts);
+    const MlpGrads sg = [&] {
+      const progress::Step step("shared_experts");
+      return shared_experts->backward(doutput, *saved.shared_experts);
+    }();
     add("shared_experts.", sg.params);
     rounding_join(routed_end);
     dinput = p_.act(Mat(dinput + sg.hidden_states));  // rounds: + the shared experts' input gradient
