@@ -71,8 +71,27 @@ bool bf16_bits(const Matrix& m, std::vector<std::uint16_t>& out) {
   return bf16_bits_n(m.data(), m.size(), out);
 }
 
-// c [m, n] = a [m, k] times b ([k, n], stored as [n, k] when b_transposed), both as bf16 bits.
-void bf16_matmul(const std::uint16_t* a, const std::uint16_t* b, bool b_transposed, Eigen::Index k, FMat& c) {
+// Whether oneDNN has a bf16 matmul on this CPU (its kernels need AVX-512; asked once).
+bool bf16_matmul_supported() {
+  static const bool supported = [] {
+    using dt = dnnl::memory::data_type;
+    using tag = dnnl::memory::format_tag;
+    try {
+      const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+      const dnnl::memory::desc a({2, 2}, dt::bf16, tag::ab), b({2, 2}, dt::bf16, tag::ab), c({2, 2}, dt::f32, tag::ab);
+      dnnl::matmul::primitive_desc(dnnl::matmul::desc(a, b, c), engine);
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return supported;
+}
+
+// c [m, n] = a [m, k] times b ([k, n], stored as [n, k] when b_transposed), both as bf16 bits;
+// false where this CPU has no bf16 matmul (oneDNN's needs AVX-512: an AVX2 machine gets the fp32
+// GEMM, which computes the same fp32 sums of the same exact products).
+bool bf16_matmul(const std::uint16_t* a, const std::uint16_t* b, bool b_transposed, Eigen::Index k, FMat& c) {
   using dt = dnnl::memory::data_type;
   using tag = dnnl::memory::format_tag;
   static thread_local dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -80,21 +99,21 @@ void bf16_matmul(const std::uint16_t* a, const std::uint16_t* b, bool b_transpos
   const dnnl::memory::dim m = c.rows(), n = c.cols();
   const dnnl::memory::desc a_md({m, k}, dt::bf16, tag::ab), b_md({k, n}, dt::bf16, b_transposed ? tag::ba : tag::ab),
       c_md({m, n}, dt::f32, tag::ab);
+  if (!bf16_matmul_supported()) return false;
   // oneDNN's primitive cache makes a repeated shape's creation cheap (about a microsecond).
   const dnnl::matmul matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, c_md), engine));
   dnnl::memory am(a_md, engine, const_cast<std::uint16_t*>(a)), bm(b_md, engine, const_cast<std::uint16_t*>(b)),
       cm(c_md, engine, c.data());
   matmul.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
   stream.wait();
+  return true;
 }
 
 // Both as bf16 bits when every value is one: then c = a op(b) through the bf16 matmul.
 template <class Matrix>
 bool try_bf16_matmul(const Matrix& a, const Matrix& b, bool b_transposed, FMat& c) {
   static thread_local std::vector<std::uint16_t> ab, bb;
-  if (!bf16_bits(a, ab) || !bf16_bits(b, bb)) return false;
-  bf16_matmul(ab.data(), bb.data(), b_transposed, a.cols(), c);
-  return true;
+  return bf16_bits(a, ab) && bf16_bits(b, bb) && bf16_matmul(ab.data(), bb.data(), b_transposed, a.cols(), c);
 }
 #endif
 
@@ -156,7 +175,7 @@ namespace {
 template <class Matrix>
 void make_operand(const Matrix& m, bool inputs_bf16, std::vector<std::uint16_t>& bf16, FMat& f32) {
 #if defined(TWIN_REFERENCE_DNNL)
-  if (inputs_bf16 && m.size() > 0 && bf16_bits(m, bf16)) return;
+  if (inputs_bf16 && m.size() > 0 && bf16_matmul_supported() && bf16_bits(m, bf16)) return;
   bf16.clear();
 #else
   (void)inputs_bf16, (void)bf16;
@@ -191,8 +210,7 @@ FMat gemm_prepared(const Matrix& a, const GemmOperand& b, bool b_transposed, flo
 #if defined(TWIN_REFERENCE_DNNL)
   if (inputs_bf16 && b.holds_bf16()) {
     static thread_local std::vector<std::uint16_t> ab;
-    if (bf16_bits(a, ab)) {
-      bf16_matmul(ab.data(), b.bf16_bits().data(), b_transposed, a.cols(), c);
+    if (bf16_bits(a, ab) && bf16_matmul(ab.data(), b.bf16_bits().data(), b_transposed, a.cols(), c)) {
       if (alpha != 1.0f) c *= alpha;
       return c;
     }
@@ -237,7 +255,8 @@ std::string gemm_backend() {
 #if defined(TWIN_REFERENCE_DNNL)
   const dnnl_version_t* v = dnnl_version();
   return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) +
-         " (dnnl_sgemm; bf16 matmul for bf16 inputs)";
+         (bf16_matmul_supported() ? " (dnnl_sgemm; bf16 matmul for bf16 inputs)"
+                                  : " (dnnl_sgemm; no bf16 matmul on this CPU: bf16 inputs through dnnl_sgemm)");
 #elif defined(TWIN_REFERENCE_OPENBLAS)
   return std::string("OpenBLAS cblas_sgemm (") + openblas_get_config() + ")";
 #else
