@@ -13,6 +13,8 @@
 #include "parity/fixture_kinds.h"
 #include "parity/report.h"
 #include "parity/terminal_progress.h"
+#include "reference/fast/fast_gemm.h"
+#include "reference/parallel.h"
 
 namespace twin::cli {
 namespace {
@@ -24,7 +26,8 @@ struct Result {
   std::optional<std::string> kind;  // unknown when the file could not be loaded
   std::string twin;
   bool isolated = false;
-  int tp = 1;  // the twin's tensor-parallel size (the reference: always 1)
+  bool fast = false;  // the reference in fast mode (fp32 GEMMs)
+  int tp = 1;         // the twin's tensor-parallel size (the reference: always 1)
   bool sp = false;
   int ep = 1;  // the twin's expert-parallel size (the reference: always 1)
   Status status = Status::Error;
@@ -43,6 +46,7 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   r.megatron = fx.megatron ? fx.megatron->name : "";
   r.twin = twin_kind_name(twin);
   r.isolated = opt.isolate;
+  r.fast = opt.fast && twin == TwinKind::Reference;
   // --tp / --sp shard the optimized twin; a golden is the unsharded layer, which the reference is.
   const bool sharded = twin == TwinKind::Optimized;
   // Without --tp / --ep, the golden's own layout (a capture of a multi-rank job records it).
@@ -50,7 +54,8 @@ Result run_one(const FixtureOptions& opt, const Fixture& fx, TwinKind twin) {
   r.tp = !sharded ? 1 : golden_layout ? std::max(1, fx.config.tensor_model_parallel_size) : opt.tp;
   r.sp = sharded && (golden_layout ? fx.config.sequence_parallel && r.tp > 1 : opt.sp);
   r.ep = !sharded ? 1 : opt.ep == 0 ? std::max(1, fx.config.expert_model_parallel_size) : opt.ep;
-  const RunMode mode{opt.isolate, r.tp, r.sp, r.ep};
+  RunMode mode{opt.isolate, r.tp, r.sp, r.ep};
+  mode.fast = r.fast;
   const FixtureHandler handler = opt.lookup(fx.kind, twin, mode);
   if (!handler) {
     r.status = Status::Unsupported;
@@ -108,6 +113,7 @@ json to_json(const Result& r) {
           {"kind", r.kind ? json(*r.kind) : json(nullptr)},
           {"twin", r.twin},
           {"isolated", r.isolated},
+          {"fast", r.fast},
           {"tp", r.tp},
           {"sp", r.sp},
           {"ep", r.ep},
@@ -129,7 +135,8 @@ void print_text(const Result& r, std::ostream& out, std::ostream& err) {
     out << fmt::format("{}: unsupported: {}\n", r.file, r.message);
     return;
   }
-  out << fmt::format("{}  [kind {}, {} twin{}{}{}, Megatron-Core {}]\n", r.file, r.kind.value_or("?"), r.twin,
+  out << fmt::format("{}  [kind {}, {} twin{}{}{}{}, Megatron-Core {}]\n", r.file, r.kind.value_or("?"), r.twin,
+                     r.fast ? " (fast mode: fp32 GEMMs)" : "",
                      r.tp > 1 ? fmt::format(", tp {}{}", r.tp, r.sp ? "+sp" : "") : "",
                      r.ep > 1 ? fmt::format(", ep {}", r.ep) : "", r.isolated ? ", isolated" : "", r.megatron);
   print_rows(out, r.rows, r.first_failure);
@@ -162,6 +169,14 @@ int run_fixture(const FixtureOptions& opt, std::ostream& out, std::ostream& err)
     err << "error: --ep must be >= 1 and runs the optimized twin's experts over N ranks; the reference is the "
            "ep = 1 layer (use --twin optimized or both)\n";
     return 2;
+  }
+  if (opt.fast && opt.twin == "optimized") {
+    err << "error: --fast is a mode of the reference twin (use --twin reference or both)\n";
+    return 2;
+  }
+  if (opt.threads > 0) {
+    reference::set_threads(opt.threads);
+    reference::set_gemm_threads(opt.threads);  // fast mode's BLAS
   }
   const MegatronSemantics* megatron = opt.megatron.empty() ? nullptr : find_megatron_semantics(opt.megatron);
   if (!opt.megatron.empty() && !megatron) {

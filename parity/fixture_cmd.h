@@ -32,6 +32,11 @@ struct FixtureOptions {
   int ep = 0;  // over ep expert-parallel ranks (RunMode::ep); 0: the golden's own
   // The Megatron-Core commit whose semantics the goldens are held to; "": each golden's own.
   std::string megatron;
+  // The reference's threads (reference/parallel.h: the results are bitwise the same at any count);
+  // 0: as set before (`twin` sets every core).
+  int threads = 0;
+  // The reference in fast mode (RunMode::fast): its GEMMs in fp32 through a BLAS.
+  bool fast = false;
   // Where handlers come from: the registry, or a test's own.
   FixtureHandler (*lookup)(const std::string& kind, TwinKind twin, const RunMode& mode) = find_fixture_handler;
 };

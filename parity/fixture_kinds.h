@@ -55,6 +55,10 @@ struct RunMode {
   // Run the MoE router on the golden's routing map (tap.mlp.router.1) instead of its own top-k
   // choice: set by the engine when the twin's choice flipped on near ties (parity/routing_ties.h).
   bool golden_routing = false;
+  // The reference in fast mode (its GEMMs accumulated in fp32 by a BLAS, reference/precision.h):
+  // the same rounding points and bound, several times faster at real sizes. The optimized twin
+  // ignores it.
+  bool fast = false;
 };
 
 // A twin's handler finds, before running anything, that the golden's config asks for something the

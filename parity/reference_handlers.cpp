@@ -119,6 +119,13 @@ TwinRun run_layer_with_backward(TransformerLayer& layer, const Fixture& f, const
   return run;
 }
 
+// FP32 mode (Megatron's rounding points, fp64 sums), or with RunMode::fast fast mode (the same
+// points, the GEMMs accumulated in fp32 by a BLAS: another correct implementation, within the same
+// counted bound; reference/precision.h).
+Precision reference_precision(const TransformerConfig& c, const RunMode& mode) {
+  return Precision::from_config(c, mode.fast ? ComputeMode::Fast : ComputeMode::FP32);
+}
+
 TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode) {
   const TransformerConfig& config = f.config;
   validate_retro_config(config);
@@ -128,7 +135,7 @@ TwinRun run_retro_layer(const Fixture& f, bool with_encoder, const RunMode& mode
           with_encoder ? std::optional<TransformerBlockSubmodules>(retro::get_retro_encoder_block_spec(config, false))
                        : std::nullopt)
           .spec;
-  std::unique_ptr<BaseTransformerLayer> built = spec.build(config, f.layer_number, Precision::from_config(config));
+  std::unique_ptr<BaseTransformerLayer> built = spec.build(config, f.layer_number, reference_precision(config, mode));
   auto& layer = dynamic_cast<TransformerLayer&>(*built);
   LayerInputs in;
   in.context = &input(f, "context", 3);
@@ -146,7 +153,7 @@ TwinRun run_reference_dense_layer(const Fixture& f, const RunMode& mode) {
   const ModuleSpec spec =
       get_gpt_layer_local_spec(std::nullopt, cfg.qk_layernorm, cfg.normalization, cfg.qk_l2_norm,
                                attn_mask_type_from_name(cfg.attn_mask_type), cfg.multi_latent_attention);
-  TransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
+  TransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, reference_precision(cfg, mode));
   const LayerInputs in = layer_inputs(f);
   return run_layer_with_backward(layer, f, in, mode);
 }
@@ -159,7 +166,7 @@ TwinRun run_reference_moe_layer(const Fixture& f, const RunMode& mode) {
   const ModuleSpec spec =
       moe::get_gpt_layer_local_moe_spec(*cfg.num_moe_experts, cfg.moe_grouped_gemm, cfg.qk_layernorm, cfg.normalization,
                                         cfg.qk_l2_norm, cfg.multi_latent_attention);
-  moe::MoETransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, Precision::from_config(cfg));
+  moe::MoETransformerLayer layer(cfg, spec.submodules, f.layer_number, std::nullopt, reference_precision(cfg, mode));
   LayerInputs in = layer_inputs(f);
   in.padding_mask = optional_input(f, "padding_mask");
   in.recorded_routing_map = golden_routing_map(f, mode);
@@ -176,7 +183,7 @@ TwinRun run_reference_retro_decoder_layer(const Fixture& f, const RunMode& mode)
 TwinRun run_reference_retro_block(const Fixture& f, const RunMode& mode) {
   const TransformerConfig& config = f.config;
   check_inputs(f, {"hidden_states", "context", "context_mask"});
-  TransformerBlock block(config, retro::get_retro_decoder_block_spec(config, false), Precision::from_config(config));
+  TransformerBlock block(config, retro::get_retro_decoder_block_spec(config, false), reference_precision(config, mode));
   const StateDict sd(params_of(f));
   block.load_state_dict(sd);
   sd.expect_all_used("TransformerBlock.load_state_dict (" + f.path + ")");

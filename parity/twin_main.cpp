@@ -1,7 +1,9 @@
 // The `twin` command line: inspect files, run fixtures through the twins, run the main check.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <iostream>
+#include <thread>
 
 #include "parity/case_cmd.h"
 #include "parity/check.h"
@@ -9,6 +11,7 @@
 #include "parity/cli_common.h"
 #include "parity/fixture_cmd.h"
 #include "parity/inspect.h"
+#include "reference/parallel.h"
 #include "reference/retro/decoder_spec.h"
 
 int main(int argc, char** argv) {
@@ -33,9 +36,10 @@ int main(int argc, char** argv) {
   fixture_cmd->add_option("--twin", fixture.twin, "Which twin runs the fixtures")
       ->check(CLI::IsMember({"reference", "optimized", "both"}))
       ->capture_default_str();
-  fixture_cmd->add_flag("--json", fixture.json,
-                        "One JSON object per file and twin per line: file, kind, twin, isolated, status, message, "
-                        "tensors[]");
+  fixture_cmd->add_flag(
+      "--json", fixture.json,
+      "One JSON object per file and twin per line: file, kind, twin, isolated, fast, status, message, "
+      "tensors[]");
   fixture_cmd->add_flag("--isolate", fixture.isolate,
                         "Run each module on the golden's own recorded input to it (the previous tap), so each row "
                         "shows the error that module introduces rather than the error it inherits (default: end "
@@ -53,6 +57,15 @@ int main(int argc, char** argv) {
                    "Run the optimized twin's MoE layer over N simulated expert-parallel ranks (N divides "
                    "num_moe_experts) with the golden's token dispatcher; the golden and the reference stay the ep = 1 "
                    "layer. Default: the golden's own (its config's expert_model_parallel_size)")
+      ->check(CLI::Range(1, 4096));
+  fixture_cmd->add_flag("--fast", fixture.fast,
+                        "The reference in fast mode: Megatron's rounding points with its GEMMs accumulated in fp32 "
+                        "by a BLAS (oneDNN or OpenBLAS), as Megatron's own are; the same counted bound, several "
+                        "times faster at real sizes (the report says fast mode)");
+  fixture_cmd
+      ->add_option("--threads", fixture.threads,
+                   "Threads of the reference twin (its results are bitwise the same at any count). Default: every "
+                   "core")
       ->check(CLI::Range(1, 4096));
   fixture_cmd->add_option("--megatron", fixture.megatron,
                           "Hold the goldens to this Megatron-Core commit's semantics (a known hash or a prefix of 7 "
@@ -105,6 +118,9 @@ int main(int argc, char** argv) {
     std::cerr << "error: " << one_line(e.what()) << " (see twin --help)\n";
     return 2;
   }
+  // Every command's reference runs on every core (its results are bitwise the same at any count);
+  // `twin fixture --threads N` chooses.
+  twin::reference::set_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
   try {
     if (*inspect_cmd) return run_inspect(inspect, std::cout, std::cerr);
     if (*fixture_cmd) return run_fixture(fixture, std::cout, std::cerr);

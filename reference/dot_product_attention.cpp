@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "reference/dot_product_attention_mask.h"
+#include "reference/parallel.h"
 
 namespace twin::reference {
 
@@ -148,8 +149,10 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
     context = forward_fast(query, key, value, sq, sk, b, attention_mask);
   } else {
     context.resize(static_cast<Eigen::Index>(sq) * b, static_cast<Eigen::Index>(np_) * hv_);
-    for (int bi = 0; bi < b; ++bi) {
-      for (int h = 0; h < np_; ++h) {
+    // One (b, h) at a time, each on any thread: its context columns are its own.
+    for_chunks(static_cast<Eigen::Index>(b) * np_, 1, [&](Eigen::Index bh, Eigen::Index) {
+      const int bi = static_cast<int>(bh / np_), h = static_cast<int>(bh % np_);
+      {
         const int g = h / group;  // repeat_interleave(np / ng, dim=2)
         const Mat probs = probabilities(query, key, sq, sk, b, bi, h, attention_mask, training, rng);
         // context = bmm(probs, v): [sq, hv] for this (b, h)
@@ -163,7 +166,7 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
           }
         }
       }
-    }
+    });
   }
   const bool upcast = input_in_float16_ && softmax_in_fp32_;
   p_.count_reduce(hn_);  // q . k
@@ -225,11 +228,13 @@ CoreAttentionGrads DotProductAttention::backward(const Mat& dcontext, const Mat&
   g.query = Mat::Zero(query.rows(), hn_);
   g.key = Mat::Zero(key.rows(), hn_);
   g.value = Mat::Zero(value.rows(), hv_);
-  Mat softmax_out;
-  std::vector<bool> masked;
-  for (int bi = 0; bi < b; ++bi) {
-    for (int h = 0; h < np_; ++h) {
-      const int kv = h / group;
+  // One (b, query group) at a time, each on any thread: its key and value rows are its own, and
+  // its heads add into them in head order at any thread count.
+  for_chunks(static_cast<Eigen::Index>(b) * ng_, 1, [&](Eigen::Index bg, Eigen::Index) {
+    const int bi = static_cast<int>(bg / ng_), kv = static_cast<int>(bg % ng_);
+    Mat softmax_out;
+    std::vector<bool> masked;
+    for (int h = kv * group; h < (kv + 1) * group; ++h) {
       const Mat probs =
           probabilities(query, key, sq, sk, b, bi, h, attention_mask, training, rng, &softmax_out, &masked);
       Mat q(sq, hn_), k(sk, hn_), v(sk, hv_), dctx(sq, hv_);  // this (b, h) slice
@@ -282,7 +287,7 @@ CoreAttentionGrads DotProductAttention::backward(const Mat& dcontext, const Mat&
         g.value.row((static_cast<Eigen::Index>(j) * b + bi) * ng_ + kv) += dv.row(j);
       }
     }
-  }
+  });
   p_.count_reduce(hv_);  // dctx . v
   p_.count_act();
   if (dropout) p_.count_act();

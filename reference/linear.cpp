@@ -1,6 +1,7 @@
 #include "reference/linear.h"
 
 #include "reference/fast/fast_gemm.h"
+#include "reference/parallel.h"
 
 namespace twin::reference {
 
@@ -47,8 +48,8 @@ OutputWithBias Linear::forward(const Mat& x, LinearSaved* saved) const {
     out.output.resize(y.rows(), y.cols());
     to_double(y.data(), out.output.data(), y.size());
   } else {
-    out.output = x * weight_.transpose();  // [n, out]
-    p_.act_inplace(out.output);            // rounds: GEMM output (fp32 accumulation), activation dtype
+    out.output = gemm_nt(x, weight_);  // [n, out]
+    p_.act_inplace(out.output);        // rounds: GEMM output (fp32 accumulation), activation dtype
     if (add_bias) {
       out.output.rowwise() += bias;
       p_.act_inplace(out.output);  // rounds: output + bias, activation dtype
@@ -73,12 +74,12 @@ LinearGrads Linear::backward(const Mat& dy, const LinearSaved& saved) const {
                      std::to_string(saved.input.cols()) + "] and weight [" + std::to_string(output_size_) + ", " +
                      std::to_string(input_size_) + "]");
   LinearGrads g;
-  g.input = p_.act(dy * weight_);  // rounds: dgrad GEMM output (fp32 accumulation), activation dtype
+  g.input = p_.act(gemm_nn(dy, weight_));  // rounds: dgrad GEMM output (fp32 accumulation), activation dtype
   p_.count_reduce(output_size_);
   p_.count_act();
   // wgrad and bias grad: reductions over the rows, stored in the parameter (= activation) dtype.
-  g.weight = p_.act(dy.transpose() * saved.input);  // rounds: wgrad GEMM output
-  g.weight_magnitude = (dy.cwiseAbs().transpose() * saved.input.cwiseAbs()).maxCoeff();
+  g.weight = p_.act(gemm_tn(dy, saved.input));  // rounds: wgrad GEMM output
+  g.weight_magnitude = gemm_tn(dy.cwiseAbs(), saved.input.cwiseAbs()).maxCoeff();
   if (has_bias_) {
     g.bias = dy.colwise().sum();
     p_.act_inplace(g.bias);  // rounds: grad_output.sum(dim=0)

@@ -223,3 +223,28 @@ TEST(TwinCliFixtures, OptimizedRunsAtTheGoldensOwnLayoutByDefault) {
   EXPECT_EQ(layouts(moe, ""), (Rows{"reference tp 1 ep 1", "optimized tp 1 ep 2"}));
   EXPECT_EQ(layouts(moe, "--ep 1"), (Rows{"reference tp 1 ep 1", "optimized tp 1 ep 1"}));
 }
+
+// --fast: the reference in fast mode (its GEMMs in fp32 through a BLAS) passes every golden in the
+// directory within the same counted bound, says so, and computed otherwise than FP32 mode (some
+// tensor's error moved); --fast is refused for the optimized twin alone.
+TEST(TwinCliFixtures, FastModePassesEveryGoldenAndSaysSo) {
+  const std::string all = quote(fixtures_dir()) + "/*.safetensors";
+  const TwinRun fast = run_twin("fixture --json --fast " + all), plain = run_twin("fixture --json " + all);
+  const auto fl = lines(fast.out), pl = lines(plain.out);
+  ASSERT_EQ(fl.size(), pl.size()) << fast.err;
+  ASSERT_GT(fl.size(), 10u);
+  std::size_t moved = 0;
+  for (std::size_t i = 0; i < fl.size(); ++i) {
+    const json f = json::parse(fl[i]), p = json::parse(pl[i]);
+    SCOPED_TRACE(f["file"].get<std::string>());
+    EXPECT_EQ(f["status"], p["status"]) << f["message"];
+    EXPECT_EQ(f["fast"], true);
+    EXPECT_EQ(p["fast"], false);
+    for (std::size_t t = 0; t < f["tensors"].size() && t < p["tensors"].size(); ++t)
+      moved += f["tensors"][t]["max_abs"] != p["tensors"][t]["max_abs"];
+  }
+  EXPECT_GT(moved, 0u) << "fast mode computed every tensor as FP32 mode does";
+  const TwinRun refused = run_twin("fixture --fast --twin optimized " + all);
+  EXPECT_EQ(refused.code, 2);
+  EXPECT_NE(refused.err.find("--fast is a mode of the reference twin"), std::string::npos) << refused.err;
+}

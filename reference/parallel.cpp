@@ -1,0 +1,107 @@
+#include "reference/parallel.h"
+
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace twin::reference {
+
+namespace {
+
+std::atomic<int> n_threads{1};
+
+// Rows per chunk of a product's output: small enough that a layer's GEMMs spread over the cores,
+// large enough that each chunk is a GEMM and not a loop of dot products.
+constexpr Eigen::Index kRowChunk = 32;
+
+// A product worth more than one thread (below it a fork costs more than the work saves). The chunks
+// are the same either way; this only decides whether the loop forks.
+constexpr double kForkFlops = 1e6;
+
+}  // namespace
+
+void set_threads(int n) {
+  if (n < 1) throw std::invalid_argument("reference threads: need at least one, got " + std::to_string(n));
+  n_threads.store(n);
+}
+
+int threads() { return n_threads.load(); }
+
+namespace {
+
+void run_chunks(Eigen::Index n, Eigen::Index chunk, const std::function<void(Eigen::Index, Eigen::Index)>& fn,
+                bool fork) {
+  if (chunk < 1) throw std::invalid_argument("for_chunks: chunk must be >= 1");
+  const Eigen::Index chunks = (n + chunk - 1) / chunk;
+  std::exception_ptr first;
+  std::mutex mu;
+  auto one = [&](Eigen::Index k) {
+    try {
+      fn(k * chunk, std::min(n, (k + 1) * chunk));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!first) first = std::current_exception();
+    }
+  };
+#ifdef _OPENMP
+  const int t = fork ? static_cast<int>(std::min<Eigen::Index>(threads(), chunks)) : 1;
+  if (t > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(t)
+    for (Eigen::Index k = 0; k < chunks; ++k) one(k);
+  } else {
+    for (Eigen::Index k = 0; k < chunks; ++k) one(k);
+  }
+#else
+  (void)fork;
+  for (Eigen::Index k = 0; k < chunks; ++k) one(k);
+#endif
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace
+
+void for_chunks(Eigen::Index n, Eigen::Index chunk, const std::function<void(Eigen::Index, Eigen::Index)>& fn) {
+  run_chunks(n, chunk, fn, true);
+}
+
+Mat gemm_nn(const Mat& a, const Mat& b) {
+  if (a.cols() != b.rows()) throw std::invalid_argument("gemm_nn: inner dimensions differ");
+  Mat out(a.rows(), b.cols());
+  run_chunks(
+      a.rows(), kRowChunk,
+      [&](Eigen::Index r0, Eigen::Index r1) { out.middleRows(r0, r1 - r0).noalias() = a.middleRows(r0, r1 - r0) * b; },
+      2.0 * double(a.rows()) * double(a.cols()) * double(b.cols()) > kForkFlops);
+  return out;
+}
+
+Mat gemm_nt(const Mat& a, const Mat& b) {
+  if (a.cols() != b.cols()) throw std::invalid_argument("gemm_nt: inner dimensions differ");
+  Mat out(a.rows(), b.rows());
+  run_chunks(
+      a.rows(), kRowChunk,
+      [&](Eigen::Index r0, Eigen::Index r1) {
+        out.middleRows(r0, r1 - r0).noalias() = a.middleRows(r0, r1 - r0) * b.transpose();
+      },
+      2.0 * double(a.rows()) * double(a.cols()) * double(b.rows()) > kForkFlops);
+  return out;
+}
+
+Mat gemm_tn(const Mat& a, const Mat& b) {
+  if (a.rows() != b.rows()) throw std::invalid_argument("gemm_tn: inner dimensions differ");
+  Mat out(a.cols(), b.cols());
+  run_chunks(
+      a.cols(), kRowChunk,
+      [&](Eigen::Index r0, Eigen::Index r1) {
+        out.middleRows(r0, r1 - r0).noalias() = a.middleCols(r0, r1 - r0).transpose() * b;
+      },
+      2.0 * double(a.rows()) * double(a.cols()) * double(b.cols()) > kForkFlops);
+  return out;
+}
+
+}  // namespace twin::reference
