@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include <Eigen/Core>
+
 namespace twin::opt {
 
 std::vector<double> abs_values(const Tensor& t) {
@@ -13,17 +15,17 @@ std::vector<double> abs_values(const Tensor& t) {
 
 double weight_magnitude(const std::vector<double>& dy, const std::vector<double>& x, std::int64_t rows,
                         std::int64_t out, std::int64_t in) {
+  if (rows == 0 || out == 0 || in == 0) return 0.0;
+  using RowMat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const Eigen::Map<const RowMat> d(dy.data(), rows, out), xs(x.data(), rows, in);  // [rows, out], [rows, in]
+  // |dy|^T |x| [out, in] is a GEMM (a real layer's fc1: 14336 x 4096 x 1024 tokens); in blocks of
+  // 256 of its rows, so it never holds the whole [out, in] in double.
   double m = 0.0;
-  std::vector<double> acc(static_cast<std::size_t>(in));
-  for (std::int64_t o = 0; o < out; ++o) {
-    std::fill(acc.begin(), acc.end(), 0.0);
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const double a = dy[r * out + o];
-      if (a == 0.0) continue;
-      const double* xr = x.data() + r * in;
-      for (std::int64_t i = 0; i < in; ++i) acc[i] += a * xr[i];
-    }
-    m = std::max(m, *std::max_element(acc.begin(), acc.end()));
+  RowMat block(std::min<std::int64_t>(256, out), in);  // one allocation: the kernel zeroes each fresh page
+  for (std::int64_t o = 0; o < out; o += 256) {
+    const std::int64_t k = std::min<std::int64_t>(256, out - o);
+    block.topRows(k).noalias() = d.middleCols(o, k).transpose() * xs;  // [k, in]
+    m = std::max(m, block.topRows(k).maxCoeff());
   }
   return m;
 }
