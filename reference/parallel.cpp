@@ -18,7 +18,7 @@ std::atomic<int> n_threads{1};
 
 // Rows per chunk of a product's output: small enough that a layer's GEMMs spread over the cores,
 // large enough that each chunk is a GEMM and not a loop of dot products.
-constexpr Eigen::Index kRowChunk = 32;
+constexpr Eigen::Index kRowChunk = 64;
 
 // A product worth more than one thread (below it a fork costs more than the work saves). The chunks
 // are the same either way; this only decides whether the loop forks.

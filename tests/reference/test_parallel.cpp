@@ -42,7 +42,7 @@ bool bitwise_equal(const Mat& a, const Mat& b) {
          std::memcmp(a.data(), b.data(), sizeof(double) * std::size_t(a.size())) == 0;
 }
 
-// Shapes around the row chunk (32) and the fork threshold, odd on purpose; each product within
+// Shapes around the row chunk (64) and the fork threshold, odd on purpose; each product within
 // k u |a||b| of Eigen's whole product (fp64 sums of k terms in any order), and bitwise the same at
 // 1, 2 and 3 threads.
 TEST(ReferenceParallel, ProductsEqualEigensAndAreBitwiseTheSameAtAnyThreadCount) {
@@ -136,7 +136,7 @@ TEST(ReferenceParallel, TheReferencesRunIsBitwiseTheSameAtOneTwoAndThreeThreads)
 
 // The goldens' stores (fp32, bf16) would hide an order of fp64 sums that moved with the thread
 // count; the exact mode stores nothing. A GQA layer large enough for every product to fork (h 128,
-// 6 heads in 2 groups (three summed per key head), SwiGLU ffn 512, 64 tokens), forward and backward: its output, every
+// 6 heads in 2 groups (three summed per key head), SwiGLU ffn 512, 128 tokens), forward and backward: its output, every
 // tap and every gradient in fp64, at `t` threads.
 std::vector<Tensor> exact_layer_run(const parity::DenseInputs& in, const Tensor& dout, int t) {
   const Threads threads(t);
@@ -168,7 +168,7 @@ TEST(ReferenceParallel, TheExactModesFp64SumsAreBitwiseTheSameAtOneTwoAndThreeTh
   c.ffn = 512;
   c.glu = true;
   c.act = "silu";
-  c.s = 32;
+  c.s = 64;
   c.b = 2;
   const parity::DenseInputs in = parity::make_inputs(c);
   const Tensor dout = Tensor::from_doubles(DType::F64, in.hidden_states.shape(),
