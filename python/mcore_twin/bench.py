@@ -22,7 +22,8 @@ libtorch/... of the same op and id into the reference / LibTorch time ratio.
         compared benchmark has a single repetition in a run (no U test without two).
         BASE / NEW: a run folder or one Google Benchmark JSON file.
     python3 -m mcore_twin.bench ratios RUN [--json]
-        the reference / LibTorch eager time ratio per op and shape of one run.
+        the reference / LibTorch eager time ratio per op and shape of one run, and each twin's time
+        over Megatron-Core's own on the real-size layers (python -m mcore_twin.realsize).
     python3 -m mcore_twin.bench dashboard RESULTS [-o FILE] [--chartjs FILE]
         one self-contained HTML page (Chart.js inlined; opens offline): time series per benchmark
         over the runs, the latest reference / LibTorch ratios, the cost model's roofline table,
@@ -331,6 +332,21 @@ def reference_ratios(run):
     return ratios
 
 
+def megatron_ratios(run):
+    """Per real-size case (python -m mcore_twin.realsize: <twin>/<op>/<case> beside
+    megatron/<op>/<case>): each twin's median time over Megatron-Core's own, same threads."""
+    s = samples(run)
+    ratios = []
+    for name, times in sorted(s.items()):
+        impl, op, case = split_name(name)
+        base = f"megatron/{op}/{case}"
+        if impl != "megatron" and base in s:
+            twin, megatron = statistics.median(times), statistics.median(s[base])
+            ratios.append({"twin": impl, "op": op, "case": case, "twin_ns": twin, "megatron_ns": megatron,
+                           "ratio": twin / megatron})  # fmt: skip
+    return ratios
+
+
 def run_folders(results):
     if not os.path.isdir(results):
         raise BenchError(f"{results}: no such results folder")
@@ -376,6 +392,7 @@ def dashboard_data(results):
     accuracy = {k: v for k, v in accuracy.items() if any(x is not None for x in v)}
     latest_name, latest_path, latest_meta = runs[-1]
     ratios = reference_ratios(latest_path) if _has_gbench(latest_path) else []
+    realsize = megatron_ratios(latest_path) if _has_gbench(latest_path) else []
     roofline = []
     cost_file = os.path.join(latest_path, "bench_cost_model.json")
     if os.path.isfile(cost_file):
@@ -401,6 +418,7 @@ def dashboard_data(results):
         "series": series,
         "accuracy": accuracy,
         "ratios": ratios,
+        "realsize": realsize,
         "roofline": roofline,
         "comparison": comparison,
         "latest": {"name": latest_name, "meta": latest_meta},
@@ -493,6 +511,16 @@ def build_page(data, chartjs_source):
         + html.escape(", ".join(f"{k}={v}" for k, v in sorted(meta.items())))
         + "</p>",
     ]
+    parts.append("<h2>Real-size layers: each twin / Megatron-Core (latest run, same threads)</h2>")
+    parts.append(
+        _table(
+            ["twin", "op", "case", "twin time", "Megatron-Core", "ratio"],
+            [[r["twin"], r["op"], r["case"], fmt_ns(r["twin_ns"]), fmt_ns(r["megatron_ns"]), f"{r['ratio']:.2f}x"]
+             for r in data.get("realsize", [])],
+        )
+        if data.get("realsize")
+        else "<p>(no real-size run: python -m mcore_twin.realsize, run by ci/bench)</p>"
+    )
     parts.append("<h2>Latest run against the one before</h2>")
     cmp_ = data["comparison"]
     if cmp_:
@@ -588,10 +616,13 @@ def main(argv=None):
             print(json.dumps(result) if args.json else format_compare(result))
             return 1 if result["failures"] or any(r["regression"] for r in result["rows"]) else 0
         if args.cmd == "ratios":
-            ratios = reference_ratios(args.run)
+            ratios, realsize = reference_ratios(args.run), megatron_ratios(args.run)
             if args.json:
-                print(json.dumps(ratios))
+                print(json.dumps(ratios + realsize))
             else:
+                for x in realsize:
+                    print(f"{fmt_ns(x['twin_ns']):>11} {fmt_ns(x['megatron_ns']):>11} {x['ratio']:>7.2f}x  "
+                          f"{x['twin']} / Megatron-Core: {x['op']} / {x['case']}")
                 print(f"{'reference':>11} {'LibTorch':>11} {'ratio':>8}  op / case")
                 for x in ratios:
                     print(f"{fmt_ns(x['reference_ns']):>11} {fmt_ns(x['libtorch_ns']):>11} {x['ratio']:>7.2f}x  "

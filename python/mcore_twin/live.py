@@ -529,6 +529,22 @@ def _mla_qk_norm_needs_q_lora():
     return True
 
 
+def megatron_missing():
+    """Where torch or Megatron-Core cannot be had: the exit code missing_dependency gives (a skip,
+    or under CI=true a failure); else None, Megatron-Core's location found."""
+    from . import bootstrap
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return missing_dependency(f"{sys.executable} cannot import torch (install python3-torch: ci/setup does)")
+    try:
+        bootstrap.find_megatron()
+    except bootstrap.MegatronNotFound as e:
+        return missing_dependency(str(e))
+    return None
+
+
 def missing_dependency(why):
     """SKIP (exit 77) for a missing dependency, or FAIL under CI=true."""
     ci = os.environ.get("CI", "").lower() == "true"
@@ -548,16 +564,13 @@ def main(argv=None):
     a = p.parse_args(argv)
     t_start = time.time()
 
+    if (missing := megatron_missing()) is not None:
+        return missing
+    import torch
+
     from . import bootstrap
 
-    try:
-        import torch
-    except ImportError:
-        return missing_dependency(f"{sys.executable} cannot import torch (install python3-torch: ci/setup does)")
-    try:
-        loc = bootstrap.find_megatron()
-    except bootstrap.MegatronNotFound as e:
-        return missing_dependency(str(e))
+    loc = bootstrap.find_megatron()
     if not os.path.isfile(a.twin) or not os.access(a.twin, os.X_OK):
         print(f"FAIL: twin binary {a.twin} is not an executable file")
         return 1

@@ -349,16 +349,12 @@ def main(argv=None):
     p.add_argument("--layout", action="append", default=[], help="only these layouts (as printed, e.g. 'ep 2 alltoall')")
     a = p.parse_args(argv)
     t0 = time.time()
+    if (missing := live.megatron_missing()) is not None:
+        return missing
+    import torch
+
     from . import bootstrap
 
-    try:
-        import torch
-    except ImportError:
-        return live.missing_dependency(f"{sys.executable} cannot import torch (install python3-torch: ci/setup does)")
-    try:
-        bootstrap.find_megatron()
-    except bootstrap.MegatronNotFound as e:
-        return live.missing_dependency(str(e))
     import warnings
 
     warnings.filterwarnings("ignore")

@@ -354,6 +354,29 @@ class Dashboard(unittest.TestCase):
         self.assertEqual(bench.main(["dashboard", self.dir, "-o", self.page, "--chartjs", "/nonexistent.js"]), 2)
 
 
+class RealSize(unittest.TestCase):
+    """python -m mcore_twin.realsize's rows (megatron/, reference/, optimized_sim/ of one op and case)
+    become each twin's time over Megatron-Core's, listed first on the page."""
+
+    def test_ratios_over_megatron_lead_the_page(self):
+        root = tempfile.mkdtemp()
+        try:
+            case = "layer_fwd_bwd/llama3-8b:s1024"
+            run = write_run(root, "20261203T000000Z-cccccccc", "2026-12-03T00:00:00Z", {STEADY: [1000.0, 1010.0]})
+            with open(os.path.join(run, "bench_realsize.json"), "w") as f:
+                json.dump(gbench_json({f"megatron/{case}": [8.0, 8.4], f"reference/{case}": [24.0, 25.2],
+                                       f"optimized_sim/{case}": [40.0, 42.0]}, unit="s"), f)
+            rows = {r["twin"]: r for r in bench.megatron_ratios(run)}
+            self.assertEqual(set(rows), {"reference", "optimized_sim"})
+            self.assertAlmostEqual(rows["reference"]["ratio"], 3.0)
+            self.assertAlmostEqual(rows["optimized_sim"]["ratio"], 5.0)
+            page = bench.build_page(bench.dashboard_data(root), "")
+            self.assertIn("5.00x", page)
+            self.assertLess(page.index("Real-size layers"), page.index("Latest run against the one before"))
+        finally:
+            shutil.rmtree(root)
+
+
 class Browser(unittest.TestCase):
     """The dashboard in headless Chromium (Debian `chromium`)."""
 
