@@ -74,12 +74,16 @@ LinearGrads Linear::backward(const Mat& dy, const LinearSaved& saved) const {
                      std::to_string(saved.input.cols()) + "] and weight [" + std::to_string(output_size_) + ", " +
                      std::to_string(input_size_) + "]");
   LinearGrads g;
-  g.input = p_.act(gemm_nn(dy, weight_));  // rounds: dgrad GEMM output (fp32 accumulation), activation dtype
+  if (p_.fast()) {
+    backward_fast(dy, saved, g);
+  } else {
+    g.input = p_.act(gemm_nn(dy, weight_));  // rounds: dgrad GEMM output (fp32 accumulation), activation dtype
+    // wgrad: a reduction over the rows, stored in the parameter (= activation) dtype.
+    g.weight = p_.act(gemm_tn(dy, saved.input));  // rounds: wgrad GEMM output
+    g.weight_magnitude = gemm_tn(dy.cwiseAbs(), saved.input.cwiseAbs()).maxCoeff();
+  }
   p_.count_reduce(output_size_);
   p_.count_act();
-  // wgrad and bias grad: reductions over the rows, stored in the parameter (= activation) dtype.
-  g.weight = p_.act(gemm_tn(dy, saved.input));  // rounds: wgrad GEMM output
-  g.weight_magnitude = gemm_tn(dy.cwiseAbs(), saved.input.cwiseAbs()).maxCoeff();
   if (has_bias_) {
     g.bias = dy.colwise().sum();
     p_.act_inplace(g.bias);  // rounds: grad_output.sum(dim=0)
@@ -88,6 +92,24 @@ LinearGrads Linear::backward(const Mat& dy, const LinearSaved& saved) const {
   p_.count_reduce(dy.rows());
   p_.count_act();
   return g;
+}
+
+// Fast mode's dgrad and wgrad: fp32 GEMMs through fast_gemm.h, as the forward's. dy and the saved
+// input hold activation-dtype values (each was stored), so exact in fp32. The magnitude |dy|^T |x|
+// in fp32 too: a sum of k non-negative terms is at most gamma_k(u_fp32) below its true value, so it
+// is scaled up by (1 + 2 k u_fp32) to stay the bound's upper estimate.
+void Linear::backward_fast(const Mat& dy, const LinearSaved& saved, LinearGrads& g) const {
+  const bool bf16 = p_.params_dtype == DType::BF16;
+  const FMat dyf = dy.cast<float>(), dyt = dyf.transpose(),
+             xf = saved.input.cast<float>();     // [n, out] [out, n] [n, in]
+  FMat dx = matmul_nn(dyf, fast_weight_, bf16);  // [n, in]
+  p_.act_inplace(dx.data(), dx.size());          // rounds: dgrad GEMM output (fp32 accumulation)
+  g.input = dx.cast<double>();
+  FMat dw = matmul_nn(dyt, xf, bf16);    // [out, in]
+  p_.act_inplace(dw.data(), dw.size());  // rounds: wgrad GEMM output
+  g.weight = dw.cast<double>();
+  const FMat mag = matmul_nn(FMat(dyt.cwiseAbs()), FMat(xf.cwiseAbs()), bf16);
+  g.weight_magnitude = double(mag.size() ? mag.maxCoeff() : 0.0f) * (1.0 + 2.0 * double(dy.rows()) * 0x1p-24);
 }
 
 }  // namespace twin::reference

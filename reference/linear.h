@@ -83,6 +83,7 @@ class Linear {
  private:
   Mat weight_;
   GemmOperand fast_weight_;  // weight_ as fast mode's GEMM reads it (ComputeMode::Fast only)
+  void backward_fast(const Mat& dy, const LinearSaved& saved, LinearGrads& g) const;
   int input_size_, output_size_;
   bool has_bias_, skip_bias_add_;
   Precision p_;

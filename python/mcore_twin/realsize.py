@@ -12,8 +12,9 @@ and tiny (hidden 128, for the tool's own test). The layer is built by the captur
 (build.py, its seed), captured to a golden in a temporary folder, and each twin must pass it.
 
 Writes Google Benchmark JSON, so `ci/bench` stores it with the suites and the dashboard shows it:
-megatron/layer_fwd_bwd/<shape>:s<seq>, reference/... and optimized_sim/..., real_time in ns per
-repetition. `python -m mcore_twin.bench ratios RUN` and the dashboard give each twin's time over
+megatron/layer_fwd_bwd/<shape>:s<seq>, reference/..., reference_fast/... (`--fast`: its GEMMs in
+fp32 through a BLAS) and optimized_sim/..., real_time in ns per repetition, each twin's peak
+resident memory as counters. `python -m mcore_twin.bench ratios RUN` and the dashboard give each twin's time over
 Megatron's.
 
 Exit codes: 0 measured; 1 a twin did not pass the golden; 2 bad arguments; 77 Megatron-Core or
@@ -97,12 +98,12 @@ def vm_hwm(pid):
     return 0
 
 
-def time_twin(twin, golden, which, threads, repetitions):
+def time_twin(twin, golden, which, threads, repetitions, extra=()):
     """Wall seconds of each `twin fixture --twin WHICH --json` on the golden (the reference on
     `threads` threads, the simulator on as many workers), its largest peak resident memory in bytes
     (VmHWM read every 0.1 s while it runs), and its status line."""
     env = dict(os.environ, CUDASIM_WORKERS=str(threads))
-    cmd = [twin, "fixture", "--twin", which, "--threads", str(threads), "--json", golden]
+    cmd = [twin, "fixture", "--twin", which, "--threads", str(threads), "--json", *extra, golden]
     times, peak, result = [], 0, None
     for _ in range(repetitions):
         with tempfile.TemporaryFile(mode="w+") as out, tempfile.TemporaryFile(mode="w+") as err:
@@ -162,8 +163,9 @@ def main(argv=None):
         golden_bytes = os.path.getsize(golden)
         rows, counters = {"megatron": time_megatron(cfg, a.threads, a.repetitions)}, {"megatron": {}}
         failed = []
-        for which, impl in (("reference", "reference"), ("optimized", "optimized_sim")):
-            rows[impl], peak, result = time_twin(a.twin, golden, which, a.threads, a.twin_repetitions)
+        for which, impl, extra in (("reference", "reference", ()), ("reference", "reference_fast", ("--fast",)),
+                                   ("optimized", "optimized_sim", ())):  # fmt: skip
+            rows[impl], peak, result = time_twin(a.twin, golden, which, a.threads, a.twin_repetitions, extra)
             counters[impl] = {"peak_rss_bytes": peak, "peak_rss_per_golden_byte": peak / golden_bytes}
             if result.get("status") != "pass":
                 failed.append(f"{which}: {result.get('status')}: {result.get('message')}")
