@@ -37,9 +37,12 @@ Mat random_mat(Eigen::Index r, Eigen::Index c, unsigned seed) {
   return Mat::Random(r, c);
 }
 
+// memcmp's pointers must not be null even for 0 bytes (an empty matrix's data() is).
+bool same_bytes(const void* a, const void* b, std::size_t n) { return n == 0 || std::memcmp(a, b, n) == 0; }
+
 bool bitwise_equal(const Mat& a, const Mat& b) {
   return a.rows() == b.rows() && a.cols() == b.cols() &&
-         std::memcmp(a.data(), b.data(), sizeof(double) * std::size_t(a.size())) == 0;
+         same_bytes(a.data(), b.data(), sizeof(double) * std::size_t(a.size()));
 }
 
 // Shapes around the row chunk (64) and the fork threshold, odd on purpose; each product within
@@ -126,7 +129,7 @@ TEST(ReferenceParallel, TheReferencesRunIsBitwiseTheSameAtOneTwoAndThreeThreads)
         const RecordEntry &a = one.entries[i], &b = other.entries[i];
         ASSERT_EQ(a.key(), b.key());
         EXPECT_TRUE(a.value.shape() == b.value.shape() && a.value.nbytes() == b.value.nbytes() &&
-                    std::memcmp(a.value.raw(), b.value.raw(), a.value.nbytes()) == 0)
+                    same_bytes(a.value.raw(), b.value.raw(), a.value.nbytes()))
             << a.key() << " differs at " << t << " threads";
         EXPECT_TRUE(a.rounding == b.rounding) << a.key() << "'s rounding count differs at " << t << " threads";
       }
@@ -180,8 +183,7 @@ TEST(ReferenceParallel, TheExactModesFp64SumsAreBitwiseTheSameAtOneTwoAndThreeTh
     ASSERT_EQ(other.size(), one.size());
     for (std::size_t i = 0; i < one.size(); ++i) {
       ASSERT_EQ(one[i].dtype(), DType::F64) << i;
-      EXPECT_TRUE(one[i].nbytes() == other[i].nbytes() &&
-                  std::memcmp(one[i].raw(), other[i].raw(), one[i].nbytes()) == 0)
+      EXPECT_TRUE(one[i].nbytes() == other[i].nbytes() && same_bytes(one[i].raw(), other[i].raw(), one[i].nbytes()))
           << "tensor " << i << " of " << one.size() << " at " << t << " threads";
     }
   }
