@@ -70,38 +70,38 @@ void for_chunks(Eigen::Index n, Eigen::Index chunk, const std::function<void(Eig
   run_chunks(n, chunk, fn, true);
 }
 
+namespace {
+
+// out [rows, cols], its row chunks [r, r + n) each `block(r, n)` (an Eigen product) alone; `inner`
+// the products' inner dimension, for the fork's threshold.
+template <class Block>
+Mat by_row_chunks(Eigen::Index rows, Eigen::Index cols, Eigen::Index inner, const Block& block) {
+  Mat out(rows, cols);
+  run_chunks(
+      rows, kRowChunk,
+      [&](Eigen::Index r0, Eigen::Index r1) { out.middleRows(r0, r1 - r0).noalias() = block(r0, r1 - r0); },
+      2.0 * double(rows) * double(cols) * double(inner) > kForkFlops);
+  return out;
+}
+
+}  // namespace
+
 Mat gemm_nn(const Mat& a, const Mat& b) {
   if (a.cols() != b.rows()) throw std::invalid_argument("gemm_nn: inner dimensions differ");
-  Mat out(a.rows(), b.cols());
-  run_chunks(
-      a.rows(), kRowChunk,
-      [&](Eigen::Index r0, Eigen::Index r1) { out.middleRows(r0, r1 - r0).noalias() = a.middleRows(r0, r1 - r0) * b; },
-      2.0 * double(a.rows()) * double(a.cols()) * double(b.cols()) > kForkFlops);
-  return out;
+  return by_row_chunks(a.rows(), b.cols(), a.cols(),
+                       [&](Eigen::Index r, Eigen::Index n) { return a.middleRows(r, n) * b; });
 }
 
 Mat gemm_nt(const Mat& a, const Mat& b) {
   if (a.cols() != b.cols()) throw std::invalid_argument("gemm_nt: inner dimensions differ");
-  Mat out(a.rows(), b.rows());
-  run_chunks(
-      a.rows(), kRowChunk,
-      [&](Eigen::Index r0, Eigen::Index r1) {
-        out.middleRows(r0, r1 - r0).noalias() = a.middleRows(r0, r1 - r0) * b.transpose();
-      },
-      2.0 * double(a.rows()) * double(a.cols()) * double(b.rows()) > kForkFlops);
-  return out;
+  return by_row_chunks(a.rows(), b.rows(), a.cols(),
+                       [&](Eigen::Index r, Eigen::Index n) { return a.middleRows(r, n) * b.transpose(); });
 }
 
 Mat gemm_tn(const Mat& a, const Mat& b) {
   if (a.rows() != b.rows()) throw std::invalid_argument("gemm_tn: inner dimensions differ");
-  Mat out(a.cols(), b.cols());
-  run_chunks(
-      a.cols(), kRowChunk,
-      [&](Eigen::Index r0, Eigen::Index r1) {
-        out.middleRows(r0, r1 - r0).noalias() = a.middleCols(r0, r1 - r0).transpose() * b;
-      },
-      2.0 * double(a.rows()) * double(a.cols()) * double(b.cols()) > kForkFlops);
-  return out;
+  return by_row_chunks(a.cols(), b.cols(), a.rows(),
+                       [&](Eigen::Index r, Eigen::Index n) { return a.middleCols(r, n).transpose() * b; });
 }
 
 }  // namespace twin::reference
