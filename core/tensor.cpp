@@ -59,41 +59,53 @@ Tensor Tensor::from_vector<bool>(Shape shape, const std::vector<bool>& values) {
 
 namespace {
 template <class T, class Convert>
-void narrow(const std::vector<double>& v, std::byte* data, Convert convert) {
+void narrow(const double* v, std::int64_t n, std::byte* data, Convert convert) {
   T* dst = reinterpret_cast<T*>(data);
-  for (std::size_t i = 0; i < v.size(); ++i) dst[i] = convert(v[i]);
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = convert(v[i]);
 }
 }  // namespace
 
-// The dtype's case is chosen once, outside the loop over the values.
 Tensor Tensor::from_doubles(DType dt, Shape shape, const std::vector<double>& v) {
   if (static_cast<std::int64_t>(v.size()) != shape_numel(shape))
     throw ShapeError("Tensor::from_doubles: " + std::to_string(v.size()) + " values for shape " + shape_str(shape));
   Tensor t = empty(dt, std::move(shape));
-  switch (dt) {
+  t.write_f64(0, t.numel(), v.data());
+  return t;
+}
+
+// The dtype's case is chosen once, outside the loop over the values.
+void Tensor::write_f64(std::int64_t begin, std::int64_t n, const double* v) {
+  check_range(begin, n);
+  std::byte* at = raw_mut() + static_cast<std::size_t>(begin) * dtype_size(dtype_);
+  switch (dtype_) {
     case DType::F64:
-      narrow<double>(v, t.data_, [](double x) { return x; });
+      narrow<double>(v, n, at, [](double x) { return x; });
       break;
     case DType::F32:
-      narrow<float>(v, t.data_, [](double x) { return static_cast<float>(x); });
+      narrow<float>(v, n, at, [](double x) { return static_cast<float>(x); });
       break;
     case DType::BF16:
-      narrow<bf16_t>(v, t.data_, [](double x) { return bf16_t(static_cast<float>(x)); });
+      narrow<bf16_t>(v, n, at, [](double x) { return bf16_t(static_cast<float>(x)); });
       break;
     case DType::F16:
-      narrow<fp16_t>(v, t.data_, [](double x) { return fp16_t(static_cast<float>(x)); });
+      narrow<fp16_t>(v, n, at, [](double x) { return fp16_t(static_cast<float>(x)); });
       break;
     case DType::I64:
-      narrow<std::int64_t>(v, t.data_, [](double x) { return static_cast<std::int64_t>(x); });
+      narrow<std::int64_t>(v, n, at, [](double x) { return static_cast<std::int64_t>(x); });
       break;
     case DType::I32:
-      narrow<std::int32_t>(v, t.data_, [](double x) { return static_cast<std::int32_t>(x); });
+      narrow<std::int32_t>(v, n, at, [](double x) { return static_cast<std::int32_t>(x); });
       break;
     case DType::BOOL:
-      narrow<std::byte>(v, t.data_, [](double x) { return std::byte(x != 0 ? 1 : 0); });
+      narrow<std::byte>(v, n, at, [](double x) { return std::byte(x != 0 ? 1 : 0); });
       break;
   }
-  return t;
+}
+
+void Tensor::check_range(std::int64_t begin, std::int64_t n) const {
+  if (begin < 0 || n < 0 || begin + n > numel())
+    throw ShapeError("elements [" + std::to_string(begin) + ", " + std::to_string(begin + n) + ") out of range for " +
+                     describe());
 }
 
 std::int64_t Tensor::size(int d) const {
@@ -133,29 +145,35 @@ double Tensor::at_f64(std::int64_t i) const {
 
 namespace {
 template <class T>
-void widen(const std::byte* data, std::vector<double>& out) {
+void widen(const std::byte* data, std::int64_t n, double* out) {
   const T* src = reinterpret_cast<const T*>(data);
-  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<double>(static_cast<float>(src[i]));
+  for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<double>(static_cast<float>(src[i]));
 }
 }  // namespace
 
 // at_f64 of every element, with the dtype's case chosen once (layers read every input through here).
 std::vector<double> Tensor::to_f64() const {
   std::vector<double> r(static_cast<std::size_t>(numel()));
+  read_f64(0, numel(), r.data());
+  return r;
+}
+
+void Tensor::read_f64(std::int64_t begin, std::int64_t n, double* out) const {
+  check_range(begin, n);
+  const std::byte* at = data_ + static_cast<std::size_t>(begin) * dtype_size(dtype_);
   switch (dtype_) {
     case DType::BF16:
-      widen<bf16_t>(data_, r);
+      widen<bf16_t>(at, n, out);
       break;
     case DType::F16:
-      widen<fp16_t>(data_, r);
+      widen<fp16_t>(at, n, out);
       break;
     case DType::F32:
-      widen<float>(data_, r);
+      widen<float>(at, n, out);
       break;
     default:
-      for (std::size_t i = 0; i < r.size(); ++i) r[i] = at_f64(static_cast<std::int64_t>(i));
+      for (std::int64_t i = 0; i < n; ++i) out[i] = at_f64(begin + i);
   }
-  return r;
 }
 
 Tensor Tensor::to(DType dt) const {

@@ -71,6 +71,10 @@ class Tensor {
   // Value at flat index as double (any dtype; bool -> 0/1).
   double at_f64(std::int64_t flat) const;
   std::vector<double> to_f64() const;
+  // Elements [begin, begin + n) as doubles into out / from doubles (RNE for narrowing floats; a
+  // borrowed tensor is copied first, as raw_mut does). ShapeError when the range is not inside.
+  void read_f64(std::int64_t begin, std::int64_t n, double* out) const;
+  void write_f64(std::int64_t begin, std::int64_t n, const double* values);
   Tensor to(DType dt) const;  // value conversion (RNE for narrowing floats)
   Tensor clone() const;
   Tensor reshape(Shape shape) const;  // shares storage; element counts must agree
@@ -101,6 +105,7 @@ class Tensor {
  private:
   void check_dtype(DType want) const;
   void check_view(std::int64_t rows, std::int64_t cols) const;
+  void check_range(std::int64_t begin, std::int64_t n) const;
   std::int64_t last_dim() const { return shape_.empty() ? 1 : (shape_.back() == 0 ? 1 : shape_.back()); }
 
   DType dtype_ = DType::F32;

@@ -105,3 +105,23 @@ TEST(Tensor, BorrowedStorageIsCopiedOnWrite) {
   EXPECT_EQ(src[1], 2.0f);
   EXPECT_EQ(t.at_f64(1), 5.0);
 }
+
+TEST(Tensor, RangesReadAndWriteAsDoubles) {
+  Tensor t = Tensor::from_vector<double>({2, 3}, {0, 0, 0, 0, 0, 0}).to(DType::BF16);
+  const double in[2] = {1.0 + 3 * std::ldexp(1.0, -8), -3.0};
+  t.write_f64(2, 2, in);  // elements 2 and 3 only, rounded to nearest even as to() does
+  double out[4] = {9, 9, 9, 9};
+  t.read_f64(1, 4, out);
+  EXPECT_EQ(out[0], 0.0);
+  EXPECT_EQ(out[1], 1.0 + std::ldexp(1.0, -6));
+  EXPECT_EQ(out[2], -3.0);
+  EXPECT_EQ(out[3], 0.0);
+  EXPECT_TRUE(has(shape_error([&] { t.read_f64(5, 2, out); }), "elements [5, 7) out of range for [2, 3] BF16"));
+  EXPECT_THROW(t.write_f64(-1, 1, in), ShapeError);
+
+  const float src[2] = {1, 2};
+  Tensor b = Tensor::borrow(DType::F32, {2}, nullptr, src);
+  b.write_f64(1, 1, in + 1);  // a borrowed tensor is copied, its source left alone
+  EXPECT_EQ(src[1], 2.0f);
+  EXPECT_EQ(b.at_f64(1), -3.0);
+}
