@@ -4,7 +4,7 @@ threads) and the optimized twin on the simulator (N workers), each a whole comma
 it (loading the golden included).
 
     /usr/bin/python3 -m mcore_twin.realsize --twin build/bin/twin --out RUN/bench_realsize.json
-        [--shape llama3-8b] [--seq 1024] [--threads N] [--repetitions 3] [--twin-repetitions 1]
+        [--shape llama3-8b] [--seq 1024] [--threads N] [--repetitions 3] [--twin-repetitions 1] [--golden FILE]
 
 Shapes (SHAPES): llama3-8b (the default: hidden 4096, ffn 14336, 32 heads, 8 query groups, RMSNorm,
 SwiGLU, RoPE, bf16, b 1), llama3-70b (hidden 8192, ffn 28672, 64 heads; a machine with the memory),
@@ -135,9 +135,14 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of each (default: every core)")
     p.add_argument("--repetitions", type=int, default=3, help="Megatron's timed repetitions (default 3)")
     p.add_argument("--twin-repetitions", type=int, default=1, help="each twin's (default 1: minutes each)")
+    p.add_argument("--golden", help="time the twins on this golden, captured before from the same --shape and --seq "
+                                    "(a real-size capture takes minutes; default: capture one, then delete it)")
     a = p.parse_args(argv)
     if a.seq < 1 or a.threads < 1 or a.repetitions < 1 or a.twin_repetitions < 1:
         print("error: --seq, --threads, --repetitions and --twin-repetitions must be >= 1", file=sys.stderr)
+        return 2
+    if a.golden and not os.path.isfile(a.golden):
+        print(f"error: --golden {a.golden}: no such file", file=sys.stderr)
         return 2
     if not os.access(a.twin, os.X_OK):
         print(f"error: --twin {a.twin}: not an executable", file=sys.stderr)
@@ -155,11 +160,12 @@ def main(argv=None):
     cfg, case = config(a.shape, a.seq), f"{a.shape}:s{a.seq}"
     work = tempfile.mkdtemp(prefix="realsize.")
     try:
-        golden = os.path.join(work, f"{a.shape}.safetensors")
-        t0 = time.perf_counter()
-        capture_config(cfg, "dense_layer", SEED, golden)
-        print(f"realsize: {case}: captured in {time.perf_counter() - t0:.1f} s "
-              f"({os.path.getsize(golden) / 1e9:.2f} GB)", file=sys.stderr)  # fmt: skip
+        golden = a.golden or os.path.join(work, f"{a.shape}.safetensors")
+        if not a.golden:
+            t0 = time.perf_counter()
+            capture_config(cfg, "dense_layer", SEED, golden)
+            print(f"realsize: {case}: captured in {time.perf_counter() - t0:.1f} s "
+                  f"({os.path.getsize(golden) / 1e9:.2f} GB)", file=sys.stderr)  # fmt: skip
         golden_bytes = os.path.getsize(golden)
         rows, counters = {"megatron": time_megatron(cfg, a.threads, a.repetitions)}, {"megatron": {}}
         failed = []
