@@ -88,7 +88,7 @@ TwinRun run_layer(TransformerLayer& layer, const Fixture& f, const LayerInputs& 
 void add_grads(TwinRun& run, const Precision& p, const ParamGrads& params, const Tensor& hidden_states,
                const std::optional<Tensor>& context) {
   for (const ParamGrad& g : params)
-    run.record.add(Role::Grad, "param." + g.name, p.to_tensor(g.value, g.shape)).magnitude = g.magnitude;
+    run.record.add(Role::Grad, "param." + g.name, g.stored(p.storage_dtype())).magnitude = g.magnitude;
   run.record.add(Role::Grad, "input.hidden_states", hidden_states);
   if (context) run.record.add(Role::Grad, "input.context", *context);
   run.backward = true;

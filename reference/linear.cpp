@@ -5,6 +5,14 @@
 
 namespace twin::reference {
 
+namespace {
+Tensor f64_tensor(const Mat& m) {
+  Tensor t = Tensor::empty(DType::F64, {m.rows(), m.cols()});
+  t.write_f64(0, m.size(), m.data());
+  return t;
+}
+}  // namespace
+
 Linear::Linear(int input_size, int output_size, bool bias, bool skip_bias_add, Precision p)
     : bias(bias ? RowVec::Zero(output_size) : RowVec()),
       input_size_(input_size),
@@ -12,22 +20,27 @@ Linear::Linear(int input_size, int output_size, bool bias, bool skip_bias_add, P
       has_bias_(bias),
       skip_bias_add_(skip_bias_add),
       p_(p) {
-  set_weight(Mat::Zero(output_size, input_size));
+  // Zeros until a weight is set, in the dtype parameters are stored in (a real-size layer never
+  // holds a double copy of its weights beside the golden's).
+  set_weight(Tensor::zeros(p_.storage_dtype(), {output_size, input_size}));
 }
 
-void Linear::set_weight(Mat w) {
-  if (w.rows() != output_size_ || w.cols() != input_size_)
-    throw ShapeError("Linear: weight [" + std::to_string(w.rows()) + ", " + std::to_string(w.cols()) +
-                     "] does not match [output_size, input_size] = [" + std::to_string(output_size_) + ", " +
-                     std::to_string(input_size_) + "]");
+void Linear::set_weight(const Mat& w) { set_weight(f64_tensor(w)); }
+
+void Linear::set_weight(Tensor w) {
+  if (w.dim() != 2 || w.size(0) != output_size_ || w.size(1) != input_size_ || !is_floating(w.dtype()))
+    throw ShapeError("Linear: weight " + w.describe() + " does not match [output_size, input_size] = [" +
+                     std::to_string(output_size_) + ", " + std::to_string(input_size_) + "]");
   weight_ = std::move(w);
   // Fast mode converts the weight here, once, not in every forward. Its values are
   // activation-dtype values (parameters are stored in it), so exact in fp32.
-  if (p_.fast()) fast_weight_ = GemmOperand(weight_, p_.params_dtype == DType::BF16);
+  if (p_.fast()) fast_weight_ = GemmOperand(weight(), p_.params_dtype == DType::BF16);
 }
 
+Mat Linear::weight() const { return to_mat(weight_, output_size_, input_size_, "Linear weight"); }
+
 void Linear::load_state_dict(const StateDict& sd, const std::string& prefix) {
-  set_weight(sd.matrix(prefix + "weight", output_size_, input_size_));
+  set_weight(sd.get(prefix + "weight", {output_size_, input_size_}));
   if (has_bias_) bias = sd.vector(prefix + "bias", output_size_);
 }
 
@@ -48,8 +61,8 @@ OutputWithBias Linear::forward(const Mat& x, LinearSaved* saved) const {
     out.output.resize(y.rows(), y.cols());
     to_double(y.data(), out.output.data(), y.size());
   } else {
-    out.output = gemm_nt(x, weight_);  // [n, out]
-    p_.act_inplace(out.output);        // rounds: GEMM output (fp32 accumulation), activation dtype
+    out.output = gemm_x_wt(x, weight_);  // [n, out]
+    p_.act_inplace(out.output);          // rounds: GEMM output (fp32 accumulation), activation dtype
     if (add_bias) {
       out.output.rowwise() += bias;
       p_.act_inplace(out.output);  // rounds: output + bias, activation dtype
@@ -62,8 +75,25 @@ OutputWithBias Linear::forward(const Mat& x, LinearSaved* saved) const {
   return out;
 }
 
+ParamGrad::ParamGrad(std::string name, Tensor value, Shape shape, double magnitude)
+    : name(std::move(name)), value(std::move(value)), shape(std::move(shape)), magnitude(magnitude) {
+  if (shape_numel(this->shape) != this->value.numel())
+    throw ShapeError("ParamGrad " + this->name + ": " + this->value.describe() + " for shape " +
+                     shape_str(this->shape));
+}
+
+ParamGrad::ParamGrad(std::string name, const Mat& value, Shape shape, double magnitude)
+    : ParamGrad(std::move(name), f64_tensor(value), std::move(shape), magnitude) {}
+
+Mat ParamGrad::mat() const {
+  const std::int64_t rows = shape.size() < 2 ? 1 : shape[0];
+  return to_mat(value, rows, rows ? value.numel() / rows : 0, "grad " + name);
+}
+
+Tensor ParamGrad::stored(DType dt) const { return (value.dtype() == dt ? value : value.to(dt)).reshape(shape); }
+
 void add_param_grads(ParamGrads& out, const std::string& prefix, const LinearGrads& g) {
-  out.push_back({prefix + "weight", g.weight, {g.weight.rows(), g.weight.cols()}, g.weight_magnitude});
+  out.push_back({prefix + "weight", g.weight, g.weight.shape(), g.weight_magnitude});
   if (g.bias.size()) out.push_back({prefix + "bias", g.bias, {g.bias.size()}, g.bias_magnitude});
 }
 
@@ -77,10 +107,12 @@ LinearGrads Linear::backward(const Mat& dy, const LinearSaved& saved) const {
   if (p_.fast()) {
     backward_fast(dy, saved, g);
   } else {
-    g.input = p_.act(gemm_nn(dy, weight_));  // rounds: dgrad GEMM output (fp32 accumulation), activation dtype
+    g.input = p_.act(gemm_dy_w(dy, weight_));  // rounds: dgrad GEMM output (fp32 accumulation), activation dtype
     // wgrad: a reduction over the rows, stored in the parameter (= activation) dtype.
-    g.weight = p_.act(gemm_tn(dy, saved.input));  // rounds: wgrad GEMM output
-    g.weight_magnitude = gemm_tn(dy.cwiseAbs(), saved.input.cwiseAbs()).maxCoeff();
+    g.weight = Tensor::empty(p_.storage_dtype(), {output_size_, input_size_});
+    g.weight_magnitude = gemm_wgrad(
+        dy, saved.input, [&](Mat& m) { p_.act_inplace(m); },  // rounds: wgrad GEMM output
+        g.weight);
   }
   p_.count_reduce(output_size_);
   p_.count_act();
@@ -107,7 +139,9 @@ void Linear::backward_fast(const Mat& dy, const LinearSaved& saved, LinearGrads&
   g.input = dx.cast<double>();
   FMat dw = matmul_nn(dyt, xf, bf16);    // [out, in]
   p_.act_inplace(dw.data(), dw.size());  // rounds: wgrad GEMM output
-  g.weight = dw.cast<double>();
+  g.weight = Tensor::empty(p_.storage_dtype(), {output_size_, input_size_});
+  const Mat dwd = dw.cast<double>();
+  g.weight.write_f64(0, dwd.size(), dwd.data());
   const FMat mag = matmul_nn(FMat(dyt.cwiseAbs()), FMat(xf.cwiseAbs()), bf16);
   g.weight_magnitude = double(mag.size() ? mag.maxCoeff() : 0.0f) * (1.0 + 2.0 * double(dy.rows()) * 0x1p-24);
 }

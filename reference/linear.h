@@ -45,17 +45,30 @@ struct LinearSaved {
 // eps |dy_i| in each upstream gradient moves it by eps sum |dy_i| |x_i| too: so max over its
 // elements of sum_i |t_i|, not max |gradient| (which cancels, e.g. to ~0 for a key bias, which
 // softmax's shift invariance leaves without gradient).
+// value is a tensor in the gradient's own dtype, so a layer's gradients never all sit in double at
+// once (a real-size layer's would be four times the golden's parameters): a Linear's weight
+// gradient is stored chunk by chunk in Precision::storage_dtype(); values built as a Mat (already
+// rounded to that dtype) are kept in F64, which holds them exactly.
 struct ParamGrad {
   std::string name;
-  Mat value;
+  Tensor value;  // `shape`
   Shape shape;
   double magnitude = -1.0;  // < 0: max |value|
+
+  ParamGrad() = default;
+  ParamGrad(std::string name, Tensor value, Shape shape, double magnitude = -1.0);
+  ParamGrad(std::string name, const Mat& value, Shape shape, double magnitude = -1.0);
+  // The values as doubles, [shape[0], the rest] ([1, n] for a vector).
+  Mat mat() const;
+  // The values in dt with the parameter's shape (they are rounded to the storage dtype already, so
+  // converting to it is exact); no copy when value is in dt.
+  Tensor stored(DType dt) const;
 };
 using ParamGrads = std::vector<ParamGrad>;
 
 struct LinearGrads {
   Mat input;                                            // [n, input_size]
-  Mat weight;                                           // [output_size, input_size]
+  Tensor weight;                                        // [output_size, input_size], Precision::storage_dtype()
   RowVec bias;                                          // [output_size] (empty without bias)
   double weight_magnitude = 0.0, bias_magnitude = 0.0;  // max sum_i |dy_i x_i| / max sum_i |dy_i| (ParamGrad)
 };
@@ -76,12 +89,16 @@ class Linear {
 
   // The weight is set through set_weight (or load_state_dict) only: fast mode keeps it converted
   // for its GEMM (reference/fast/fast_gemm.h's GemmOperand), and set_weight is where that is redone.
-  const Mat& weight() const { return weight_; }  // [output_size, input_size]
-  void set_weight(Mat w);                        // ShapeError unless [output_size, input_size]
-  RowVec bias;                                   // [output_size] (empty without bias)
+  // It is held in its own dtype (load_state_dict borrows the golden's mapped tensor: no copy) and
+  // read by the GEMMs chunk by chunk (reference/parallel.h).
+  Mat weight() const;                                      // [output_size, input_size], a copy as doubles
+  void set_weight(const Mat& w);                           // ShapeError unless [output_size, input_size]; kept in F64
+  void set_weight(Tensor w);                               // any float dtype, [output_size, input_size]
+  const Tensor& stored_weight() const { return weight_; }  // as set
+  RowVec bias;                                             // [output_size] (empty without bias)
 
  private:
-  Mat weight_;
+  Tensor weight_;            // [output_size, input_size], any float dtype
   GemmOperand fast_weight_;  // weight_ as fast mode's GEMM reads it (ComputeMode::Fast only)
   void backward_fast(const Mat& dy, const LinearSaved& saved, LinearGrads& g) const;
   int input_size_, output_size_;

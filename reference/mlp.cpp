@@ -172,8 +172,8 @@ MlpGrads MLP::backward(const Mat& doutput, const MlpSaved& saved, const MlpArgs&
     throw ConfigError("MLP backward: an fc2 bias with per_token_scale (output += bias * scale) is not implemented");
   MlpGrads g;
   progress::now("linear_fc2");
-  const LinearGrads fc2 = linear_fc2.backward(doutput, saved.linear_fc2);
-  Mat dact = fc2.input;  // [n, ffn]
+  LinearGrads fc2 = linear_fc2.backward(doutput, saved.linear_fc2);
+  Mat dact = std::move(fc2.input);  // [n, ffn]
   if (scale) {
     const Mat& act = saved.activation_output;
     if (static_cast<Eigen::Index>(scale->size()) != dact.rows() || act.rows() != dact.rows() ||

@@ -1,10 +1,12 @@
 #include "reference/parallel.h"
 
+#include <algorithm>
 #include <atomic>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -102,6 +104,79 @@ Mat gemm_tn(const Mat& a, const Mat& b) {
   if (a.rows() != b.rows()) throw std::invalid_argument("gemm_tn: inner dimensions differ");
   return by_row_chunks(a.cols(), b.cols(), a.rows(),
                        [&](Eigen::Index r, Eigen::Index n) { return a.middleCols(r, n).transpose() * b; });
+}
+
+namespace {
+
+// w's rows [r, r + n) ([n, cols]) as doubles.
+Mat weight_rows(const Tensor& w, Eigen::Index cols, Eigen::Index r, Eigen::Index n) {
+  Mat out(n, cols);
+  w.read_f64(r * cols, n * cols, out.data());
+  return out;
+}
+
+// w's columns [c, c + n) ([rows, n]) as doubles.
+Mat weight_cols(const Tensor& w, Eigen::Index rows, Eigen::Index cols, Eigen::Index c, Eigen::Index n) {
+  Mat out(rows, n);
+  for (Eigen::Index i = 0; i < rows; ++i) w.read_f64(i * cols + c, n, out.row(i).data());
+  return out;
+}
+
+// out [rows, cols], its column chunks [c, c + n) each `block(c, n)` alone.
+template <class Block>
+Mat by_col_chunks(Eigen::Index rows, Eigen::Index cols, Eigen::Index inner, const Block& block) {
+  Mat out(rows, cols);
+  run_chunks(
+      cols, kRowChunk,
+      [&](Eigen::Index c0, Eigen::Index c1) { out.middleCols(c0, c1 - c0).noalias() = block(c0, c1 - c0); },
+      2.0 * double(rows) * double(cols) * double(inner) > kForkFlops);
+  return out;
+}
+
+void expect_matrix(const Tensor& w, Eigen::Index rows, Eigen::Index cols, const char* what) {
+  if (w.dim() != 2 || w.size(0) != rows || w.size(1) != cols)
+    throw std::invalid_argument(std::string(what) + ": weight " + w.describe() + ", expected [" + std::to_string(rows) +
+                                ", " + std::to_string(cols) + "]");
+}
+
+}  // namespace
+
+Mat gemm_x_wt(const Mat& x, const Tensor& w) {
+  const Eigen::Index out = w.dim() == 2 ? w.size(0) : 0;
+  expect_matrix(w, out, x.cols(), "gemm_x_wt");
+  return by_col_chunks(x.rows(), out, x.cols(), [&](Eigen::Index c, Eigen::Index n) -> Mat {
+    const Mat wc = weight_rows(w, x.cols(), c, n);  // [n, in]
+    return x * wc.transpose();                      // [rows, in] @ [in, n]
+  });
+}
+
+Mat gemm_dy_w(const Mat& dy, const Tensor& w) {
+  const Eigen::Index in = w.dim() == 2 ? w.size(1) : 0;
+  expect_matrix(w, dy.cols(), in, "gemm_dy_w");
+  return by_col_chunks(dy.rows(), in, dy.cols(), [&](Eigen::Index c, Eigen::Index n) -> Mat {
+    const Mat wc = weight_cols(w, dy.cols(), in, c, n);  // [out, n]
+    return dy * wc;                                      // [rows, out] @ [out, n]
+  });
+}
+
+double gemm_wgrad(const Mat& dy, const Mat& x, const std::function<void(Mat&)>& round, Tensor& grad) {
+  if (dy.rows() != x.rows()) throw std::invalid_argument("gemm_wgrad: inner dimensions differ");
+  expect_matrix(grad, dy.cols(), x.cols(), "gemm_wgrad");
+  const Eigen::Index chunks = (dy.cols() + kRowChunk - 1) / kRowChunk;
+  std::vector<double> magnitude(static_cast<std::size_t>(chunks), 0.0);
+  grad.raw_mut();  // owned before the chunks write it
+  run_chunks(
+      dy.cols(), kRowChunk,
+      [&](Eigen::Index r0, Eigen::Index r1) {
+        Mat g = dy.middleCols(r0, r1 - r0).transpose() * x;  // [n, in]
+        round(g);
+        grad.write_f64(r0 * x.cols(), g.size(), g.data());
+        // |dy| and |x| per chunk: a real-size layer's whole |dy| would be the largest buffer alive.
+        const Mat m = dy.middleCols(r0, r1 - r0).cwiseAbs().transpose() * x.cwiseAbs();
+        if (m.size()) magnitude[static_cast<std::size_t>(r0 / kRowChunk)] = m.maxCoeff();
+      },
+      2.0 * double(dy.rows()) * double(dy.cols()) * double(x.cols()) > kForkFlops);
+  return magnitude.empty() ? 0.0 : *std::max_element(magnitude.begin(), magnitude.end());
 }
 
 }  // namespace twin::reference

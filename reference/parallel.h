@@ -31,4 +31,15 @@ Mat gemm_nn(const Mat& a, const Mat& b);  // a [m, k] b [k, n] -> [m, n]
 Mat gemm_nt(const Mat& a, const Mat& b);  // a [m, k] b^T, b [n, k] -> [m, n]
 Mat gemm_tn(const Mat& a, const Mat& b);  // a^T b, a [k, m], b [k, n] -> [m, n]
 
+// The same products with a parameter read in place, in its own dtype (a bf16 weight mapped from a
+// golden stays bf16 there): each chunk of the weight's rows (or columns) is converted to double by
+// the chunk's own call, so no double copy of a whole weight is ever made. Each output element is
+// still one sum over the whole inner dimension.
+Mat gemm_x_wt(const Mat& x, const Tensor& w);   // x [n, in] @ w^T, w [out, in] -> [n, out], column chunks
+Mat gemm_dy_w(const Mat& dy, const Tensor& w);  // dy [n, out] @ w, w [out, in] -> [n, in], column chunks
+// A weight's gradient dy^T x [out, in] in row chunks, each rounded by `round` in place and stored
+// into `grad` ([out, in], its own dtype), so neither it nor its magnitude is ever whole in double.
+// Returns the magnitude max over elements of (|dy|^T |x|) (ParamGrad).
+double gemm_wgrad(const Mat& dy, const Mat& x, const std::function<void(Mat&)>& round, Tensor& grad);
+
 }  // namespace twin::reference

@@ -128,10 +128,10 @@ void run_case(const AttnCase& c) {
     g.d_ln1_w = ng.weight;
     g.d_ln1_b = ng.bias;
     for (const auto& pg : ag.params) {
-      if (pg.name == "linear_qkv.weight") g.d_qkv_w = pg.value;
-      if (pg.name == "linear_qkv.bias") g.d_qkv_b = pg.value;
-      if (pg.name == "linear_proj.weight") g.d_proj_w = pg.value;
-      if (pg.name == "linear_proj.bias") g.d_proj_b = pg.value;
+      if (pg.name == "linear_qkv.weight") g.d_qkv_w = pg.mat();
+      if (pg.name == "linear_qkv.bias") g.d_qkv_b = pg.mat();
+      if (pg.name == "linear_proj.weight") g.d_proj_w = pg.mat();
+      if (pg.name == "linear_proj.bias") g.d_proj_b = pg.mat();
     }
     return g;
   };

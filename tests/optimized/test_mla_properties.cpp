@@ -147,7 +147,7 @@ Tensors reference_run(const MlaCase& k, ref::ComputeMode mode) {
   auto [out, ctx] = layer.forward(k.hidden_states, li, ref::Taps(), &saved);
   const ref::TransformerLayerGrads g = layer.backward(k.grad_output, saved);
   Tensors t = {{"output", out}, {"grad.input", g.hidden_states}};
-  for (const ref::ParamGrad& pg : g.params) t["grad.param." + pg.name] = p.to_tensor(pg.value, pg.shape);
+  for (const ref::ParamGrad& pg : g.params) t["grad.param." + pg.name] = pg.stored(p.storage_dtype());
   return t;
 }
 

@@ -104,10 +104,10 @@ void run_case(const MlpCase& c) {
     g.d_ln2_w = ng.weight;
     g.d_ln2_b = ng.bias;
     for (const auto& pg : mg.params) {
-      if (pg.name == "linear_fc1.weight") g.d_fc1_w = pg.value;
-      if (pg.name == "linear_fc1.bias") g.d_fc1_b = pg.value;
-      if (pg.name == "linear_fc2.weight") g.d_fc2_w = pg.value;
-      if (pg.name == "linear_fc2.bias") g.d_fc2_b = pg.value;
+      if (pg.name == "linear_fc1.weight") g.d_fc1_w = pg.mat();
+      if (pg.name == "linear_fc1.bias") g.d_fc1_b = pg.mat();
+      if (pg.name == "linear_fc2.weight") g.d_fc2_w = pg.mat();
+      if (pg.name == "linear_fc2.bias") g.d_fc2_b = pg.mat();
     }
     return g;
   };

@@ -504,7 +504,7 @@ Record reference_with_gradients(const MoECase& m, const Tensor& dout) {
   layer->forward(m.hidden_states, li, Taps(&rec), &saved);
   const TransformerLayerGrads g = layer->backward(dout, saved);
   for (const ParamGrad& p : g.params)
-    rec.add(Role::Grad, "param." + p.name, layer->precision.to_tensor(p.value, p.shape)).magnitude = p.magnitude;
+    rec.add(Role::Grad, "param." + p.name, p.stored(layer->precision.storage_dtype())).magnitude = p.magnitude;
   rec.add(Role::Grad, "input.hidden_states", g.hidden_states);
   return rec;
 }

@@ -16,11 +16,14 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "fixtures/fixture.h"
 #include "parity/dense_case.h"
 #include "parity/fixture_kinds.h"
+#include "reference/linear.h"
+#include "reference/state_dict.h"
 #include "reference/transformer_layer.h"
 
 namespace twin::reference {
@@ -74,6 +77,68 @@ TEST(ReferenceParallel, ProductsEqualEigensAndAreBitwiseTheSameAtAnyThreadCount)
   }
   EXPECT_THROW(gemm_nn(Mat(2, 3), Mat(4, 2)), std::invalid_argument);
   EXPECT_THROW(set_threads(0), std::invalid_argument);
+}
+
+Tensor tensor_of(const Mat& m, DType dt) {
+  Tensor t = Tensor::empty(dt, {m.rows(), m.cols()});
+  t.write_f64(0, m.size(), m.data());
+  return t;
+}
+
+// The products with a weight read in place: a bf16 weight (mapped from a golden) gives what Eigen
+// gives on its values as doubles, within fp64 rounding, bitwise the same at 1, 2 and 3 threads; the
+// weight gradient is the rounded dy^T x stored in its tensor's dtype, its magnitude max |dy|^T |x|.
+TEST(ReferenceParallel, WeightProductsReadTheWeightInItsOwnDtype) {
+  const double u = std::ldexp(1.0, -53);
+  for (const auto [n, in, out] :
+       {std::array<Eigen::Index, 3>{1, 1, 1}, {33, 65, 17}, {97, 130, 151}, {0, 4, 3}, {70, 64, 200}}) {
+    const Tensor w = tensor_of(random_mat(out, in, 3), DType::BF16);  // rounds the values once, to bf16
+    const Mat wd = to_mat(w, out, in, "w"), x = random_mat(n, in, 4), dy = random_mat(n, out, 5);
+    const Mat y_want = x * wd.transpose(), dx_want = dy * wd, dw_want = dy.transpose() * x;
+    std::vector<Mat> y, dx, dw;
+    std::vector<double> mag;
+    for (int t : {1, 2, 3}) {
+      const Threads threads(t);
+      y.push_back(gemm_x_wt(x, w));
+      dx.push_back(gemm_dy_w(dy, w));
+      Tensor g = Tensor::empty(DType::F32, {out, in});
+      mag.push_back(gemm_wgrad(
+          dy, x, [](Mat& m) { m = m.unaryExpr([](double v) { return double(float(v)); }); }, g));
+      dw.push_back(to_mat(g, out, in, "dw"));
+    }
+    const std::string shape = std::to_string(n) + "x" + std::to_string(in) + "x" + std::to_string(out);
+    for (const auto& [got, want, k] : {std::tuple{&y, &y_want, in}, {&dx, &dx_want, out}}) {
+      ASSERT_EQ((*got)[0].rows(), want->rows()) << shape;
+      ASSERT_EQ((*got)[0].cols(), want->cols()) << shape;
+      if (want->size()) EXPECT_LE(((*got)[0] - *want).cwiseAbs().maxCoeff(), double(k) * u * double(k)) << shape;
+      EXPECT_TRUE(bitwise_equal((*got)[0], (*got)[1]) && bitwise_equal((*got)[0], (*got)[2])) << shape;
+    }
+    // each element of dw rounded to fp32 once from an fp64 sum of n terms
+    if (dw_want.size())
+      EXPECT_LE((dw[0] - dw_want).cwiseAbs().maxCoeff(),
+                std::ldexp(1.0, -24) * dw_want.cwiseAbs().maxCoeff() + double(n) * u * double(n))
+          << shape;
+    EXPECT_TRUE(bitwise_equal(dw[0], dw[1]) && bitwise_equal(dw[0], dw[2])) << shape;
+    const double mag_want = dw_want.size() ? (dy.cwiseAbs().transpose() * x.cwiseAbs()).maxCoeff() : 0.0;
+    EXPECT_NEAR(mag[0], mag_want, double(n) * u * double(n)) << shape;
+    EXPECT_EQ(mag[0], mag[1]);
+    EXPECT_EQ(mag[0], mag[2]);
+  }
+  const Tensor w = tensor_of(Mat::Ones(3, 4), DType::BF16);
+  EXPECT_THROW(gemm_x_wt(Mat(2, 5), w), std::invalid_argument);
+  EXPECT_THROW(gemm_dy_w(Mat(2, 4), w), std::invalid_argument);
+}
+
+// A Linear loaded from a state dict multiplies by the state dict's tensor itself (a golden's mapped
+// bf16 bytes), not by a copy: a real-size layer's double copy would be four times its weights.
+TEST(ReferenceParallel, LinearReadsItsLoadedWeightInPlace) {
+  const Precision p = Precision::from_config(TransformerConfig{}, ComputeMode::FP32);
+  Linear linear(4, 3, false, false, p);
+  const Tensor w = tensor_of(random_mat(3, 4, 6), DType::BF16);
+  linear.load_state_dict(StateDict({{"weight", w}}), "");
+  EXPECT_EQ(linear.stored_weight().raw(), w.raw());
+  const Mat x = random_mat(5, 4, 7);
+  EXPECT_LE((linear.forward(x).output - p.act(x * to_mat(w, 3, 4, "w").transpose())).cwiseAbs().maxCoeff(), 1e-6);
 }
 
 TEST(ReferenceParallel, EveryChunkRunsOnceOnSeveralThreadsAndTheFirstErrorIsRethrown) {
@@ -158,7 +223,7 @@ std::vector<Tensor> exact_layer_run(const parity::DenseInputs& in, const Tensor&
   for (const RecordEntry& e : record.entries) out.push_back(e.value);
   const TransformerLayerGrads g = layer.backward(dout, saved);
   out.push_back(g.hidden_states);
-  for (const ParamGrad& pg : g.params) out.push_back(p.to_tensor(pg.value, pg.shape));
+  for (const ParamGrad& pg : g.params) out.push_back(pg.stored(p.storage_dtype()));
   return out;
 }
 

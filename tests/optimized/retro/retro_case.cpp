@@ -133,7 +133,7 @@ RetroRun run_reference(const RetroCase& c, bool backward) {
   const DropoutRng rng{c.seed, 0};
   std::vector<std::tuple<std::string, Tensor, double>> params;
   auto keep = [&](const ParamGrads& grads) {
-    for (const ParamGrad& g : grads) params.emplace_back(g.name, p.to_tensor(g.value, g.shape), g.magnitude);
+    for (const ParamGrad& g : grads) params.emplace_back(g.name, g.stored(p.storage_dtype()), g.magnitude);
   };
   if (c.kind == RetroKind::Block) {
     TransformerBlock block(in.config, retro::get_retro_decoder_block_spec(in.config, false), p);

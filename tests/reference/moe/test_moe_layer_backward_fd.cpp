@@ -280,7 +280,7 @@ TEST(MoETransformerLayerBackward, MatchesCentralDifferencesInExactMode) {
       ASSERT_TRUE(by_key.count(key)) << "case " << id << ": no gradient for " << key;
       const ParamGrad& p = *by_key[key];
       ASSERT_EQ(p.shape, t.shape()) << "case " << id << ": " << key;
-      targets.emplace_back("param." + key, std::vector<double>(p.value.data(), p.value.data() + p.value.size()));
+      targets.emplace_back("param." + key, p.value.to_f64());
     }
     for (const auto& [name, analytic] : targets) {
       // The router and the input, whose gradients carry every routing and loss term, get more probes.
