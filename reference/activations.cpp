@@ -210,26 +210,25 @@ Mat glu_backward(ActivationFunc f, const Mat& x, const Mat& dy, double glu_linea
   const Eigen::Index half = x.cols() / 2;
   if (dy.rows() != x.rows() || dy.cols() != half)
     throw ShapeError("glu backward: grad_output does not match half the saved input");
-  Mat x_glu = x.leftCols(half), x_linear = x.rightCols(half);
-  if (clamp_value) {
-    x_glu = x_glu.cwiseMin(*clamp_value);
-    x_linear = x_linear.cwiseMin(*clamp_value).cwiseMax(-*clamp_value);
-  }
-  Mat d_act(x.rows(), half), dx(x.rows(), x.cols());
+  // Element by element, the forward's chunks and clamps included: no [n, ffn] copy of either half
+  // and no intermediate gradient buffer (at real sizes each would be as large as the saved input).
+  const double lim = clamp_value.value_or(0.0);
+  Mat dx(x.rows(), x.cols());
   for (Eigen::Index r = 0; r < x.rows(); ++r)
     for (Eigen::Index c = 0; c < half; ++c) {
-      const double lin = glu_linear_offset == 0.0 ? x_linear(r, c) : p.act(x_linear(r, c) + glu_linear_offset);
-      const double a = act1(f, x_glu(r, c), p);  // the forward's stored act(x_glu)
-      d_act(r, c) = p.act(dy(r, c) * lin);       // rounds: mul's grad of act(x_glu)
-      double d_lin = p.act(dy(r, c) * a);        // rounds: mul's grad of x_linear
-      if (clamp_value && (x(r, c + half) > *clamp_value || x(r, c + half) < -*clamp_value)) d_lin = 0.0;
+      const double x_glu = clamp_value ? std::min(x(r, c), lim) : x(r, c);  // chunk [0].clamp(max=lim)
+      const double x_lin = clamp_value ? std::max(std::min(x(r, c + half), lim), -lim) : x(r, c + half);
+      const double lin = glu_linear_offset == 0.0 ? x_lin : p.act(x_lin + glu_linear_offset);
+      const double a = act1(f, x_glu, p);          // the forward's stored act(x_glu)
+      const double d_act = p.act(dy(r, c) * lin);  // rounds: mul's grad of act(x_glu)
+      double d_lin = p.act(dy(r, c) * a);          // rounds: mul's grad of x_linear
+      if (clamp_value && (x(r, c + half) > lim || x(r, c + half) < -lim)) d_lin = 0.0;  // clamp's backward
       dx(r, c + half) = d_lin;
+      const double d_glu = p.act(d_act * act1_grad(f, x_glu));  // rounds: dy act'(x), as activation_backward
+      dx(r, c) = clamp_value && x(r, c) > lim ? 0.0 : d_glu;    // clamp(max)'s backward
     }
-  p.count_act();
-  const Mat d_glu = activation_backward(f, x_glu, d_act, p);
-  for (Eigen::Index r = 0; r < x.rows(); ++r)
-    for (Eigen::Index c = 0; c < half; ++c)
-      dx(r, c) = clamp_value && x(r, c) > *clamp_value ? 0.0 : d_glu(r, c);  // clamp(max)'s backward
+  p.count_act();                     // the product's gradients
+  p.count_act(act1_grad_stores(f));  // the activation's backward (activation_backward's count)
   return dx;
 }
 
