@@ -114,7 +114,7 @@ TwinRun run_layer_with_backward(TransformerLayer& layer, const Fixture& f, const
   if (context) run.record.add(Role::Output, "context", *context);
   // output.context is not in the golden's loss (sum(output.hidden_states * grad_in.output)).
   step.emplace("backward");
-  const TransformerLayerGrads grads = layer.backward(f.tensor("grad_in.output"), saved);
+  const TransformerLayerGrads grads = layer.backward(f.tensor("grad_in.output"), std::move(saved));
   add_grads(run, layer.precision, grads.params, grads.hidden_states, grads.context);
   return run;
 }
@@ -204,7 +204,7 @@ TwinRun run_reference_retro_block(const Fixture& f, const RunMode& mode) {
     return run;
   }
   step.emplace("backward");
-  const TransformerBlockGrads grads = block.backward(f.tensor("grad_in.output"), saved);
+  const TransformerBlockGrads grads = block.backward(f.tensor("grad_in.output"), std::move(saved));
   add_grads(run, block.precision, grads.params, grads.hidden_states, grads.context);
   return run;
 }

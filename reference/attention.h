@@ -144,7 +144,8 @@ struct CrossAttentionGrads {
 // The backward of a cross_attention slot module together with its cross_attn_bda (the bda built
 // for it by the same spec). forward_saving is the module's forward keeping its activations in
 // `saved`; backward_with_bda takes d (the bda's output) [s*b, h] and, when the module returned a
-// context (AttentionOutput::context), d_context of it (nullptr: none reaches it).
+// context (AttentionOutput::context), d_context of it (nullptr: none reaches it), and consumes
+// `saved` as TransformerLayer::backward does.
 struct CrossAttentionWithBdaGrads {
   Mat hidden_states;                    // d of the module's input (the pre_cross_attn_layernorm output)
   std::optional<Mat> residual;          // d of the layer's residual; none: the bda does not read it
@@ -161,7 +162,7 @@ class CrossAttentionBackward {
   virtual ~CrossAttentionBackward() = default;
   virtual AttentionOutput forward_saving(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps,
                                          std::shared_ptr<void>* saved) = 0;
-  virtual CrossAttentionWithBdaGrads backward_with_bda(const Mat& d, const Mat* d_context, const void* saved,
+  virtual CrossAttentionWithBdaGrads backward_with_bda(const Mat& d, const Mat* d_context, void* saved,
                                                        const AttentionArgs& args,
                                                        const CrossAttentionBdaArgs& bda) const = 0;
   // Why the backward does not cover this module's configuration, or none.

@@ -164,7 +164,7 @@ OutputWithBias MLP::forward(const Mat& hidden_states, const MlpArgs& args, const
   return out;
 }
 
-MlpGrads MLP::backward(const Mat& doutput, const MlpSaved& saved, const MlpArgs& args) const {
+MlpGrads MLP::backward(const Mat& doutput, MlpSaved&& saved, const MlpArgs& args) const {
   if (bias_activation_fusion)
     throw ConfigError("MLP backward: the fused bias-activation's backward is not implemented");
   const std::vector<double>* scale = args.per_token_scale;
@@ -174,6 +174,7 @@ MlpGrads MLP::backward(const Mat& doutput, const MlpSaved& saved, const MlpArgs&
   progress::now("linear_fc2");
   LinearGrads fc2 = linear_fc2.backward(doutput, saved.linear_fc2);
   Mat dact = std::move(fc2.input);  // [n, ffn]
+  saved.linear_fc2 = {};
   if (scale) {
     const Mat& act = saved.activation_output;
     if (static_cast<Eigen::Index>(scale->size()) != dact.rows() || act.rows() != dact.rows() ||
@@ -200,10 +201,12 @@ MlpGrads MLP::backward(const Mat& doutput, const MlpSaved& saved, const MlpArgs&
     p_.count_act();
     p_.count_reduce(dact.cols());
     p_.count_store(scale_fp32 ? DType::F32 : p_.params_dtype);
+    saved.activation_output = Mat();
   }
   dact = gated_linear_unit ? glu_backward(activation_func, saved.activation_input, dact, glu_linear_offset,
                                           activation_func_clamp_value, p_)
                            : activation_backward(activation_func, saved.activation_input, dact, p_);
+  saved.activation_input = Mat();
   progress::now("linear_fc1");
   const LinearGrads fc1 = linear_fc1.backward(dact, saved.linear_fc1);  // its bias: the column sums of dact
   g.hidden_states = fc1.input;

@@ -97,7 +97,8 @@ class MLP : public MlpModule {
   OutputWithBias forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps, MlpSaved* saved);
   // doutput [n, h]: the gradient of linear_fc2's output (plus its bias). ConfigError for the
   // fused bias-activation and per_token_scale paths.
-  MlpGrads backward(const Mat& doutput, const MlpSaved& saved, const MlpArgs& args) const;
+  // Consumes `saved`: each activation is released once the step that reads it has run.
+  MlpGrads backward(const Mat& doutput, MlpSaved&& saved, const MlpArgs& args) const;
   void load_state_dict(const StateDict& sd, const std::string& prefix) override;
 
   Linear linear_fc1;  // [ffn (x2 GLU), input_size]

@@ -91,7 +91,7 @@ std::optional<std::string> TransformerBlock::backward_unsupported() const {
   return std::nullopt;
 }
 
-TransformerBlockGrads TransformerBlock::backward(const Tensor& grad_output, const TransformerBlockSaved& saved,
+TransformerBlockGrads TransformerBlock::backward(const Tensor& grad_output, TransformerBlockSaved&& saved,
                                                  const Tensor* grad_context) const {
   if (saved.layers.size() != layers.size() || saved.hidden_shape.size() != 3)
     throw std::logic_error("TransformerBlock::backward: `saved` was not filled by forward(..., &saved)");
@@ -110,7 +110,7 @@ TransformerBlockGrads TransformerBlock::backward(const Tensor& grad_output, cons
   if (grad_context) dcontext = *grad_context;
   for (std::size_t i = layers.size(); i-- > 0;) {
     const progress::Step step("layers." + std::to_string(i));
-    TransformerLayerGrads lg = layers[i]->backward(d, saved.layers[i], dcontext ? &*dcontext : nullptr);
+    TransformerLayerGrads lg = layers[i]->backward(d, std::move(saved.layers[i]), dcontext ? &*dcontext : nullptr);
     const std::string prefix = "layers." + std::to_string(i) + ".";
     for (ParamGrad& p : lg.params) p.name = prefix + p.name;
     g.params.insert(g.params.begin(), std::make_move_iterator(lg.params.begin()),

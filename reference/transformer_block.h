@@ -68,7 +68,8 @@ class TransformerBlock {
                  TransformerBlockSaved* saved = nullptr);
   // grad_output [s, b, h] of forward's output, grad_context of the context the last layer returned
   // (nullptr: none). ShapeError for a grad_output of another shape.
-  TransformerBlockGrads backward(const Tensor& grad_output, const TransformerBlockSaved& saved,
+  // Consumes `saved` as TransformerLayer::backward does, layer by layer.
+  TransformerBlockGrads backward(const Tensor& grad_output, TransformerBlockSaved&& saved,
                                  const Tensor* grad_context = nullptr) const;
   // Why backward does not cover this block (the first layer without one), or none.
   std::optional<std::string> backward_unsupported() const;

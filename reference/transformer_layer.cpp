@@ -190,9 +190,8 @@ OutputWithBias TransformerLayer::forward_mlp_saving(const Mat& hidden_states, co
   return static_cast<MLP&>(*mlp).forward(hidden_states, args, taps, &saved.mlp);
 }
 
-MlpGrads TransformerLayer::backward_mlp(const Mat& doutput, const TransformerLayerSaved& saved,
-                                        const MlpArgs& args) const {
-  return static_cast<const MLP&>(*mlp).backward(doutput, saved.mlp, args);
+MlpGrads TransformerLayer::backward_mlp(const Mat& doutput, TransformerLayerSaved& saved, const MlpArgs& args) const {
+  return static_cast<const MLP&>(*mlp).backward(doutput, std::move(saved.mlp), args);
 }
 
 std::pair<Tensor, std::optional<Tensor>> TransformerLayer::forward(const Tensor& hidden_states,
@@ -339,7 +338,7 @@ Mat TransformerLayer::_forward_post_mlp(const OutputWithBias& mlp_output_with_bi
   return apply_bda(mlp_bda, x_with_bias, residual, residual_rounding, DropoutSite::MlpBda);
 }
 
-TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, const TransformerLayerSaved& saved,
+TransformerLayerGrads TransformerLayer::backward(const Tensor& grad_output, TransformerLayerSaved&& saved,
                                                  const Tensor* grad_context) const {
   if (const auto why = backward_unsupported()) throw std::logic_error("TransformerLayer has no backward: " + *why);
   const int s = saved.s, b = saved.b, h = config.hidden_size;

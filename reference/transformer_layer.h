@@ -222,7 +222,10 @@ class TransformerLayer : public BaseTransformerLayer {
   // grad_output [s, b, h] (the gradient of forward's output) and grad_context (of the context it
   // returned; nullptr: none) -> gradients of the inputs and of every parameter. ShapeError for
   // grad_output or grad_context of another shape than the saved forward's output / context.
-  TransformerLayerGrads backward(const Tensor& grad_output, const TransformerLayerSaved& saved,
+  // Consumes `saved`: each module's activations are released as soon as its backward has run (a
+  // real-size layer's saved activations are as large as its weights). After an error `saved` may be
+  // partly consumed: run forward again.
+  TransformerLayerGrads backward(const Tensor& grad_output, TransformerLayerSaved&& saved,
                                  const Tensor* grad_context = nullptr) const;
   // Whether backward supports this layer's modules (else the reason, e.g. "mlp is not an MLP").
   std::optional<std::string> backward_unsupported() const;
@@ -231,7 +234,7 @@ class TransformerLayer : public BaseTransformerLayer {
   // has none. TransformerLayer's: an MLP.
   virtual OutputWithBias forward_mlp_saving(const Mat& hidden_states, const MlpArgs& args, const Taps& taps,
                                             TransformerLayerSaved& saved);
-  virtual MlpGrads backward_mlp(const Mat& doutput, const TransformerLayerSaved& saved, const MlpArgs& args) const;
+  virtual MlpGrads backward_mlp(const Mat& doutput, TransformerLayerSaved& saved, const MlpArgs& args) const;
   virtual std::optional<std::string> mlp_backward_unsupported() const;
 
   // The steps of forward on (s * b) x h matrices.

@@ -75,7 +75,7 @@ Mat SequentialMLP::forward(const Mat& permuted_local_hidden_states, const std::v
   return taps.record("0", output_local, {output_local.rows(), output_local.cols()}, p_);
 }
 
-SequentialMLPGrads SequentialMLP::backward(const Mat& doutput, const SequentialMLPSaved& saved) const {
+SequentialMLPGrads SequentialMLP::backward(const Mat& doutput, SequentialMLPSaved&& saved) const {
   if (saved.local_experts.size() != local_experts.size())
     throw std::logic_error("SequentialMLP::backward: `saved` was not filled by forward(..., saved)");
   const Index N = static_cast<Index>(saved.permuted_probs.size());
@@ -101,7 +101,8 @@ SequentialMLPGrads SequentialMLP::backward(const Mat& doutput, const SequentialM
     args.per_token_scale_dtype = probs_dtype_;
     // An expert without tokens still ran (on [0, h]): its weights' gradients are zeros.
     const progress::Step step("local_experts." + std::to_string(i));
-    const MlpGrads eg = local_experts[i].backward(doutput.middleRows(start, n), saved.local_experts[i], args);
+    const MlpGrads eg =
+        local_experts[i].backward(doutput.middleRows(start, n), std::move(saved.local_experts[i]), args);
     g.permuted_local_hidden_states.middleRows(start, n) = eg.hidden_states;
     for (Index r = 0; r < n; ++r) g.permuted_probs[start + r] = eg.per_token_scale[r];
     for (const ParamGrad& p : eg.params)

@@ -49,7 +49,7 @@ class SequentialMLP {
   Mat forward(const Mat& permuted_local_hidden_states, const std::vector<Index>& tokens_per_expert,
               const std::vector<double>& permuted_probs, const Taps& taps, SequentialMLPSaved* saved = nullptr) const;
   // doutput [N, h]: the gradient of forward's output.
-  SequentialMLPGrads backward(const Mat& doutput, const SequentialMLPSaved& saved) const;
+  SequentialMLPGrads backward(const Mat& doutput, SequentialMLPSaved&& saved) const;  // consumes saved
 
   // local_experts.<i>.linear_fc1.weight ... under `prefix` ("mlp.experts.").
   void load_state_dict(const StateDict& sd, const std::string& prefix);

@@ -252,7 +252,7 @@ std::optional<std::string> MoELayer::backward_unsupported() const {
   return std::nullopt;
 }
 
-MlpGrads MoELayer::backward(const Mat& doutput, const MoELayerSaved& saved) const {
+MlpGrads MoELayer::backward(const Mat& doutput, MoELayerSaved&& saved) const {
   if (const auto why = backward_unsupported()) throw MoEError("MoELayer has no backward: " + *why);
   const Index T = saved.tokens, h = config_.hidden_size, E = *config_.num_moe_experts;
   if (T <= 0 || saved.router.logits.rows() != T)
@@ -273,7 +273,7 @@ MlpGrads MoELayer::backward(const Mat& doutput, const MoELayerSaved& saved) cons
   for (Index i = 0; i < N; ++i) drows.row(i) = doutput.row(saved.row_tokens[i]);
   const SequentialMLPGrads eg = [&] {
     const progress::Step step("experts");
-    return experts.backward(drows, saved.experts);
+    return experts.backward(drows, std::move(saved.experts));
   }();
   add("experts.", eg.params);
 
@@ -304,7 +304,7 @@ MlpGrads MoELayer::backward(const Mat& doutput, const MoELayerSaved& saved) cons
     rounding_set(at_output);  // the shared experts' backward starts from the output's gradient
     const MlpGrads sg = [&] {
       const progress::Step step("shared_experts");
-      return shared_experts->backward(doutput, *saved.shared_experts);
+      return shared_experts->backward(doutput, std::move(*saved.shared_experts));
     }();
     add("shared_experts.", sg.params);
     rounding_join(routed_end);

@@ -82,7 +82,7 @@ class MoELayer : public MlpModule {
   OutputWithBias forward(const Mat& hidden_states, const MlpArgs& args, const Taps& taps, MoELayerSaved* saved);
   // doutput [s * b, h]: the gradient of forward's output. Gradients of the input and of every
   // parameter ("router.weight", "experts.local_experts.<i>.linear_fc1.weight", "shared_experts.*").
-  MlpGrads backward(const Mat& doutput, const MoELayerSaved& saved) const;
+  MlpGrads backward(const Mat& doutput, MoELayerSaved&& saved) const;  // consumes saved, as MLP::backward
   // Why backward cannot run for this config (nullopt: it can).
   std::optional<std::string> backward_unsupported() const;
   // router.*, experts.local_experts.<i>.*, shared_experts.* under `prefix` ("mlp.").

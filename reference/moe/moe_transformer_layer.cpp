@@ -77,11 +77,12 @@ OutputWithBias MoETransformerLayer::forward_mlp_saving(const Mat& hidden_states,
   return moe_->forward(hidden_states, args, taps, &kept->moe);
 }
 
-MlpGrads MoETransformerLayer::backward_mlp(const Mat& doutput, const TransformerLayerSaved& saved,
-                                           const MlpArgs&) const {
-  const auto* kept = dynamic_cast<const MoETransformerLayerSaved*>(saved.mlp_module.get());
+MlpGrads MoETransformerLayer::backward_mlp(const Mat& doutput, TransformerLayerSaved& saved, const MlpArgs&) const {
+  auto* kept = dynamic_cast<MoETransformerLayerSaved*>(saved.mlp_module.get());
   if (!kept) throw std::logic_error("MoETransformerLayer::backward: `saved` holds no MoELayer forward");
-  return moe_->backward(doutput, kept->moe);
+  MlpGrads g = moe_->backward(doutput, std::move(kept->moe));
+  saved.mlp_module.reset();  // consumed
+  return g;
 }
 
 std::optional<std::string> MoETransformerLayer::mlp_backward_unsupported() const {

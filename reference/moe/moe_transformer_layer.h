@@ -77,7 +77,7 @@ class MoETransformerLayer : public TransformerLayer {
   // The MoELayer in the mlp slot: forward keeping MoELayerSaved, backward (reference/moe/moe_layer.h).
   OutputWithBias forward_mlp_saving(const Mat& hidden_states, const MlpArgs& args, const Taps& taps,
                                     TransformerLayerSaved& saved) override;
-  MlpGrads backward_mlp(const Mat& doutput, const TransformerLayerSaved& saved, const MlpArgs& args) const override;
+  MlpGrads backward_mlp(const Mat& doutput, TransformerLayerSaved& saved, const MlpArgs& args) const override;
   std::optional<std::string> mlp_backward_unsupported() const override;
 
  private:

@@ -48,14 +48,14 @@ Mat SharedExpertMLP::forward(const Mat& hidden_states, const Shape& lead, const 
   return output;
 }
 
-MlpGrads SharedExpertMLP::backward(const Mat& doutput, const SharedExpertSaved& saved) const {
+MlpGrads SharedExpertMLP::backward(const Mat& doutput, SharedExpertSaved&& saved) const {
   if (saved.mlp_output.rows() != doutput.rows() || saved.mlp_output.cols() != doutput.cols())
     throw ShapeError("SharedExpertMLP backward: grad_output is [" + std::to_string(doutput.rows()) + ", " +
                      std::to_string(doutput.cols()) + "], the saved output [" +
                      std::to_string(saved.mlp_output.rows()) + ", " + std::to_string(saved.mlp_output.cols()) + "]");
   MlpArgs args;
   args.lead = {doutput.rows()};
-  if (!use_shared_expert_gate) return mlp.backward(doutput, saved.mlp, args);
+  if (!use_shared_expert_gate) return mlp.backward(doutput, std::move(saved.mlp), args);
   const Index n = doutput.rows();
   Mat dmlp(n, doutput.cols());  // [n, h]
   Eigen::VectorXd dlogits(n);   // [n]
@@ -75,7 +75,7 @@ MlpGrads SharedExpertMLP::backward(const Mat& doutput, const SharedExpertSaved& 
   p_.count_act(2);
   const RoundingCount gate_branch = rounding_now();
   rounding_set(mlp_branch_start);
-  MlpGrads g = mlp.backward(dmlp, saved.mlp, args);
+  MlpGrads g = mlp.backward(dmlp, std::move(saved.mlp), args);
   rounding_join(gate_branch);
   // linear(x, gate_weight)'s backward: d x = d logits gate_weight, d gate_weight = d logits^T x.
   const Mat dgate = (dlogits.transpose() * saved.hidden_states);  // [1, h]

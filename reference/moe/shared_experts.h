@@ -34,7 +34,7 @@ class SharedExpertMLP {
   Mat forward(const Mat& hidden_states, const Shape& lead, const Taps& taps,
               SharedExpertSaved* saved = nullptr) const;  // [n, h] -> [n, h]
   // doutput [n, h]: the gradient of forward's output. Params "linear_fc1.weight", ..., "gate_weight".
-  MlpGrads backward(const Mat& doutput, const SharedExpertSaved& saved) const;
+  MlpGrads backward(const Mat& doutput, SharedExpertSaved&& saved) const;  // consumes saved
   // linear_fc1.weight, linear_fc2.weight (+ gate_weight [1, h]) under `prefix` ("mlp.shared_experts.").
   void load_state_dict(const StateDict& sd, const std::string& prefix);
 

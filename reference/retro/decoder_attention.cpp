@@ -127,9 +127,9 @@ AttentionOutput RetroDecoderCrossAttention::forward_saving(const Mat& hidden_sta
 }
 
 CrossAttentionWithBdaGrads RetroDecoderCrossAttention::backward_with_bda(const Mat& d, const Mat* d_context,
-                                                                         const void* saved, const AttentionArgs& args,
+                                                                         void* saved, const AttentionArgs& args,
                                                                          const CrossAttentionBdaArgs& bda) const {
-  const auto* st = static_cast<const RetroDecoderSaved*>(saved);
+  auto* st = static_cast<RetroDecoderSaved*>(saved);
   if (!st || st->ns <= 0)
     throw std::logic_error("RetroDecoderCrossAttention backward: `saved` was not filled by forward_saving");
   const std::int64_t m = retro_chunk_length, k = retro_num_neighbors, r = retro_retrieved_length;
@@ -163,7 +163,7 @@ CrossAttentionWithBdaGrads RetroDecoderCrossAttention::backward_with_bda(const M
     return g;
   }
   // The encoder: d of its output [r, k*bs*l, d] (the same memory as [r*k, bs*l, d]).
-  const TransformerBlockGrads eg = encoder->backward(p_.to_tensor(dkv, {r, k * bs * l, h}), st->encoder);
+  const TransformerBlockGrads eg = encoder->backward(p_.to_tensor(dkv, {r, k * bs * l, h}), std::move(st->encoder));
   for (const ParamGrad& pg : eg.params) g.params.push_back({"encoder." + pg.name, pg.value, pg.shape, pg.magnitude});
   g.key_value_states = to_mat(eg.hidden_states, r * k * bs * l, h, "encoder grad");  // d neighbour embeddings
   if (!eg.context) throw std::logic_error("RetroDecoderCrossAttention backward: the encoder returned no d context");

@@ -75,7 +75,7 @@ class RetroDecoderCrossAttention : public BaseRetroCrossAttention, public CrossA
   AttentionOutput forward_saving(const Mat& hidden_states, const AttentionArgs& args, const Taps& taps,
                                  std::shared_ptr<void>* saved) override;
   // d [ns * bs, d] of the bda's output; d_context of the returned context [r*k, bs*l, d] or null.
-  CrossAttentionWithBdaGrads backward_with_bda(const Mat& d, const Mat* d_context, const void* saved,
+  CrossAttentionWithBdaGrads backward_with_bda(const Mat& d, const Mat* d_context, void* saved,
                                                const AttentionArgs& args,
                                                const CrossAttentionBdaArgs& bda) const override;
   std::optional<std::string> backward_unsupported() const override;

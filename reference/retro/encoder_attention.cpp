@@ -44,7 +44,7 @@ AttentionOutput RetroEncoderCrossAttention::forward_saving(const Mat& hidden_sta
 }
 
 CrossAttentionWithBdaGrads RetroEncoderCrossAttention::backward_with_bda(const Mat& d, const Mat* d_context,
-                                                                         const void* saved, const AttentionArgs& args,
+                                                                         void* saved, const AttentionArgs& args,
                                                                          const CrossAttentionBdaArgs& bda) const {
   const auto* st = static_cast<const RetroEncoderSaved*>(saved);
   if (!st || st->attn.size() != static_cast<std::size_t>(st->k) || st->k <= 0)

@@ -53,7 +53,7 @@ ref::TransformerLayerGrads reference_backward(const parity::DenseInputs& in, con
   li.rotary_pos_emb = in.rotary_pos_emb.defined() ? &in.rotary_pos_emb : nullptr;
   ref::TransformerLayerSaved saved;
   layer.forward(in.hidden_states, li, ref::Taps(), &saved);
-  return layer.backward(dout, saved);
+  return layer.backward(dout, std::move(saved));
 }
 
 ref::Precision precision_of(const parity::DenseInputs& in, ref::ComputeMode mode) {

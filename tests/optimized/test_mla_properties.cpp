@@ -145,7 +145,7 @@ Tensors reference_run(const MlaCase& k, ref::ComputeMode mode) {
   li.attention_mask = k.attention_mask.defined() ? &k.attention_mask : nullptr;
   ref::TransformerLayerSaved saved;
   auto [out, ctx] = layer.forward(k.hidden_states, li, ref::Taps(), &saved);
-  const ref::TransformerLayerGrads g = layer.backward(k.grad_output, saved);
+  const ref::TransformerLayerGrads g = layer.backward(k.grad_output, std::move(saved));
   Tensors t = {{"output", out}, {"grad.input", g.hidden_states}};
   for (const ref::ParamGrad& pg : g.params) t["grad.param." + pg.name] = pg.stored(p.storage_dtype());
   return t;

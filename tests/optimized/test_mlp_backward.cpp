@@ -98,7 +98,7 @@ void run_case(const MlpCase& c) {
     RefGrads g;
     const ref::BiasDropoutAddGrads bda =
         ref::bias_dropout_add_backward(ref::to_mat(dout, c.n, c.h, "dout"), c.p, c.p > 0, rng, p);
-    const ref::MlpGrads mg = make_mlp(p)->backward(bda.x, saved, args);
+    const ref::MlpGrads mg = make_mlp(p)->backward(bda.x, ref::MlpSaved(saved), args);  // a copy: it is consumed
     const ref::NormGrads ng = make_norm(p)->backward(mg.hidden_states, hid);
     g.dhidden = p.act(ng.input + bda.residual);  // autograd's sum of the two paths, stored
     g.d_ln2_w = ng.weight;

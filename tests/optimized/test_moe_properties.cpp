@@ -502,7 +502,7 @@ Record reference_with_gradients(const MoECase& m, const Tensor& dout) {
   CountRoundings counting;
   TransformerLayerSaved saved;
   layer->forward(m.hidden_states, li, Taps(&rec), &saved);
-  const TransformerLayerGrads g = layer->backward(dout, saved);
+  const TransformerLayerGrads g = layer->backward(dout, std::move(saved));
   for (const ParamGrad& p : g.params)
     rec.add(Role::Grad, "param." + p.name, p.stored(layer->precision.storage_dtype())).magnitude = p.magnitude;
   rec.add(Role::Grad, "input.hidden_states", g.hidden_states);

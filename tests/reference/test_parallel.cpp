@@ -23,6 +23,7 @@
 #include "parity/dense_case.h"
 #include "parity/fixture_kinds.h"
 #include "reference/linear.h"
+#include "reference/mlp.h"
 #include "reference/state_dict.h"
 #include "reference/transformer_layer.h"
 
@@ -141,6 +142,31 @@ TEST(ReferenceParallel, LinearReadsItsLoadedWeightInPlace) {
   EXPECT_LE((linear.forward(x).output - p.act(x * to_mat(w, 3, 4, "w").transpose())).cwiseAbs().maxCoeff(), 1e-6);
 }
 
+// MLP's backward frees each saved activation once the step reading it has run: a real-size
+// layer's [n, 2 ffn] activation input alone is a quarter of its golden.
+TEST(ReferenceParallel, MlpBackwardReleasesWhatItConsumed) {
+  TransformerConfig c;
+  c.hidden_size = 8;
+  c.ffn_hidden_size = 12;
+  c.num_attention_heads = 2;
+  c.gated_linear_unit = true;
+  c.activation_func = "silu";
+  const Precision p = Precision::from_config(c, ComputeMode::Exact);
+  MLP mlp(c, p);
+  mlp.linear_fc1.set_weight(random_mat(24, 8, 8));
+  mlp.linear_fc2.set_weight(random_mat(8, 12, 9));
+  MlpArgs args;
+  args.lead = {5};
+  MlpSaved saved;
+  mlp.forward(random_mat(5, 8, 10), args, Taps(), &saved);
+  ASSERT_EQ(saved.activation_input.rows(), 5);
+  ASSERT_EQ(saved.linear_fc2.input.rows(), 5);
+  const MlpGrads g = mlp.backward(random_mat(5, 8, 11), std::move(saved), args);
+  EXPECT_EQ(g.hidden_states.rows(), 5);
+  EXPECT_EQ(saved.activation_input.size(), 0);  // NOLINT(bugprone-use-after-move): what backward left
+  EXPECT_EQ(saved.linear_fc2.input.size(), 0);
+}
+
 TEST(ReferenceParallel, EveryChunkRunsOnceOnSeveralThreadsAndTheFirstErrorIsRethrown) {
   const Threads threads(3);
   std::vector<std::atomic<int>> runs(100);
@@ -221,7 +247,7 @@ std::vector<Tensor> exact_layer_run(const parity::DenseInputs& in, const Tensor&
   TransformerLayerSaved saved;
   std::vector<Tensor> out = {layer.forward(in.hidden_states, li, Taps(&record), &saved).first};
   for (const RecordEntry& e : record.entries) out.push_back(e.value);
-  const TransformerLayerGrads g = layer.backward(dout, saved);
+  const TransformerLayerGrads g = layer.backward(dout, std::move(saved));
   out.push_back(g.hidden_states);
   for (const ParamGrad& pg : g.params) out.push_back(pg.stored(p.storage_dtype()));
   return out;

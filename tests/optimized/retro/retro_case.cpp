@@ -143,7 +143,7 @@ RetroRun run_reference(const RetroCase& c, bool backward) {
         block.forward(in.hidden_states, li, in.training, rng, Taps(&run.record), nullptr, backward ? &saved : nullptr);
     run.record.add(Role::Output, "hidden_states", run.hidden_states);
     if (backward) {
-      const TransformerBlockGrads g = block.backward(in.grad_output, saved);
+      const TransformerBlockGrads g = block.backward(in.grad_output, std::move(saved));
       keep(g.params);
       record_gradients(run, std::move(params), g.hidden_states, g.context);
     }
@@ -169,7 +169,7 @@ RetroRun run_reference(const RetroCase& c, bool backward) {
     run.record.add(Role::Output, "hidden_states", run.hidden_states);
     if (run.context) run.record.add(Role::Output, "context", *run.context);
     if (backward) {
-      const TransformerLayerGrads g = layer.backward(in.grad_output, saved, &in.grad_context);
+      const TransformerLayerGrads g = layer.backward(in.grad_output, std::move(saved), &in.grad_context);
       keep(g.params);
       record_gradients(run, std::move(params), g.hidden_states, g.context);
     }

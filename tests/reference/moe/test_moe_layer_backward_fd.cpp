@@ -212,7 +212,7 @@ class Harness {
     TransformerLayerSaved saved;
     auto l = layer(k_.params);
     l->forward(k_.hidden_states, in_, {}, &saved);
-    return l->backward(k_.grad_output, saved);
+    return l->backward(k_.grad_output, std::move(saved));
   }
 
  private:

@@ -262,13 +262,14 @@ class Harness {
       TransformerBlockSaved saved;
       auto b = block(k_.params);
       b->forward(k_.hidden_states, in, k_.training, k_.rng, {}, nullptr, &saved);
-      TransformerBlockGrads g = b->backward(k_.grad_output, saved);
+      TransformerBlockGrads g = b->backward(k_.grad_output, std::move(saved));
       return {g.hidden_states, g.context, g.params};
     }
     TransformerLayerSaved saved;
     auto l = layer(k_.params);
     l->forward(k_.hidden_states, in, {}, &saved);
-    TransformerLayerGrads g = l->backward(k_.grad_output, saved, k_.grad_context ? &*k_.grad_context : nullptr);
+    TransformerLayerGrads g =
+        l->backward(k_.grad_output, std::move(saved), k_.grad_context ? &*k_.grad_context : nullptr);
     return {g.hidden_states, g.context, g.params};
   }
 
@@ -347,14 +348,20 @@ TEST(RetroBackward, BadGradientsAreErrors) {
     LayerInputs in;
     in.context = &k.context;
     in.context_mask = k.context_mask ? &*k.context_mask : nullptr;
-    TransformerLayerSaved saved;
-    const auto [out, ctx] = layer->forward(k.hidden_states, in, {}, &saved);
+    // A forward's activations for each call: backward consumes them, an error part way included.
+    std::optional<Tensor> ctx;
+    auto forward = [&] {
+      TransformerLayerSaved saved;
+      ctx = layer->forward(k.hidden_states, in, {}, &saved).second;
+      return saved;
+    };
+    forward();
     ASSERT_TRUE(ctx);
     const Tensor wrong_out = Tensor::zeros(DType::F64, {k.ns + 1, k.bs, k.config.hidden_size});
-    EXPECT_THROW(layer->backward(wrong_out, saved), ShapeError) << k.describe;
+    EXPECT_THROW(layer->backward(wrong_out, forward()), ShapeError) << k.describe;
     const Tensor wrong_ctx = Tensor::zeros(DType::F64, {ctx->size(0) + 1, ctx->size(1), ctx->size(2)});
-    EXPECT_THROW(layer->backward(k.grad_output, saved, &wrong_ctx), ShapeError) << k.describe;
-    EXPECT_NO_THROW(layer->backward(k.grad_output, saved, &*ctx)) << k.describe;
+    EXPECT_THROW(layer->backward(k.grad_output, forward(), &wrong_ctx), ShapeError) << k.describe;
+    EXPECT_NO_THROW(layer->backward(k.grad_output, forward(), &*ctx)) << k.describe;
     EXPECT_THROW(layer->backward(k.grad_output, TransformerLayerSaved{}), std::logic_error) << k.describe;
   }
 }
