@@ -74,14 +74,21 @@ void for_chunks(Eigen::Index n, Eigen::Index chunk, const std::function<void(Eig
 
 namespace {
 
-// out [rows, cols], its row chunks [r, r + n) each `block(r, n)` (an Eigen product) alone; `inner`
-// the products' inner dimension, for the fork's threshold.
-template <class Block>
-Mat by_row_chunks(Eigen::Index rows, Eigen::Index cols, Eigen::Index inner, const Block& block) {
+enum class Along { Rows, Cols };
+
+// out [rows, cols], its row (or column) chunks [r, r + n) each `block(r, n)` (an Eigen product)
+// alone; `inner` the products' inner dimension, for the fork's threshold.
+template <Along along, class Block>
+Mat by_chunks(Eigen::Index rows, Eigen::Index cols, Eigen::Index inner, const Block& block) {
   Mat out(rows, cols);
   run_chunks(
-      rows, kRowChunk,
-      [&](Eigen::Index r0, Eigen::Index r1) { out.middleRows(r0, r1 - r0).noalias() = block(r0, r1 - r0); },
+      along == Along::Rows ? rows : cols, kRowChunk,
+      [&](Eigen::Index r0, Eigen::Index r1) {
+        if constexpr (along == Along::Rows)
+          out.middleRows(r0, r1 - r0).noalias() = block(r0, r1 - r0);
+        else
+          out.middleCols(r0, r1 - r0).noalias() = block(r0, r1 - r0);
+      },
       2.0 * double(rows) * double(cols) * double(inner) > kForkFlops);
   return out;
 }
@@ -90,20 +97,20 @@ Mat by_row_chunks(Eigen::Index rows, Eigen::Index cols, Eigen::Index inner, cons
 
 Mat gemm_nn(const Mat& a, const Mat& b) {
   if (a.cols() != b.rows()) throw std::invalid_argument("gemm_nn: inner dimensions differ");
-  return by_row_chunks(a.rows(), b.cols(), a.cols(),
-                       [&](Eigen::Index r, Eigen::Index n) { return a.middleRows(r, n) * b; });
+  return by_chunks<Along::Rows>(a.rows(), b.cols(), a.cols(),
+                                [&](Eigen::Index r, Eigen::Index n) { return a.middleRows(r, n) * b; });
 }
 
 Mat gemm_nt(const Mat& a, const Mat& b) {
   if (a.cols() != b.cols()) throw std::invalid_argument("gemm_nt: inner dimensions differ");
-  return by_row_chunks(a.rows(), b.rows(), a.cols(),
-                       [&](Eigen::Index r, Eigen::Index n) { return a.middleRows(r, n) * b.transpose(); });
+  return by_chunks<Along::Rows>(a.rows(), b.rows(), a.cols(),
+                                [&](Eigen::Index r, Eigen::Index n) { return a.middleRows(r, n) * b.transpose(); });
 }
 
 Mat gemm_tn(const Mat& a, const Mat& b) {
   if (a.rows() != b.rows()) throw std::invalid_argument("gemm_tn: inner dimensions differ");
-  return by_row_chunks(a.cols(), b.cols(), a.rows(),
-                       [&](Eigen::Index r, Eigen::Index n) { return a.middleCols(r, n).transpose() * b; });
+  return by_chunks<Along::Rows>(a.cols(), b.cols(), a.rows(),
+                                [&](Eigen::Index r, Eigen::Index n) { return a.middleCols(r, n).transpose() * b; });
 }
 
 namespace {
@@ -122,17 +129,6 @@ Mat weight_cols(const Tensor& w, Eigen::Index rows, Eigen::Index cols, Eigen::In
   return out;
 }
 
-// out [rows, cols], its column chunks [c, c + n) each `block(c, n)` alone.
-template <class Block>
-Mat by_col_chunks(Eigen::Index rows, Eigen::Index cols, Eigen::Index inner, const Block& block) {
-  Mat out(rows, cols);
-  run_chunks(
-      cols, kRowChunk,
-      [&](Eigen::Index c0, Eigen::Index c1) { out.middleCols(c0, c1 - c0).noalias() = block(c0, c1 - c0); },
-      2.0 * double(rows) * double(cols) * double(inner) > kForkFlops);
-  return out;
-}
-
 void expect_matrix(const Tensor& w, Eigen::Index rows, Eigen::Index cols, const char* what) {
   if (w.dim() != 2 || w.size(0) != rows || w.size(1) != cols)
     throw std::invalid_argument(std::string(what) + ": weight " + w.describe() + ", expected [" + std::to_string(rows) +
@@ -144,7 +140,7 @@ void expect_matrix(const Tensor& w, Eigen::Index rows, Eigen::Index cols, const 
 Mat gemm_x_wt(const Mat& x, const Tensor& w) {
   const Eigen::Index out = w.dim() == 2 ? w.size(0) : 0;
   expect_matrix(w, out, x.cols(), "gemm_x_wt");
-  return by_col_chunks(x.rows(), out, x.cols(), [&](Eigen::Index c, Eigen::Index n) -> Mat {
+  return by_chunks<Along::Cols>(x.rows(), out, x.cols(), [&](Eigen::Index c, Eigen::Index n) -> Mat {
     const Mat wc = weight_rows(w, x.cols(), c, n);  // [n, in]
     return x * wc.transpose();                      // [rows, in] @ [in, n]
   });
@@ -153,7 +149,7 @@ Mat gemm_x_wt(const Mat& x, const Tensor& w) {
 Mat gemm_dy_w(const Mat& dy, const Tensor& w) {
   const Eigen::Index in = w.dim() == 2 ? w.size(1) : 0;
   expect_matrix(w, dy.cols(), in, "gemm_dy_w");
-  return by_col_chunks(dy.rows(), in, dy.cols(), [&](Eigen::Index c, Eigen::Index n) -> Mat {
+  return by_chunks<Along::Cols>(dy.rows(), in, dy.cols(), [&](Eigen::Index c, Eigen::Index n) -> Mat {
     const Mat wc = weight_cols(w, dy.cols(), in, c, n);  // [out, n]
     return dy * wc;                                      // [rows, out] @ [out, n]
   });
@@ -164,15 +160,16 @@ double gemm_wgrad(const Mat& dy, const Mat& x, const std::function<void(Mat&)>& 
   expect_matrix(grad, dy.cols(), x.cols(), "gemm_wgrad");
   const Eigen::Index chunks = (dy.cols() + kRowChunk - 1) / kRowChunk;
   std::vector<double> magnitude(static_cast<std::size_t>(chunks), 0.0);
-  grad.raw_mut();  // owned before the chunks write it
+  grad.raw_mut();                  // owned before the chunks write it
+  const Mat x_abs = x.cwiseAbs();  // once: a product with x.cwiseAbs() would make it in every chunk
   run_chunks(
       dy.cols(), kRowChunk,
       [&](Eigen::Index r0, Eigen::Index r1) {
         Mat g = dy.middleCols(r0, r1 - r0).transpose() * x;  // [n, in]
         round(g);
         grad.write_f64(r0 * x.cols(), g.size(), g.data());
-        // |dy| and |x| per chunk: a real-size layer's whole |dy| would be the largest buffer alive.
-        const Mat m = dy.middleCols(r0, r1 - r0).cwiseAbs().transpose() * x.cwiseAbs();
+        // |dy| per chunk: a real-size layer's whole |dy| would be the largest buffer alive.
+        const Mat m = dy.middleCols(r0, r1 - r0).cwiseAbs().transpose() * x_abs;
         if (m.size()) magnitude[static_cast<std::size_t>(r0 / kRowChunk)] = m.maxCoeff();
       },
       2.0 * double(dy.rows()) * double(dy.cols()) * double(x.cols()) > kForkFlops);
