@@ -5,14 +5,6 @@
 
 namespace twin::reference {
 
-namespace {
-Tensor f64_tensor(const Mat& m) {
-  Tensor t = Tensor::empty(DType::F64, {m.rows(), m.cols()});
-  t.write_f64(0, m.size(), m.data());
-  return t;
-}
-}  // namespace
-
 Linear::Linear(int input_size, int output_size, bool bias, bool skip_bias_add, Precision p)
     : bias(bias ? RowVec::Zero(output_size) : RowVec()),
       input_size_(input_size),
@@ -25,7 +17,7 @@ Linear::Linear(int input_size, int output_size, bool bias, bool skip_bias_add, P
   set_weight(Tensor::zeros(p_.storage_dtype(), {output_size, input_size}));
 }
 
-void Linear::set_weight(const Mat& w) { set_weight(f64_tensor(w)); }
+void Linear::set_weight(const Mat& w) { set_weight(to_tensor(DType::F64, w, {w.rows(), w.cols()})); }
 
 void Linear::set_weight(Tensor w) {
   if (w.dim() != 2 || w.size(0) != output_size_ || w.size(1) != input_size_ || !is_floating(w.dtype()))
@@ -83,7 +75,8 @@ ParamGrad::ParamGrad(std::string name, Tensor value, Shape shape, double magnitu
 }
 
 ParamGrad::ParamGrad(std::string name, const Mat& value, Shape shape, double magnitude)
-    : ParamGrad(std::move(name), f64_tensor(value), std::move(shape), magnitude) {}
+    : ParamGrad(std::move(name), to_tensor(DType::F64, value, {value.rows(), value.cols()}), std::move(shape),
+                magnitude) {}
 
 Mat ParamGrad::mat() const {
   const std::int64_t rows = shape.size() < 2 ? 1 : shape[0];
@@ -139,9 +132,7 @@ void Linear::backward_fast(const Mat& dy, const LinearSaved& saved, LinearGrads&
   g.input = dx.cast<double>();
   FMat dw = matmul_nn(dyt, xf, bf16);    // [out, in]
   p_.act_inplace(dw.data(), dw.size());  // rounds: wgrad GEMM output
-  g.weight = Tensor::empty(p_.storage_dtype(), {output_size_, input_size_});
-  const Mat dwd = dw.cast<double>();
-  g.weight.write_f64(0, dwd.size(), dwd.data());
+  g.weight = p_.to_tensor(Mat(dw.cast<double>()), {output_size_, input_size_});
   const FMat mag = matmul_nn(FMat(dyt.cwiseAbs()), FMat(xf.cwiseAbs()), bf16);
   g.weight_magnitude = double(mag.size() ? mag.maxCoeff() : 0.0f) * (1.0 + 2.0 * double(dy.rows()) * 0x1p-24);
 }

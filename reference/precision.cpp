@@ -50,8 +50,12 @@ void Precision::f32_inplace(Mat& m) const {
 static Tensor make_tensor(DType dt, Shape shape, const double* data, std::int64_t n) {
   if (shape_numel(shape) != n)
     throw ShapeError("to_tensor: " + std::to_string(n) + " values for shape " + shape_str(shape));
-  return Tensor::from_doubles(dt, std::move(shape), std::vector<double>(data, data + n));
+  Tensor t = Tensor::empty(dt, std::move(shape));
+  t.write_f64(0, n, data);
+  return t;
 }
+
+Tensor to_tensor(DType dt, const Mat& m, Shape shape) { return make_tensor(dt, std::move(shape), m.data(), m.size()); }
 
 Tensor Precision::to_tensor(const Mat& m, Shape shape) const {
   return make_tensor(storage_dtype(), std::move(shape), m.data(), m.size());

@@ -153,6 +153,9 @@ struct Precision {
 // Tensor (any float dtype, contiguous) viewed as rows x cols of doubles; ShapeError when the
 // element count differs (names `what`).
 Mat to_mat(const Tensor& t, std::int64_t rows, std::int64_t cols, const std::string& what);
+// The inverse: m's values in dt (RNE for a narrower float) with `shape` (ShapeError when the
+// element count differs).
+Tensor to_tensor(DType dt, const Mat& m, Shape shape);
 RowVec to_rowvec(const Tensor& t, const std::string& what);
 
 }  // namespace twin::reference

@@ -79,8 +79,9 @@ CrossAttentionWithBdaGrads RetroEncoderCrossAttention::backward_with_bda(const M
     }
     dkv = p_.act(dkv + ag.key_value_states);  // rounds: accumulated gradient, activation dtype
     for (std::size_t i = 0; i < params.size(); ++i) {
-      params[i] = ParamGrad(params[i].name, p_.act(params[i].mat() + ag.params[i].mat()),  // rounds: accumulated .grad,
-                            params[i].shape, params[i].magnitude);                         // param dtype
+      // rounds: accumulated .grad, param dtype
+      params[i] =
+          ParamGrad(params[i].name, p_.act(params[i].mat() + ag.params[i].mat()), params[i].shape, params[i].magnitude);
       // max over elements of the summed |terms| <= the sum of the neighbours' maxima
       params[i].magnitude += ag.params[i].magnitude;
     }
