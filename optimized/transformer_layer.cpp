@@ -139,10 +139,12 @@ void DenseTransformerLayer::Impl::set_rank_inputs(int r, const Tensor& hidden_st
     if (buf.bytes() != bytes) buf = rt::DeviceBuffer(*dev, bytes);
     return buf.get();
   };
-  // The softmax statistics [b, np_local, s, 2] fp32; qk-layernorm works in place on linear_qkv's
-  // output, so its backward reads a copy from before [s, b, qkv_width].
-  float* const stats = static_cast<float*>(
-      kept_buffer(R.softmax_stats, sizeof(float) * 2 * std::size_t(p.b) * p.np_local() * p.s, fo.keep_for_backward));
+  // The softmax statistics [b, np_local, s, 2] fp32 (also read by the core_attention tap's
+  // magnitude); qk-layernorm works in place on linear_qkv's output, so its backward reads a copy
+  // from before [s, b, qkv_width].
+  float* const stats =
+      static_cast<float*>(kept_buffer(R.softmax_stats, sizeof(float) * 2 * std::size_t(p.b) * p.np_local() * p.s,
+                                      fo.keep_for_backward || fo.record_taps));
   void* const pre_norm = kept_buffer(R.qkv_pre_norm, std::size_t(p.s) * p.b * std::size_t(p.qkv_width()) * es,
                                      fo.keep_for_backward && p.qk_layernorm && !p.mla.on);
   const bool changed = set_forward_streams(p, fo, mask_mode, in.mask_b, in.mask_h) || p.softmax_stats != stats ||

@@ -1,10 +1,12 @@
 #include "reference/dot_product_attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
+#include "core/attention_bound.h"
 #include "reference/dot_product_attention_mask.h"
 #include "reference/parallel.h"
 
@@ -183,6 +185,36 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   p_.count_reduce(sk);  // probs @ v
   p_.count_act();
   return context;
+}
+
+double DotProductAttention::error_magnitude(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
+                                            const Tensor* attention_mask, bool training) const {
+  const int group = np_ / ng_;
+  const double scale = softmax_scale * coeff.value_or(1.0);
+  const double dropout = training ? attention_dropout : 0.0;
+  std::vector<double> magnitudes(static_cast<std::size_t>(b) * np_, 0.0);  // per (b, h)
+  for_chunks(static_cast<Eigen::Index>(b) * np_, 1, [&](Eigen::Index bh, Eigen::Index) {
+    const int bi = static_cast<int>(bh / np_), h = static_cast<int>(bh % np_), g = h / group;
+    const SliceMask masked(*this, sq, sk, bi, h, attention_mask);
+    Mat q(sq, hn_), k(sk, hn_);
+    double max_v = 0.0;
+    for (int i = 0; i < sq; ++i) q.row(i) = query.row((static_cast<Eigen::Index>(i) * b + bi) * np_ + h);
+    for (int j = 0; j < sk; ++j) {
+      const Eigen::Index row = (static_cast<Eigen::Index>(j) * b + bi) * ng_ + g;
+      k.row(j) = key.row(row);
+      max_v = std::max(max_v, value.row(row).cwiseAbs().maxCoeff());
+    }
+    const Mat scores = scale * (q * k.transpose());  // [sq, sk]
+    double term = 0.0;
+    for (int i = 0; i < sq; ++i) {
+      double mx = softmax_offset ? (*softmax_offset)[h] : -10000.0;  // masked_fill_(mask, -10000.0)
+      for (int j = 0; j < sk; ++j)
+        if (!masked(i, j)) mx = std::max(mx, scores(i, j));
+      term = std::max(term, softmax_row_amplification(mx, softmax_offset ? sk + 1 : sk));
+    }
+    magnitudes[static_cast<std::size_t>(bh)] = core_attention_error_magnitude(max_v, term, dropout);
+  });
+  return magnitudes.empty() ? 0.0 : *std::max_element(magnitudes.begin(), magnitudes.end());
 }
 
 Mat DotProductAttention::stored_probabilities(const Mat& query, const Mat& key, int sq, int sk, int b,

@@ -1,5 +1,6 @@
 #include "optimized/layer/rank_runner.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
@@ -28,6 +29,7 @@ Record gather_rank_taps(const std::vector<std::vector<RankTap>>& rank_taps, cons
     const RankTap& first = rank_taps[0][i];
     std::vector<const Tensor*> shards;
     RoundingCount rounding = first.rounding;
+    double magnitude = first.magnitude;
     for (std::size_t r = 0; r < rank_taps.size(); ++r) {
       const RankTap& t = rank_taps[r].at(i);
       if (t.name != first.name)
@@ -35,8 +37,11 @@ Record gather_rank_taps(const std::vector<std::vector<RankTap>>& rank_taps, cons
                                "' where rank 0 recorded '" + first.name + "'");
       shards.push_back(&t.value);
       rounding.join(t.rounding);
+      magnitude = std::max(magnitude, t.magnitude);
     }
-    record.add(Role::Tap, first.name, gather_shards(shards, first.layout)).rounding = rounding;
+    RecordEntry& e = record.add(Role::Tap, first.name, gather_shards(shards, first.layout));
+    e.rounding = rounding;
+    e.magnitude = magnitude;
   }
   return record;
 }

@@ -242,7 +242,7 @@ void MoETransformerLayer::router_rank_body(Impl& m, const Tensor& hidden_states,
   const MaskMode mask_mode = self_attention_mask_mode(in.attention_mask != nullptr, options_.attn_mask_type, ai.s);
   m.kept = false;  // set again once this forward's postprocess has run
   m.backward_done = Impl::BackwardPhase::None;
-  const bool kept_changed = m.set_kept_buffers(fo.keep_for_backward);
+  const bool kept_changed = m.set_kept_buffers(fo.keep_for_backward, fo.record_taps);
   if (set_forward_streams(p, fo, mask_mode, ai.mask_b, ai.mask_h) || kept_changed) {  // graphs bake these in
     m.reset_graphs();
   }
@@ -313,17 +313,18 @@ void MoETransformerLayer::Impl::upload_inputs(const Tensor& hidden_states, const
   if (!padding.empty()) pad.upload(padding.data(), padding.size());
 }
 
-// The softmax statistics [b, np, s, 2] fp32; qk-layernorm works in place on linear_qkv's output,
-// so its backward reads a copy from before [s, b, qkv_width] (the dense layer's kept buffers).
-bool MoETransformerLayer::Impl::set_kept_buffers(bool keep) {
+// The softmax statistics [b, np, s, 2] fp32 (also read by the core_attention tap's magnitude);
+// qk-layernorm works in place on linear_qkv's output, so its backward reads a copy from before
+// [s, b, qkv_width] (the dense layer's kept buffers).
+bool MoETransformerLayer::Impl::set_kept_buffers(bool keep, bool record_taps) {
   RankPlan& p = plan.attn;
   auto kept_buffer = [&](rt::DeviceBuffer& buf, std::size_t bytes, bool want) -> void* {
     if (!want) return nullptr;
     if (buf.bytes() != bytes) buf = rt::DeviceBuffer(*dev, bytes);
     return buf.get();
   };
-  float* const stats =
-      static_cast<float*>(kept_buffer(softmax_stats, sizeof(float) * 2 * std::size_t(p.b) * p.np_local() * p.s, keep));
+  float* const stats = static_cast<float*>(
+      kept_buffer(softmax_stats, sizeof(float) * 2 * std::size_t(p.b) * p.np_local() * p.s, keep || record_taps));
   void* const pre_norm = kept_buffer(qkv_pre_norm, std::size_t(p.s) * p.b * std::size_t(p.qkv_width()) * dtype_size(dt),
                                      keep && p.qk_layernorm && !p.mla.on);
   const bool changed = p.softmax_stats != stats || p.qkv_pre_norm != pre_norm;
@@ -339,7 +340,11 @@ void MoETransformerLayer::Impl::attention_tap(TapPoint t) {
                       [&](const void* ptr, DType type, Shape shape) { return download(ptr, type, std::move(shape)); },
                       taps};
   rec.attention_half(t);
-  for (RankTap& tap : taps) pending.record.add(Role::Tap, tap.name, std::move(tap.value)).rounding = tap.rounding;
+  for (RankTap& tap : taps) {
+    RecordEntry& e = pending.record.add(Role::Tap, tap.name, std::move(tap.value));
+    e.rounding = tap.rounding;
+    e.magnitude = tap.magnitude;
+  }
 }
 
 // Runs one phase's kernel sequence on the rank's stream: eager, or (router and postprocess, with

@@ -73,9 +73,9 @@ struct MoETransformerLayer::Impl {
   // hidden_states, the mask and padding, and the RoPE angles [s, rot] (undefined: none).
   void upload_inputs(const Tensor& hidden_states, const MoEForwardInputs& in, const Tensor& angles);
   void attention_tap(TapPoint t);
-  // The kept buffers of this forward (null unless fo.keep_for_backward); true if a pointer a
-  // graph bakes in changed.
-  bool set_kept_buffers(bool keep);
+  // The kept buffers of this forward (null unless fo.keep_for_backward; the softmax statistics
+  // also with taps); true if a pointer a graph bakes in changed.
+  bool set_kept_buffers(bool keep, bool record_taps);
   // The backward's buffers for the current shape.
   void ensure_grad_buffers(rt::Backend backend);
 };

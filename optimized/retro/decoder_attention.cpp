@@ -79,16 +79,20 @@ DTensor Layer::decoder_cross_attention(const RankContext& ex, const DTensor& ln,
   const AttnOperands ops = AttnOperands::from_q_kv(q.get(), N * D, kv.get(), N, D, int(hn), dtype_size(ex.dt));
   const DTensor core = ex.alloc({m, N, D});
   AttnParams ap = attn_params(ex, int(m), int(r * k), int(N), cross_attention_dropout, attn_offset);
+  const std::optional<DTensor> stats =
+      a || ex.recording() ? std::optional<DTensor>(save_softmax_stats(ex, ap)) : std::nullopt;
   if (a) {
     a->query_in = padded;
     a->kv_in = kv_in;
     a->q = q;
     a->kv = kv;
     a->cross_core = core;
-    a->cross_stats = {save_softmax_stats(ex, ap)};
+    a->cross_stats = {*stats};
   }
   ex.ops->dot_product_attention_forward(ex.dt, ops, core.get(), ap, ex.st());
-  ex.tap(pre + "attn.core_attention", core, {2, 1});
+  if (ex.recording())  // v: the last hn columns of each head's [k | v] in linear_kv's output
+    ex.tap(pre + "attn.core_attention", core, {2, 1},
+           core_attention_magnitude(ex, *stats, ap, view(kv, {r * k, N, np_l(ex), 2 * hn}), hn));
   const DTensor proj = row_parallel_linear(ex, core, "cross_attention.attn.linear_proj");  // [m, N, d]
   proj_taps(ex, proj, pre.substr(0, pre.size() - std::string("cross_attention.").size()), "cross_attention.attn",
             "linear_proj");

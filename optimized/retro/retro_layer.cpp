@@ -103,18 +103,22 @@ DTensor Layer::self_attention(const RankContext& ex, const DTensor& x, const DTe
   ex.tap(pre + "self_attention.linear_qkv.0", qkv, {2, 1});                       // this rank's query groups
   AttnParams ap = self_attn_params(ex, s, b, mask, offset);
   const DTensor core = ex.alloc({s, b, std::int64_t(np_l(ex)) * hn});
+  const std::optional<DTensor> stats =
+      a || ex.recording() ? std::optional<DTensor>(save_softmax_stats(ex, ap)) : std::nullopt;
   if (a) {
     a->x = x;
     a->ln1 = ln1;
     a->qkv = qkv;
     a->core = core;
-    a->stats = save_softmax_stats(ex, ap);
+    a->stats = *stats;
     if (encoder_layer && mask) a->mask = *mask;
   }
   const QkvLayout layout{qkv_w, (hpg + 2) * hn, int(hpg)};
   ex.ops->dot_product_attention_forward(ex.dt, AttnOperands::from_qkv(qkv.get(), layout, b, hn, dtype_size(ex.dt)),
                                         core.get(), ap, ex.st());
-  ex.tap(pre + "self_attention.core_attention", core, {2, 1});
+  if (ex.recording())  // v: the last hn columns of each query group [q heads | k | v]
+    ex.tap(pre + "self_attention.core_attention", core, {2, 1},
+           core_attention_magnitude(ex, *stats, ap, view(qkv, {s, b, ng / ex.tp, (hpg + 2) * hn}), (hpg + 1) * hn));
   const DTensor proj = row_parallel_linear(ex, core, "self_attention.linear_proj");
   proj_taps(ex, proj, pre, "self_attention", "linear_proj");
   DTensor out = ex.alloc(x.shape);

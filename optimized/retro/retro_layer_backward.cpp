@@ -9,6 +9,7 @@
 
 #include "core/dropout_site.h"
 #include "optimized/layer/grad_magnitudes.h"
+#include "core/attention_bound.h"
 #include "optimized/retro/retro_layer_impl.h"
 
 namespace twin::opt::retro {
@@ -53,6 +54,13 @@ DTensor save_softmax_stats(const RankContext& ex, AttnParams& ap) {
   DTensor stats = ex.alloc({std::int64_t(ap.b) * ap.np_local * ap.sq * 2}, DType::F32);
   ap.softmax_stats = static_cast<float*>(stats.get());
   return stats;
+}
+
+double core_attention_magnitude(const RankContext& ex, const DTensor& stats, const AttnParams& ap,
+                                const DTensor& values, std::int64_t v0) {
+  return core_attention_error_magnitude(ex.download(view(stats, {ap.b, ap.np_local, ap.sq, 2}), DType::F32), ap.sk,
+                                        ex.download(values), v0,
+                                        ap.drop.active && ap.drop.scale > 0.0 ? 1.0 - 1.0 / ap.drop.scale : 0.0);
 }
 
 std::optional<DTensor> Layer::grad_buffer(const RankContext& ex, const std::string& key) const {

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <rapidcheck/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "parity/bounds.h"
@@ -99,4 +101,34 @@ RC_GTEST_PROP(OptimizedLayerProperty, DropoutMasksAgreeWithTheReference, ()) {
   const CaseResult r = run_case(c);
   RC_LOG() << r.report();
   RC_ASSERT(r.pass());
+}
+
+// The core_attention tap's error magnitude (core/attention_bound.h), computed by each twin its own
+// way: the reference from q k^T in fp64 with the mask, the optimized twin from its attention
+// kernel's row maxima (the softmax statistics) and the v columns of its linear_qkv output. Both
+// read values the twins computed apart (scores, v), which differ by the stores in the activation
+// dtype and the fp32 sums of length h (linear_qkv) or hn (q . k): the magnitudes agree within twice
+// that, at every dtype, TP size, mask and with dropout.
+RC_GTEST_PROP(OptimizedLayerProperty, CoreAttentionMagnitudeIsTheReferences, ()) {
+  CaseLimits lim;
+  lim.allow_dropout = true;
+  const DenseCase c = *gen_dense_case(lim);
+  RC_LOG() << to_id(c) << "\n";
+  const DenseInputs in = make_inputs(c);
+  Record ref, opt;
+  reference_forward(c, in, false, &ref);
+  RunOptions o;
+  o.taps = true;
+  optimized_forward(c, in, o, &opt);
+  auto magnitude = [](const Record& rec) {
+    for (const RecordEntry& e : rec.entries)
+      if (e.role == Role::Tap && e.name == "self_attention.core_attention") return e.magnitude;
+    return -2.0;
+  };
+  const double want = magnitude(ref), got = magnitude(opt);
+  RC_LOG() << "reference " << want << ", optimized " << got << "\n";
+  RC_ASSERT(want > 0.0);
+  const double rel = 2.0 * (2.0 * unit_roundoff(c.dtype) +
+                            2.0 * gamma_n(std::max(c.hidden, c.kv_channels), unit_roundoff(DType::F32)));
+  RC_ASSERT(std::fabs(got - want) <= rel * want);
 }
