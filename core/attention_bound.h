@@ -1,5 +1,5 @@
-// The magnitude a core attention output's rounding error scales with (RecordEntry::magnitude), as
-// both twins report it for their core_attention taps.
+// The magnitudes a core attention output's rounding error scales with (RecordEntry::block_magnitude),
+// one per (token, head), as both twins report them for their core_attention taps.
 //
 // context_i = sum_j p_ij v_j with p_i = softmax(x_i), x_i the row's softmax input (the stored
 // scores, times coeff). Every rounding point after the softmax (the probabilities' stores, dropout's
@@ -9,11 +9,11 @@
 //   |d context_i| <= sum_j |dp_ij| max |v| <= 2 u (sum_j p_ij |x_ij|) max |v|.
 // With m_i the row's largest input and n its number of terms, x_ij - m_i = ln p_ij + ln Z_i with
 // Z_i = sum_k exp(x_ik - m_i) >= 1, so sum_j p_ij |x_ij| <= |m_i| + sum_j p_ij (-ln p_ij) <= |m_i| + ln n.
-// Hence magnitude = max |v| (1 + 2 max_i (|m_i| + ln n)) / (1 - dropout), taken per (batch, head)
-// (its v rows and its query rows) and the largest over them reported: a bf16 score store at
-// |x| = 54 (a Llama-3-8B layer at s 1024) moves probabilities by up to 2^-8 x 54, and two correct
-// implementations that round such a score to neighbouring bf16 values differ in the context by
-// that much, which max |context| alone does not cover.
+// Hence the magnitude of query row i of a (batch, head): max |v| (1 + 2 (|m_i| + ln n)) / (1 - dropout),
+// max |v| over the values that head reads. A bf16 store of a score of 54 (a Llama-3-8B layer at
+// s 1024 has such) errs by up to 2^-8 x 54 = 0.21, a 23% change of its probability: two correct
+// implementations that round it to neighbouring bf16 values differ in the context by far more than
+// a rounding of max |context|.
 //
 // Masked scores are the constant fill (-10000, stored in fp32 or the activation dtype), the same
 // in every implementation: a row of fills only contributes no score error (its term is 0).
@@ -36,18 +36,17 @@ inline double softmax_row_amplification(double row_max, int n_terms) {
   return std::fabs(row_max) + std::log(double(n_terms));
 }
 
-// The core attention output's magnitude from max |v| and the largest row term over every
-// (batch, head, query) row.
-inline double core_attention_error_magnitude(double max_abs_value, double max_row_amplification,
-                                             double dropout = 0.0) {
+// One (batch, head, query) row's magnitude from its head's max |v| and its row term.
+inline double core_attention_error_magnitude(double max_abs_value, double max_row_amplification, double dropout = 0.0) {
   return max_abs_value * (1.0 + 2.0 * max_row_amplification) / (dropout < 1.0 ? 1.0 - dropout : 1.0);
 }
 
-// The largest over (batch, head) from what an implementation that keeps the softmax's row
+// Every row's magnitude, F64 [sq, b, heads] (the context [sq, b, heads * hv] by blocks of hv: a
+// RecordEntry::block_magnitude), from what an implementation that keeps the softmax's row
 // statistics holds: stats [b, heads, sq, 2] fp32, each row's (largest input m, sum) over n_terms
 // terms, and values [sk, b, groups, width] whose columns [v0, width) are group g's v (the rest: q or
 // k columns beside them); head h reads group h / (heads / groups).
-double core_attention_error_magnitude(const Tensor& stats, int n_terms, const Tensor& values, std::int64_t v0,
-                                      double dropout);
+Tensor core_attention_error_magnitudes(const Tensor& stats, int n_terms, const Tensor& values, std::int64_t v0,
+                                       double dropout);
 
 }  // namespace twin

@@ -31,6 +31,11 @@ struct RecordEntry {
   // The magnitude this value's error scales with, when not its own largest element (router
   // probabilities and losses move with the logits' absolute error); < 0: max |value|.
   double magnitude = -1.0;
+  // One magnitude per block of the last dim, when the error's scale varies along the tensor (a
+  // core attention output's per (token, head): core/attention_bound.h): F64, the value's shape with
+  // its last dim the number of equal blocks; element i's is block_magnitude[i / block length].
+  // Undefined: `magnitude` for every element.
+  Tensor block_magnitude;
   // Tables: one label per element, naming the row a mismatch is in, and how a cell is shown
   // (codes of Python exceptions by name); null: as a number.
   std::vector<std::string> row_labels;

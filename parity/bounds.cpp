@@ -1,5 +1,6 @@
 #include "parity/bounds.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fmt/format.h>
 #include <limits>
@@ -42,11 +43,28 @@ Tolerance golden_bound(const RecordEntry& e, const Tensor& expected) {
   const double u32 = unit_roundoff(DType::F32);
   const double eps = r.bf16 * unit_roundoff(DType::BF16) + r.fp16 * unit_roundoff(DType::F16) + r.fp32 * u32 +
                      (r.reduction ? 2.0 * gamma_n(r.reduction, u32) : 0.0);
+  const std::string counted = fmt::format("{} before this tensor: eps = sum n u{} = {:.3g}", r.describe(),
+                                          r.reduction ? fmt::format(" + 2 gamma_{}(fp32)", r.reduction) : "", eps);
+  if (e.block_magnitude.defined()) {
+    const std::int64_t blocks = e.block_magnitude.numel();
+    if (blocks == 0 || expected.numel() % blocks != 0)
+      throw ShapeError("golden_bound: " + e.key() + ": " + e.block_magnitude.describe() + " block magnitudes for " +
+                       expected.describe());
+    Tolerance t{0.0, eps, ""};
+    t.block = expected.numel() / blocks;
+    t.atol_blocks = e.block_magnitude.to_f64();
+    for (double& a : t.atol_blocks) a *= eps;
+    const double largest = *std::max_element(t.atol_blocks.begin(), t.atol_blocks.end());
+    t.atol = largest;
+    t.reason =
+        fmt::format("{}; atol = eps x the magnitude its error follows per block of {} (largest {:.3g}), rtol = eps",
+                    counted, t.block, largest / eps);
+    return t;
+  }
   const bool own = e.magnitude < 0;
   const double magnitude = own ? max_abs(expected) : e.magnitude;
   return {eps * magnitude, eps,
-          fmt::format("{} before this tensor: eps = sum n u{} = {:.3g}; atol = eps x {} {:.3g}, rtol = eps",
-                      r.describe(), r.reduction ? fmt::format(" + 2 gamma_{}(fp32)", r.reduction) : "", eps,
+          fmt::format("{}; atol = eps x {} {:.3g}, rtol = eps", counted,
                       own ? "max|e|" : "the magnitude its error follows", magnitude)};
 }
 

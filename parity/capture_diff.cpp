@@ -239,6 +239,7 @@ CaptureDiff diff_captures(const Fixture& a, const Fixture& b, const DiffMode& mo
     if (it != twin_entry.end()) {
       e.rounding = it->second->rounding;
       e.magnitude = it->second->magnitude;
+      e.block_magnitude = it->second->block_magnitude;
     } else {
       e.rounding = layer;
       unknown.insert(n);

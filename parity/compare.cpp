@@ -47,6 +47,13 @@ Comparison compare(const std::string& name, const Tensor& actual, const Tensor& 
   }
   double se = 0.0, ss = 0.0;
   const std::int64_t n = expected.numel();
+  const bool blocks = !tol.atol_blocks.empty();
+  if (blocks && (tol.block <= 0 || std::int64_t(tol.atol_blocks.size()) * tol.block != n)) {
+    c.pass = false;
+    c.message = "tolerance of " + std::to_string(tol.atol_blocks.size()) + " blocks of " + std::to_string(tol.block) +
+                " for " + std::to_string(n) + " elements";
+    return c;
+  }
   for (std::int64_t i = 0; i < n; ++i) {
     const double a = actual.at_f64(i), e = expected.at_f64(i);
     double diff, share;
@@ -58,7 +65,7 @@ Comparison compare(const std::string& name, const Tensor& actual, const Tensor& 
       share = diff;
     } else {
       diff = std::fabs(a - e);
-      const double bound = tol.atol + tol.rtol * std::fabs(e);
+      const double bound = (blocks ? tol.atol_blocks[std::size_t(i / tol.block)] : tol.atol) + tol.rtol * std::fabs(e);
       share = bound > 0 ? diff / bound : (diff > 0 ? INFINITY : 0.0);
       se += diff * diff;
       ss += e * e;

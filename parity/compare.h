@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -13,9 +14,17 @@
 namespace twin {
 
 struct Tolerance {
+  Tolerance() = default;
+  Tolerance(double atol_, double rtol_, std::string reason_ = {})
+      : atol(atol_), rtol(rtol_), reason(std::move(reason_)) {}
+
   double atol = 0.0;
   double rtol = 0.0;
   std::string reason;  // where the bound comes from, printed with failures
+  // Per block of `block` consecutive elements (element i: atol_blocks[i / block]) when not empty;
+  // atol is then their largest (the one printed).
+  std::vector<double> atol_blocks;
+  std::int64_t block = 0;
 
   // torch.testing.assert_close defaults per dtype.
   static Tolerance for_dtype(DType dt);

@@ -148,8 +148,8 @@ AttentionOutput SelfAttention::forward(const Mat& hidden_states, const Attention
                                              a.rng);  // [sq, b, np * hn]
   core_attn_out = taps.record("core_attention", core_attn_out, {a.s, a.b, core_attn_out.cols()}, p_);
   if (taps.enabled())  // its error scales with the softmax's inputs too (core/attention_bound.h)
-    taps.set_magnitude(
-        core_attention.error_magnitude(qkv.query, qkv.key, qkv.value, a.s, a.s, a.b, a.attention_mask, a.training));
+    taps.set_block_magnitude(
+        core_attention.error_magnitudes(qkv.query, qkv.key, qkv.value, a.s, a.s, a.b, a.attention_mask, a.training));
 
   if (qkv.gate) {  // _apply_output_gate: x * sigmoid(gate.float()), back to x's dtype
     for (Eigen::Index t = 0; t < core_attn_out.rows(); ++t)
@@ -289,7 +289,7 @@ AttentionOutput CrossAttention::forward_mats(const Mat& hidden_states, int sq, i
   Mat core_attn_out = core_attention.forward(query, key, value, sq, sk, b, attention_mask, training, rng);
   core_attn_out = taps.record("core_attention", core_attn_out, {sq, b, core_attn_out.cols()}, p_);
   if (taps.enabled())  // its error scales with the softmax's inputs too (core/attention_bound.h)
-    taps.set_magnitude(core_attention.error_magnitude(query, key, value, sq, sk, b, attention_mask, training));
+    taps.set_block_magnitude(core_attention.error_magnitudes(query, key, value, sq, sk, b, attention_mask, training));
 
   AttentionOutput out;
   static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out, saved ? &saved->linear_proj : nullptr);

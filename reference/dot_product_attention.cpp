@@ -187,12 +187,12 @@ Mat DotProductAttention::forward(const Mat& query, const Mat& key, const Mat& va
   return context;
 }
 
-double DotProductAttention::error_magnitude(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
-                                            const Tensor* attention_mask, bool training) const {
+Tensor DotProductAttention::error_magnitudes(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
+                                             const Tensor* attention_mask, bool training) const {
   const int group = np_ / ng_;
   const double scale = softmax_scale * coeff.value_or(1.0);
   const double dropout = training ? attention_dropout : 0.0;
-  std::vector<double> magnitudes(static_cast<std::size_t>(b) * np_, 0.0);  // per (b, h)
+  std::vector<double> magnitudes(static_cast<std::size_t>(sq) * b * np_);  // [sq, b, np]
   for_chunks(static_cast<Eigen::Index>(b) * np_, 1, [&](Eigen::Index bh, Eigen::Index) {
     const int bi = static_cast<int>(bh / np_), h = static_cast<int>(bh % np_), g = h / group;
     const SliceMask masked(*this, sq, sk, bi, h, attention_mask);
@@ -205,16 +205,16 @@ double DotProductAttention::error_magnitude(const Mat& query, const Mat& key, co
       max_v = std::max(max_v, value.row(row).cwiseAbs().maxCoeff());
     }
     const Mat scores = scale * (q * k.transpose());  // [sq, sk]
-    double term = 0.0;
     for (int i = 0; i < sq; ++i) {
       double mx = softmax_offset ? (*softmax_offset)[h] : -10000.0;  // masked_fill_(mask, -10000.0)
       for (int j = 0; j < sk; ++j)
         if (!masked(i, j)) mx = std::max(mx, scores(i, j));
-      term = std::max(term, softmax_row_amplification(mx, softmax_offset ? sk + 1 : sk));
+      const double term = softmax_row_amplification(mx, softmax_offset ? sk + 1 : sk);
+      magnitudes[(static_cast<std::size_t>(i) * b + bi) * np_ + h] =
+          core_attention_error_magnitude(max_v, term, dropout);
     }
-    magnitudes[static_cast<std::size_t>(bh)] = core_attention_error_magnitude(max_v, term, dropout);
   });
-  return magnitudes.empty() ? 0.0 : *std::max_element(magnitudes.begin(), magnitudes.end());
+  return Tensor::from_doubles(DType::F64, {sq, b, np_}, magnitudes);
 }
 
 Mat DotProductAttention::stored_probabilities(const Mat& query, const Mat& key, int sq, int sk, int b,

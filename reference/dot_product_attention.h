@@ -68,12 +68,12 @@ class DotProductAttention {
   Mat stored_probabilities(const Mat& query, const Mat& key, int sq, int sk, int b, const Tensor* attention_mask,
                            bool training, const DropoutRng& rng) const;
 
-  // The magnitude forward()'s rounding error scales with (core/attention_bound.h), the largest over
-  // (batch, head) from its max |value| and its rows' largest softmax inputs, here from q k^T in
-  // fp64 (a factor of the bound needs no more than that), with the mask and the sink logit as
-  // forward applies them.
-  double error_magnitude(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
-                         const Tensor* attention_mask, bool training) const;
+  // The magnitudes forward()'s rounding error scales with (core/attention_bound.h), per (query,
+  // batch, head) F64 [sq, b, np]: its head's max |value| and the row's largest softmax input, here
+  // from q k^T in fp64 (a factor of the bound needs no more than that), with the mask and the sink
+  // logit as forward applies them.
+  Tensor error_magnitudes(const Mat& query, const Mat& key, const Mat& value, int sq, int sk, int b,
+                          const Tensor* attention_mask, bool training) const;
 
   // learnable softmax offset (softmax_type == "learnable"): core_attention.softmax_offset [np]
   void load_state_dict(const StateDict& sd, const std::string& prefix);

@@ -205,7 +205,8 @@ AttentionOutput MLASelfAttention::forward(const Mat& hidden_states, const Attent
       core_attention.forward(query, key, value, a.s, a.s, a.b, a.attention_mask, a.training, a.rng);  // [sq, b, np*v]
   core_attn_out = taps.record("core_attention", core_attn_out, {a.s, a.b, core_attn_out.cols()}, p_);
   if (taps.enabled())  // its error scales with the softmax's inputs too (core/attention_bound.h)
-    taps.set_magnitude(core_attention.error_magnitude(query, key, value, a.s, a.s, a.b, a.attention_mask, a.training));
+    taps.set_block_magnitude(
+        core_attention.error_magnitudes(query, key, value, a.s, a.s, a.b, a.attention_mask, a.training));
 
   AttentionOutput out;
   static_cast<OutputWithBias&>(out) = linear_proj.forward(core_attn_out, saved ? &saved->linear_proj : nullptr);

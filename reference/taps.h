@@ -76,6 +76,10 @@ class Taps {
   void set_magnitude(double m) const {
     if (record_ && !record_->entries.empty()) record_->entries.back().magnitude = m;
   }
+  // The same per block of its last dim (RecordEntry::block_magnitude).
+  void set_block_magnitude(Tensor m) const {
+    if (record_ && !record_->entries.empty()) record_->entries.back().block_magnitude = std::move(m);
+  }
 
  private:
   // Records t; returns the substitute to continue with, or null (continue with t).

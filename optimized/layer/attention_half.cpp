@@ -290,12 +290,12 @@ std::pair<Tensor, Tensor> qk_layernorm_taps(const Tensor& qkv, std::int64_t S, s
   return {std::move(q), std::move(k)};
 }
 
-void RankTapRecorder::add(std::string name, Tensor value, ShardLayout layout, double magnitude) {
+void RankTapRecorder::add(std::string name, Tensor value, ShardLayout layout, Tensor block_magnitude) {
   progress::done(name);
-  taps.push_back({std::move(name), std::move(value), rounding_now(), layout, magnitude});
+  taps.push_back({std::move(name), std::move(value), rounding_now(), layout, std::move(block_magnitude)});
 }
 
-double RankTapRecorder::core_attention_magnitude() const {
+Tensor RankTapRecorder::core_attention_magnitudes() const {
   if (!p.softmax_stats) throw std::logic_error("core_attention tap: the forward kept no softmax statistics");
   const std::int64_t S = p.s, B = p.b;
   const Tensor stats = download(p.softmax_stats, DType::F32, {B, p.np_local(), S, 2});  // (m, l) per row
@@ -303,8 +303,8 @@ double RankTapRecorder::core_attention_magnitude() const {
   const std::int64_t groups = p.mla.on ? p.np_local() : p.ng_local();
   const std::int64_t width = p.mla.on ? p.mla.qk + p.mla.v : std::int64_t(p.hpg() + 2) * p.hn;
   const std::int64_t v0 = p.mla.on ? p.mla.qk : std::int64_t(p.hpg() + 1) * p.hn;
-  return core_attention_error_magnitude(stats, p.s, get(p.mla.on ? p.mla_acts.kv : p.qkv, {S, B, groups, width}), v0,
-                                        p.training ? p.attention_dropout : 0.0);
+  return core_attention_error_magnitudes(stats, p.s, get(p.mla.on ? p.mla_acts.kv : p.qkv, {S, B, groups, width}), v0,
+                                         p.training ? p.attention_dropout : 0.0);
 }
 
 void RankTapRecorder::bias(const std::string& name, const std::string& key) {
@@ -338,7 +338,7 @@ bool RankTapRecorder::attention_half(TapPoint t) {
       return true;
     }
     case TapPoint::CoreAttention:
-      add("self_attention.core_attention", get(p.ctx, {S, B, p.ctx_width()}), heads, core_attention_magnitude());
+      add("self_attention.core_attention", get(p.ctx, {S, B, p.ctx_width()}), heads, core_attention_magnitudes());
       return true;
     case TapPoint::LinearProj:
       row_parallel(p.proj, "self_attention", "linear_proj");

@@ -164,7 +164,8 @@ struct RankTapRecorder {
   Tensor get(const void* ptr, Shape shape) const {
     return download(ptr, p.dt, std::move(shape));
   }  // in the plan's dtype
-  void add(std::string name, Tensor value, ShardLayout layout, double magnitude = -1.0);
+  // block_magnitude: RecordEntry::block_magnitude of this rank's part (undefined: none).
+  void add(std::string name, Tensor value, ShardLayout layout, Tensor block_magnitude = Tensor());
   void bias(const std::string& name, const std::string& key);
   // A row-parallel linear's output [s_local, b, h] (after the reduction) and bias as
   // <module>.<linear>.0 / .1, which are also its module's (<module>.0 / .1): the bias is added
@@ -174,10 +175,10 @@ struct RankTapRecorder {
   bool attention_half(TapPoint t);
   // MLA's (attention_half's for its points).
   bool mla(TapPoint t);
-  // The core attention output's error magnitude on this rank (core/attention_bound.h): max |v| of
-  // its heads and the largest softmax row term from the forward's row maxima (RankPlan::
-  // softmax_stats, which a forward recording taps keeps).
-  double core_attention_magnitude() const;
+  // The core attention output's error magnitudes on this rank, [s, b, np_local] (core/
+  // attention_bound.h): its heads' max |v| and each row's term from the forward's row maxima
+  // (RankPlan::softmax_stats, which a forward recording taps keeps).
+  Tensor core_attention_magnitudes() const;
 };
 
 // The q/k-layernorm taps out of the grouped linear_qkv output [S * B, ng * (hpg + 2) * hn] of

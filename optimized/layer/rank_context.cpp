@@ -50,9 +50,10 @@ Tensor RankContext::download(const DTensor& d, DType as) const {
   return download_tensor(*dev, *stream, d.get(), as, d.shape);
 }
 
-void RankContext::tap(const std::string& name, const DTensor& d, ShardLayout layout, double magnitude) const {
-  if (rec) rec->add(Role::Tap, name, download(d)).magnitude = magnitude;
-  if (rank_taps) rank_taps->push_back({name, download(d), rounding_now(), layout, magnitude});
+void RankContext::tap(const std::string& name, const DTensor& d, ShardLayout layout,
+                      const Tensor& block_magnitude) const {
+  if (rec) rec->add(Role::Tap, name, download(d)).block_magnitude = block_magnitude;
+  if (rank_taps) rank_taps->push_back({name, download(d), rounding_now(), layout, block_magnitude});
 }
 
 void RankContext::tap_value(const std::string& name, Tensor value) const {

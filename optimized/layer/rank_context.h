@@ -74,8 +74,9 @@ struct RankContext {
   bool recording() const { return rec || rank_taps; }
   // The tensor under `name`, with the rounding points counted so far; at tp > 1 this rank's part,
   // `layout` saying how the ranks' parts make the full tensor (gather_rank_taps).
-  // `magnitude`: RecordEntry::magnitude (< 0: max |value|).
-  void tap(const std::string& name, const DTensor& d, ShardLayout layout = {}, double magnitude = -1.0) const;
+  // block_magnitude: RecordEntry::block_magnitude (undefined: none).
+  void tap(const std::string& name, const DTensor& d, ShardLayout layout = {},
+           const Tensor& block_magnitude = Tensor()) const;
   // A host tensor every rank holds whole, with the rounding points counted so far.
   void tap_value(const std::string& name, Tensor value) const;
   // A parameter (no rounding point).

@@ -1,6 +1,5 @@
 #include "optimized/layer/rank_runner.h"
 
-#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
@@ -27,21 +26,24 @@ Record gather_rank_taps(const std::vector<std::vector<RankTap>>& rank_taps, cons
   Record record;
   for (std::size_t i = 0; i < rank_taps.at(0).size(); ++i) {
     const RankTap& first = rank_taps[0][i];
-    std::vector<const Tensor*> shards;
+    std::vector<const Tensor*> shards, block_shards;
     RoundingCount rounding = first.rounding;
-    double magnitude = first.magnitude;
     for (std::size_t r = 0; r < rank_taps.size(); ++r) {
       const RankTap& t = rank_taps[r].at(i);
       if (t.name != first.name)
         throw std::logic_error(who + ": rank " + std::to_string(r) + " recorded tap '" + t.name +
                                "' where rank 0 recorded '" + first.name + "'");
       shards.push_back(&t.value);
+      if (t.block_magnitude.defined()) block_shards.push_back(&t.block_magnitude);
       rounding.join(t.rounding);
-      magnitude = std::max(magnitude, t.magnitude);
     }
     RecordEntry& e = record.add(Role::Tap, first.name, gather_shards(shards, first.layout));
     e.rounding = rounding;
-    e.magnitude = magnitude;
+    if (!block_shards.empty()) {
+      if (block_shards.size() != shards.size())
+        throw std::logic_error(who + ": tap '" + first.name + "' has block magnitudes on some ranks only");
+      e.block_magnitude = gather_shards(block_shards, first.layout);
+    }
   }
   return record;
 }

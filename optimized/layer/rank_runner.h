@@ -24,14 +24,13 @@ struct RankTap {
   Tensor value;
   RoundingCount rounding;
   ShardLayout layout;
-  double magnitude = -1.0;  // RecordEntry::magnitude of this rank's part (< 0: max |value|)
+  Tensor block_magnitude;  // RecordEntry::block_magnitude of this rank's part (same layout), or undefined
 };
 
 // Every rank's taps put back together after the ranks ran: each rank recorded the same taps in the
 // same order; each becomes one full tensor in the reference's logical shape (gather_shards), its
-// rounding count the join of the ranks' and its magnitude the largest rank's (each bounds its own
-// part's error), so the one comparison applies at any split. logic_error
-// naming `who` when the ranks' taps differ.
+// rounding count the join of the ranks' and its block magnitudes put together as the values are,
+// so the one comparison applies at any split. logic_error naming `who` when the ranks' taps differ.
 Record gather_rank_taps(const std::vector<std::vector<RankTap>>& rank_taps, const std::string& who);
 
 }  // namespace twin::opt

@@ -343,7 +343,7 @@ void MoETransformerLayer::Impl::attention_tap(TapPoint t) {
   for (RankTap& tap : taps) {
     RecordEntry& e = pending.record.add(Role::Tap, tap.name, std::move(tap.value));
     e.rounding = tap.rounding;
-    e.magnitude = tap.magnitude;
+    e.block_magnitude = std::move(tap.block_magnitude);
   }
 }
 

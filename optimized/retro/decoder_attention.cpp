@@ -92,7 +92,7 @@ DTensor Layer::decoder_cross_attention(const RankContext& ex, const DTensor& ln,
   ex.ops->dot_product_attention_forward(ex.dt, ops, core.get(), ap, ex.st());
   if (ex.recording())  // v: the last hn columns of each head's [k | v] in linear_kv's output
     ex.tap(pre + "attn.core_attention", core, {2, 1},
-           core_attention_magnitude(ex, *stats, ap, view(kv, {r * k, N, np_l(ex), 2 * hn}), hn));
+           core_attention_magnitudes(ex, *stats, ap, view(kv, {r * k, N, np_l(ex), 2 * hn}), hn));
   const DTensor proj = row_parallel_linear(ex, core, "cross_attention.attn.linear_proj");  // [m, N, d]
   proj_taps(ex, proj, pre.substr(0, pre.size() - std::string("cross_attention.").size()), "cross_attention.attn",
             "linear_proj");

@@ -118,7 +118,7 @@ DTensor Layer::self_attention(const RankContext& ex, const DTensor& x, const DTe
                                         core.get(), ap, ex.st());
   if (ex.recording())  // v: the last hn columns of each query group [q heads | k | v]
     ex.tap(pre + "self_attention.core_attention", core, {2, 1},
-           core_attention_magnitude(ex, *stats, ap, view(qkv, {s, b, ng / ex.tp, (hpg + 2) * hn}), (hpg + 1) * hn));
+           core_attention_magnitudes(ex, *stats, ap, view(qkv, {s, b, ng / ex.tp, (hpg + 2) * hn}), (hpg + 1) * hn));
   const DTensor proj = row_parallel_linear(ex, core, "self_attention.linear_proj");
   proj_taps(ex, proj, pre, "self_attention", "linear_proj");
   DTensor out = ex.alloc(x.shape);

@@ -56,11 +56,11 @@ DTensor save_softmax_stats(const RankContext& ex, AttnParams& ap) {
   return stats;
 }
 
-double core_attention_magnitude(const RankContext& ex, const DTensor& stats, const AttnParams& ap,
-                                const DTensor& values, std::int64_t v0) {
-  return core_attention_error_magnitude(ex.download(view(stats, {ap.b, ap.np_local, ap.sq, 2}), DType::F32), ap.sk,
-                                        ex.download(values), v0,
-                                        ap.drop.active && ap.drop.scale > 0.0 ? 1.0 - 1.0 / ap.drop.scale : 0.0);
+Tensor core_attention_magnitudes(const RankContext& ex, const DTensor& stats, const AttnParams& ap,
+                                 const DTensor& values, std::int64_t v0) {
+  return core_attention_error_magnitudes(ex.download(view(stats, {ap.b, ap.np_local, ap.sq, 2}), DType::F32), ap.sk,
+                                         ex.download(values), v0,
+                                         ap.drop.active && ap.drop.scale > 0.0 ? 1.0 - 1.0 / ap.drop.scale : 0.0);
 }
 
 std::optional<DTensor> Layer::grad_buffer(const RankContext& ex, const std::string& key) const {

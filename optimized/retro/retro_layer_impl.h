@@ -199,10 +199,10 @@ struct SavedForward {
 // The fp32 softmax statistics [b, np_local, sq, 2] a core attention's forward writes for its
 // backward: allocated, and set in ap.
 DTensor save_softmax_stats(const RankContext& ex, AttnParams& ap);
-// The core attention output's error magnitude (core/attention_bound.h) from the forward's softmax
-// statistics and its values [sk, b, groups, width] with v in columns [v0, width).
-double core_attention_magnitude(const RankContext& ex, const DTensor& stats, const AttnParams& ap,
-                                const DTensor& values, std::int64_t v0);
+// The core attention output's error magnitudes [sq, b, heads] (core/attention_bound.h) from the
+// forward's softmax statistics and its values [sk, b, groups, width] with v in columns [v0, width).
+Tensor core_attention_magnitudes(const RankContext& ex, const DTensor& stats, const AttnParams& ap,
+                                 const DTensor& values, std::int64_t v0);
 
 // ---- decoder_spec.cpp ----
 // The layer's parameter keys of a layer with `cross` (relative to the layer).

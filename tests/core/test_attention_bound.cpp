@@ -38,7 +38,8 @@ TEST(AttentionBound, ScoreRoundingMovesTheContextWithinTheMagnitude) {
     for (int j = 0; j < n; ++j) x[std::size_t(j)] = score(gen), v[std::size_t(j)] = value(gen);
     const double c = context(x, v);
     std::vector<double> moved = x;
-    for (int j = 0; j < n; ++j) moved[std::size_t(j)] += (v[std::size_t(j)] > c ? 1.0 : -1.0) * u * std::fabs(x[std::size_t(j)]);
+    for (int j = 0; j < n; ++j)
+      moved[std::size_t(j)] += (v[std::size_t(j)] > c ? 1.0 : -1.0) * u * std::fabs(x[std::size_t(j)]);
     const double change = std::fabs(context(moved, v) - c);
     double max_v = 0.0;
     for (double vj : v) max_v = std::max(max_v, std::fabs(vj));
@@ -63,22 +64,26 @@ TEST(AttentionBound, RowsOfFillsOnlyAndEmptyRowsAddNothing) {
   EXPECT_DOUBLE_EQ(core_attention_error_magnitude(2.0, 1.5, 0.5), 2.0 * 4.0 / 0.5);
 }
 
-// The statistics form reads each row's maximum (the first of its pair), each head's own group's v
-// columns, and takes the largest (batch, head) product.
-TEST(AttentionBound, StatisticsFormPairsEachHeadWithItsGroupsValues) {
-  // b 1, 2 heads, 2 query rows: head 0's rows reach |m| = 5 (one row of fills only), head 1's 1
+// The statistics form gives each query row its own term (the first of its row's pair) with its
+// head's group's max |v|, in the context's order [sq, b, heads].
+TEST(AttentionBound, StatisticsFormPairsEachRowWithItsHeadsValues) {
+  // b 1, 2 heads, 2 query rows: head 0's rows |m| = 5 and fills only, head 1's 1 and 0.5
   const Tensor stats = Tensor::from_doubles(DType::F32, {1, 2, 2, 2}, {-5.0, 9, -10000.0, 9, 1.0, 9, 0.5, 9});
   // sk 1, b 1, 2 groups of [k k | v v]: group 0's max |v| 3, group 1's 4 (the k columns hold more)
   const Tensor values = Tensor::from_doubles(DType::F32, {1, 1, 2, 4}, {50, -60, 1, -3, 70, 80, 4, 0.5});
-  const double head0 = core_attention_error_magnitude(3.0, 5.0 + std::log(4.0));
-  const double head1 = core_attention_error_magnitude(4.0, 1.0 + std::log(4.0));
-  EXPECT_DOUBLE_EQ(core_attention_error_magnitude(stats, 4, values, 2, 0.0), std::max(head0, head1));
-  // one group for both heads: max |v| 4 with head 0's rows
+  const double ln4 = std::log(4.0);
+  const Tensor m = core_attention_error_magnitudes(stats, 4, values, 2, 0.0);
+  ASSERT_EQ(m.shape(), (Shape{2, 1, 2}));
+  EXPECT_DOUBLE_EQ(m.at_f64(0), core_attention_error_magnitude(3.0, 5.0 + ln4));  // row 0, head 0
+  EXPECT_DOUBLE_EQ(m.at_f64(1), core_attention_error_magnitude(4.0, 1.0 + ln4));  // row 0, head 1
+  EXPECT_DOUBLE_EQ(m.at_f64(2), 3.0);                                             // row 1, head 0: fills only
+  EXPECT_DOUBLE_EQ(m.at_f64(3), core_attention_error_magnitude(4.0, 0.5 + ln4));  // row 1, head 1
+  // one group for both heads, and dropout
   const Tensor shared = Tensor::from_doubles(DType::F32, {1, 1, 1, 4}, {50, -60, 1, -4});
-  EXPECT_DOUBLE_EQ(core_attention_error_magnitude(stats, 4, shared, 2, 0.0),
-                   core_attention_error_magnitude(4.0, 5.0 + std::log(4.0)));
-  EXPECT_THROW(core_attention_error_magnitude(stats, 4, values, 5, 0.0), ShapeError);
-  EXPECT_THROW(core_attention_error_magnitude(stats.reshape({2, 2, 2}), 4, values, 2, 0.0), ShapeError);
+  EXPECT_DOUBLE_EQ(core_attention_error_magnitudes(stats, 4, shared, 2, 0.5).at_f64(1),
+                   core_attention_error_magnitude(4.0, 1.0 + ln4, 0.5));
+  EXPECT_THROW(core_attention_error_magnitudes(stats, 4, values, 5, 0.0), ShapeError);
+  EXPECT_THROW(core_attention_error_magnitudes(stats.reshape({2, 2, 2}), 4, values, 2, 0.0), ShapeError);
 }
 
 }  // namespace

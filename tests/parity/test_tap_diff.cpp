@@ -214,3 +214,30 @@ TEST(Bounds, GoldenBoundFollowsTheCount) {
   EXPECT_EQ(exact.atol, 0.0);
   EXPECT_EQ(exact.rtol, 0.0);
 }
+
+// Block magnitudes (one per block of the last dim: a core attention output's per (token, head))
+// give each element its own block's atol, eps x its magnitude: an error within one block's bound
+// fails in a block of smaller magnitude.
+TEST(Bounds, BlockMagnitudesGiveEachBlockItsOwnAtol) {
+  RecordEntry e;
+  e.rounding.bf16 = 1;
+  const double eps = std::ldexp(1.0, -8);
+  const Tensor expected = Tensor::from_doubles(DType::F32, {2, 4}, {0, 0, 0, 0, 0, 0, 0, 0});
+  e.block_magnitude = Tensor::from_doubles(DType::F64, {2, 2}, {100, 1, 1, 1});  // blocks of 2
+  const Tolerance t = golden_bound(e, expected);
+  ASSERT_EQ(t.block, 2);
+  ASSERT_EQ(t.atol_blocks.size(), 4u);
+  EXPECT_DOUBLE_EQ(t.atol_blocks[0], 100 * eps);
+  EXPECT_DOUBLE_EQ(t.atol_blocks[3], eps);
+  EXPECT_DOUBLE_EQ(t.atol, 100 * eps);  // the largest, printed
+  EXPECT_NE(t.reason.find("per block of 2"), std::string::npos) << t.reason;
+  const double err = 50 * eps;
+  for (std::int64_t at : {0, 1, 2, 7}) {
+    std::vector<double> a(8, 0.0);
+    a[std::size_t(at)] = err;
+    const Comparison c = compare("x", Tensor::from_doubles(DType::F32, {2, 4}, a), expected, t);
+    EXPECT_EQ(c.pass, at < 2) << "error at " << at << ": share " << c.share_used;
+  }
+  e.block_magnitude = Tensor::from_doubles(DType::F64, {3}, {1, 1, 1});  // 8 elements do not split in 3
+  EXPECT_THROW(golden_bound(e, expected), ShapeError);
+}
