@@ -625,33 +625,64 @@ RC_GTEST_PROP(OptimizedMoEProperty, BackwardExpertParallelSizesAgree, ()) {
               std::to_string(row.share_used) + " " + row.message);
 }
 
+namespace {
+
+// A drawn case the backward covers (no biases) at ep = 1 or 2 (even E): the case and its config at
+// that ep, logged.
+struct EpBackwardCase {
+  MoECase m;
+  TransformerConfig config;
+};
+EpBackwardCase gen_ep_backward_case() {
+  OptMoECase o = *gen_opt_moe_case(2);
+  o.bias = false;
+  EpBackwardCase k{make_case(o), {}};
+  const int ep = *rc::gen::element(1, 2);
+  RC_LOG() << describe(k.m) << " ep " << ep << "\n";
+  k.config = k.m.config;
+  k.config.expert_model_parallel_size = ep;
+  return k;
+}
+
+// The forward options a backward needs: training, the activations kept.
+opt::ForwardOptions forward_for_backward() {
+  opt::ForwardOptions fo;
+  fo.training = true;
+  fo.keep_for_backward = true;
+  return fo;
+}
+
+// Two backward results bitwise equal: the input's gradient and every parameter's, by name (and
+// each magnitude with `magnitudes`).
+void assert_gradients_bitwise_equal(const opt::LayerGradients& a, const opt::LayerGradients& b,
+                                    bool magnitudes = false) {
+  RC_ASSERT(bitwise_equal(a.hidden_states, b.hidden_states));
+  RC_ASSERT(a.params.size() == b.params.size());
+  for (std::size_t i = 0; i < a.params.size(); ++i) {
+    RC_LOG() << a.params[i].name << "\n";
+    RC_ASSERT(a.params[i].name == b.params[i].name);
+    RC_ASSERT(bitwise_equal(a.params[i].value, b.params[i].value));
+    if (magnitudes) RC_ASSERT(a.params[i].magnitude == b.params[i].magnitude);
+  }
+}
+
+}  // namespace
+
 // A CUDA-graph replay of the backward's postprocess and router phases (the expert phase eager
 // between them) is bitwise equal to the eager backward, on the first replay and on a second
 // backward after a forward with other hidden states of the same shape (the graphs replayed on the
 // new activations), at ep = 1 and 2.
 RC_GTEST_PROP(OptimizedMoEProperty, BackwardGraphReplayIsBitwiseEqualToEager, ()) {
-  OptMoECase o = *gen_opt_moe_case(2);
-  o.bias = false;
-  const MoECase m = make_case(o);
-  const int ep = *rc::gen::element(1, 2);
-  RC_LOG() << describe(m) << " ep " << ep << "\n";
-  TransformerConfig c = m.config;
-  c.expert_model_parallel_size = ep;
-  opt::MoETransformerLayer graph(c, m.params, opt::LayerOptions{}), eager(c, m.params, opt::LayerOptions{});
-  opt::ForwardOptions fo;
-  fo.training = true;
-  fo.keep_for_backward = true;
+  const EpBackwardCase k = gen_ep_backward_case();
+  const MoECase& m = k.m;
+  opt::MoETransformerLayer graph(k.config, m.params, opt::LayerOptions{}),
+      eager(k.config, m.params, opt::LayerOptions{});
+  const opt::ForwardOptions fo = forward_for_backward();
   const Tensor dout = output_gradient(m);
   for (const MoECase& x : {m, with_second_input(m)}) {
     graph.forward(x.hidden_states, optimized_inputs(x), fo);
     eager.forward(x.hidden_states, optimized_inputs(x), fo);
-    const opt::LayerGradients a = graph.backward(dout, false, /*use_graph=*/true), b = eager.backward(dout);
-    RC_ASSERT(bitwise_equal(a.hidden_states, b.hidden_states));
-    RC_ASSERT(a.params.size() == b.params.size());
-    for (std::size_t i = 0; i < a.params.size(); ++i) {
-      RC_LOG() << a.params[i].name << "\n";
-      RC_ASSERT(bitwise_equal(a.params[i].value, b.params[i].value));
-    }
+    assert_gradients_bitwise_equal(graph.backward(dout, false, /*use_graph=*/true), eager.backward(dout));
   }
 }
 
@@ -660,18 +691,12 @@ RC_GTEST_PROP(OptimizedMoEProperty, BackwardGraphReplayIsBitwiseEqualToEager, ()
 // magnitude and the rounding count at the end bitwise the same, at ep = 1 and 2 (the drawn
 // dispatcher's duals between the ranks), each after its own forward of the same inputs.
 RC_GTEST_PROP(OptimizedMoEProperty, BackwardPhasesOneByOneAreBackward, ()) {
-  OptMoECase o = *gen_opt_moe_case(2);
-  o.bias = false;
-  const MoECase m = make_case(o);
-  const int ep = *rc::gen::element(1, 2);
-  RC_LOG() << describe(m) << " ep " << ep << "\n";
-  TransformerConfig c = m.config;
-  c.expert_model_parallel_size = ep;
-  opt::ForwardOptions fo;
-  fo.training = true;
-  fo.keep_for_backward = true;
+  const EpBackwardCase k = gen_ep_backward_case();
+  const MoECase& m = k.m;
+  const opt::ForwardOptions fo = forward_for_backward();
   const Tensor dout = output_gradient(m);
-  opt::MoETransformerLayer whole(c, m.params, opt::LayerOptions{}), phased(c, m.params, opt::LayerOptions{});
+  opt::MoETransformerLayer whole(k.config, m.params, opt::LayerOptions{}),
+      phased(k.config, m.params, opt::LayerOptions{});
   opt::LayerGradients a, b;
   RoundingCount a_end, b_end;
   {
@@ -688,14 +713,7 @@ RC_GTEST_PROP(OptimizedMoEProperty, BackwardPhasesOneByOneAreBackward, ()) {
     b = phased._backward_mlp_router(/*with_magnitudes=*/true);
     b_end = rounding_now();
   }
-  RC_ASSERT(bitwise_equal(a.hidden_states, b.hidden_states));
-  RC_ASSERT(a.params.size() == b.params.size());
-  for (std::size_t i = 0; i < a.params.size(); ++i) {
-    RC_LOG() << a.params[i].name << "\n";
-    RC_ASSERT(a.params[i].name == b.params[i].name);
-    RC_ASSERT(bitwise_equal(a.params[i].value, b.params[i].value));
-    RC_ASSERT(a.params[i].magnitude == b.params[i].magnitude);
-  }
+  assert_gradients_bitwise_equal(a, b, /*magnitudes=*/true);
   RC_ASSERT(a_end == b_end);
 }
 
