@@ -35,7 +35,7 @@ FixtureHandler find_fixture_handler(const std::string& kind, TwinKind twin, cons
       {{"retro_decoder_layer", TwinKind::Optimized}, {run_optimized_retro_decoder_layer, false, true}},
       {{"retro_block", TwinKind::Optimized}, {run_optimized_retro_block, false, true}},
       {{"moe_layer", TwinKind::Reference}, {run_reference_moe_layer, true}},
-      {{"moe_layer", TwinKind::Optimized}, {run_optimized_moe_layer, false, false, true}},
+      {{"moe_layer", TwinKind::Optimized}, {run_optimized_moe_layer, false, true, true}},
   };
   auto it = handlers.find({kind, twin});
   if (it == handlers.end() || (mode.isolate && !it->second.isolates) || (mode.tp > 1 && !it->second.shards) ||

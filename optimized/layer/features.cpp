@@ -76,13 +76,13 @@ std::vector<LayerFeature> structure_features() {
           [](TransformerConfig& c, LayerOptions&) { c.num_moe_experts = 4; }),
       row(
           "tensor_model_parallel_size > 1",
-          [](const TransformerConfig& c, const LayerOptions& o) { return tp_of(c, o) > 1; }, {K::Dense, K::Retro},
-          "the MoE twin runs its attention and experts at tp = 1 (expert parallelism shards it)",
+          [](const TransformerConfig& c, const LayerOptions& o) { return tp_of(c, o) > 1; },
+          {K::Dense, K::Retro, K::MoE}, "",
           [](TransformerConfig& c, LayerOptions& o) { c.tensor_model_parallel_size = o.tp = 2; }),
       row(
           "sequence_parallel",
-          [](const TransformerConfig& c, const LayerOptions& o) { return o.sp || c.sequence_parallel; }, {K::Dense},
-          "only the dense twin splits the sequence across tensor-parallel ranks",
+          [](const TransformerConfig& c, const LayerOptions& o) { return o.sp || c.sequence_parallel; },
+          {K::Dense, K::MoE}, "Retro's layers do not split the sequence across tensor-parallel ranks",
           [](TransformerConfig& c, LayerOptions& o) {
             c.tensor_model_parallel_size = o.tp = 2;
             c.sequence_parallel = o.sp = true;

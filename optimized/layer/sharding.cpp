@@ -97,7 +97,12 @@ Tensor tensor_parallel_shard(const TransformerConfig& c, const std::string& key,
   if (key == "mlp.linear_fc2.weight") return take_cols(t, r * f_l, (r + 1) * f_l);
   if (starts_with(key, "mlp.linear_fc1."))
     return c.gated_linear_unit ? glu_rows(t, ffn, f_l, r) : take_rows(t, r * f_l, (r + 1) * f_l);
-  return t;  // norms, the row-parallel biases
+  // the MoE layer's shared experts: a tensor-parallel MLP of moe_shared_expert_intermediate_size
+  const std::int64_t sf = c.moe_shared_expert_intermediate_size.value_or(0), sf_l = sf / tp;
+  if (key == "mlp.shared_experts.linear_fc2.weight") return take_cols(t, r * sf_l, (r + 1) * sf_l);
+  if (key == "mlp.shared_experts.linear_fc1.weight")
+    return c.gated_linear_unit ? glu_rows(t, sf, sf_l, r) : take_rows(t, r * sf_l, (r + 1) * sf_l);
+  return t;  // norms, the row-parallel biases, the router, the shared experts' gate, the experts
 }
 
 ShardLayout tensor_parallel_layout(const TransformerConfig& c, const std::string& key) {
@@ -106,9 +111,10 @@ ShardLayout tensor_parallel_layout(const TransformerConfig& c, const std::string
       key == "self_attention.linear_q_proj.weight" || key == "self_attention.linear_kv_up_proj.weight")
     return {0, 1};
   if (key == "self_attention.linear_proj.weight" || key == "cross_attention.attn.linear_proj.weight" ||
-      key == "mlp.linear_fc2.weight")
+      key == "mlp.linear_fc2.weight" || key == "mlp.shared_experts.linear_fc2.weight")
     return {1, 1};
-  if (starts_with(key, "mlp.linear_fc1.")) return {0, c.gated_linear_unit ? 2 : 1};
+  if (starts_with(key, "mlp.linear_fc1.") || key == "mlp.shared_experts.linear_fc1.weight")
+    return {0, c.gated_linear_unit ? 2 : 1};
   return {};  // norms, the row-parallel biases: whole on every rank
 }
 

@@ -6,7 +6,9 @@
 //     ([its gate rows | its linear rows]);
 //   row parallel (columns of the weight): the linear_proj and mlp.linear_fc2 weights by input
 //     columns;
-//   replicated: the norms and the row-parallel linears' biases.
+//   replicated: the norms and the row-parallel linears' biases;
+//   the MoE layer's shared experts as mlp.linear_fc1 / fc2 (of moe_shared_expert_intermediate_size);
+//   its router, shared-expert gate and experts replicated (expert tensor-parallel size 1).
 // Expert parallelism keeps whole experts per rank (each MoE rank uploads its local experts).
 #pragma once
 

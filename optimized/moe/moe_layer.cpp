@@ -108,9 +108,9 @@ void MoEMlpRank::add_param_shapes(const TransformerConfig& c, std::map<std::stri
 }
 
 void MoEMlpRank::bind(MoELayerPlan& P, const TransformerConfig& c, const std::map<std::string, Tensor>& full, int rank,
-                      rt::Communicator* ep_comm, DeviceWeights& weights, rt::Device& dev) {
+                      rt::Communicator* ep_comm, DeviceWeights& weights, rt::Device& dev, int tp_rank, int tp) {
   auto upload_opt = [&](const std::string& key) {
-    return full.count(key) ? weights.upload(dev, full.at(key)) : nullptr;
+    return full.count(key) ? weights.upload(dev, tensor_parallel_shard(c, key, full.at(key), tp_rank, tp)) : nullptr;
   };
   // Tensors of one key pattern over this rank's experts, stacked [local_E, ...] into one device buffer.
   auto upload_stacked = [&](const std::function<std::string(int)>& key) {
@@ -121,6 +121,7 @@ void MoEMlpRank::bind(MoELayerPlan& P, const TransformerConfig& c, const std::ma
     }
     return weights.upload(dev, bytes.data(), bytes.size());
   };
+  this->tp = tp;
   P.E = E;
   P.ep = c.expert_model_parallel_size;
   P.ep_rank = rank;
@@ -180,8 +181,9 @@ void MoEMlpRank::bind(MoELayerPlan& P, const TransformerConfig& c, const std::ma
   P.global_tokens = global_tokens.as<double>();
 }
 
-void MoEMlpRank::add_buffers(MoELayerPlan& P, BufferArena& A, rt::Device& d, int s, int b) const {
-  const std::int64_t T = std::int64_t(s) * b, H = h, Es = E, N = T * Es;  // N: routed rows at most
+void MoEMlpRank::add_buffers(MoELayerPlan& P, BufferArena& A, rt::Device& d, int s, int b, int tp) const {
+  const std::int64_t n = std::int64_t(s) * b, T = n / tp, H = h, Es = E, N = T * Es;  // N: routed rows at most
+  const std::int64_t sf = shared_ffn / tp;
   // the router
   P.x_r = P.cast_input || rdt == DType::F64 ? A.add(d, "x_r", rdt, T, H) : nullptr;
   P.logits = A.add(d, "logits", rdt, T, Es);
@@ -193,6 +195,7 @@ void MoEMlpRank::add_buffers(MoELayerPlan& P, BufferArena& A, rt::Device& d, int
   P.aux_map = A.add<std::uint8_t>(d, "aux_map", T, Es);
   P.z = A.add<float>(d, "z", T);
   P.loss_scratch = A.add<double>(d, "loss_scratch", 2, b, Es);
+  P.tp_counts = tp > 1 ? A.add<double>(d, "tp_counts", 2, b, Es) : nullptr;
   P.losses = A.add<float>(d, "losses", 2);
   // the dispatcher and the experts
   P.tokens_per_expert_dev = A.add<std::int64_t>(d, "tokens_per_expert", Es);
@@ -206,8 +209,9 @@ void MoEMlpRank::add_buffers(MoELayerPlan& P, BufferArena& A, rt::Device& d, int
   P.combined = A.add(d, "combined", dt, T, H);
   P.mlp_out = A.add(d, "mlp_out", dt, T, H);
   if (shared_ffn > 0) {
-    P.shared_fc1 = A.add(d, "shared_fc1", dt, T, P.glu ? 2 : 1, shared_ffn);
-    P.shared_act = A.add(d, "shared_act", dt, T, shared_ffn);
+    P.shared_fc1 = A.add(d, "shared_fc1", dt, n, P.glu ? 2 : 1, sf);
+    P.shared_act = A.add(d, "shared_act", dt, n, sf);
+    P.shared_fc2_partial = tp > 1 ? A.add(d, "shared_fc2_partial", dt, n, H) : nullptr;
     P.shared_out = A.add(d, "shared_out", dt, T, H);
     // the gate's backward reads the output before the gate
     P.shared_fc2 = P.shared_gate ? A.add(d, "shared_fc2", dt, T, H) : P.shared_out;
@@ -269,9 +273,9 @@ void MoEMlpRank::tap(MoETapPoint t, const MoELayerPlan& P, std::int64_t S, std::
     return N;
   };
   switch (t) {
-    case MoETapPoint::SharedFc1:
+    case MoETapPoint::SharedFc1:  // every token's, this rank's columns (column parallel)
       rec.add(Role::Tap, "mlp.shared_experts.linear_fc1.0",
-              download(P.shared_fc1, dt, {S, B, (P.glu ? 2 : 1) * std::int64_t(shared_ffn)}));
+              download(P.shared_fc1, dt, {S * tp, B, (P.glu ? 2 : 1) * std::int64_t(shared_ffn / tp)}));
       break;
     case MoETapPoint::SharedFc2:
       rec.add(Role::Tap, "mlp.shared_experts.linear_fc2.0", download(P.shared_fc2, dt, {S, B, H}));
@@ -305,7 +309,7 @@ void MoEMlpRank::tap(MoETapPoint t, const MoELayerPlan& P, std::int64_t S, std::
       for (const auto& [name, v] : logged) {
         const bool z = name == "z_loss";
         rounding_store(rdt, z ? 5 : 4);
-        rounding_reduce(T + (z ? 0 : Es));
+        rounding_reduce(T * tp + (z ? 0 : Es));  // at tp > 1 the ranks' parts summed too
         rounding_store(DType::F32);
         rec.add(Role::Aux, name, Tensor::from_doubles(DType::F32, {}, {v})).magnitude =
             std::max(1.0 + max_logit, std::abs(v));
@@ -353,6 +357,91 @@ void MoEMlpRank::tap(MoETapPoint t, const MoELayerPlan& P, std::int64_t S, std::
       rec.add(Role::Tap, "mlp.0", download(P.mlp_out, dt, {S, B, H}));
       break;
   }
+}
+
+}  // namespace twin::opt
+
+namespace twin::opt {
+
+namespace {
+
+// Rows [first, first + n) of `parts[rank]` for each (rank, first, n) in turn, one tensor.
+struct RowRange {
+  std::size_t rank;
+  std::int64_t first, n;
+};
+Tensor rows_in_order(const std::vector<const Tensor*>& parts, const std::vector<RowRange>& ranges) {
+  const Tensor& t0 = *parts.front();
+  std::int64_t per_row = 1;
+  for (std::size_t d = 1; d < t0.shape().size(); ++d) per_row *= t0.shape()[d];
+  const std::size_t row_bytes = std::size_t(per_row) * dtype_size(t0.dtype());
+  Shape shape = t0.shape();
+  shape[0] = 0;
+  for (const RowRange& r : ranges) shape[0] += r.n;
+  Tensor out = Tensor::empty(t0.dtype(), shape);
+  std::byte* dst = out.raw_mut();
+  for (const RowRange& r : ranges) {
+    std::memcpy(dst, parts[r.rank]->raw() + std::size_t(r.first) * row_bytes, std::size_t(r.n) * row_bytes);
+    dst += std::size_t(r.n) * row_bytes;
+  }
+  return out;
+}
+
+// The elementwise sum (mean: / the ranks) of the ranks' tensors, in the first's dtype.
+Tensor reduce_ranks(const std::vector<const Tensor*>& parts, bool mean) {
+  std::vector<double> v = parts.front()->to_f64();
+  for (std::size_t r = 1; r < parts.size(); ++r) {
+    const std::vector<double> x = parts[r]->to_f64();
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] += x[i];
+  }
+  if (mean)
+    for (double& x : v) x /= double(parts.size());
+  return Tensor::from_doubles(parts.front()->dtype(), parts.front()->shape(), v);
+}
+
+}  // namespace
+
+Record gather_tensor_parallel_moe_records(const std::vector<Record>& ranks,
+                                          const std::vector<std::vector<std::int64_t>>& tokens_per_expert, bool glu) {
+  const Record& r0 = ranks.front();
+  const std::size_t tp = ranks.size(), E = tokens_per_expert.front().size();
+  Record out;
+  out.calls = r0.calls;
+  for (std::size_t i = 0; i < r0.entries.size(); ++i) {
+    const RecordEntry& e0 = r0.entries[i];
+    std::vector<const Tensor*> parts;
+    RecordEntry merged = e0;
+    for (const Record& r : ranks) {
+      if (r.entries.size() != r0.entries.size() || r.entries[i].key() != e0.key())
+        throw std::logic_error("optimized MoE layer: the tensor-parallel ranks recorded different taps at " + e0.key());
+      parts.push_back(&r.entries[i].value);
+      merged.rounding.join(r.entries[i].rounding);
+      merged.magnitude = std::max(merged.magnitude, r.entries[i].magnitude);
+    }
+    const std::string& n = e0.name;
+    if (e0.role == Role::Aux || e0.role == Role::State || n == "mlp.experts.tokens_per_expert") {
+      merged.value = reduce_ranks(parts, n == "z_loss");
+      if (e0.role == Role::Aux) merged.magnitude = std::max(merged.magnitude, std::abs(merged.value.at_f64(0)));
+    } else if (n == "mlp.experts.0" || n == "mlp.experts.dispatched_input" || n == "mlp.experts.permuted_probs") {
+      std::vector<RowRange> ranges;
+      std::vector<std::int64_t> first(tp, 0);
+      for (std::size_t e = 0; e < E; ++e)
+        for (std::size_t r = 0; r < tp; ++r) {
+          const std::int64_t rows = tokens_per_expert[r][e];
+          ranges.push_back({r, first[r], rows});
+          first[r] += rows;
+        }
+      merged.value = rows_in_order(parts, ranges);
+    } else if (n == "mlp.shared_experts.linear_fc1.0") {
+      merged.value = gather_shards(parts, ShardLayout{2, glu ? 2 : 1});
+    } else {
+      std::vector<RowRange> ranges;
+      for (std::size_t r = 0; r < tp; ++r) ranges.push_back({r, 0, parts[r]->shape().empty() ? 0 : parts[r]->size(0)});
+      merged.value = rows_in_order(parts, ranges);
+    }
+    out.entries.push_back(std::move(merged));
+  }
+  return out;
 }
 
 }  // namespace twin::opt

@@ -36,6 +36,9 @@ inline void moe_download(void* host, const void* dev, std::size_t bytes, cudaStr
   d.synchronize(st);
 }
 
+// The tokens T this rank routes: the layer's s * b, or under sequence parallelism its slice's.
+inline std::int64_t moe_tokens(const MoEPlan& p) { return std::int64_t(p.attn.s_local()) * p.attn.b; }
+
 // MoETransformerLayer's router phase (_forward_mlp_router): attention, pre_mlp_layernorm, shared
 // experts, router, and the dispatch preprocess (the row-id map and the permute). No host
 // synchronisation unless a recorded map is checked or the expert-bias counter is updated eagerly
@@ -43,7 +46,7 @@ inline void moe_download(void* host, const void* dev, std::size_t bytes, cudaStr
 // The permuted rows N at most, for the cost model: each token to topk experts, or every expert
 // filled to its capacity when padded.
 inline std::int64_t routed_rows_bound(const MoEPlan& p) {
-  const std::int64_t T = std::int64_t(p.attn.s) * p.attn.b;
+  const std::int64_t T = moe_tokens(p);
   return p.drop && p.pad_to_capacity ? p.E * expert_capacity(T * p.topk, p.E, p.capacity_factor) : T * p.topk;
 }
 
@@ -116,11 +119,15 @@ inline void moe_capacity_drop(MoEPlan& p, std::int64_t T, cudaStream_t st) {
   }
 }
 
+// The z-loss's coefficient on this rank: Megatron's apply_z_loss divides it by the tensor (and
+// context) parallel size, each rank's loss the mean over its own tokens.
+inline double moe_z_loss_coeff(const MoEPlan& p) { return p.z_coeff / p.attn.tp; }
+
 // The plan's load-balancing loss (p.aux_kind set) as the loss kernels take it, forward and backward.
 inline LossArgs load_balancing_loss_args(const MoEPlan& p) {
   LossArgs la;
   la.kind = *p.aux_kind;
-  la.tokens = std::int64_t(p.attn.s) * p.attn.b;
+  la.tokens = moe_tokens(p);
   la.experts = p.E;
   la.bsz = p.attn.b;
   la.topk = p.topk;
@@ -129,35 +136,60 @@ inline LossArgs load_balancing_loss_args(const MoEPlan& p) {
   la.global_tokens = p.global_tokens;
   la.ga_steps = p.ga_steps;
   la.loss_dtype = 0;  // the losses are fp32 tensors
+  la.tp = p.attn.tp;
+  la.tp_counts = p.attn.tp > 1 ? p.tp_counts : nullptr;
   return la;
+}
+
+// The load-balancing loss's column counts over the tensor-parallel ranks (tp > 1): this rank's,
+// all-reduced (exact: integers in fp64), which the loss kernels then read (LossArgs::tp_counts).
+inline void moe_tp_column_counts(const MoEPlan& p, cudaStream_t st) {
+  const LossArgs la = load_balancing_loss_args(p);
+  const int cols = la.kind == AuxLossKind::SeqAuxLoss ? la.bsz * la.experts : la.experts;
+  router_map_column_counts(p.aux_map, p.padding, la, p.tp_counts, st);
+  p.attn.comm->all_reduce(p.tp_counts, p.tp_counts, std::size_t(cols), DType::F64, st);
+}
+
+// SharedExpertMLP: a tensor-parallel MLP on the rank's tokens (with SP all-gathered: ln2_full),
+// linear_fc1 column parallel (this rank's shared_ffn / tp columns of both GLU halves), linear_fc2
+// row parallel (its partial summed over the ranks, reduce-scattered to the rank's tokens under
+// SP), then the gate on the rank's own tokens.                            // [T, h]
+inline void moe_shared_experts_forward(MoEPlan& p, cudaStream_t st) {
+  const RankPlan& a = p.attn;
+  const DType dt = a.dt;
+  const std::int64_t n = std::int64_t(a.s) * a.b, T = moe_tokens(p), h = a.h;
+  const int f = p.shared_ffn / a.tp;
+  const std::int64_t w1 = (p.glu ? 2 : 1) * std::int64_t(f);
+  auto tap = [&](MoETapPoint t) {
+    if (p.on_tap) p.on_tap(t);
+  };
+  linear_forward(dt, a.sp ? a.ln2_full : a.ln2, p.shared_fc1_w, nullptr, p.shared_fc1, n, h, w1, st);  // [n, w1]
+  tap(MoETapPoint::SharedFc1);
+  bias_activation_forward(dt, p.shared_fc1, nullptr, p.shared_act, n, f, a.act, p.glu, st);  // [n, f]
+  linear_forward(dt, p.shared_act, p.shared_fc2_w, nullptr, a.tp > 1 ? p.shared_fc2_partial : p.shared_fc2, n, f, h,
+                 st);                                                               // [n, h]
+  tp_reduce(tensor_parallel(a), dt, p.shared_fc2_partial, p.shared_fc2, n, h, st);  // [T, h]
+  tap(MoETapPoint::SharedFc2);
+  if (p.shared_gate) {
+    linear_uncounted(dt, a.ln2, p.shared_gate_w, nullptr, p.gate_logits, T, h, 1, st);  // [T, 1]
+    shared_expert_gate_forward(dt, p.shared_fc2, p.gate_logits, p.shared_out, T, int(h), st);
+  }
+  tap(MoETapPoint::SharedExperts);
 }
 
 inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
   attention_forward_impl(p.attn, st);
   const RankPlan& a = p.attn;
   const DType dt = a.dt, rdt = p.rdt;
-  const std::int64_t T = std::int64_t(a.s) * a.b, h = a.h;
+  const std::int64_t T = moe_tokens(p), h = a.h;
   const int E = p.E;
   auto tap = [&](MoETapPoint t) {
     if (p.on_tap) p.on_tap(t);
   };
-  const void* x = a.ln2;  // [T, h] pre_mlp_layernorm output
+  const void* x = a.ln2;  // [T, h] pre_mlp_layernorm output (this rank's tokens)
 
   // ---- shared experts                                              // [T, h]
-  if (p.shared_ffn > 0) {
-    const std::int64_t w1 = (p.glu ? 2 : 1) * std::int64_t(p.shared_ffn);
-    linear_forward(dt, x, p.shared_fc1_w, nullptr, p.shared_fc1, T, h, w1, st);  // [T, w1]
-    tap(MoETapPoint::SharedFc1);
-    bias_activation_forward(dt, p.shared_fc1, nullptr, p.shared_act, T, p.shared_ffn, a.act, p.glu,
-                            st);                                                                      // [T, shared_ffn]
-    linear_forward(dt, p.shared_act, p.shared_fc2_w, nullptr, p.shared_fc2, T, p.shared_ffn, h, st);  // [T, h]
-    tap(MoETapPoint::SharedFc2);
-    if (p.shared_gate) {
-      linear_uncounted(dt, x, p.shared_gate_w, nullptr, p.gate_logits, T, h, 1, st);  // [T, 1]
-      shared_expert_gate_forward(dt, p.shared_fc2, p.gate_logits, p.shared_out, T, int(h), st);
-    }
-    tap(MoETapPoint::SharedExperts);
-  }
+  if (p.shared_ffn > 0) moe_shared_experts_forward(p, st);
   const RoundingCount hidden_states_rounding = rounding_now();
 
   // ---- router: gating in the router dtype                          // [T, E]
@@ -209,11 +241,12 @@ inline void moe_router_phase_impl(MoEPlan& p, cudaStream_t st) {
     la.kind = AuxLossKind::ZLoss;
     la.tokens = T;
     la.experts = E;
-    la.coeff = p.z_coeff;
+    la.coeff = moe_z_loss_coeff(p);
     la.loss_dtype = loss_dtype_code(rdt);
     router_loss_forward(p.aux_scores, p.aux_map, p.z, p.padding, la, p.loss_scratch, p.losses + 1, st);
   }
   if (p.drop) moe_capacity_drop(p, T, st);
+  if (p.aux_kind && a.tp > 1) moe_tp_column_counts(p, st);
   if (p.aux_kind)
     router_loss_forward(p.aux_scores, p.aux_map, p.z, p.padding, load_balancing_loss_args(p), p.loss_scratch, p.losses,
                         st);
@@ -393,7 +426,7 @@ inline void moe_alltoall_experts(MoEPlan& p, cudaStream_t st) {
 inline void moe_allgather_experts(MoEPlan& p, cudaStream_t st) {
   const RankPlan& a = p.attn;
   const DType dt = a.dt, rdt = p.rdt;
-  const std::int64_t T = std::int64_t(a.s) * a.b, h = a.h;
+  const std::int64_t T = moe_tokens(p), h = a.h;
   const int E = p.E, ep = p.ep, El = p.local_E, me = p.ep_rank;
   const std::int64_t TG = T * ep;
   require(p.ep_comm && p.ep_comm->size() == ep && p.ep_comm->rank() == me && El * ep == E,
@@ -490,7 +523,7 @@ inline void moe_expert_compute_impl(MoEPlan& p, cudaStream_t st) {
 inline void moe_postprocess_impl(MoEPlan& p, cudaStream_t st) {
   const RankPlan& a = p.attn;
   const DType dt = a.dt;
-  const std::int64_t T = std::int64_t(a.s) * a.b, h = a.h;
+  const std::int64_t T = moe_tokens(p), h = a.h;
   const int E = p.E;
   auto tap = [&](MoETapPoint t) {
     if (p.on_tap) p.on_tap(t);
@@ -515,7 +548,8 @@ inline void moe_postprocess_impl(MoEPlan& p, cudaStream_t st) {
 
   // ---- mlp_bda: out = h1 + dropout(mlp_out)                        // [T, h]
   bias_dropout_add_forward(dt, p.mlp_out, nullptr, a.h1, a.out, T, int(h),
-                           DropoutArgs::make(a.hidden_dropout, a.training, a.seed, a.offset_mlp_bda), 0, st);
+                           DropoutArgs::make(a.hidden_dropout, a.training, a.seed, a.offset_mlp_bda),
+                           tensor_parallel(a).element_base(std::int64_t(a.s) * a.b, a.h), st);
 }
 
 }  // namespace twin::opt::TWIN_BACKEND

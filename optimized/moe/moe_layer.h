@@ -34,6 +34,7 @@ struct MoEMlpRank {
   DType dt = DType::F32, rdt = DType::F32;
   int h = 0, E = 0, topk = 1, ffn = 0, shared_ffn = 0;
   int e0 = 0, local_E = 0;         // this rank's experts: [e0, e0 + local_E)
+  int tp = 1;                      // tensor-parallel size (sequence parallel: this rank's tokens are s / tp * b)
   rt::DeviceBuffer global_tokens;  // global_aux_loss accumulator
   double ga_steps = 0;
   std::vector<double> local_tokens;  // expert-bias counter
@@ -46,11 +47,13 @@ struct MoEMlpRank {
   void configure(const TransformerConfig& c, int rank);
   // The MoE MLP's parameter shapes (the expert bias aside) into `shapes`.
   void add_param_shapes(const TransformerConfig& c, std::map<std::string, Shape>& shapes) const;
-  // The MoE fields of `P` from `c` and the full params, this rank's weights uploaded.
+  // The MoE fields of `P` from `c` and the full params, this rank's weights uploaded (expert-
+  // parallel rank `rank`'s experts; tensor-parallel rank tp_rank of tp's shard of the shared experts).
   void bind(MoELayerPlan& P, const TransformerConfig& c, const std::map<std::string, Tensor>& full, int rank,
-            rt::Communicator* ep_comm, DeviceWeights& weights, rt::Device& dev);
-  // Its buffers for T = s * b tokens as rows of `arena`.
-  void add_buffers(MoELayerPlan& P, BufferArena& arena, rt::Device& dev, int s, int b) const;
+            rt::Communicator* ep_comm, DeviceWeights& weights, rt::Device& dev, int tp_rank = 0, int tp = 1);
+  // Its buffers for s x b tokens as rows of `arena`: T = s * b, or at tp > 1 (sequence parallel)
+  // the rank's s / tp * b, the shared experts' MLP over all s * b with its shared_ffn / tp columns.
+  void add_buffers(MoELayerPlan& P, BufferArena& arena, rt::Device& dev, int s, int b, int tp = 1) const;
   // The router's losses of this forward (only while training, as Megatron's router) and the
   // expert-bias counter. Returns whether a loss kernel's argument a captured router graph bakes
   // in changed.
@@ -58,10 +61,25 @@ struct MoEMlpRank {
   // The expert-bias counter after a graph replay (the replay skips the host's count): every
   // non-padding token's routed experts from the routing map [T, E].
   void count_routed_tokens(const Tensor& routing_map, const std::vector<std::uint8_t>& padding);
-  // The taps, inputs, losses and state at `t` of the forward of S x B tokens into `rec`;
-  // `download(ptr, dtype, shape)` reads a device buffer.
+  // The taps, inputs, losses and state at `t` of the forward of this rank's S x B tokens into
+  // `rec`; `download(ptr, dtype, shape)` reads a device buffer. At tp > 1 each rank's part, which
+  // gather_tensor_parallel_moe_records puts together.
   void tap(MoETapPoint t, const MoELayerPlan& P, std::int64_t S, std::int64_t B,
            const std::function<Tensor(const void*, DType, Shape)>& download, Record& rec);
 };
+
+// The MoE MLP's record of the whole layer from its tensor-parallel ranks' (each recorded by
+// MoEMlpRank::tap over the rank's slice of the sequence, the same entries in the same order;
+// tokens_per_expert: each rank's routed rows per expert), as a one-rank layer records it:
+//   token-major tensors ([s_l, b, ...], [s_l * b, E]) and each expert's rows: the ranks' in rank
+//     order (the sequence's order, so each expert's rows stay in token order);
+//   the experts' rows in expert-major order (mlp.experts.0, the dispatched input and
+//     probabilities): for each expert, rank 0's rows, rank 1's, ...;
+//   the shared experts' linear_fc1 output: each rank's columns (both GLU halves);
+//   tokens per expert, the expert-bias counts and the load-balancing losses summed (Megatron's
+//     tracker sums the ranks' parts); the z-loss averaged (each rank's is the mean over its tokens).
+// Each entry's rounding count is the join of the ranks', its magnitude the largest.
+Record gather_tensor_parallel_moe_records(const std::vector<Record>& ranks,
+                                          const std::vector<std::vector<std::int64_t>>& tokens_per_expert, bool glu);
 
 }  // namespace twin::opt

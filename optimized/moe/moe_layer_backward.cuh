@@ -78,18 +78,22 @@ inline void router_backward(const MoEPlan& p, const MoELayerGrads& g, std::int64
   ra.scores_fp32 = p.scores_fp32;
   ra.aux_scores_fp32 = p.aux_scores_fp32;
   ra.z_loss = p.z_loss;
-  ra.z_coeff = p.z_coeff;
+  ra.z_coeff = moe_z_loss_coeff(p);
   router_topk_backward(p.rdt, p.logits, g.dprobs, p.routing_map, p.drop ? p.map_pre : p.routing_map, aux_grad,
                        p.padding, g.dlogits, ra, st);
   router_gating_backward(p, g, T, st);
 }
 
 // SharedExpertMLP's backward from d out [T, h] into g.d_x_shared: the gate's, the MLP's
-// (linear_fc2, the activation, linear_fc1), the gate GEMM's.
+// (linear_fc2, the activation, linear_fc1), the gate GEMM's. At tp > 1 (sequence parallel) the
+// duals of the forward's collectives: d out all-gathered to every token [n, h] for linear_fc2's
+// (row parallel) gradients, linear_fc1's (column parallel) input gradient reduce-scattered.
 inline void shared_experts_backward(const MoEPlan& p, const MoELayerGrads& g, std::int64_t T, cudaStream_t st) {
   const RankPlan& a = p.attn;
   const DType dt = a.dt;
-  const int h = a.h, f = p.shared_ffn, w1 = (p.glu ? 2 : 1) * f;
+  const TensorParallel tp = tensor_parallel(a);
+  const std::int64_t n = std::int64_t(a.s) * a.b;
+  const int h = a.h, f = p.shared_ffn / a.tp, w1 = (p.glu ? 2 : 1) * f;
   const void* d_mlp = g.d_output;
   RoundingCount gate_branch;
   if (p.shared_gate) {
@@ -97,11 +101,14 @@ inline void shared_experts_backward(const MoEPlan& p, const MoELayerGrads& g, st
                                               g.d_gate_logits, T, h, st);
     d_mlp = g.d_shared_mlp;
   }
-  linear_backward_wgrad(dt, d_mlp, p.shared_act, g.shared_fc2_w, T, f, h, st);    // [h, f]
-  linear_backward_dgrad(dt, d_mlp, p.shared_fc2_w, g.d_shared_act, T, f, h, st);  // [T, f]
-  bias_activation_backward(dt, p.shared_fc1, nullptr, g.d_shared_act, g.d_shared_fc1, T, f, a.act, p.glu, st);
-  linear_backward_wgrad(dt, g.d_shared_fc1, a.ln2, g.shared_fc1_w, T, h, w1, st);         // [w1, h]
-  linear_backward_dgrad(dt, g.d_shared_fc1, p.shared_fc1_w, g.d_x_shared, T, h, w1, st);  // [T, h]
+  d_mlp = tp_gather_rows(tp, dt, d_mlp, g.d_shared_full, n, h, st);               // [n, h]
+  linear_backward_wgrad(dt, d_mlp, p.shared_act, g.shared_fc2_w, n, f, h, st);    // [h, f]
+  linear_backward_dgrad(dt, d_mlp, p.shared_fc2_w, g.d_shared_act, n, f, h, st);  // [n, f]
+  bias_activation_backward(dt, p.shared_fc1, nullptr, g.d_shared_act, g.d_shared_fc1, n, f, a.act, p.glu, st);
+  linear_backward_wgrad(dt, g.d_shared_fc1, a.sp ? a.ln2_full : a.ln2, g.shared_fc1_w, n, h, w1, st);  // [w1, h]
+  void* const d_x = a.tp > 1 ? g.d_x_shared_partial : g.d_x_shared;
+  linear_backward_dgrad(dt, g.d_shared_fc1, p.shared_fc1_w, d_x, n, h, w1, st);  // [n, h]
+  tp_reduce(tp, dt, d_x, g.d_x_shared, n, h, st);                                // [T, h]
   if (p.shared_gate) {
     rounding_join(gate_branch);
     shared_expert_gate_input_backward(dt, g.d_gate_logits, p.shared_gate_w, g.d_x_shared, T, h, st);
@@ -170,7 +177,7 @@ inline void moe_alltoall_experts_backward(const MoEPlan& p, const MoELayerGrads&
 inline void moe_allgather_experts_backward(const MoEPlan& p, const MoELayerGrads& g, cudaStream_t st) {
   const RankPlan& a = p.attn;
   const DType dt = a.dt, rdt = p.rdt;
-  const std::int64_t T = std::int64_t(a.s) * a.b, h = a.h, TG = T * p.ep;
+  const std::int64_t T = moe_tokens(p), h = a.h, TG = T * p.ep;
   const int E = p.E, El = p.local_E, ep = p.ep;
   require(p.ep_comm && g.ag_d && g.ag_d_local_probs && g.ag_d_probs_recv && g.ep_d_out && g.ep_d_in && g.ep_d_in_probs,
           "moe backward: the allgather dispatcher without its group or buffers");
@@ -227,7 +234,7 @@ inline void moe_backward_postprocess_impl(const MoEPlan& p, MoEGrads& g, cudaStr
   const RankPlan& a = p.attn;
   const RankGrads& ag = g.attn;
   const DType dt = a.dt;
-  const std::int64_t T = std::int64_t(a.s) * a.b, h = a.h;
+  const std::int64_t T = moe_tokens(p), h = a.h;
   require(g.d_output == ag.d_mlp && g.d_input == ag.d_ln2, "moe backward: MoELayer's gradients are not the layer's");
   require(g.router_w && g.fc1_w && g.fc2_w && g.d_rows && g.d_act && g.d_fc1 && g.d_permuted && g.d_permuted_probs &&
               g.d_hidden && g.dprobs && g.dlogits && g.d_x_router,
@@ -235,8 +242,8 @@ inline void moe_backward_postprocess_impl(const MoEPlan& p, MoEGrads& g, cudaStr
   g.at_input = rounding_now();
   // ---- mlp_bda                                                        // [T, h]
   bias_dropout_add_backward(dt, ag.dout, ag.d_mlp, nullptr, nullptr, T, a.h,
-                            DropoutArgs::make(a.hidden_dropout, a.training, a.seed, a.offset_mlp_bda), 0, nullptr, 0,
-                            st);
+                            DropoutArgs::make(a.hidden_dropout, a.training, a.seed, a.offset_mlp_bda),
+                            tensor_parallel(a).element_base(std::int64_t(a.s) * a.b, a.h), nullptr, 0, st);
   g.at_output = rounding_now();
   // ---- the shared experts, a branch from d mlp                        // [T, h]
   if (p.shared_ffn > 0) {
@@ -259,11 +266,29 @@ inline void moe_backward_expert_compute_impl(const MoEPlan& p, MoEGrads& g, cuda
     moe_alltoall_experts_backward(p, g, st);  // [N, h], [N]
 }
 
+// At tp > 1 the replicated parameters' gradients each rank computed over its tokens, summed over
+// the ranks as Megatron's finalize_model_grads all-reduces the sequence-parallel ones
+// (pre_mlp_layernorm's, the router's, the shared experts' gate) and its DDP the experts' over the
+// expert-data-parallel group (which the tensor-parallel ranks are at expert tensor-parallel size 1).
+inline void moe_tp_sum_param_grads(const MoEPlan& p, MoEGrads& g, cudaStream_t st) {
+  const RankPlan& a = p.attn;
+  if (a.tp == 1) return;
+  const std::int64_t h = a.h, E = p.E, w1 = (p.glu ? 2 : 1) * std::int64_t(p.ffn);
+  const TensorParallel tp = tensor_parallel(a);
+  GradLeaves leaves(rounding_now());
+  tp_sum_param_grads(tp, a.dt, {g.attn.ln2_w, g.attn.ln2_b}, h, leaves, st);
+  tp_sum_param_grads(tp, a.dt, {g.router_w}, E * h, leaves, st);
+  tp_sum_param_grads(tp, a.dt, {g.shared_gate_w}, h, leaves, st);
+  tp_sum_param_grads(tp, a.dt, {g.fc1_w}, E * w1 * h, leaves, st);
+  tp_sum_param_grads(tp, a.dt, {g.fc2_w}, E * h * p.ffn, leaves, st);
+  leaves.join_all();
+}
+
 inline void moe_backward_router_impl(const MoEPlan& p, MoEGrads& g, cudaStream_t st) {
   const RankPlan& a = p.attn;
   const RankGrads& ag = g.attn;
   const DType dt = a.dt, rdt = p.rdt;
-  const std::int64_t T = std::int64_t(a.s) * a.b, h = a.h;
+  const std::int64_t T = moe_tokens(p), h = a.h;
   // ---- the dispatch's backward: rows to their tokens, probabilities to their entries
   if (!moe_backward_dispatch_in_expert_phase(p)) {
     const std::int64_t N = moe_routed_rows(p);
@@ -284,6 +309,7 @@ inline void moe_backward_router_impl(const MoEPlan& p, MoEGrads& g, cudaStream_t
   rounding_join(g.at_input);
   grad_sum(dt, ag.dh1, ag.dout, ag.dh1, T * a.h, st);
   attention_half_backward(attention_half_backward_args(a, ag), st);
+  moe_tp_sum_param_grads(p, g, st);
 }
 
 inline std::size_t moe_rank_backward_workspace_bytes_impl(const MoEPlan& p) {

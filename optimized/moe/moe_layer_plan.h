@@ -74,7 +74,7 @@ struct MoELayerPlan {
   const void* shared_fc2_w = nullptr;   // [h, shared_ffn]
   const void* shared_gate_w = nullptr;  // [1, h]
 
-  // ---- activations (device), T = s * b tokens, N_max = T * E rows
+  // ---- activations (device), T = s * b tokens (tensor parallel: the rank's, below), N_max = T * E rows
   void* x_r = nullptr;                            // [T, h] rdt (cast_input)
   void* logits = nullptr;                         // [T, E] rdt
   void* probs_pre = nullptr;                      // [T, E] rdt (before the capacity drop)
@@ -101,6 +101,14 @@ struct MoELayerPlan {
   void* shared_fc2 = nullptr;   // [T, h] linear_fc2's output: shared_out without a gate, kept apart with one
   void* gate_logits = nullptr;  // [T]
   void* mlp_out = nullptr;      // [T, h]
+
+  // ---- tensor parallelism with sequence parallelism (the attention half's tp > 1 and sp): this
+  // rank routes its slice of the tokens, T = s / tp * b, through every expert whole (expert
+  // tensor-parallel size 1); the shared experts are a tensor-parallel MLP over all s * b tokens,
+  // holding shared_ffn / tp of its columns (shared_fc1 [s * b, (glu ? 2 : 1) * shared_ffn / tp],
+  // shared_act [s * b, shared_ffn / tp]).
+  double* tp_counts = nullptr;         // [2 * b * E] the load-balancing loss's column counts over the ranks
+  void* shared_fc2_partial = nullptr;  // [s * b, h] this rank's part of the shared linear_fc2's output
 
   // ---- expert parallelism, ep > 1: this rank holds the local experts
   // [ep_rank * local_E, (ep_rank + 1) * local_E) (fc1_w .. fc2_b above are those experts only).
@@ -172,6 +180,11 @@ struct MoELayerGrads {
   void* d_shared_act = nullptr;      // [T, shared_ffn]
   void* d_shared_fc1 = nullptr;      // [T, (glu ? 2 : 1) * shared_ffn]
   void* d_x_shared = nullptr;        // [T, h] the shared experts' part of d input
+  // tp > 1 (sequence parallel): the shared MLP's output gradient all-gathered [s * b, h] and this
+  // rank's part of its input gradient [s * b, h] (reduce-scattered into d_x_shared); the shared
+  // buffers above then hold all s * b tokens and shared_ffn / tp columns.
+  void* d_shared_full = nullptr;
+  void* d_x_shared_partial = nullptr;
   // expert parallelism, ep > 1 (the alltoall dispatcher's duals), N_max rows each
   void* ep_d_recv = nullptr;        // [N_max, h] rows' gradients by source rank, then local expert
   void* ep_d_out = nullptr;         // [N_max, h] the local experts' output gradient (local expert-major)

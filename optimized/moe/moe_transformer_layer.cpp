@@ -45,6 +45,26 @@ std::string moe_layer_unsupported(const TransformerConfig& c, const LayerOptions
   }
   if (c.moe_pad_expert_input_to_capacity && !c.moe_expert_capacity_factor)
     return "moe_pad_expert_input_to_capacity without moe_expert_capacity_factor";
+  const int tp = o.tp;  // the layer runs options.tp ranks (the config's size is where a golden ran)
+  if (tp > 1) {
+    // Megatron trains an MoE layer at tp > 1 only with sequence parallelism (moe_layer.py raises
+    // without it); each rank then routes its slice of the tokens through whole experts.
+    if (!o.sp)
+      return "MoE at tensor_model_parallel_size > 1 without sequence_parallel (Megatron trains it only with SP)";
+    if (ep > 1)
+      return "tensor and expert parallelism together (tp " + std::to_string(tp) + " x ep " + std::to_string(ep) + ")";
+    if (c.moe_expert_capacity_factor)
+      return "an expert capacity under sequence parallelism (each rank would cut its own slice of the tokens)";
+    if (c.moe_shared_expert_intermediate_size.value_or(0) % tp != 0)
+      return "moe_shared_expert_intermediate_size not divisible by tensor_model_parallel_size";
+    TransformerConfig attention = c;  // the attention half's sizes (the layer has no dense MLP)
+    attention.ffn_hidden_size = tp;
+    try {
+      check_tensor_parallel_sizes("a layer tensor parallelism does not shard", attention, tp, "tp");
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+  }
   return "";
 }
 
@@ -61,27 +81,29 @@ MoETransformerLayer::MoETransformerLayer(const TransformerConfig& c, const std::
     : config_(c), options_(o) {
   if (const std::string why = moe_layer_unsupported(c, o); !why.empty())
     throw ConfigError(std::string(kWho) + ": unsupported: " + why);
-  const int ep = c.expert_model_parallel_size;
+  // One group of ranks: expert-parallel (ep > 1) or tensor-parallel (tp > 1), never both.
+  const int ep = c.expert_model_parallel_size, n = std::max(ep, o.tp);
   std::vector<std::unique_ptr<rt::Communicator>> comms;
-  if (ep > 1) comms = rt::make_threaded_group(ep);
-  for (int r = 0; r < ep; ++r) {
+  if (n > 1) comms = rt::make_threaded_group(n);
+  for (int r = 0; r < n; ++r) {
     ranks_.push_back(std::make_unique<Impl>());
-    ranks_.back()->ep_comm = ep > 1 ? std::move(comms[std::size_t(r)]) : nullptr;
-    init_rank(*ranks_.back(), c, params, o, r);
+    Impl& m = *ranks_.back();
+    (ep > 1 ? m.ep_comm : m.tp_comm) = n > 1 ? std::move(comms[std::size_t(r)]) : nullptr;
+    init_rank(m, c, params, o, ep > 1 ? r : 0, o.tp > 1 ? r : 0);
   }
 }
 
 // One expert-parallel rank: every parameter checked, the attention half's and the router's
 // uploaded, and this rank's local experts.
 void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const std::map<std::string, Tensor>& params,
-                                    const LayerOptions& o, int rank) {
+                                    const LayerOptions& o, int ep_rank, int tp_rank) {
   m.dt = params_dtype(c);
   m.h = c.hidden_size;
   m.np = c.num_attention_heads;
   m.ng = c.query_groups();
   m.hn = c.head_dim();
   m.mlp.who = kWho;
-  m.mlp.configure(c, rank);
+  m.mlp.configure(c, ep_rank);
   if (m.np % m.ng != 0) throw ConfigError(std::string(kWho) + ": heads not divisible by query groups");
   m.dev = &rt::device(o.backend);
   m.stream.emplace(*m.dev);
@@ -100,17 +122,25 @@ void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const s
     throw ShapeError(std::string(kWho) + ": parameter '" + key + "' is not one the MoE layer owns");
   }
 
-  // ---- the plan: the attention half as the dense layer's RankPlan (tp = 1), then the MoE MLP
+  // ---- the plan: the attention half as the dense layer's RankPlan (this rank's shards), then the MoE MLP
   RankPlan& p = m.plan.attn;
   plan_attention_half(p, c, o.layer_number);
   p.ffn = m.mlp.ffn;
+  p.tp = o.tp;
+  p.rank = tp_rank;
+  p.sp = o.sp;
+  p.comm = m.tp_comm.get();
   for (const PlanWeight& w : kAttentionHalfWeights)
-    if (m.full.count(w.key)) p.*w.slot = m.weights.upload(*m.dev, m.full.at(w.key));
-  m.mlp.bind(m.plan, c, m.full, rank, m.ep_comm.get(), m.weights, *m.dev);
+    if (m.full.count(w.key))
+      p.*w.slot = m.weights.upload(*m.dev, tensor_parallel_shard(c, w.key, m.full.at(w.key), tp_rank, o.tp));
+  m.mlp.bind(m.plan, c, m.full, ep_rank, m.ep_comm.get(), m.weights, *m.dev, tp_rank, o.tp);
 }
 
-const std::vector<std::int64_t>& MoETransformerLayer::tokens_per_expert() const {
-  return ranks_.front()->plan.tokens_per_expert;
+std::vector<std::int64_t> MoETransformerLayer::tokens_per_expert() const {
+  std::vector<std::int64_t> n = ranks_.front()->plan.tokens_per_expert;
+  for (std::size_t r = 1; r < ranks_.size() && options_.tp > 1; ++r)  // each rank's tokens
+    for (std::size_t e = 0; e < n.size(); ++e) n[e] += ranks_[r]->plan.tokens_per_expert[e];
+  return n;
 }
 
 // forward is exactly the three phases in turn. At ep > 1 each rank's thread runs its three phases
@@ -130,19 +160,44 @@ LayerOutput MoETransformerLayer::forward(const Tensor& hidden_states, const MoEF
     expert_compute_rank(r);
     outs[std::size_t(r)] = postprocess_rank(r);
   });
-  return std::move(outs.front());
+  return gather_tensor_parallel(std::move(outs));
 }
 
-// The taps are rank 0's (the other ranks hold the same tokens: their routing and outputs are
-// rank 0's), as a rank-0 hook in Megatron records them.
-ForwardOptions MoETransformerLayer::rank_options(const ForwardOptions& fo, int rank) {
+// At ep > 1 the taps are rank 0's (the other ranks hold the same tokens: their routing and
+// outputs are rank 0's), as a rank-0 hook in Megatron records them; at tp > 1 every rank records
+// its part.
+ForwardOptions MoETransformerLayer::rank_options(const ForwardOptions& fo, int rank) const {
   ForwardOptions rank_fo = fo;
-  rank_fo.record_taps = fo.record_taps && rank == 0;
+  rank_fo.record_taps = fo.record_taps && (rank == 0 || options_.tp > 1);
   return rank_fo;
 }
 
+// The output's sequence slices in rank order; the attention half's taps gathered by their
+// layouts, then the MoE MLP's (gather_tensor_parallel_moe_records). At ep > 1 (or one rank) rank 0's.
+LayerOutput MoETransformerLayer::gather_tensor_parallel(std::vector<LayerOutput> outs) {
+  if (options_.tp == 1) return std::move(outs.front());
+  LayerOutput out;
+  std::vector<const Tensor*> slices;
+  for (const LayerOutput& o : outs) slices.push_back(&o.hidden_states);
+  out.hidden_states = gather_shards(slices, ShardLayout{0, 1});
+  std::vector<std::vector<RankTap>> attention;
+  std::vector<Record> moe;
+  std::vector<std::vector<std::int64_t>> tokens;
+  for (std::size_t r = 0; r < ranks_.size(); ++r) {
+    attention.push_back(std::move(ranks_[r]->attention_taps));
+    ranks_[r]->attention_taps.clear();
+    moe.push_back(std::move(outs[r].record));
+    tokens.push_back(ranks_[r]->plan.tokens_per_expert);
+  }
+  if (moe.front().entries.empty()) return out;
+  out.record = gather_rank_taps(attention, kWho);
+  for (RecordEntry& e : gather_tensor_parallel_moe_records(moe, tokens, ranks_.front()->plan.glu).entries)
+    out.record.entries.push_back(std::move(e));
+  return out;
+}
+
 void MoETransformerLayer::set_gather_expert_taps(const ForwardOptions& fo) {
-  if (ranks_.size() > 1)
+  if (config_.expert_model_parallel_size > 1)
     for (auto& r : ranks_) r->plan.gather_expert_taps = fo.record_taps;  // a collective: every rank alike
 }
 
@@ -209,7 +264,7 @@ LayerOutput MoETransformerLayer::_forward_mlp_postprocess() {
         kPhaseOrder);
   std::vector<LayerOutput> outs(ranks_.size());
   on_every_rank([&](int r) { outs[std::size_t(r)] = postprocess_rank(r); });
-  return std::move(outs.front());
+  return gather_tensor_parallel(std::move(outs));
 }
 
 // The router phase (_forward_mlp_router, here with the attention half before it: the twin's
@@ -230,12 +285,24 @@ void MoETransformerLayer::router_rank_body(Impl& m, const Tensor& hidden_states,
       check_attention_inputs(kWho, config_, hidden_states, in.attention_mask, in.rotary_pos_emb);
   if (fo.use_graph && (fo.record_taps || in.recorded_routing_map))
     throw std::invalid_argument(std::string(kWho) + ": graph replay runs without taps and without a recorded map");
-  const std::int64_t T = std::int64_t(ai.s) * ai.b;
-  m.padding = token_padding(kWho, in.padding_mask, ai.s, ai.b);
-  m.recorded = recorded_map(kWho, in.recorded_routing_map, T, m.mlp.E);
-
   MoEPlan& P = m.plan;
   RankPlan& p = P.attn;
+  if (p.sp && ai.s % p.tp != 0)
+    throw ShapeError(std::string(kWho) + ": sequence length " + std::to_string(ai.s) + " not divisible by tp " +
+                     std::to_string(p.tp) + " under sequence parallelism");
+  if (p.tp > 1 && in.padding_mask)
+    throw ConfigError(std::string(kWho) +
+                      ": unsupported: a padding_mask at tp > 1 (each rank holds a slice of "
+                      "the sequence, the mask is the whole batch's)");
+  // This rank's tokens: under sequence parallelism rows [rank T, (rank + 1) T) of the token order
+  // t = s_idx * b + b_idx.
+  const std::int64_t T = std::int64_t(ai.s / p.tp) * ai.b;
+  m.padding = token_padding(kWho, in.padding_mask, ai.s, ai.b);
+  m.recorded = recorded_map(kWho, in.recorded_routing_map, T * p.tp, m.mlp.E);
+  if (!m.recorded.empty() && p.tp > 1)
+    m.recorded = std::vector<std::uint8_t>(m.recorded.begin() + p.rank * T * m.mlp.E,
+                                           m.recorded.begin() + (p.rank + 1) * T * m.mlp.E);
+
   m.ensure_buffers(
       BufferShape{ai.s, ai.b, ai.rot, in.attention_mask ? in.attention_mask->nbytes() : 0, !m.padding.empty()});
   m.upload_inputs(hidden_states, in, ai.angles);
@@ -261,9 +328,10 @@ void MoETransformerLayer::router_rank_body(Impl& m, const Tensor& hidden_states,
   // The record fills over the three phases; the hooks live as long as the layer's Impl (they
   // capture it, never this phase's locals).
   m.pending = LayerOutput{};
+  m.attention_taps.clear();
   m.mlp.max_logit = 0.0;
   m.fo = fo;
-  m.S = ai.s;
+  m.S = ai.s / p.tp;  // this rank's (sequence parallel) slice
   m.B = ai.b;
   Impl* const mp = &m;
   p.on_tap = fo.record_taps ? std::function<void(TapPoint)>([mp](TapPoint t) { mp->attention_tap(t); }) : nullptr;
@@ -295,19 +363,20 @@ void MoETransformerLayer::Impl::ensure_buffers(const BufferShape& shape) {
   p.b = shape.b;
   rt::Device& d = *dev;
   BufferArena& A = acts;
-  const std::int64_t T = std::int64_t(shape.s) * shape.b;
+  const std::int64_t T = std::int64_t(p.s_local()) * shape.b;  // this rank's tokens
   x_in = rt::DeviceBuffer(d, std::size_t(T * h) * dtype_size(dt));
   p.x = x_in.get();
   add_attention_half_buffers(A, d, p);
   freqs = shape.rot ? rt::DeviceBuffer(d, std::size_t(shape.s) * shape.rot * sizeof(float)) : rt::DeviceBuffer();
   mask = shape.mask_bytes ? rt::DeviceBuffer(d, shape.mask_bytes) : rt::DeviceBuffer();
   pad = shape.padding ? rt::DeviceBuffer(d, std::size_t(T)) : rt::DeviceBuffer();
-  mlp.add_buffers(P, A, d, shape.s, shape.b);
+  mlp.add_buffers(P, A, d, shape.s, shape.b, p.tp);
 }
 
 void MoETransformerLayer::Impl::upload_inputs(const Tensor& hidden_states, const MoEForwardInputs& in,
                                               const Tensor& angles) {
-  x_in.upload(hidden_states.raw(), hidden_states.nbytes());
+  const std::size_t slice = hidden_states.nbytes() / std::size_t(plan.attn.tp);  // the rank's sequence slice
+  x_in.upload(hidden_states.raw() + std::size_t(plan.attn.rank) * slice, slice);
   if (angles.defined()) freqs.upload(angles.raw(), angles.nbytes());
   if (in.attention_mask) mask.upload(in.attention_mask->raw(), in.attention_mask->nbytes());
   if (!padding.empty()) pad.upload(padding.data(), padding.size());
@@ -333,13 +402,18 @@ bool MoETransformerLayer::Impl::set_kept_buffers(bool keep, bool record_taps) {
   return changed;
 }
 
-// The attention half's taps as every kind records them (tp = 1: every tensor whole).
+// The attention half's taps as every kind records them: at tp = 1 every tensor whole, into the
+// record; at tp > 1 this rank's parts (gathered after the forward).
 void MoETransformerLayer::Impl::attention_tap(TapPoint t) {
   std::vector<RankTap> taps;
   RankTapRecorder rec{plan.attn, full,
                       [&](const void* ptr, DType type, Shape shape) { return download(ptr, type, std::move(shape)); },
                       taps};
   rec.attention_half(t);
+  if (plan.attn.tp > 1) {
+    for (RankTap& tap : taps) attention_taps.push_back(std::move(tap));
+    return;
+  }
   for (RankTap& tap : taps) {
     RecordEntry& e = pending.record.add(Role::Tap, tap.name, std::move(tap.value));
     e.rounding = tap.rounding;

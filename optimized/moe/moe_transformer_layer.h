@@ -1,7 +1,15 @@
 // The optimized twin of Megatron-Core's MoETransformerLayer (the local GPT spec with num_experts):
 // the dense layer's attention half, then an MoELayer (TopKRouter, token dispatcher, the experts as
 // grouped GEMMs, shared experts), on the GPU (Backend::Cuda) or the CUDA simulator (Backend::Sim),
-// at tensor-parallel size 1 (moe_layer.cuh says how each step runs).
+// (moe_layer.cuh says how each step runs).
+//
+// Tensor parallelism: options.tp > 1 (with options.sp: Megatron trains an MoE layer at tp > 1 only
+// with sequence parallelism) runs tp simulated ranks, the attention half sharded as the dense
+// layer's; each rank's MoE MLP routes its slice of the sequence through every expert whole
+// (expert_tensor_parallel_size 1: no dispatch between the ranks), the router's load-balancing
+// counts all-reduced and the z-loss coefficient divided by tp as Megatron's router does, the
+// shared experts a tensor-parallel MLP. The output, taps and gradients are the ranks' put together
+// as the whole layer's. Tensor and expert parallelism together are not implemented.
 //
 // Expert parallelism: config.expert_model_parallel_size = ep (dividing num_moe_experts) runs ep
 // simulated ranks (threads, the threaded collectives), rank r holding the local experts
@@ -28,6 +36,7 @@
 #include "core/config.h"
 #include "core/record.h"
 #include "core/tensor.h"
+#include "optimized/layer/sharding.h"  // ShardLayout
 #include "optimized/transformer_layer.h"
 
 namespace twin::opt {
@@ -107,18 +116,21 @@ class MoETransformerLayer {
   void _backward_mlp_expert_compute();
   LayerGradients _backward_mlp_router(bool with_magnitudes = false, bool use_graph = false);
 
-  // Tokens per expert of the last forward (rank 0's tokens, over all E experts).
-  const std::vector<std::int64_t>& tokens_per_expert() const;
+  // Tokens per expert of the last forward over all E experts: rank 0's tokens at ep > 1 (every
+  // rank's are the same), every rank's at tp > 1.
+  std::vector<std::int64_t> tokens_per_expert() const;
 
  private:
   struct Impl;  // one expert-parallel rank
   static void init_rank(Impl& m, const TransformerConfig& config, const std::map<std::string, Tensor>& params,
-                        const LayerOptions& options, int rank);
+                        const LayerOptions& options, int ep_rank, int tp_rank);
+  // At tp > 1: the ranks' outputs and records put together as the whole layer's.
+  LayerOutput gather_tensor_parallel(std::vector<LayerOutput> outs);
   enum class PhaseKind { Router, ExpertCompute, Postprocess };
   enum class BackwardPhaseKind { Postprocess, ExpertCompute, Router };
   void run_backward_phase(BackwardPhaseKind kind, bool use_graph);
   void on_every_rank(const std::function<void(int)>& phase);
-  static ForwardOptions rank_options(const ForwardOptions& options, int rank);
+  ForwardOptions rank_options(const ForwardOptions& options, int rank) const;
   void set_gather_expert_taps(const ForwardOptions& options);
   void router_rank(int rank, const Tensor& hidden_states, const MoEForwardInputs& inputs,
                    const ForwardOptions& options);
@@ -128,6 +140,15 @@ class MoETransformerLayer {
   LayerOutput postprocess_rank(int rank);
   void run_graph_phase(Impl& m, PhaseKind kind);
   void set_magnitudes(LayerGradients& out) const;
+  double expert_magnitude(int expert, const std::string& rest) const;
+  Tensor gathered(const std::function<const void*(const Impl&)>& ptr_of, const Shape& part, ShardLayout layout,
+                  DType as, int first = 0) const;
+  // The experts' rows of the last backward per rank, read once while set_magnitudes runs.
+  struct ExpertRows {
+    std::vector<double> d_out, act_out, d_fc1, in;
+    std::vector<std::int64_t> tokens;
+  };
+  mutable std::map<int, ExpertRows> expert_rows_;
   TransformerConfig config_;
   LayerOptions options_;
   std::vector<std::unique_ptr<Impl>> ranks_;

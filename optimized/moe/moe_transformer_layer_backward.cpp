@@ -51,21 +51,24 @@ void MoETransformerLayer::Impl::ensure_grad_buffers(rt::Backend backend) {
   rt::Device& d = *dev;
   BufferArena& A = grad_bufs;
   A.clear();
-  const std::int64_t T = std::int64_t(p.s) * p.b, H = h, E = P.E, N = T * E;
-  const int w1 = (P.glu ? 2 : 1) * P.ffn, sw1 = (P.glu ? 2 : 1) * P.shared_ffn;
+  // T: this rank's tokens (its sequence slice at tp > 1), n: the layer's
+  const std::int64_t T = std::int64_t(p.s_local()) * p.b, n = std::int64_t(p.s) * p.b, H = h, E = P.E, N = T * E;
+  const int w1 = (P.glu ? 2 : 1) * P.ffn, sf = P.shared_ffn / p.tp, sw1 = (P.glu ? 2 : 1) * sf;
   const DType rdt = P.rdt;
   MoEGrads g;
-  // ---- the attention half and pre_mlp_layernorm (tp = 1: every tensor whole)
+  // ---- the attention half and pre_mlp_layernorm (this rank's shards and rows)
   RankGrads& a = g.attn;
   a.dout = A.add(d, "dout", dt, T, H);
   a.dx = A.add(d, "dx", dt, T, H);
   for (const GradSlot& s : kAttentionHalfGradSlots)
-    if (full.count(s.key)) a.*s.slot = A.add(d, s.key, dt, full.at(s.key).numel());
+    if (full.count(s.key)) a.*s.slot = A.add(d, s.key, dt, full.at(s.key).numel() / (s.shard_dim < 0 ? 1 : p.tp));
   a.dh1 = A.add(d, "dh1", dt, T, H);
   a.d_mlp = A.add(d, "d_mlp", dt, T, H);
   a.d_ln2 = A.add(d, "d_ln2", dt, T, H);
   a.d_proj = A.add(d, "d_proj", dt, T, H);
+  a.d_proj_full = p.sp ? A.add(d, "d_proj_full", dt, n, H) : nullptr;
   add_attention_half_grad_scratch(A, d, p, a);
+  a.d_ln1_partial = p.tp > 1 ? A.add(d, "d_ln1_partial", dt, n, H) : nullptr;
   a.d_ln1 = A.add(d, "d_ln1", dt, T, H);
   a.workspace_bytes = layer_kernels(backend).moe_rank_backward_workspace_bytes(P);
   a.workspace = A.add<std::byte>(d, "workspace", a.workspace_bytes);
@@ -103,12 +106,14 @@ void MoETransformerLayer::Impl::ensure_grad_buffers(rt::Backend backend) {
   g.d_x_router = A.add(d, "d_x_router", dt, T, H);
   if (P.shared_ffn > 0) {
     g.shared_fc1_w = A.add(d, "shared_fc1_w", dt, sw1, H);
-    g.shared_fc2_w = A.add(d, "shared_fc2_w", dt, H, P.shared_ffn);
+    g.shared_fc2_w = A.add(d, "shared_fc2_w", dt, H, sf);
     g.shared_gate_w = P.shared_gate ? A.add(d, "shared_gate_w", dt, H) : nullptr;
     g.d_shared_mlp = P.shared_gate ? A.add(d, "d_shared_mlp", dt, T, H) : nullptr;
     g.d_gate_logits = P.shared_gate ? A.add(d, "d_gate_logits", dt, T) : nullptr;
-    g.d_shared_act = A.add(d, "d_shared_act", dt, T, P.shared_ffn);
-    g.d_shared_fc1 = A.add(d, "d_shared_fc1", dt, T, sw1);
+    g.d_shared_full = p.sp ? A.add(d, "d_shared_full", dt, n, H) : nullptr;
+    g.d_shared_act = A.add(d, "d_shared_act", dt, n, sf);
+    g.d_shared_fc1 = A.add(d, "d_shared_fc1", dt, n, sw1);
+    g.d_x_shared_partial = p.tp > 1 ? A.add(d, "d_x_shared_partial", dt, n, H) : nullptr;
     g.d_x_shared = A.add(d, "d_x_shared", dt, T, H);
   }
   grads = g;
@@ -199,21 +204,23 @@ void MoETransformerLayer::_backward_mlp_postprocess(const Tensor& grad_output, b
     throw std::logic_error(std::string(kWho) + ": backward needs the last forward run with keep_for_backward" +
                            kBackwardOrder);
   const RankPlan& p = m.plan.attn;
-  const std::int64_t T = std::int64_t(p.s) * p.b, E = m.plan.E;
+  const std::int64_t T = std::int64_t(p.s_local()) * p.b, E = m.plan.E;
   grad_output.expect({p.s, p.b, m.h}, m.dt, std::string(kWho) + ": grad_output");
-  const Tensor map = m.download(m.plan.routing_map, DType::BOOL, {T, E});
-  int most_rows = 0;
-  for (std::int64_t t = 0; t < T; ++t) {
-    int rows = 0;
-    for (std::int64_t e = 0; e < E; ++e) rows += map.at_f64(t * E + e) != 0.0;
-    most_rows = std::max(most_rows, rows);
-  }
+  // Each rank's output gradient: its sequence slice at tp > 1 (ep > 1: every rank's replica, the whole).
+  const std::size_t slice = grad_output.nbytes() / std::size_t(p.tp);
   for (auto& R : ranks_) {
+    const Tensor map = R->download(R->plan.routing_map, DType::BOOL, {T, E});
+    int most_rows = 0;
+    for (std::int64_t t = 0; t < T; ++t) {
+      int rows = 0;
+      for (std::int64_t e = 0; e < E; ++e) rows += map.at_f64(t * E + e) != 0.0;
+      most_rows = std::max(most_rows, rows);
+    }
     R->backward_done = Impl::BackwardPhase::None;
     R->ensure_grad_buffers(options_.backend);
     R->grads.most_rows = most_rows;
-    R->dev->copy(const_cast<void*>(R->grads.attn.dout), grad_output.raw(), grad_output.nbytes(),
-                 rt::CopyKind::HostToDevice, R->stream->handle());
+    R->dev->copy(const_cast<void*>(R->grads.attn.dout), grad_output.raw() + std::size_t(R->plan.attn.rank) * slice,
+                 slice, rt::CopyKind::HostToDevice, R->stream->handle());
   }
   run_backward_phase(BackwardPhaseKind::Postprocess, use_graph);
   for (auto& R : ranks_) R->backward_done = Impl::BackwardPhase::Postprocess;
@@ -240,109 +247,170 @@ LayerGradients MoETransformerLayer::_backward_mlp_router(bool with_magnitudes, b
 
   Impl& m = *ranks_.front();
   const RankPlan& p = m.plan.attn;
-  const std::int64_t h = m.h;
   const std::size_t es = dtype_size(m.dt);
   LayerGradients out;
-  out.hidden_states = m.download(m.grads.attn.dx, m.dt, {p.s, p.b, h});
+  out.hidden_states = gathered([](const Impl& R) -> const void* { return R.grads.attn.dx; }, {p.s_local(), p.b, m.h},
+                               p.tp > 1 ? ShardLayout{0, 1} : ShardLayout{}, m.dt);
   for (const std::string& key : moe_layer_param_keys(config_)) {
     const int e = expert_of_key(key).first;
-    Impl& R = *ranks_[std::size_t(e < 0 ? 0 : e / m.plan.local_E)];  // an expert's gradient is its owner's
-    const void* ptr = moe_grad_of(R.grads, R.plan, int(h), key, es);
+    const int owner = e < 0 ? 0 : e / m.plan.local_E;  // an expert's gradient is its owner's (ep > 1)
+    // how the tensor-parallel ranks hold it: the attention half's by its slot, the shared experts'
+    // as Megatron shards an MLP, the rest whole on every rank (after the backward's sums)
+    ShardLayout layout = p.tp > 1 ? tensor_parallel_layout(config_, key) : ShardLayout{};
+    void* RankGrads::*slot = nullptr;
     for (const GradSlot& s : kAttentionHalfGradSlots)
-      if (key == s.key) ptr = R.grads.attn.*s.slot;
-    if (!ptr) throw std::logic_error(std::string(kWho) + ": the backward computes no gradient of '" + key + "'");
+      if (key == s.key) {
+        slot = s.slot;
+        layout = p.tp > 1 ? ShardLayout{s.shard_dim, 1} : ShardLayout{};
+      }
+    Shape part = m.full.at(key).shape();
+    if (layout.dim >= 0) part[std::size_t(layout.dim)] /= p.tp;
+    auto grad_of = [&](const Impl& R) -> const void* {
+      return slot ? R.grads.attn.*slot : moe_grad_of(R.grads, R.plan, m.h, key, es);
+    };
+    if (!grad_of(*ranks_[std::size_t(owner)]))
+      throw std::logic_error(std::string(kWho) + ": the backward computes no gradient of '" + key + "'");
     ParamGradient pg;
     pg.name = key;
-    pg.value = R.download(ptr, m.dt, m.full.at(key).shape());
+    pg.value = gathered(grad_of, part, layout, m.dt, owner);
     out.params.push_back(std::move(pg));
   }
   if (with_magnitudes) set_magnitudes(out);
   return out;
 }
 
-// The magnitudes: each op's output gradient and input as the run left them (tp = 1: whole), an
-// expert's on its owner rank.
+// A tensor each tensor-parallel rank holds part of (`part` on each; layout.dim < 0: the rank
+// `first`'s is the whole), put back together in the full layer's layout, parts in rank order.
+Tensor MoETransformerLayer::gathered(const std::function<const void*(const Impl&)>& ptr_of, const Shape& part,
+                                     ShardLayout layout, DType as, int first) const {
+  std::vector<Tensor> parts;
+  for (int r = layout.dim < 0 ? first : 0; r < (layout.dim < 0 ? first + 1 : options_.tp); ++r) {
+    Impl& R = *ranks_[std::size_t(r)];
+    parts.push_back(R.download(ptr_of(R), as, part));
+  }
+  std::vector<const Tensor*> shards;
+  for (const Tensor& t : parts) shards.push_back(&t);
+  return gather_shards(shards, layout);
+}
+
+// The magnitudes: each op's output gradient and input as the run left them, as the full layer's
+// tensors (at tp > 1 every rank's parts put together, with the full layer's plan); an expert's rows
+// on its owner rank (ep > 1) or on every rank (tp > 1: each rank's rows of the expert in turn).
 void MoETransformerLayer::set_magnitudes(LayerGradients& out) const {
-  Impl& m = *ranks_.front();
+  const Impl& m = *ranks_.front();
   const MoEPlan& P = m.plan;
   const RankPlan& p = P.attn;
-  const MoEGrads& g = m.grads;
-  const std::int64_t T = std::int64_t(p.s) * p.b, h = m.h, E = P.E, ffn = P.ffn, w1 = (P.glu ? 2 : 1) * ffn;
-  auto abs_of = [&](const void* ptr, std::int64_t rows, std::int64_t cols) {
-    return abs_values(m.download(ptr, m.dt, {rows, cols}));
+  const int tp = p.tp;
+  const std::int64_t n = std::int64_t(p.s) * p.b, T = std::int64_t(p.s_local()) * p.b, h = m.h, E = P.E, ffn = P.ffn,
+                     w1 = (P.glu ? 2 : 1) * ffn, sf = P.shared_ffn, sw1 = (P.glu ? 2 : 1) * sf;
+  using PtrOf = std::function<const void*(const Impl&)>;
+  // [n, cols] from each rank's rows [T, cols] / columns [n, cols / tp] / rank 0's whole [n, cols]
+  auto rows_of = [&](const PtrOf& ptr, std::int64_t cols, DType as) {
+    return gathered(ptr, {T, cols}, tp > 1 ? ShardLayout{0, 1} : ShardLayout{}, as);
   };
-  auto read = [&](const void* ptr, std::int64_t cols) { return m.download(ptr, m.dt, {T, cols}); };
+  auto rows = [&](const PtrOf& ptr, std::int64_t cols) { return rows_of(ptr, cols, m.dt); };
+  auto cols_of = [&](const PtrOf& ptr, std::int64_t cols, int blocks = 1) {
+    return gathered(ptr, {n, cols / tp}, tp > 1 ? ShardLayout{1, blocks} : ShardLayout{}, m.dt);
+  };
+  auto whole = [&](const PtrOf& ptr, std::int64_t cols) { return gathered(ptr, {n, cols}, ShardLayout{}, m.dt); };
+  auto grad = [](auto member) { return [member](const Impl& R) -> const void* { return R.grads.attn.*member; }; };
+  auto act = [](auto member) { return [member](const Impl& R) -> const void* { return R.plan.attn.*member; }; };
+  RankPlan fp = p;  // the full layer's
+  fp.tp = 1;
+  fp.sp = false;
+  const std::int64_t qw = fp.qkv_width();
   std::map<std::string, AttentionHalfMagnitudes::Source> sources = {
-      {"d_ln1", [&] { return read(g.attn.d_ln1, h); }},
-      {"d_qkv", [&] { return read(g.attn.d_qkv, p.qkv_width()); }},
-      {"d_qkv_pre", [&] { return read(g.attn.d_qkv_pre, p.qkv_width()); }},
-      {"d_proj", [&] { return read(g.attn.d_proj, h); }},
-      {"d_ln2", [&] { return read(g.attn.d_ln2, h); }},
-      {"x", [&] { return read(p.x, h); }},
-      {"h1", [&] { return read(p.h1, h); }},
-      {"ln1", [&] { return read(p.ln1_full, h); }},
-      {"ctx", [&] { return read(p.ctx, p.ctx_width()); }},
-      {"qkv_pre_norm", [&] { return read(p.qkv_pre_norm, p.qkv_width()); }}};
-  if (p.mla.on)  // tp = 1: every tensor whole
+      {"d_ln1", [&] { return rows(grad(&RankGrads::d_ln1), h); }},
+      {"d_qkv", [&] { return cols_of(grad(&RankGrads::d_qkv), qw); }},
+      {"d_qkv_pre", [&] { return cols_of(grad(&RankGrads::d_qkv_pre), qw); }},
+      {"d_proj", [&] { return rows(grad(&RankGrads::d_proj), h); }},
+      {"d_ln2", [&] { return rows(grad(&RankGrads::d_ln2), h); }},
+      {"x", [&] { return rows(act(&RankPlan::x), h); }},
+      {"h1", [&] { return rows(act(&RankPlan::h1), h); }},
+      {"ln1", [&] { return whole(act(&RankPlan::ln1_full), h); }},
+      {"ctx", [&] { return cols_of(act(&RankPlan::ctx), fp.ctx_width()); }},
+      {"qkv_pre_norm", [&] { return cols_of(act(&RankPlan::qkv_pre_norm), qw); }}};
+  if (p.mla.on)
     add_mla_magnitude_sources(
-        p, [&](const MlaBufferOf& ptr, std::int64_t cols, bool) { return read(ptr(p, g.attn), cols); }, sources);
-  AttentionHalfMagnitudes attention(p, T, std::move(sources));
-  // An expert's rows on its owner rank, read once per rank: local expert l's are
-  // [offset_l, offset_l + n_l) of the rank's expert rows (at ep > 1 every rank's replica of each
-  // token's row: the weight gradient's sum is scaled by 1 / ep, its magnitude likewise).
-  struct ExpertRows {
-    std::vector<double> d_out, act_out, d_fc1, in;
-    std::vector<std::int64_t> tokens;
-  };
-  std::map<int, ExpertRows> rows_of_rank;
-  auto expert_rows = [&](int r) -> const ExpertRows& {
-    auto it = rows_of_rank.find(r);
-    if (it != rows_of_rank.end()) return it->second;
-    Impl& R = *ranks_[std::size_t(r)];
-    ExpertRows x;
-    x.tokens = P.ep == 1 ? P.tokens_per_expert : R.plan.local_tokens_per_expert;
-    std::int64_t n = 0;
-    for (auto t : x.tokens) n += t;
-    auto read = [&](const void* ptr, std::int64_t cols) { return abs_values(R.download(ptr, m.dt, {n, cols})); };
-    x.d_out = read(P.ep == 1 ? R.grads.d_rows : R.grads.ep_d_out, h);
-    x.act_out = read(R.plan.act_out, ffn);
-    x.d_fc1 = read(R.grads.d_fc1, w1);
-    x.in = read(P.ep == 1 ? R.plan.permuted : R.plan.ep_in, h);
-    return rows_of_rank.emplace(r, std::move(x)).first->second;
-  };
-  // rows [first, first + n) of a [*, cols] row-major matrix
-  auto slice = [](const std::vector<double>& v, std::int64_t first, std::int64_t n, std::int64_t cols) {
-    return std::vector<double>(v.begin() + first * cols, v.begin() + (first + n) * cols);
-  };
-  const std::vector<double> x = abs_of(p.ln2, T, h);  // MoELayer's input
+        fp,
+        [&](const MlaBufferOf& ptr, std::int64_t cols, bool per_head) {
+          const PtrOf of_rank = [&](const Impl& R) { return ptr(R.plan.attn, R.grads.attn); };
+          return per_head ? cols_of(of_rank, cols) : whole(of_rank, cols);
+        },
+        sources);
+  AttentionHalfMagnitudes attention(fp, n, std::move(sources));
+  const std::vector<double> x = abs_values(rows(act(&RankPlan::ln2), h));  // MoELayer's input [n, h]
+  auto moe = [](auto member) { return [member](const Impl& R) -> const void* { return R.grads.*member; }; };
   auto magnitude = [&](const std::string& key) -> double {
     if (const auto a = attention(key)) return *a;
-    if (key == "mlp.router.weight") {
-      const Tensor dl = m.download(g.dlogits, P.rdt, {T, E});
-      return weight_magnitude(abs_values(dl), x, T, E, h);
-    }
+    if (key == "mlp.router.weight")
+      return weight_magnitude(abs_values(rows_of(moe(&MoEGrads::dlogits), E, P.rdt)), x, n, E, h);
     if (key == "mlp.shared_experts.linear_fc1.weight")
-      return weight_magnitude(abs_of(g.d_shared_fc1, T, (P.glu ? 2 : 1) * P.shared_ffn), x, T,
-                              (P.glu ? 2 : 1) * P.shared_ffn, h);
+      return weight_magnitude(abs_values(cols_of(moe(&MoEGrads::d_shared_fc1), sw1, P.glu ? 2 : 1)), x, n, sw1, h);
     if (key == "mlp.shared_experts.linear_fc2.weight")
-      return weight_magnitude(abs_of(P.shared_gate ? g.d_shared_mlp : g.d_output, T, h),
-                              abs_of(P.shared_act, T, P.shared_ffn), T, h, P.shared_ffn);
-    if (key == "mlp.shared_experts.gate_weight") return weight_magnitude(abs_of(g.d_gate_logits, T, 1), x, T, 1, h);
-    if (const auto [e, rest] = expert_of_key(key); e >= 0) {
-      const ExpertRows& x = expert_rows(e / P.local_E);
-      const int l = e % P.local_E;
-      std::int64_t first = 0;
-      for (int i = 0; i < l; ++i) first += x.tokens[std::size_t(i)];
-      const std::int64_t n = x.tokens[std::size_t(l)];
-      if (n == 0) return 0.0;
-      if (rest == "linear_fc2.weight")
-        return weight_magnitude(slice(x.d_out, first, n, h), slice(x.act_out, first, n, ffn), n, h, ffn) / P.ep;
-      if (rest == "linear_fc1.weight")
-        return weight_magnitude(slice(x.d_fc1, first, n, w1), slice(x.in, first, n, h), n, w1, h) / P.ep;
-    }
+      return weight_magnitude(
+          abs_values(rows(P.shared_gate ? PtrOf(moe(&MoEGrads::d_shared_mlp)) : PtrOf(moe(&MoEGrads::d_output)), h)),
+          abs_values(cols_of([](const Impl& R) -> const void* { return R.plan.shared_act; }, sf)), n, h, sf);
+    if (key == "mlp.shared_experts.gate_weight")
+      return weight_magnitude(abs_values(rows(moe(&MoEGrads::d_gate_logits), 1)), x, n, 1, h);
+    if (const auto [e, rest] = expert_of_key(key); e >= 0) return expert_magnitude(e, rest);
     throw std::logic_error(std::string(kWho) + ": no magnitude rule for the gradient of '" + key + "'");
   };
+  expert_rows_.clear();
   for (ParamGradient& pg : out.params) pg.magnitude = magnitude(pg.name);
+  expert_rows_.clear();
+}
+
+// Expert e's rows of the backward, read once per rank: local expert l's are [offset_l, offset_l +
+// n_l) of a rank's expert rows (at ep > 1 its owner's, every rank's replica of each token's row:
+// the weight gradient's sum is scaled by 1 / ep, its magnitude likewise; at tp > 1 each rank's rows
+// of its slice of the tokens, all adding to the gradient).
+double MoETransformerLayer::expert_magnitude(int e, const std::string& rest) const {
+  const MoEPlan& P = ranks_.front()->plan;
+  const std::int64_t h = P.attn.h, ffn = P.ffn, w1 = (P.glu ? 2 : 1) * ffn;
+  const bool whole_rank = options_.tp == 1;  // the owner holds every row of its experts
+  std::vector<ExpertRows> parts;
+  for (int r = 0; r < int(ranks_.size()); ++r) {
+    if (whole_rank && r != e / P.local_E) continue;
+    auto it = expert_rows_.find(r);
+    if (it == expert_rows_.end()) {
+      Impl& R = *ranks_[std::size_t(r)];
+      ExpertRows x;
+      x.tokens = P.ep == 1 ? R.plan.tokens_per_expert : R.plan.local_tokens_per_expert;
+      std::int64_t n = 0;
+      for (auto t : x.tokens) n += t;
+      auto read = [&](const void* ptr, std::int64_t cols) { return abs_values(R.download(ptr, R.dt, {n, cols})); };
+      x.d_out = read(P.ep == 1 ? R.grads.d_rows : R.grads.ep_d_out, h);
+      x.act_out = read(R.plan.act_out, ffn);
+      x.d_fc1 = read(R.grads.d_fc1, w1);
+      x.in = read(P.ep == 1 ? R.plan.permuted : R.plan.ep_in, h);
+      it = expert_rows_.emplace(r, std::move(x)).first;
+    }
+    parts.push_back(it->second);
+  }
+  // expert e's rows [first, first + n) of every part, one after the other
+  const int l = e % P.local_E;
+  std::vector<double> d_out, act_out, d_fc1, in;
+  std::int64_t rows = 0;
+  auto append = [](std::vector<double>& to, const std::vector<double>& from, std::int64_t first, std::int64_t n,
+                   std::int64_t cols) {
+    to.insert(to.end(), from.begin() + first * cols, from.begin() + (first + n) * cols);
+  };
+  for (const ExpertRows& x : parts) {
+    std::int64_t first = 0;
+    for (int i = 0; i < l; ++i) first += x.tokens[std::size_t(i)];
+    const std::int64_t n = x.tokens[std::size_t(l)];
+    append(d_out, x.d_out, first, n, h);
+    append(act_out, x.act_out, first, n, ffn);
+    append(d_fc1, x.d_fc1, first, n, w1);
+    append(in, x.in, first, n, h);
+    rows += n;
+  }
+  if (rows == 0) return 0.0;
+  if (rest == "linear_fc2.weight") return weight_magnitude(d_out, act_out, rows, h, ffn) / P.ep;
+  if (rest == "linear_fc1.weight") return weight_magnitude(d_fc1, in, rows, w1, h) / P.ep;
+  throw std::logic_error(std::string(kWho) + ": no magnitude rule for the gradient of expert " + std::to_string(e) +
+                         "'s " + rest);
 }
 
 }  // namespace twin::opt

@@ -307,6 +307,12 @@ struct LossArgs {
   // global_aux_loss: the running tokens-per-expert sum (after adding this call's) and the step count.
   double* global_tokens = nullptr;  // [E] device, persists across forwards
   double ga_steps = 1.0;
+  // Tensor parallelism with sequence parallelism (each rank routes its slice of the tokens):
+  // tp_counts [cols] the map's column counts summed over the tp ranks (router_map_column_counts,
+  // then an all-reduce), which the loss takes in place of its own as Megatron's
+  // get_tokens_per_expert_and_token_count does, with tp x the rank's rows as the total tokens.
+  const double* tp_counts = nullptr;
+  int tp = 1;
   int loss_dtype = 0;  // 0: fp32, 1: bf16, 2: fp16, 3: fp64 (the dtype the loss tensor is stored in)
 };
 
@@ -354,6 +360,7 @@ static __global__ void router_loss_kernel(const float* aux_scores, const std::ui
       s += aux_scores[r * cols + c];
       n += aux_map[r * cols + c];
     }
+    if (a.tp_counts) n = a.tp_counts[c];
     column_scratch[c] = s;
     column_scratch[cols + c] = n;
     if (a.kind == AuxLossKind::GlobalAuxLoss) a.global_tokens[c] += n;
@@ -363,7 +370,7 @@ static __global__ void router_loss_kernel(const float* aux_scores, const std::ui
   double routed = 0.0;
   for (int c = 0; c < cols; ++c) routed += column_scratch[cols + c];
   const int topk_cols = seq ? a.topk * a.bsz : a.topk;
-  const double total_tokens = a.with_padding_mask ? routed / topk_cols : static_cast<double>(rows);
+  const double total_tokens = a.with_padding_mask ? routed / topk_cols : static_cast<double>(rows) * a.tp;
   float s = 0.0f;
   for (int c = 0; c < cols; ++c) {
     const double tokens =
@@ -455,6 +462,39 @@ inline int loss_dtype_code(DType dt) {
     default:
       return 0;
   }
+}
+
+// One block: counts[c] = the tokens of column c the map routes (E columns, or b * E for
+// seq_aux_loss), padding skipped; the rank's part of tp_counts before the all-reduce.
+static __global__ void router_map_column_counts_kernel(const std::uint8_t* aux_map, const std::uint8_t* padding,
+                                                       LossArgs a, double* counts) {
+  const int E = a.experts;
+  const bool seq = a.kind == AuxLossKind::SeqAuxLoss;
+  const int cols = seq ? a.bsz * E : E;
+  const std::int64_t rows = seq ? a.tokens / a.bsz : a.tokens;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+    double n = 0.0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t i = r * cols + c;  // = t * E + e
+      if (padding && padding[i / E]) continue;
+      n += aux_map[i] ? 1.0 : 0.0;
+    }
+    counts[c] = n;
+  }
+}
+
+// counts [cols] (E, or b * E for seq_aux_loss): this rank's routed tokens per column of the
+// loss `a` (exact integers in fp64, so their all-reduce over the ranks is exact too).
+inline void router_map_column_counts(const std::uint8_t* aux_map, const std::uint8_t* padding, const LossArgs& a,
+                                     double* counts, cudaStream_t stream) {
+  require(aux_map && counts && a.experts > 0, "router_map_column_counts: null map or counts");
+  const int cols = a.kind == AuxLossKind::SeqAuxLoss ? a.bsz * a.experts : a.experts;
+  // cost: the map [T, E] and the padding mask read once, the counts written; an add per entry.
+  rt::declare_cost("router_map_column_counts",
+                   double(a.tokens) * a.experts + (padding ? double(a.tokens) : 0.0) + 8.0 * cols,
+                   double(a.tokens) * a.experts);
+  launch_kernel(router_map_column_counts_kernel, dim3(1), dim3(elementwise_threads(cols)), 0, stream, aux_map, padding,
+                a, counts);
 }
 
 // column_scratch: 2 * b * E doubles; out: one fp32.
@@ -628,14 +668,14 @@ static __global__ void router_aux_counts_kernel(const std::uint8_t* aux_map, con
       if (padding && padding[i / E]) continue;
       n += aux_map[i] ? 1.0 : 0.0;
     }
-    scratch[c] = n;
+    scratch[c] = a.tp_counts ? a.tp_counts[c] : n;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     double routed = 0.0;
     for (int c = 0; c < cols; ++c) routed += scratch[c];
     const int topk_cols = seq ? a.topk * a.bsz : a.topk;
-    const double total = a.with_padding_mask ? routed / topk_cols : static_cast<double>(rows);
+    const double total = a.with_padding_mask ? routed / topk_cols : static_cast<double>(rows) * a.tp;
     double scale = E * a.coeff / (a.topk * total * total);  // the reference's expression, in its order
     if (seq) scale /= static_cast<double>(a.bsz);
     scratch[cols] = round_loss(scale, aux_dt);

@@ -150,10 +150,21 @@ rc::Gen<OptMoECase> gen_opt_moe_case(int experts_multiple_of = 1) {
   }));
 }
 
-// The layer, its parameters and inputs of a drawn case.
-MoECase make_case(const OptMoECase& o) {
+// A drawn case made one the layer runs at tensor-parallel size tp with sequence parallelism: the
+// sequence a multiple of tp, no expert capacity (each rank would cut its own slice of the tokens).
+// (make_case's heads: a multiple of tp.)
+void shape_for_tensor_parallel(OptMoECase& o, int tp) {
+  o.s = tp * ((o.s + tp - 1) / tp);
+  o.capacity = 0.0;
+  o.pad = false;
+}
+
+// The layer, its parameters and inputs of a drawn case (with `heads` attention heads and as many
+// query groups).
+MoECase make_case(const OptMoECase& o, int heads = 2) {
   MoECase m;
   DenseCase& d = m.dense;
+  d.heads = d.groups = heads;
   d.dtype = o.dtype;
   d.s = o.s;
   d.b = o.b;
@@ -509,11 +520,15 @@ Record reference_with_gradients(const MoECase& m, const Tensor& dout) {
   return rec;
 }
 
-// The optimized twin's, likewise, at expert-parallel size ep.
-Record optimized_with_gradients(const MoECase& m, const Tensor& dout, int ep = 1) {
+// The optimized twin's, likewise, at expert-parallel size ep or tensor-parallel size tp (with
+// sequence parallelism).
+Record optimized_with_gradients(const MoECase& m, const Tensor& dout, int ep = 1, int tp = 1) {
   TransformerConfig c = m.config;
   c.expert_model_parallel_size = ep;
-  opt::MoETransformerLayer layer(c, m.params, opt::LayerOptions{});
+  opt::LayerOptions lo;
+  lo.tp = tp;
+  lo.sp = tp > 1;
+  opt::MoETransformerLayer layer(c, m.params, lo);
   opt::ForwardOptions fo;
   fo.training = true;
   fo.record_taps = true;
@@ -627,20 +642,25 @@ RC_GTEST_PROP(OptimizedMoEProperty, BackwardExpertParallelSizesAgree, ()) {
 
 namespace {
 
-// A drawn case the backward covers (no biases) at ep = 1 or 2 (even E): the case and its config at
-// that ep, logged.
-struct EpBackwardCase {
+// A drawn case the backward covers (no biases) on one rank, at ep = 2 (even E) or at tp = 2 with
+// sequence parallelism (shaped by shape_for_tensor_parallel): the case, its config and the layer's
+// options at that layout, logged.
+struct ParallelBackwardCase {
   MoECase m;
   TransformerConfig config;
+  opt::LayerOptions options;
 };
-EpBackwardCase gen_ep_backward_case() {
+ParallelBackwardCase gen_parallel_backward_case() {
   OptMoECase o = *gen_opt_moe_case(2);
   o.bias = false;
-  EpBackwardCase k{make_case(o), {}};
-  const int ep = *rc::gen::element(1, 2);
-  RC_LOG() << describe(k.m) << " ep " << ep << "\n";
+  const std::string layout = *rc::gen::element<std::string>("one rank", "ep 2", "tp 2");
+  if (layout == "tp 2") shape_for_tensor_parallel(o, 2);
+  ParallelBackwardCase k{make_case(o, layout == "tp 2" ? 4 : 2), {}, {}};
+  RC_LOG() << describe(k.m) << " " << layout << "\n";
   k.config = k.m.config;
-  k.config.expert_model_parallel_size = ep;
+  k.config.expert_model_parallel_size = layout == "ep 2" ? 2 : 1;
+  k.options.tp = layout == "tp 2" ? 2 : 1;
+  k.options.sp = layout == "tp 2";
   return k;
 }
 
@@ -671,12 +691,11 @@ void assert_gradients_bitwise_equal(const opt::LayerGradients& a, const opt::Lay
 // A CUDA-graph replay of the backward's postprocess and router phases (the expert phase eager
 // between them) is bitwise equal to the eager backward, on the first replay and on a second
 // backward after a forward with other hidden states of the same shape (the graphs replayed on the
-// new activations), at ep = 1 and 2.
+// new activations), on one rank, at ep = 2 and at tp = 2 (sequence parallel).
 RC_GTEST_PROP(OptimizedMoEProperty, BackwardGraphReplayIsBitwiseEqualToEager, ()) {
-  const EpBackwardCase k = gen_ep_backward_case();
+  const ParallelBackwardCase k = gen_parallel_backward_case();
   const MoECase& m = k.m;
-  opt::MoETransformerLayer graph(k.config, m.params, opt::LayerOptions{}),
-      eager(k.config, m.params, opt::LayerOptions{});
+  opt::MoETransformerLayer graph(k.config, m.params, k.options), eager(k.config, m.params, k.options);
   const opt::ForwardOptions fo = forward_for_backward();
   const Tensor dout = output_gradient(m);
   for (const MoECase& x : {m, with_second_input(m)}) {
@@ -688,15 +707,15 @@ RC_GTEST_PROP(OptimizedMoEProperty, BackwardGraphReplayIsBitwiseEqualToEager, ()
 
 // The backward's three phases called one by one (_backward_mlp_postprocess,
 // _backward_mlp_expert_compute, _backward_mlp_router) compose to backward(): every gradient, its
-// magnitude and the rounding count at the end bitwise the same, at ep = 1 and 2 (the drawn
-// dispatcher's duals between the ranks), each after its own forward of the same inputs.
+// magnitude and the rounding count at the end bitwise the same, on one rank, at ep = 2 (the drawn
+// dispatcher's duals between the ranks) and at tp = 2 (sequence parallel), each after its own
+// forward of the same inputs.
 RC_GTEST_PROP(OptimizedMoEProperty, BackwardPhasesOneByOneAreBackward, ()) {
-  const EpBackwardCase k = gen_ep_backward_case();
+  const ParallelBackwardCase k = gen_parallel_backward_case();
   const MoECase& m = k.m;
   const opt::ForwardOptions fo = forward_for_backward();
   const Tensor dout = output_gradient(m);
-  opt::MoETransformerLayer whole(k.config, m.params, opt::LayerOptions{}),
-      phased(k.config, m.params, opt::LayerOptions{});
+  opt::MoETransformerLayer whole(k.config, m.params, k.options), phased(k.config, m.params, k.options);
   opt::LayerGradients a, b;
   RoundingCount a_end, b_end;
   {
@@ -729,6 +748,91 @@ RC_GTEST_PROP(OptimizedMoEProperty, TwoBackwardRunsAreBitwiseEqual, ()) {
     RC_ASSERT(a.entries[i].key() == b.entries[i].key());
     RC_ASSERT(bitwise_equal(a.entries[i].value, b.entries[i].value));
   }
+}
+
+namespace {
+
+// A drawn case the layer runs forward and backward at tensor-parallel size tp (2 or 4, drawn) with
+// sequence parallelism (shape_for_tensor_parallel, and make_case's 4 heads and query groups), no
+// biases (the backward's).
+struct TpCase {
+  MoECase m;
+  int tp = 1;
+};
+TpCase gen_tp_case() {
+  OptMoECase o = *gen_opt_moe_case();
+  const int tp = *rc::gen::element(2, 4);
+  shape_for_tensor_parallel(o, tp);
+  o.bias = false;
+  TpCase k{make_case(o, 4), tp};
+  RC_LOG() << describe(k.m) << " tp " << tp << "\n";
+  RC_TAG(tp, dtype_name(k.m.dense.dtype));
+  return k;
+}
+
+}  // namespace
+
+// Tensor parallelism with sequence parallelism, tp 2 or 4: each rank routes its slice of the tokens
+// through every expert whole (the router's load-balancing counts all-reduced, the z-loss's
+// coefficient / tp), the shared experts a tensor-parallel MLP. The record holds the same entries
+// in the same order as at tp 1, put together as the whole layer's; every forward entry and every
+// gradient is within the bound the golden engine derives from the counted rounding points (the
+// ranks' partial sums included) against the reference's; a second run is bitwise the first.
+// Routing decided by a near-tie is discarded as in the forward's property.
+RC_GTEST_PROP(OptimizedMoEProperty, TensorParallelSizesAgree, ()) {
+  const TpCase k = gen_tp_case();
+  const MoECase& m = k.m;
+  const Tensor dout = output_gradient(m);
+  const Record ref = reference_with_gradients(m, dout), one = optimized_with_gradients(m, dout);
+  const Record got = optimized_with_gradients(m, dout, 1, k.tp), again = optimized_with_gradients(m, dout, 1, k.tp);
+  RC_ASSERT(got.entries.size() == one.entries.size());
+  RC_ASSERT(again.entries.size() == got.entries.size());
+  for (std::size_t i = 0; i < got.entries.size(); ++i) {
+    RC_LOG() << got.entries[i].key() << "\n";
+    RC_ASSERT(got.entries[i].key() == one.entries[i].key());
+    RC_ASSERT(again.entries[i].key() == got.entries[i].key());
+    RC_ASSERT(bitwise_equal(again.entries[i].value, got.entries[i].value));
+  }
+  if (!bitwise_equal(*ref.find("mlp.router.1"), *got.find("mlp.router.1"))) {
+    const Tensor& rl = *ref.find("mlp.router.logits");
+    const double gap =
+        2 * max_abs_diff(rl, *got.find("mlp.router.logits")) + 4 * unit_roundoff(rl.dtype()) * max_abs(rl);
+    RC_ASSERT(has_near_tie(rl, *m.config.num_moe_experts, gap));
+    RC_DISCARD("routing decided by a near-tie");
+  }
+  Expected expected;
+  for (auto& [key, t] : expected_of(ref))
+    if (!inside_an_expert(key)) expected.emplace_back(key, t);
+  for (const Comparison& row : compare_record(got, expected, "optimized"))
+    if (!row.pass)
+      RC_FAIL(row.name + ": max abs " + std::to_string(row.max_abs) + ", share of the bound used " +
+              std::to_string(row.share_used) + " " + row.message);
+}
+
+// What tensor parallelism does not run is named before anything runs.
+TEST(OptimizedMoETensorParallel, UnsupportedConfigsAreNamed) {
+  TransformerConfig c;
+  c.hidden_size = 16;
+  c.num_attention_heads = 4;
+  c.num_moe_experts = 4;
+  opt::LayerOptions tp2;
+  tp2.tp = 2;
+  EXPECT_NE(opt::moe_layer_unsupported(c, tp2).find("without sequence_parallel"), std::string::npos);
+  tp2.sp = true;
+  EXPECT_EQ(opt::moe_layer_unsupported(c, tp2), "");
+  c.expert_model_parallel_size = 2;
+  EXPECT_NE(opt::moe_layer_unsupported(c, tp2).find("tensor and expert parallelism"), std::string::npos);
+  c.expert_model_parallel_size = 1;
+  c.moe_expert_capacity_factor = 1.0;
+  EXPECT_NE(opt::moe_layer_unsupported(c, tp2).find("capacity"), std::string::npos);
+  c.moe_expert_capacity_factor.reset();
+  c.moe_shared_expert_intermediate_size = 6;
+  tp2.tp = 4;
+  EXPECT_NE(opt::moe_layer_unsupported(c, tp2).find("moe_shared_expert_intermediate_size"), std::string::npos);
+  c.moe_shared_expert_intermediate_size = 8;
+  EXPECT_EQ(opt::moe_layer_unsupported(c, tp2), "");
+  c.num_query_groups = 2;  // 4 heads in 2 groups: tp 4 splits no group
+  EXPECT_NE(opt::moe_layer_unsupported(c, tp2).find("num_query_groups"), std::string::npos);
 }
 
 // The configurations expert parallelism does not run are named, before anything runs.
