@@ -180,8 +180,8 @@ Row fixture_row(const std::string& path, TwinKind twin, const RunMode& mode, con
   return r;
 }
 
-// Every golden in `fdir` through both twins; the MoE goldens again at ep 2 and 4, the dense ones
-// again at tp 2 with and without SP, the Retro ones at tp 2.
+// Every golden in `fdir` through both twins; the MoE goldens again at ep 2 and 4 and at tp 2 with
+// SP, the dense ones again at tp 2 with and without SP, the Retro ones at tp 2.
 void add_fixture_jobs(std::vector<Job>& jobs, const std::string& fdir) {
   std::vector<std::string> files;
   for (const auto& e : std::filesystem::directory_iterator(fdir))
@@ -212,6 +212,14 @@ void add_fixture_jobs(std::vector<Job>& jobs, const std::string& fdir) {
         m.ep = ep;
         fixture_job(path, TwinKind::Optimized, m);
       }
+    // The MoE goldens (multi-latent attention's too) again over 2 simulated tensor-parallel ranks
+    // with SP, as Megatron trains MoE at tp > 1 (a golden that 2 does not shard is listed unsupported).
+    if (name.rfind("moe_", 0) == 0 || name.rfind("mla_moe_", 0) == 0) {
+      RunMode m;
+      m.tp = 2;
+      m.sp = true;
+      fixture_job(path, TwinKind::Optimized, m);
+    }
     // The dense goldens again sharded over 2 simulated tensor-parallel ranks, with and without
     // SP: the forward's and the backward's collectives against Megatron's unsharded gradients (a
     // golden that 2 does not shard is listed unsupported).

@@ -60,7 +60,7 @@ std::string moe_layer_unsupported(const TransformerConfig& c, const LayerOptions
     TransformerConfig attention = c;  // the attention half's sizes (the layer has no dense MLP)
     attention.ffn_hidden_size = tp;
     try {
-      check_tensor_parallel_sizes("a layer tensor parallelism does not shard", attention, tp, "tp");
+      check_tensor_parallel_sizes("a tensor-parallel split Megatron refuses too", attention, tp, "tp");
     } catch (const ConfigError& e) {
       return e.what();
     }

@@ -61,26 +61,27 @@ TEST(MLAGoldens, TheReferencePassesEveryOneForwardAndBackward) {
 }
 
 // The optimized twin runs every MLA golden forward and backward within the counted bounds: at
-// tp 1 (dense and MoE) and, for the dense layer, at tp 2 with and without sequence parallelism
-// where the heads and the latent split over two ranks (the MoE twin runs its attention at tp 1).
+// tp 1 and, where the heads and the latent split over two ranks, at tp 2: the dense layer with and
+// without sequence parallelism, the MoE layer with it (Megatron trains MoE at tp > 1 only with SP).
 TEST(MLAGoldens, TheOptimizedTwinPassesEveryOneForwardAndBackwardAtEachTensorParallelSize) {
-  int runs_at_tp2 = 0;
+  int runs_at_tp2 = 0, moe_runs_at_tp2 = 0;
   for (const std::string& path : mla_goldens()) {
     const Fixture f = load_fixture(path);
     const TransformerConfig& c = f.config;
     std::vector<RunMode> modes = {RunMode{}};
     const bool splits = c.num_attention_heads % 2 == 0 && (c.kv_lora_rank + c.qk_pos_emb_head_dim) % 2 == 0 &&
                         c.q_lora_rank.value_or(0) % 2 == 0;
-    if (f.kind == "dense_layer" && splits) {
+    if (splits) {
       RunMode tp2, sp;
       tp2.tp = sp.tp = 2;
       sp.sp = true;
-      modes.push_back(tp2);
+      if (f.kind == "dense_layer") modes.push_back(tp2);
       if (f.tensor("input.hidden_states").size(0) % 2 == 0) modes.push_back(sp);
     }
     for (const RunMode& mode : modes) {
       SCOPED_TRACE(path + " tp " + std::to_string(mode.tp) + (mode.sp ? " sp" : ""));
       runs_at_tp2 += mode.tp == 2;
+      moe_runs_at_tp2 += mode.tp == 2 && f.kind == "moe_layer";
       std::string grads;
       const std::vector<Comparison> rows =
           compare_fixture(find_fixture_handler(f.kind, TwinKind::Optimized), f, TwinKind::Optimized, mode, &grads);
@@ -96,5 +97,6 @@ TEST(MLAGoldens, TheOptimizedTwinPassesEveryOneForwardAndBackwardAtEachTensorPar
         if (f.has(n)) EXPECT_TRUE(compared.count(n)) << n << " not compared";
     }
   }
-  EXPECT_GE(runs_at_tp2, 4) << "MLA goldens at tp 2: at least the four dense ones whose heads split";
+  EXPECT_GE(runs_at_tp2, 8) << "MLA goldens at tp 2: at least the four dense ones whose heads split, twice";
+  EXPECT_GE(moe_runs_at_tp2, 4) << "MLA goldens at tp 2: at least the four MoE ones whose heads split";
 }
