@@ -11,7 +11,10 @@
  * grouped GEMM's group sizes, as Megatron's grouped MLP syncs them): one small download after the
  * row-id map is built. At expert-parallel size ep > 1 every rank runs this sequence on its own
  * tokens and computes its local experts' rows from all ranks, exchanged by Megatron's alltoall
- * dispatcher (moe_alltoall_experts) or allgather dispatcher (moe_allgather_experts). Rounding points are counted as the
+ * dispatcher (moe_alltoall_experts) or allgather dispatcher (moe_allgather_experts). At
+ * tensor-parallel size tp > 1 (sequence parallel) each rank runs it on its slice of the tokens
+ * (moe_tokens) through every expert, the load-balancing counts all-reduced (moe_tp_column_counts)
+ * and the shared experts a tensor-parallel MLP (moe_shared_experts_forward). Rounding points are counted as the
  * reference counts them (the reference MoE sources), so a golden's bound follows from what this twin executed. */
 #pragma once
 

@@ -211,7 +211,7 @@ inline void moe_allgather_experts_backward(const MoEPlan& p, const MoELayerGrads
   dev.synchronize(st);  // the upload's source is this frame's
 }
 
-// MoETransformerLayer's backward at one rank (tp = 1) in three phases, the forward's in reverse,
+// MoETransformerLayer's backward at one rank in three phases, the forward's in reverse,
 // each callable alone (they run in turn; the rounding count crosses from one to the next in g):
 //   postprocess: mlp_bda's (d mlp = dropout's backward of dout; the residual's gradient is dout),
 //     the combine's (each row takes its token's gradient) and the shared experts' backward (a
