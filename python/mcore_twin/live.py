@@ -6,17 +6,18 @@ In one Python process: draws configurations over the features the reference twin
 MoE, Retro; fp32 and bf16; the distributions of shared/fixtures/megatron-core-random/README.md),
 captures each with mcore_twin.capture on the Megatron-Core bootstrap finds (the January pin, or
 the commit MCORE_COMMIT names: Retro only where it exists), and runs `twin fixture --json` on the
-file (reference twin; `--twin both` for dense layers), which holds it to that commit's semantics.
+file (`--twin both` for dense and MoE layers, the reference twin for Retro's), which holds it to
+that commit's semantics.
 It draws until `--cases` cases were checked by a twin; a case meeting a difference from the pin
 the twins do not implement yet (their `unsupported`) is counted apart, not checked.
 
 About 1 case in 5 is a dense or MoE layer with multi-latent attention (MLA, draw_mla: case seeds
 from MLA_SEEDS = 2^31 up, so the seeds below draw as they did before MLA was drawn), and every run
 checks at least MLA_MIN of them (forced at fixed positions: by the 2nd case checked and by the
-middle). Both twins check the dense MLA cases (the reference twin alone the MoE ones, as every MoE
-case); an MLA config the optimized twin refuses (its `unsupported`, e.g. v_head_dim above the
-query's head dim) is taken and counted, the reference twin checking it alone; the summary line
-says how many MLA cases were checked.
+middle). Both twins check the dense and MoE cases, MLA's too; a config the optimized twin refuses
+(its `unsupported`: an MLA v_head_dim above the query's head dim, an MoE router feature it lacks)
+is taken and counted, the reference twin checking it alone; the summary line says how many MLA
+cases were checked.
 
 - A case Megatron-Core rejects or fails to run, or whose Megatron output is not finite, proves
   nothing: it is skipped and counted by reason.
@@ -26,8 +27,8 @@ says how many MLA cases were checked.
   JSON `routing`, parity/routing_ties.h): the case is compared on Megatron's routing and passes or
   fails on that; such cases are counted. A capacity cut decided otherwise (capacity_cut_flip: the
   engine does not resolve those yet) is reported apart, kept, and not failed.
-- Dense cases with a feature the optimized twin does not implement (OPTIMIZED_UNSUPPORTED) run the
-  reference twin alone (counted).
+- Dense cases with a feature the optimized twin does not implement (OPTIMIZED_UNSUPPORTED), and
+  MoE cases it refuses, run the reference twin alone (counted).
 - The capture API's promises are checked on the first case of each kind: a second capture of the
   same layer writes the same tensors (the router counters, aux-loss tracker and dropout were
   restored) and no parameter has a `.grad` afterwards.
@@ -641,11 +642,15 @@ def main(argv=None):
                 skips.setdefault("Megatron: " + _first_line(e), []).append(case_seed)
                 continue
             unsupported = optimized_unsupported(cfg) if kind == "dense_layer" else []
-            results = run_twin(a.twin, path, both=kind == "dense_layer" and not unsupported)
-            if mla:  # an MLA config the optimized twin refuses: its `unsupported` is taken, counted
-                no_mla = [res for res in results if res["twin"] == "optimized" and res["status"] == "unsupported"]
-                results = [res for res in results if res not in no_mla]
-                unsupported = unsupported + ["multi_latent_attention"] if no_mla else unsupported
+            results = run_twin(a.twin, path, both=kind in ("dense_layer", "moe_layer") and not unsupported)
+            # A config the optimized twin refuses (an MLA one, or an MoE router feature it lacks): its
+            # `unsupported` is taken and counted, the reference twin checking the case alone.
+            refused = [res for res in results if res["twin"] == "optimized" and res["status"] == "unsupported"]
+            results = [res for res in results if res not in refused]
+            if refused and mla:
+                unsupported = unsupported + ["multi_latent_attention"]
+            elif refused:
+                unsupported = unsupported + [refused[0]["message"].split("does not implement ", 1)[-1]]
             not_yet = next((res["message"] for res in results if res["status"] == "unsupported"
                             and "do not implement" in res.get("message", "")), None)  # fmt: skip
             if not_yet:  # a difference of this commit from the pin the twins do not implement yet
