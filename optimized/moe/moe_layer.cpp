@@ -122,6 +122,7 @@ void MoEMlpRank::bind(MoELayerPlan& P, const TransformerConfig& c, const std::ma
     return weights.upload(dev, bytes.data(), bytes.size());
   };
   this->tp = tp;
+  P.ep_replicas = tp == 1;
   P.E = E;
   P.ep = c.expert_model_parallel_size;
   P.ep_rank = rank;

@@ -424,8 +424,41 @@ inline void moe_alltoall_experts(MoEPlan& p, cudaStream_t st) {
 // Megatron's token_combine casts it, adds the ranks' partials of this rank's tokens into the
 // combine's output [T, h]. Its rounding points (the partial sums, the ep - 1 additions, the casts)
 // are counted in the postprocess, where the ep = 1 combine counts its own. With
-// gather_expert_taps every rank sends rank 0 its experts' rows of rank 0's tokens, which arrive
-// expert-major: the ep = 1 experts' output (p.expert_out) the taps read.
+// gather_expert_taps each recording rank gets its own tokens' rows of every expert
+// (moe_allgather_expert_taps): the ep = 1 experts' output (p.expert_out) the taps read.
+// The allgather dispatcher's expert rows for the taps: each rank that records taps (rank 0 where
+// the ranks hold replicas of one batch, every rank at ep = tp) receives its own tokens' rows of
+// every expert, expert-major (the ep = 1 layout, p.expert_out). A local expert's rows are in
+// gathered-token order, so rank q's tokens' rows of it are one contiguous chunk.
+inline void moe_allgather_expert_taps(MoEPlan& p, cudaStream_t st) {
+  const std::int64_t T = moe_tokens(p), h = p.attn.h;
+  const int ep = p.ep, El = p.local_E, me = p.ep_rank;
+  const std::size_t es = dtype_size(p.attn.dt);
+  rt::Device& dev = rt::device(this_backend());
+  std::vector<std::size_t> send(std::size_t(ep), 0), recv(std::size_t(ep), 0);
+  std::int64_t packed = 0;
+  for (int q = 0; q < (p.ep_replicas ? 1 : ep); ++q) {  // the receiving ranks
+    std::int64_t first = 0;                             // local expert l's first row
+    for (int l = 0; l < El; ++l) {
+      std::int64_t before = 0, nq = 0;  // rows of tokens before rank q's, of rank q's
+      for (std::int64_t t = 0; t < (q + 1) * T; ++t)
+        (t < q * T ? before : nq) += p.ag_local_map_host[std::size_t(t * El + l)];
+      if (nq)
+        dev.copy(static_cast<char*>(p.ep_recv) + std::size_t(packed * h) * es,
+                 static_cast<const char*>(p.ep_out) + std::size_t((first + before) * h) * es, std::size_t(nq * h) * es,
+                 rt::CopyKind::DeviceToDevice, st);
+      packed += nq;
+      send[std::size_t(q)] += std::size_t(nq * h);
+      first += p.local_tokens_per_expert[std::size_t(l)];
+    }
+  }
+  if (!p.ep_replicas || me == 0)
+    for (int q = 0; q < ep; ++q)
+      for (int l = 0; l < El; ++l)
+        recv[std::size_t(q)] += std::size_t(p.tokens_per_expert[std::size_t(q * El + l)] * h);
+  p.ep_comm->all_to_all(p.ep_recv, send, p.expert_out, recv, p.attn.dt, st);
+}
+
 inline void moe_allgather_experts(MoEPlan& p, cudaStream_t st) {
   const RankPlan& a = p.attn;
   const DType dt = a.dt, rdt = p.rdt;
@@ -465,26 +498,7 @@ inline void moe_allgather_experts(MoEPlan& p, cudaStream_t st) {
   // ---- the local experts                                           // [Nl, h]
   moe_grouped_experts(p, p.ep_in, p.ep_in_probs, p.ep_out, p.local_tokens_per_expert, p.ep_offsets, El, Nl, st);
 
-  if (p.gather_expert_taps) {  // rank 0's tokens' rows of each local expert lead its block
-    std::vector<std::size_t> send(std::size_t(ep), 0), recv(std::size_t(ep), 0);
-    std::int64_t packed = 0, first = 0;
-    for (int l = 0; l < El; ++l) {
-      std::int64_t n0 = 0;  // rank 0's tokens routed to local expert l
-      for (std::int64_t t = 0; t < T; ++t) n0 += p.ag_local_map_host[std::size_t(t * El + l)];
-      if (n0)
-        dev.copy(static_cast<char*>(p.ep_recv) + std::size_t(packed * h) * es,
-                 static_cast<const char*>(p.ep_out) + std::size_t(first * h) * es, std::size_t(n0 * h) * es,
-                 rt::CopyKind::DeviceToDevice, st);
-      packed += n0;
-      first += p.local_tokens_per_expert[std::size_t(l)];
-    }
-    send[0] = std::size_t(packed * h);
-    if (me == 0)
-      for (int q = 0; q < ep; ++q)
-        for (int l = 0; l < El; ++l)
-          recv[std::size_t(q)] += std::size_t(p.tokens_per_expert[std::size_t(q * El + l)] * h);
-    p.ep_comm->all_to_all(p.ep_recv, send, p.expert_out, recv, dt, st);
-  }
+  if (p.gather_expert_taps) moe_allgather_expert_taps(p, st);
 
   // ---- combine_preprocess: unpermute; token_combine: reduce-scatter in the probabilities' dtype
   unpermute_forward(dt, p.ep_out, p.ag_row_id_map, p.ag_partial, TG, El, h, Nl, st);  // [TG, h]

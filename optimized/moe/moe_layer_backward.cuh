@@ -137,6 +137,11 @@ inline void moe_grouped_experts_backward(const MoEPlan& p, const MoELayerGrads& 
   grouped_linear_backward_dgrad(be, dt, g.d_fc1, p.fc1_w, d_in, tpe, h, w1, st);             // [n, h]
 }
 
+// An expert's weight-gradient scale: 1 / ep where the expert-parallel ranks hold replicas of one
+// batch (DDP's expert_gradient_scaling_factor, 1 / data-parallel size: the gradient of the ranks'
+// mean loss), 1 where each holds its own slice of the sequence (ep = tp).
+inline float moe_expert_wgrad_scale(const MoEPlan& p) { return p.ep_replicas ? 1.0f / float(p.ep) : 1.0f; }
+
 // The alltoall dispatcher's backward at ep > 1, the duals of moe_alltoall_experts' collectives:
 // each row's gradient goes to the rank that computed its expert (the combine's reverse all-to-all),
 // is sorted local expert-major, runs the local experts' backward, and comes back with its
@@ -156,7 +161,7 @@ inline void moe_alltoall_experts_backward(const MoEPlan& p, const MoELayerGrads&
   c.sort(g.ep_d_recv, g.ep_d_out, row, true, st);
   // ---- the local experts
   moe_grouped_experts_backward(p, g, p.ep_in, p.ep_in_probs, g.ep_d_out, g.ep_d_in, g.ep_d_in_probs, c.local_tokens,
-                               c.Nl, 1.0f / float(p.ep), st);
+                               c.Nl, moe_expert_wgrad_scale(p), st);
   // ---- the dispatch's dual: the rows' and probabilities' gradients back      // [N, h], [N]
   c.sort(g.ep_d_in, g.ep_d_recv, row, false, st);
   p.ep_comm->all_to_all(g.ep_d_recv, c.times(c.out_rows, H), g.d_permuted, c.times(c.in_rows, H), dt, st);
@@ -188,7 +193,7 @@ inline void moe_allgather_experts_backward(const MoEPlan& p, const MoELayerGrads
   permute_forward(dt, rdt, g.ag_d, p.ag_row_id_map, nullptr, g.ep_d_out, nullptr, TG, El, h, Nl, st);
   // ---- the local experts
   moe_grouped_experts_backward(p, g, p.ep_in, p.ep_in_probs, g.ep_d_out, g.ep_d_in, g.ep_d_in_probs,
-                               p.local_tokens_per_expert, Nl, 1.0f / float(ep), st);
+                               p.local_tokens_per_expert, Nl, moe_expert_wgrad_scale(p), st);
   // ---- permute's dual, then the all-gather's                    // [TG, h] -> [T, h]
   unpermute_forward(dt, g.ep_d_in, p.ag_row_id_map, g.ag_d, TG, El, h, Nl, st);
   rounding_store(dt, std::min(g.most_rows, El));  // counts: a token's local rows summed
@@ -279,8 +284,10 @@ inline void moe_tp_sum_param_grads(const MoEPlan& p, MoEGrads& g, cudaStream_t s
   tp_sum_param_grads(tp, a.dt, {g.attn.ln2_w, g.attn.ln2_b}, h, leaves, st);
   tp_sum_param_grads(tp, a.dt, {g.router_w}, E * h, leaves, st);
   tp_sum_param_grads(tp, a.dt, {g.shared_gate_w}, h, leaves, st);
-  tp_sum_param_grads(tp, a.dt, {g.fc1_w}, E * w1 * h, leaves, st);
-  tp_sum_param_grads(tp, a.dt, {g.fc2_w}, E * h * p.ffn, leaves, st);
+  if (p.ep == 1) {  // at ep = tp each expert is its owner's alone
+    tp_sum_param_grads(tp, a.dt, {g.fc1_w}, E * w1 * h, leaves, st);
+    tp_sum_param_grads(tp, a.dt, {g.fc2_w}, E * h * p.ffn, leaves, st);
+  }
   leaves.join_all();
 }
 

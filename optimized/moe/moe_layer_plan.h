@@ -116,6 +116,10 @@ struct MoELayerPlan {
   // = N_max rows, so every buffer below has the N_max rows of the ep = 1 ones.
   int ep = 1, ep_rank = 0, local_E = 0;
   rt::Communicator* ep_comm = nullptr;
+  // The expert-parallel ranks hold replicas of one batch (ep alone); false at ep = tp, where the
+  // expert-parallel group is the tensor-parallel one and each rank holds its slice of the sequence
+  // (Megatron's groups at expert tensor-parallel size 1).
+  bool ep_replicas = true;
   std::int64_t* ep_counts = nullptr;          // [ep, E] device: every rank's tokens per expert
   void* ep_recv = nullptr;                    // [N_max, h] rows by source rank, then local expert
   void* ep_recv_probs = nullptr;              // [N_max] rdt
@@ -127,12 +131,12 @@ struct MoELayerPlan {
   std::vector<std::int64_t> local_tokens_per_expert;  // [local_E] rows this rank's experts computed
   // The allgather dispatcher (else alltoall); TG = ep * T gathered tokens, rank q's at [q T, (q + 1) T).
   bool allgather = false;
-  bool gather_expert_taps = false;               // rank 0 assembles the ep = 1 expert outputs for its taps
-  void* ag_x = nullptr;                          // [TG, h] the gathered pre_mlp_layernorm outputs
-  std::uint8_t* ag_map = nullptr;                // [TG, E] the gathered routing maps
-  void* ag_probs = nullptr;                      // [TG, E] rdt
-  std::uint8_t* ag_local_map = nullptr;          // [TG, local_E] local_map: the local experts' columns
-  void* ag_local_probs = nullptr;                // [TG, local_E] rdt
+  bool gather_expert_taps = false;       // the recording ranks assemble their ep = 1 expert outputs for the taps
+  void* ag_x = nullptr;                  // [TG, h] the gathered pre_mlp_layernorm outputs
+  std::uint8_t* ag_map = nullptr;        // [TG, E] the gathered routing maps
+  void* ag_probs = nullptr;              // [TG, E] rdt
+  std::uint8_t* ag_local_map = nullptr;  // [TG, local_E] local_map: the local experts' columns
+  void* ag_local_probs = nullptr;        // [TG, local_E] rdt
   std::int64_t* ag_tokens_per_expert = nullptr;  // [local_E] device
   std::int64_t* ag_row_id_map = nullptr;         // [local_E, TG]
   void* ag_partial = nullptr;                    // [TG, h] the local experts' rows unpermuted

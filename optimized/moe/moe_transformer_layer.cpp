@@ -51,8 +51,11 @@ std::string moe_layer_unsupported(const TransformerConfig& c, const LayerOptions
     // without it); each rank then routes its slice of the tokens through whole experts.
     if (!o.sp)
       return "MoE at tensor_model_parallel_size > 1 without sequence_parallel (Megatron trains it only with SP)";
-    if (ep > 1)
-      return "tensor and expert parallelism together (tp " + std::to_string(tp) + " x ep " + std::to_string(ep) + ")";
+    // At expert tensor-parallel size 1 Megatron forms the expert-parallel groups of consecutive
+    // ranks, inside the tensor-parallel ones: at ep = tp the two are one group.
+    if (ep > 1 && ep != tp)
+      return "tensor and expert parallelism together other than ep = tp (tp " + std::to_string(tp) + ", ep " +
+             std::to_string(ep) + ")";
     if (c.moe_expert_capacity_factor)
       return "an expert capacity under sequence parallelism (each rank would cut its own slice of the tokens)";
     if (c.moe_shared_expert_intermediate_size.value_or(0) % tp != 0)
@@ -81,14 +84,14 @@ MoETransformerLayer::MoETransformerLayer(const TransformerConfig& c, const std::
     : config_(c), options_(o) {
   if (const std::string why = moe_layer_unsupported(c, o); !why.empty())
     throw ConfigError(std::string(kWho) + ": unsupported: " + why);
-  // One group of ranks: expert-parallel (ep > 1) or tensor-parallel (tp > 1), never both.
+  // One group of ranks: expert-parallel (ep > 1), tensor-parallel (tp > 1) or both at ep = tp.
   const int ep = c.expert_model_parallel_size, n = std::max(ep, o.tp);
   std::vector<std::unique_ptr<rt::Communicator>> comms;
   if (n > 1) comms = rt::make_threaded_group(n);
   for (int r = 0; r < n; ++r) {
     ranks_.push_back(std::make_unique<Impl>());
     Impl& m = *ranks_.back();
-    (ep > 1 ? m.ep_comm : m.tp_comm) = n > 1 ? std::move(comms[std::size_t(r)]) : nullptr;
+    (o.tp > 1 ? m.tp_comm : m.ep_comm) = n > 1 ? std::move(comms[std::size_t(r)]) : nullptr;
     init_rank(m, c, params, o, ep > 1 ? r : 0, o.tp > 1 ? r : 0);
   }
 }
@@ -133,7 +136,8 @@ void MoETransformerLayer::init_rank(Impl& m, const TransformerConfig& c, const s
   for (const PlanWeight& w : kAttentionHalfWeights)
     if (m.full.count(w.key))
       p.*w.slot = m.weights.upload(*m.dev, tensor_parallel_shard(c, w.key, m.full.at(w.key), tp_rank, o.tp));
-  m.mlp.bind(m.plan, c, m.full, ep_rank, m.ep_comm.get(), m.weights, *m.dev, tp_rank, o.tp);
+  rt::Communicator* const ep_comm = m.ep_comm ? m.ep_comm.get() : c.expert_model_parallel_size > 1 ? p.comm : nullptr;
+  m.mlp.bind(m.plan, c, m.full, ep_rank, ep_comm, m.weights, *m.dev, tp_rank, o.tp);
 }
 
 std::vector<std::int64_t> MoETransformerLayer::tokens_per_expert() const {

@@ -9,7 +9,11 @@
 // (expert_tensor_parallel_size 1: no dispatch between the ranks), the router's load-balancing
 // counts all-reduced and the z-loss coefficient divided by tp as Megatron's router does, the
 // shared experts a tensor-parallel MLP. The output, taps and gradients are the ranks' put together
-// as the whole layer's. Tensor and expert parallelism together are not implemented.
+// as the whole layer's. Tensor and expert parallelism together run at ep = tp, one group of ranks
+// as Megatron forms them at expert tensor-parallel size 1 (the expert-parallel groups of
+// consecutive ranks, inside the tensor-parallel ones): each rank's slice of the tokens goes to the
+// experts' owners through the config's dispatcher, and an expert's weight gradient is its owner's
+// alone (no 1 / ep: the ranks hold different tokens, not replicas).
 //
 // Expert parallelism: config.expert_model_parallel_size = ep (dividing num_moe_experts) runs ep
 // simulated ranks (threads, the threaded collectives), rank r holding the local experts

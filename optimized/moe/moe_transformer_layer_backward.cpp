@@ -368,7 +368,7 @@ void MoETransformerLayer::set_magnitudes(LayerGradients& out) const {
 double MoETransformerLayer::expert_magnitude(int e, const std::string& rest) const {
   const MoEPlan& P = ranks_.front()->plan;
   const std::int64_t h = P.attn.h, ffn = P.ffn, w1 = (P.glu ? 2 : 1) * ffn;
-  const bool whole_rank = options_.tp == 1;  // the owner holds every row of its experts
+  const bool whole_rank = P.ep > 1;  // the owner holds every row of its experts (else each rank its tokens')
   std::vector<ExpertRows> parts;
   for (int r = 0; r < int(ranks_.size()); ++r) {
     if (whole_rank && r != e / P.local_E) continue;
@@ -407,8 +407,9 @@ double MoETransformerLayer::expert_magnitude(int e, const std::string& rest) con
     rows += n;
   }
   if (rows == 0) return 0.0;
-  if (rest == "linear_fc2.weight") return weight_magnitude(d_out, act_out, rows, h, ffn) / P.ep;
-  if (rest == "linear_fc1.weight") return weight_magnitude(d_fc1, in, rows, w1, h) / P.ep;
+  const double scale = P.ep_replicas ? P.ep : 1;  // moe_expert_wgrad_scale's
+  if (rest == "linear_fc2.weight") return weight_magnitude(d_out, act_out, rows, h, ffn) / scale;
+  if (rest == "linear_fc1.weight") return weight_magnitude(d_fc1, in, rows, w1, h) / scale;
   throw std::logic_error(std::string(kWho) + ": no magnitude rule for the gradient of expert " + std::to_string(e) +
                          "'s " + rest);
 }

@@ -18,9 +18,10 @@ struct MoETransformerLayer::Impl {
   rt::Device* dev = nullptr;
   DType dt = DType::F32;
   int h = 0, np = 0, ng = 0, hn = 0;
-  std::unique_ptr<rt::Communicator> ep_comm;  // ep > 1: this rank's handle to the expert-parallel group
-  std::unique_ptr<rt::Communicator> tp_comm;  // tp > 1: ... to the tensor-parallel group
-  std::vector<RankTap> attention_taps;        // tp > 1: this rank's part of the attention half's taps
+  std::unique_ptr<rt::Communicator> ep_comm;  // ep > 1 (tp = 1): this rank's handle to the expert-parallel group
+  std::unique_ptr<rt::Communicator>
+      tp_comm;  // tp > 1: ... to the tensor-parallel group (at ep = tp the expert-parallel one too)
+  std::vector<RankTap> attention_taps;  // tp > 1: this rank's part of the attention half's taps
   std::map<std::string, Tensor> full;
   DeviceWeights weights;
   BufferArena acts;  // activations of the current shape

@@ -757,34 +757,41 @@ namespace {
 // biases (the backward's).
 struct TpCase {
   MoECase m;
-  int tp = 1;
+  int tp = 1, ep = 1;  // ep = 1, or ep = tp (num_moe_experts a multiple of tp)
 };
 TpCase gen_tp_case() {
-  OptMoECase o = *gen_opt_moe_case();
   const int tp = *rc::gen::element(2, 4);
+  const int ep = *rc::gen::element(1, tp);
+  OptMoECase o = *gen_opt_moe_case(ep);
   shape_for_tensor_parallel(o, tp);
   o.bias = false;
-  TpCase k{make_case(o, 4), tp};
-  RC_LOG() << describe(k.m) << " tp " << tp << "\n";
-  RC_TAG(tp, dtype_name(k.m.dense.dtype));
+  TpCase k{make_case(o, 4), tp, ep};
+  RC_LOG() << describe(k.m) << " tp " << tp << " ep " << ep << "\n";
+  RC_TAG(tp, ep, dtype_name(k.m.dense.dtype));
   return k;
 }
 
 }  // namespace
 
 // Tensor parallelism with sequence parallelism, tp 2 or 4: each rank routes its slice of the tokens
-// through every expert whole (the router's load-balancing counts all-reduced, the z-loss's
-// coefficient / tp), the shared experts a tensor-parallel MLP. The record holds the same entries
-// in the same order as at tp 1, put together as the whole layer's; every forward entry and every
-// gradient is within the bound the golden engine derives from the counted rounding points (the
-// ranks' partial sums included) against the reference's; a second run is bitwise the first.
-// Routing decided by a near-tie is discarded as in the forward's property.
+// (the router's load-balancing counts all-reduced, the z-loss's coefficient / tp) through every
+// expert whole, or at ep = tp through the drawn dispatcher to the experts' owners; the shared
+// experts a tensor-parallel MLP. The record holds the same entries in the same order as at tp 1
+// (at ep = tp but the experts' inner linears', recorded on one rank only), put together as the
+// whole layer's; every forward entry and every gradient is within the bound the golden engine
+// derives from the counted rounding points (the ranks' partial sums included) against the
+// reference's; a second run is bitwise the first. Routing decided by a near-tie is discarded as in
+// the forward's property.
 RC_GTEST_PROP(OptimizedMoEProperty, TensorParallelSizesAgree, ()) {
   const TpCase k = gen_tp_case();
   const MoECase& m = k.m;
   const Tensor dout = output_gradient(m);
-  const Record ref = reference_with_gradients(m, dout), one = optimized_with_gradients(m, dout);
-  const Record got = optimized_with_gradients(m, dout, 1, k.tp), again = optimized_with_gradients(m, dout, 1, k.tp);
+  const Record ref = reference_with_gradients(m, dout);
+  Record one;
+  for (const RecordEntry& e : optimized_with_gradients(m, dout).entries)
+    if (k.ep == 1 || !inside_an_expert(e.key())) one.entries.push_back(e);
+  const Record got = optimized_with_gradients(m, dout, k.ep, k.tp),
+               again = optimized_with_gradients(m, dout, k.ep, k.tp);
   RC_ASSERT(got.entries.size() == one.entries.size());
   RC_ASSERT(again.entries.size() == got.entries.size());
   for (std::size_t i = 0; i < got.entries.size(); ++i) {
@@ -820,8 +827,10 @@ TEST(OptimizedMoETensorParallel, UnsupportedConfigsAreNamed) {
   EXPECT_NE(opt::moe_layer_unsupported(c, tp2).find("without sequence_parallel"), std::string::npos);
   tp2.sp = true;
   EXPECT_EQ(opt::moe_layer_unsupported(c, tp2), "");
-  c.expert_model_parallel_size = 2;
-  EXPECT_NE(opt::moe_layer_unsupported(c, tp2).find("tensor and expert parallelism"), std::string::npos);
+  c.expert_model_parallel_size = 2;  // ep = tp: one group
+  EXPECT_EQ(opt::moe_layer_unsupported(c, tp2), "");
+  c.expert_model_parallel_size = 4;
+  EXPECT_NE(opt::moe_layer_unsupported(c, tp2).find("other than ep = tp"), std::string::npos);
   c.expert_model_parallel_size = 1;
   c.moe_expert_capacity_factor = 1.0;
   EXPECT_NE(opt::moe_layer_unsupported(c, tp2).find("capacity"), std::string::npos);
