@@ -642,9 +642,9 @@ RC_GTEST_PROP(OptimizedMoEProperty, BackwardExpertParallelSizesAgree, ()) {
 
 namespace {
 
-// A drawn case the backward covers (no biases) on one rank, at ep = 2 (even E) or at tp = 2 with
-// sequence parallelism (shaped by shape_for_tensor_parallel): the case, its config and the layer's
-// options at that layout, logged.
+// A drawn case the backward covers (no biases) on one rank, at ep = 2 (even E), at tp = 2 with
+// sequence parallelism (shaped by shape_for_tensor_parallel) or at both (one group of 2): the
+// case, its config and the layer's options at that layout, logged.
 struct ParallelBackwardCase {
   MoECase m;
   TransformerConfig config;
@@ -653,14 +653,16 @@ struct ParallelBackwardCase {
 ParallelBackwardCase gen_parallel_backward_case() {
   OptMoECase o = *gen_opt_moe_case(2);
   o.bias = false;
-  const std::string layout = *rc::gen::element<std::string>("one rank", "ep 2", "tp 2");
-  if (layout == "tp 2") shape_for_tensor_parallel(o, 2);
-  ParallelBackwardCase k{make_case(o, layout == "tp 2" ? 4 : 2), {}, {}};
+  const std::string layout = *rc::gen::element<std::string>("one rank", "ep 2", "tp 2", "tp 2 + ep 2");
+  const bool tp = layout.rfind("tp 2", 0) == 0, ep = layout.find("ep 2") != std::string::npos;
+  if (tp) shape_for_tensor_parallel(o, 2);
+  ParallelBackwardCase k{make_case(o, tp ? 4 : 2), {}, {}};
   RC_LOG() << describe(k.m) << " " << layout << "\n";
+  RC_TAG(layout);
   k.config = k.m.config;
-  k.config.expert_model_parallel_size = layout == "ep 2" ? 2 : 1;
-  k.options.tp = layout == "tp 2" ? 2 : 1;
-  k.options.sp = layout == "tp 2";
+  k.config.expert_model_parallel_size = ep ? 2 : 1;
+  k.options.tp = tp ? 2 : 1;
+  k.options.sp = tp;
   return k;
 }
 
@@ -862,21 +864,20 @@ TEST(OptimizedMoEExpertParallel, UnsupportedConfigsAreNamed) {
   EXPECT_NE(opt::moe_layer_unsupported(c).find(">= 1"), std::string::npos);
 }
 
-// At ep = 2 each rank captures its router and postprocess phases into its own graphs (the
-// dispatcher's communication runs eager between them): a replay is bitwise equal to eager execution, on the
-// first replay and on a second one with new inputs of the same shape.
-RC_GTEST_PROP(OptimizedMoEProperty, ExpertParallelGraphReplayIsBitwiseEqualToEager, ()) {
-  const MoECase m = make_case(*gen_opt_moe_case(2));
-  RC_LOG() << describe(m) << "\n";
-  TransformerConfig c = m.config;
-  c.expert_model_parallel_size = 2;
+// On one rank, at ep = 2, at tp = 2 (sequence parallel) and at both, each rank captures its router
+// and postprocess phases into its own graphs (the tensor-parallel collectives inside them, the
+// dispatcher's communication eager between them): a replay is bitwise equal to eager execution, on
+// the first replay and on a second one with new inputs of the same shape.
+RC_GTEST_PROP(OptimizedMoEProperty, ParallelGraphReplayIsBitwiseEqualToEager, ()) {
+  const ParallelBackwardCase k = gen_parallel_backward_case();
+  const MoECase& m = k.m;
   opt::MoEForwardInputs in;
   in.attention_mask = m.attention_mask.defined() ? &m.attention_mask : nullptr;
   in.rotary_pos_emb = m.rotary_pos_emb.defined() ? &m.rotary_pos_emb : nullptr;
   opt::ForwardOptions eager, graph;
   eager.training = graph.training = true;
   graph.use_graph = true;
-  opt::MoETransformerLayer a(c, m.params, opt::LayerOptions{}), b(c, m.params, opt::LayerOptions{});
+  opt::MoETransformerLayer a(k.config, m.params, k.options), b(k.config, m.params, k.options);
   RC_ASSERT(bitwise_equal(a.forward(m.hidden_states, in, graph).hidden_states,
                           b.forward(m.hidden_states, in, eager).hidden_states));
   RC_ASSERT(a.tokens_per_expert() == b.tokens_per_expert());
