@@ -464,23 +464,28 @@ inline int loss_dtype_code(DType dt) {
   }
 }
 
-// One block: counts[c] = the tokens of column c the map routes (E columns, or b * E for
-// seq_aux_loss), padding skipped; the rank's part of tp_counts before the all-reduce.
-static __global__ void router_map_column_counts_kernel(const std::uint8_t* aux_map, const std::uint8_t* padding,
-                                                       LossArgs a, double* counts) {
+// The tokens column c of loss a's map routes: E columns, or with seq_aux_loss the [s, b * E] view's
+// b * E; padding rows skipped. An exact integer in fp64.
+__host__ __device__ inline double map_column_count(const std::uint8_t* aux_map, const std::uint8_t* padding,
+                                                   const LossArgs& a, int c) {
   const int E = a.experts;
   const bool seq = a.kind == AuxLossKind::SeqAuxLoss;
   const int cols = seq ? a.bsz * E : E;
   const std::int64_t rows = seq ? a.tokens / a.bsz : a.tokens;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    double n = 0.0;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t i = r * cols + c;  // = t * E + e
-      if (padding && padding[i / E]) continue;
-      n += aux_map[i] ? 1.0 : 0.0;
-    }
-    counts[c] = n;
+  double n = 0.0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = r * cols + c;  // = t * E + e
+    if (padding && padding[i / E]) continue;
+    n += aux_map[i] ? 1.0 : 0.0;
   }
+  return n;
+}
+
+// One block: counts[c] = map_column_count, the rank's part of tp_counts before the all-reduce.
+static __global__ void router_map_column_counts_kernel(const std::uint8_t* aux_map, const std::uint8_t* padding,
+                                                       LossArgs a, double* counts) {
+  const int cols = a.kind == AuxLossKind::SeqAuxLoss ? a.bsz * a.experts : a.experts;
+  for (int c = threadIdx.x; c < cols; c += blockDim.x) counts[c] = map_column_count(aux_map, padding, a, c);
 }
 
 // counts [cols] (E, or b * E for seq_aux_loss): this rank's routed tokens per column of the
@@ -661,15 +666,8 @@ static __global__ void router_aux_counts_kernel(const std::uint8_t* aux_map, con
   const bool seq = a.kind == AuxLossKind::SeqAuxLoss;
   const int cols = seq ? a.bsz * E : E;
   const std::int64_t rows = seq ? a.tokens / a.bsz : a.tokens;
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    double n = 0.0;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t i = r * cols + c;  // = t * E + e
-      if (padding && padding[i / E]) continue;
-      n += aux_map[i] ? 1.0 : 0.0;
-    }
-    scratch[c] = a.tp_counts ? a.tp_counts[c] : n;
-  }
+  for (int c = threadIdx.x; c < cols; c += blockDim.x)
+    scratch[c] = a.tp_counts ? a.tp_counts[c] : map_column_count(aux_map, padding, a, c);
   __syncthreads();
   if (threadIdx.x == 0) {
     double routed = 0.0;
