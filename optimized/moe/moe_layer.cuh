@@ -370,7 +370,8 @@ struct AlltoallChunks {
   std::vector<std::int64_t> rows_;  // [ep * El] n(q, l)
 };
 
-// Megatron's MoEAlltoAllTokenDispatcher at expert-parallel size ep (tp = 1), around the local
+// Megatron's MoEAlltoAllTokenDispatcher at expert-parallel size ep (the ranks replicas of one
+// batch, or at ep = tp each with its slice of the sequence), around the local
 // experts. p.permuted holds this rank's tokens permuted over ALL E experts (expert-major, the
 // ep = 1 layout), so the rows for rank q's experts are one contiguous part:
 //   preprocess: the ranks all-gather their tokens per expert [ep, E]; input_splits[q] = this
@@ -415,17 +416,6 @@ inline void moe_alltoall_experts(MoEPlan& p, cudaStream_t st) {
   p.ep_comm->all_to_all(p.ep_recv, c.times(c.out_rows, H), p.expert_out, c.times(c.in_rows, H), dt, st);
 }
 
-// Megatron's MoEAllGatherTokenDispatcher at expert-parallel size ep (tp = 1): every rank gathers
-// the ranks' tokens, routing maps and probabilities (TG = ep * T tokens, rank q's at
-// [q T, (q + 1) T)); local_map / local_probs are their local experts' columns; the local experts
-// run on the tokens permuted by local_map (build_row_id_map over [TG, local_E]); unpermute gives
-// the local experts' partial output of every gathered token [TG, h] (each token's local rows added
-// in expert order, stored in T, as at ep = 1); the reduce-scatter, in the probabilities' dtype as
-// Megatron's token_combine casts it, adds the ranks' partials of this rank's tokens into the
-// combine's output [T, h]. Its rounding points (the partial sums, the ep - 1 additions, the casts)
-// are counted in the postprocess, where the ep = 1 combine counts its own. With
-// gather_expert_taps each recording rank gets its own tokens' rows of every expert
-// (moe_allgather_expert_taps): the ep = 1 experts' output (p.expert_out) the taps read.
 // The allgather dispatcher's expert rows for the taps: each rank that records taps (rank 0 where
 // the ranks hold replicas of one batch, every rank at ep = tp) receives its own tokens' rows of
 // every expert, expert-major (the ep = 1 layout, p.expert_out). A local expert's rows are in
@@ -459,6 +449,18 @@ inline void moe_allgather_expert_taps(MoEPlan& p, cudaStream_t st) {
   p.ep_comm->all_to_all(p.ep_recv, send, p.expert_out, recv, p.attn.dt, st);
 }
 
+// Megatron's MoEAllGatherTokenDispatcher at expert-parallel size ep (the ranks replicas of one
+// batch, or at ep = tp each with its slice of the sequence): every rank gathers
+// the ranks' tokens, routing maps and probabilities (TG = ep * T tokens, rank q's at
+// [q T, (q + 1) T)); local_map / local_probs are their local experts' columns; the local experts
+// run on the tokens permuted by local_map (build_row_id_map over [TG, local_E]); unpermute gives
+// the local experts' partial output of every gathered token [TG, h] (each token's local rows added
+// in expert order, stored in T, as at ep = 1); the reduce-scatter, in the probabilities' dtype as
+// Megatron's token_combine casts it, adds the ranks' partials of this rank's tokens into the
+// combine's output [T, h]. Its rounding points (the partial sums, the ep - 1 additions, the casts)
+// are counted in the postprocess, where the ep = 1 combine counts its own. With
+// gather_expert_taps each recording rank gets its own tokens' rows of every expert
+// (moe_allgather_expert_taps): the ep = 1 experts' output (p.expert_out) the taps read.
 inline void moe_allgather_experts(MoEPlan& p, cudaStream_t st) {
   const RankPlan& a = p.attn;
   const DType dt = a.dt, rdt = p.rdt;
