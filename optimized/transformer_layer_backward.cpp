@@ -155,31 +155,18 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   RankPlan fp = p;
   fp.tp = 1;
   fp.sp = false;
-  const std::int64_t h = m.h, w = (p.glu ? 2 : 1) * std::int64_t(m.ffn), qw = fp.qkv_width();
+  const std::int64_t h = m.h, w = (p.glu ? 2 : 1) * std::int64_t(m.ffn);
   auto rows_of = [&](auto ptr_of) { return gathered(ptr_of, n_local, h, by_rows); };
   auto cols_of = [&](auto ptr_of, std::int64_t cols, int blocks = 1) {
     return gathered(ptr_of, n, cols / tp, ShardLayout{1, blocks});
   };
   auto whole = [&](auto ptr_of, std::int64_t cols) { return gathered(ptr_of, n, cols, ShardLayout{}); };
-  std::map<std::string, AttentionHalfMagnitudes::Source> sources = {
-      {"d_ln1", [&] { return rows_of(grad_buf(&RankGrads::d_ln1)); }},
-      {"d_qkv", [&] { return cols_of(grad_buf(&RankGrads::d_qkv), qw); }},
-      {"d_qkv_pre", [&] { return cols_of(grad_buf(&RankGrads::d_qkv_pre), qw); }},
-      {"d_proj", [&] { return rows_of(grad_buf(&RankGrads::d_proj)); }},
-      {"d_ln2", [&] { return rows_of(grad_buf(&RankGrads::d_ln2)); }},
-      {"x", [&] { return rows_of(plan_buf(&RankPlan::x)); }},
-      {"h1", [&] { return rows_of(plan_buf(&RankPlan::h1)); }},
-      {"ln1", [&] { return whole(plan_buf(&RankPlan::ln1_full), h); }},
-      {"ctx", [&] { return cols_of(plan_buf(&RankPlan::ctx), fp.ctx_width()); }},
-      {"qkv_pre_norm", [&] { return cols_of(plan_buf(&RankPlan::qkv_pre_norm), qw); }}};
-  if (fp.mla.on)
-    add_mla_magnitude_sources(
-        fp,
-        [&](const MlaBufferOf& ptr, std::int64_t cols, bool per_head) {
-          auto of_rank = [&](const Impl::Rank& R) { return ptr(R.plan, R.grads); };
-          return per_head ? cols_of(of_rank, cols) : whole(of_rank, cols);
-        },
-        sources);
+  // a rank's buffer for `gathered`, picked from its plan and gradients
+  auto of_rank = [](const MlaBufferOf& ptr) { return [ptr](const Impl::Rank& R) { return ptr(R.plan, R.grads); }; };
+  const RankTensorReaders read{[&](const MlaBufferOf& ptr) { return rows_of(of_rank(ptr)); },
+                               [&](const MlaBufferOf& ptr, std::int64_t cols) { return cols_of(of_rank(ptr), cols); },
+                               [&](const MlaBufferOf& ptr, std::int64_t cols) { return whole(of_rank(ptr), cols); }};
+  std::map<std::string, AttentionHalfMagnitudes::Source> sources = attention_half_magnitude_sources(fp, read);
   AttentionHalfMagnitudes attention(fp, n, std::move(sources));
   std::vector<double> d_fc1, d_mlp;  // read once, for the MLP's weights and biases
   auto mlp_grads = [&] {

@@ -152,6 +152,37 @@ void add_mla_magnitude_sources(const RankPlan& fp, const MlaRead& read,
       "d_kv_combined", [](const RankPlan&, const RankGrads& g) { return g.mla.d_kv_combined; }, kvw, false);
 }
 
+std::map<std::string, AttentionHalfMagnitudes::Source> attention_half_magnitude_sources(const RankPlan& fp,
+                                                                                        const RankTensorReaders& read) {
+  const std::int64_t qw = fp.qkv_width(), cw = fp.ctx_width();
+  auto rows = [&](const MlaBufferOf& ptr) { return [&read, ptr] { return read.rows(ptr); }; };
+  auto heads = [&](const MlaBufferOf& ptr, std::int64_t cols) {
+    return [&read, ptr, cols] { return read.heads(ptr, cols); };
+  };
+  std::map<std::string, AttentionHalfMagnitudes::Source> sources = {
+      {"d_ln1", rows([](const RankPlan&, const RankGrads& g) { return g.d_ln1; })},
+      {"d_qkv", heads([](const RankPlan&, const RankGrads& g) { return g.d_qkv; }, qw)},
+      {"d_qkv_pre", heads([](const RankPlan&, const RankGrads& g) { return g.d_qkv_pre; }, qw)},
+      {"d_proj", rows([](const RankPlan&, const RankGrads& g) { return g.d_proj; })},
+      {"d_ln2", rows([](const RankPlan&, const RankGrads& g) { return g.d_ln2; })},
+      {"x", rows([](const RankPlan& p, const RankGrads&) { return p.x; })},
+      {"h1", rows([](const RankPlan& p, const RankGrads&) { return p.h1; })},
+      {"ln1",
+       [&read, h = std::int64_t(fp.h)] {
+         return read.whole([](const RankPlan& p, const RankGrads&) { return p.ln1_full; }, h);
+       }},
+      {"ctx", heads([](const RankPlan& p, const RankGrads&) { return p.ctx; }, cw)},
+      {"qkv_pre_norm", heads([](const RankPlan& p, const RankGrads&) { return p.qkv_pre_norm; }, qw)}};
+  if (fp.mla.on)
+    add_mla_magnitude_sources(
+        fp,
+        [&read](const MlaBufferOf& ptr, std::int64_t cols, bool per_head) {
+          return per_head ? read.heads(ptr, cols) : read.whole(ptr, cols);
+        },
+        sources);
+  return sources;
+}
+
 std::optional<double> AttentionHalfMagnitudes::operator()(const std::string& key) {
   if (p_.mla.on)  // MLA's q_layernorm shares its key with SelfAttention's
     if (const std::optional<double> m = mla(key)) return m;

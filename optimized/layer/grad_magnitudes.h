@@ -68,4 +68,15 @@ using MlaRead = std::function<Tensor(const MlaBufferOf& ptr, std::int64_t cols, 
 void add_mla_magnitude_sources(const RankPlan& full_plan, const MlaRead& read,
                                std::map<std::string, AttentionHalfMagnitudes::Source>& sources);
 
+// Every source of AttentionHalfMagnitudes for a layer whose ranks hold the attention half as
+// `full_plan` splits it (MLA's included), each read as the full layer's [n, cols] tensor from the
+// ranks' buffer `ptr` picks: `rows` from each rank's rows (its sequence slice under SP, else
+// rank 0's whole) with h columns, `heads` from each rank's heads' columns, `whole` rank 0's.
+struct RankTensorReaders {
+  std::function<Tensor(const MlaBufferOf& ptr)> rows;
+  std::function<Tensor(const MlaBufferOf&ptr, std::int64_t cols)> heads, whole;
+};
+std::map<std::string, AttentionHalfMagnitudes::Source> attention_half_magnitude_sources(const RankPlan& full_plan,
+                                                                                        const RankTensorReaders& read);
+
 }  // namespace twin::opt

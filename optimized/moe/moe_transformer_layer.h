@@ -144,15 +144,8 @@ class MoETransformerLayer {
   LayerOutput postprocess_rank(int rank);
   void run_graph_phase(Impl& m, PhaseKind kind);
   void set_magnitudes(LayerGradients& out) const;
-  double expert_magnitude(int expert, const std::string& rest) const;
   Tensor gathered(const std::function<const void*(const Impl&)>& ptr_of, const Shape& part, ShardLayout layout,
                   DType as, int first = 0) const;
-  // The experts' rows of the last backward per rank, read once while set_magnitudes runs.
-  struct ExpertRows {
-    std::vector<double> d_out, act_out, d_fc1, in;
-    std::vector<std::int64_t> tokens;
-  };
-  mutable std::map<int, ExpertRows> expert_rows_;
   TransformerConfig config_;
   LayerOptions options_;
   std::vector<std::unique_ptr<Impl>> ranks_;

@@ -147,6 +147,42 @@ const void* moe_grad_of(const MoEGrads& g, const MoEPlan& P, int h, const std::s
   return nullptr;
 }
 
+// The experts' rows of one rank's backward (absolute values), expert-major: local expert l's rows
+// are [offset_l, offset_l + tokens[l]).
+struct ExpertRows {
+  std::vector<double> d_out, act_out, d_fc1, in;
+  std::vector<std::int64_t> tokens;
+};
+
+// The weight magnitude of local expert l's linear `rest` over the rows every part holds of it, one
+// part after the other (each part's rows add to the gradient), divided by `scale`.
+double expert_weight_magnitude(const std::vector<const ExpertRows*>& parts, int l, const std::string& rest,
+                               std::int64_t h, std::int64_t ffn, std::int64_t w1, double scale) {
+  std::vector<double> d_out, act_out, d_fc1, in;
+  std::int64_t rows = 0;
+  auto append = [](std::vector<double>& to, const std::vector<double>& from, std::int64_t first, std::int64_t n,
+                   std::int64_t cols) {
+    to.insert(to.end(), from.begin() + first * cols, from.begin() + (first + n) * cols);
+  };
+  for (const ExpertRows* x : parts) {
+    std::int64_t first = 0;
+    for (int i = 0; i < l; ++i) first += x->tokens[std::size_t(i)];
+    const std::int64_t n = x->tokens[std::size_t(l)];
+    if (rest == "linear_fc2.weight") {
+      append(d_out, x->d_out, first, n, h);
+      append(act_out, x->act_out, first, n, ffn);
+    } else {
+      append(d_fc1, x->d_fc1, first, n, w1);
+      append(in, x->in, first, n, h);
+    }
+    rows += n;
+  }
+  if (rows == 0) return 0.0;
+  if (rest == "linear_fc2.weight") return weight_magnitude(d_out, act_out, rows, h, ffn) / scale;
+  if (rest == "linear_fc1.weight") return weight_magnitude(d_fc1, in, rows, w1, h) / scale;
+  throw std::logic_error(std::string(kWho) + ": no magnitude rule for the gradient of an expert's " + rest);
+}
+
 }  // namespace
 
 // ---- running it ----------------------------------------------------------------------------------
@@ -313,34 +349,38 @@ void MoETransformerLayer::set_magnitudes(LayerGradients& out) const {
     return gathered(ptr, {n, cols / tp}, tp > 1 ? ShardLayout{1, blocks} : ShardLayout{}, m.dt);
   };
   auto whole = [&](const PtrOf& ptr, std::int64_t cols) { return gathered(ptr, {n, cols}, ShardLayout{}, m.dt); };
-  auto grad = [](auto member) { return [member](const Impl& R) -> const void* { return R.grads.attn.*member; }; };
   auto act = [](auto member) { return [member](const Impl& R) -> const void* { return R.plan.attn.*member; }; };
   RankPlan fp = p;  // the full layer's
   fp.tp = 1;
   fp.sp = false;
-  const std::int64_t qw = fp.qkv_width();
-  std::map<std::string, AttentionHalfMagnitudes::Source> sources = {
-      {"d_ln1", [&] { return rows(grad(&RankGrads::d_ln1), h); }},
-      {"d_qkv", [&] { return cols_of(grad(&RankGrads::d_qkv), qw); }},
-      {"d_qkv_pre", [&] { return cols_of(grad(&RankGrads::d_qkv_pre), qw); }},
-      {"d_proj", [&] { return rows(grad(&RankGrads::d_proj), h); }},
-      {"d_ln2", [&] { return rows(grad(&RankGrads::d_ln2), h); }},
-      {"x", [&] { return rows(act(&RankPlan::x), h); }},
-      {"h1", [&] { return rows(act(&RankPlan::h1), h); }},
-      {"ln1", [&] { return whole(act(&RankPlan::ln1_full), h); }},
-      {"ctx", [&] { return cols_of(act(&RankPlan::ctx), fp.ctx_width()); }},
-      {"qkv_pre_norm", [&] { return cols_of(act(&RankPlan::qkv_pre_norm), qw); }}};
-  if (p.mla.on)
-    add_mla_magnitude_sources(
-        fp,
-        [&](const MlaBufferOf& ptr, std::int64_t cols, bool per_head) {
-          const PtrOf of_rank = [&](const Impl& R) { return ptr(R.plan.attn, R.grads.attn); };
-          return per_head ? cols_of(of_rank, cols) : whole(of_rank, cols);
-        },
-        sources);
+  auto of_rank = [](const MlaBufferOf& ptr) {
+    return PtrOf([ptr](const Impl& R) { return ptr(R.plan.attn, R.grads.attn); });
+  };
+  const RankTensorReaders read{[&](const MlaBufferOf& ptr) { return rows(of_rank(ptr), h); },
+                               [&](const MlaBufferOf& ptr, std::int64_t cols) { return cols_of(of_rank(ptr), cols); },
+                               [&](const MlaBufferOf& ptr, std::int64_t cols) { return whole(of_rank(ptr), cols); }};
+  std::map<std::string, AttentionHalfMagnitudes::Source> sources = attention_half_magnitude_sources(fp, read);
   AttentionHalfMagnitudes attention(fp, n, std::move(sources));
   const std::vector<double> x = abs_values(rows(act(&RankPlan::ln2), h));  // MoELayer's input [n, h]
   auto moe = [](auto member) { return [member](const Impl& R) -> const void* { return R.grads.*member; }; };
+  // Each rank's expert rows, read once (an expert's rows: its owner's at ep > 1, every rank's at
+  // tp > 1; at ep > 1 every rank's replica of each token's row, the weight gradient scaled by 1 / ep).
+  std::map<int, ExpertRows> rows_of_rank;
+  auto expert_rows = [&](int r) -> const ExpertRows& {
+    auto it = rows_of_rank.find(r);
+    if (it != rows_of_rank.end()) return it->second;
+    Impl& R = *ranks_[std::size_t(r)];
+    ExpertRows x;
+    x.tokens = P.ep == 1 ? R.plan.tokens_per_expert : R.plan.local_tokens_per_expert;
+    std::int64_t rows = 0;
+    for (auto t : x.tokens) rows += t;
+    auto read = [&](const void* ptr, std::int64_t cols) { return abs_values(R.download(ptr, R.dt, {rows, cols})); };
+    x.d_out = read(P.ep == 1 ? R.grads.d_rows : R.grads.ep_d_out, h);
+    x.act_out = read(R.plan.act_out, ffn);
+    x.d_fc1 = read(R.grads.d_fc1, w1);
+    x.in = read(P.ep == 1 ? R.plan.permuted : R.plan.ep_in, h);
+    return rows_of_rank.emplace(r, std::move(x)).first->second;
+  };
   auto magnitude = [&](const std::string& key) -> double {
     if (const auto a = attention(key)) return *a;
     if (key == "mlp.router.weight")
@@ -353,65 +393,17 @@ void MoETransformerLayer::set_magnitudes(LayerGradients& out) const {
           abs_values(cols_of([](const Impl& R) -> const void* { return R.plan.shared_act; }, sf)), n, h, sf);
     if (key == "mlp.shared_experts.gate_weight")
       return weight_magnitude(abs_values(rows(moe(&MoEGrads::d_gate_logits), 1)), x, n, 1, h);
-    if (const auto [e, rest] = expert_of_key(key); e >= 0) return expert_magnitude(e, rest);
+    if (const auto [e, rest] = expert_of_key(key); e >= 0) {
+      // the owner holds every row of its experts at ep > 1, else each rank its tokens' rows
+      std::vector<const ExpertRows*> parts;
+      for (int r = 0; r < int(ranks_.size()); ++r)
+        if (P.ep == 1 || r == e / P.local_E) parts.push_back(&expert_rows(r));
+      return expert_weight_magnitude(parts, e % P.local_E, rest, h, ffn, w1,
+                                     P.ep_replicas ? P.ep : 1);  // moe_expert_wgrad_scale's
+    }
     throw std::logic_error(std::string(kWho) + ": no magnitude rule for the gradient of '" + key + "'");
   };
-  expert_rows_.clear();
   for (ParamGradient& pg : out.params) pg.magnitude = magnitude(pg.name);
-  expert_rows_.clear();
-}
-
-// Expert e's rows of the backward, read once per rank: local expert l's are [offset_l, offset_l +
-// n_l) of a rank's expert rows (at ep > 1 its owner's, every rank's replica of each token's row:
-// the weight gradient's sum is scaled by 1 / ep, its magnitude likewise; at tp > 1 each rank's rows
-// of its slice of the tokens, all adding to the gradient).
-double MoETransformerLayer::expert_magnitude(int e, const std::string& rest) const {
-  const MoEPlan& P = ranks_.front()->plan;
-  const std::int64_t h = P.attn.h, ffn = P.ffn, w1 = (P.glu ? 2 : 1) * ffn;
-  const bool whole_rank = P.ep > 1;  // the owner holds every row of its experts (else each rank its tokens')
-  std::vector<ExpertRows> parts;
-  for (int r = 0; r < int(ranks_.size()); ++r) {
-    if (whole_rank && r != e / P.local_E) continue;
-    auto it = expert_rows_.find(r);
-    if (it == expert_rows_.end()) {
-      Impl& R = *ranks_[std::size_t(r)];
-      ExpertRows x;
-      x.tokens = P.ep == 1 ? R.plan.tokens_per_expert : R.plan.local_tokens_per_expert;
-      std::int64_t n = 0;
-      for (auto t : x.tokens) n += t;
-      auto read = [&](const void* ptr, std::int64_t cols) { return abs_values(R.download(ptr, R.dt, {n, cols})); };
-      x.d_out = read(P.ep == 1 ? R.grads.d_rows : R.grads.ep_d_out, h);
-      x.act_out = read(R.plan.act_out, ffn);
-      x.d_fc1 = read(R.grads.d_fc1, w1);
-      x.in = read(P.ep == 1 ? R.plan.permuted : R.plan.ep_in, h);
-      it = expert_rows_.emplace(r, std::move(x)).first;
-    }
-    parts.push_back(it->second);
-  }
-  // expert e's rows [first, first + n) of every part, one after the other
-  const int l = e % P.local_E;
-  std::vector<double> d_out, act_out, d_fc1, in;
-  std::int64_t rows = 0;
-  auto append = [](std::vector<double>& to, const std::vector<double>& from, std::int64_t first, std::int64_t n,
-                   std::int64_t cols) {
-    to.insert(to.end(), from.begin() + first * cols, from.begin() + (first + n) * cols);
-  };
-  for (const ExpertRows& x : parts) {
-    std::int64_t first = 0;
-    for (int i = 0; i < l; ++i) first += x.tokens[std::size_t(i)];
-    const std::int64_t n = x.tokens[std::size_t(l)];
-    append(d_out, x.d_out, first, n, h);
-    append(act_out, x.act_out, first, n, ffn);
-    append(d_fc1, x.d_fc1, first, n, w1);
-    append(in, x.in, first, n, h);
-    rows += n;
-  }
-  if (rows == 0) return 0.0;
-  const double scale = P.ep_replicas ? P.ep : 1;  // moe_expert_wgrad_scale's
-  if (rest == "linear_fc2.weight") return weight_magnitude(d_out, act_out, rows, h, ffn) / scale;
-  if (rest == "linear_fc1.weight") return weight_magnitude(d_fc1, in, rows, w1, h) / scale;
-  throw std::logic_error(std::string(kWho) + ": no magnitude rule for the gradient of expert " + std::to_string(e) +
-                         "'s " + rest);
 }
 
 }  // namespace twin::opt
