@@ -5,10 +5,12 @@
 // other layer kinds is in layer/.
 #include "optimized/transformer_layer.h"
 
+#include <cstring>
 #include <stdexcept>
 
 #include "optimized/layer/attention_half.h"
 #include "optimized/layer/kernels.h"
+#include "optimized/layer/rank_exchange.h"
 #include "optimized/layer/rank_runner.h"
 #include "optimized/layer/sharding.h"
 #include "optimized/runtime/collectives.h"
@@ -77,10 +79,12 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
   m.full = checked_params(kWho, params, dense_layer_param_keys(c), shapes, m.dt);
 
   // ---- the plan binding: each rank's shards, as Megatron's tensor-parallel layers hold them
+  m.comms = make_rank_communicators(kWho, tp, o.processes, o.backend);
   m.ranks.resize(tp);
   for (int r = 0; r < tp; ++r) {
     Impl::Rank& R = m.ranks[r];
     R.stream.emplace(*m.dev);
+    if (o.processes) R.stream->set_process(r);
     RankPlan& p = R.plan;
     plan_attention_half(p, c, o.layer_number);
     p.ffn = m.ffn;
@@ -93,7 +97,6 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
     for (const PlanWeight& w : kAttentionHalfWeights) bind(w);
     for (const PlanWeight& w : kMlpWeights) bind(w);
   }
-  if (tp > 1) m.comms = rt::make_threaded_group(tp);
 }
 
 // ---- the forward's steps -------------------------------------------------------------------------
@@ -188,9 +191,8 @@ Tensor DenseTransformerLayer::Impl::download_output(bool sp) {
   const std::size_t slice = std::size_t(p0.s_local()) * p0.b * h * dtype_size(dt);
   Tensor out = Tensor::empty(dt, {p0.s, p0.b, h});
   for (std::size_t r = 0; r < (sp ? ranks.size() : 1); ++r) {
-    dev->copy(out.raw_mut() + r * slice, ranks[r].plan.out, slice, rt::CopyKind::DeviceToHost,
-              ranks[r].stream->handle());
-    ranks[r].stream->synchronize();
+    const Tensor part = download_tensor(*dev, *ranks[r].stream, ranks[r].plan.out, dt, {p0.s_local(), p0.b, h});
+    std::memcpy(out.raw_mut() + r * slice, part.raw(), slice);
   }
   return out;
 }
@@ -222,11 +224,15 @@ LayerOutput DenseTransformerLayer::forward(const Tensor& hidden_states, const Te
     for (int r = 0; r < tp; ++r)
       m.ranks[r].plan.on_tap = [&m, &rank_taps, r](TapPoint t) { m.record_tap(r, t, rank_taps[r]); };
   const LayerKernels& kernels = layer_kernels(options_.backend);
-  run_ranks_counted(tp, [&](int r) {
-    Impl::Rank& R = m.ranks[r];
-    R.graph.run(*R.stream, fo.use_graph, [&] { kernels.rank_forward(R.plan, R.stream->handle()); });
-    R.stream->synchronize();
-  });
+  run_ranks_counted(
+      tp,
+      [&](int r) {
+        Impl::Rank& R = m.ranks[r];
+        R.graph.run(*R.stream, fo.use_graph, [&] { kernels.rank_forward(R.plan, R.stream->handle()); });
+        R.stream->synchronize();
+      },
+      options_.processes);
+  share_ranks(rank_taps, options_.processes);
 
   LayerOutput result;
   result.hidden_states = m.download_output(sp);

@@ -109,11 +109,14 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
     dev.copy(const_cast<void*>(m.ranks[r].grads.dout), grad_output.raw() + (p.sp ? r * slice_bytes : 0), slice_bytes,
              rt::CopyKind::HostToDevice, m.ranks[r].stream->handle());
   const LayerKernels& kernels = layer_kernels(options_.backend);
-  run_ranks_counted(tp, [&](int r) {
-    Impl::Rank& R = m.ranks[r];
-    R.backward_graph.run(*R.stream, use_graph, [&] { kernels.rank_backward(R.plan, R.grads, R.stream->handle()); });
-    R.stream->synchronize();
-  });
+  run_ranks_counted(
+      tp,
+      [&](int r) {
+        Impl::Rank& R = m.ranks[r];
+        R.backward_graph.run(*R.stream, use_graph, [&] { kernels.rank_backward(R.plan, R.grads, R.stream->handle()); });
+        R.stream->synchronize();
+      },
+      options_.processes);
 
   // A tensor each rank holds part of ([rows, cols] per rank, `layout`; dim < 0: rank 0's is the
   // whole), put back together in the full layer's layout, shards in rank order.

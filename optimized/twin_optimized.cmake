@@ -12,6 +12,7 @@ add_library(twin_optimized STATIC
   ${CMAKE_CURRENT_LIST_DIR}/layer/op_launchers_sim.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/rank_context.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/rank_runner.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/layer/rank_exchange.cpp
   ${CMAKE_CURRENT_LIST_DIR}/layer/sharding.cpp
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer.cpp
   ${CMAKE_CURRENT_LIST_DIR}/transformer_layer_backward.cpp

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "core/progress.h"
+#include "optimized/layer/rank_runner.h"  // ranks_as_processes
 #include "optimized/transformer_layer.h"
 #include "parity/bounds.h"
 #include "parity/fixture_kinds.h"
@@ -56,6 +57,7 @@ Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOpt
   opt::LayerOptions lo;
   lo.tp = c.tp;
   lo.sp = c.sp;
+  lo.processes = opt::ranks_as_processes(c.tp);
   lo.backend = o.backend;
   lo.attn_mask_type = in.config.attn_mask_type;
   lo.layer_number = in.layer_number;
@@ -131,6 +133,7 @@ TwinRun run_optimized_dense_layer(const Fixture& f, const RunMode& mode) {
   lo.layer_number = f.layer_number;
   lo.tp = mode.tp;
   lo.sp = mode.sp;
+  lo.processes = opt::ranks_as_processes(mode.tp);
   lo.attn_mask_type = cfg.attn_mask_type;  // the spec param the fixture ran with
   // What the twin does not implement is asked first (the feature table), reported unsupported.
   if (const std::string why = opt::layer_unsupported(opt::LayerKind::Dense, cfg, lo); !why.empty())

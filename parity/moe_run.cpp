@@ -3,9 +3,11 @@
 // does not implement (opt::moe_layer_unsupported) is reported unsupported before anything runs.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 
+#include "optimized/layer/rank_runner.h"  // ranks_as_processes
 #include "optimized/moe/moe_transformer_layer.h"
 #include "core/progress.h"
 #include "parity/fixture_kinds.h"
@@ -28,6 +30,7 @@ TwinRun run_optimized_moe_layer(const Fixture& f, const RunMode& mode) {
   lo.backend = be && std::string(be) == "cuda" ? rt::Backend::Cuda : rt::Backend::Sim;
   lo.tp = mode.tp;
   lo.sp = mode.sp;
+  lo.processes = opt::ranks_as_processes(std::max(mode.ep, mode.tp));
   lo.layer_number = f.layer_number;
   lo.attn_mask_type = cfg.attn_mask_type;
   if (const std::string why = opt::moe_layer_unsupported(cfg, lo); !why.empty())

@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <fstream>
 #include <iostream>
 #include <thread>
 #if defined(__GLIBC__)
@@ -14,10 +15,39 @@
 #include "parity/cli_common.h"
 #include "parity/fixture_cmd.h"
 #include "parity/inspect.h"
+#include "optimized/runtime/processes.h"
 #include "reference/parallel.h"
 #include "reference/retro/decoder_spec.h"
 
+namespace {
+
+int run(int argc, char** argv);
+
+}  // namespace
+
+// Under an MPI launch (mpirun -np N, srun) every process runs the command, each layer of N ranks
+// one rank per process (optimized/runtime/processes.h); rank 0 prints, and every process exits
+// with the same status (the largest of theirs).
 int main(int argc, char** argv) {
+  try {
+    twin::rt::init_processes(&argc, &argv);
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << twin::cli::one_line(e.what()) << "\n";
+    return 2;
+  }
+  static std::ofstream discard;  // never opened: what ranks past 0 would print goes nowhere (outlives cout)
+  if (twin::rt::process_rank() > 0) {
+    std::cout.rdbuf(discard.rdbuf());
+    std::cerr.rdbuf(discard.rdbuf());
+  }
+  const int code = run(argc, argv);
+  std::cout.flush();
+  return twin::rt::finish_processes(code);
+}
+
+namespace {
+
+int run(int argc, char** argv) {
   using namespace twin::cli;
 #if defined(__GLIBC__)
   // Buffers of 1 MiB and more straight from the OS and back to it when freed. glibc's default
@@ -152,3 +182,5 @@ int main(int argc, char** argv) {
   }
   return 2;
 }
+
+}  // namespace

@@ -4,14 +4,20 @@
 #include <stdexcept>
 #include <string>
 
+#include "optimized/layer/rank_runner.h"  // in_rank_phase
+#include "optimized/runtime/processes.h"
+
 namespace twin::opt {
 
 Tensor download_tensor(rt::Device& dev, rt::Stream& stream, const void* ptr, DType dt, Shape shape) {
   Tensor t = Tensor::empty(dt, std::move(shape));
-  if (t.nbytes()) {
+  const int owner = stream.process();
+  const bool collective = owner >= 0 && !in_rank_phase();
+  if (t.nbytes() && (owner < 0 || owner == rt::process_rank())) {
     dev.copy(t.raw_mut(), ptr, t.nbytes(), rt::CopyKind::DeviceToHost, stream.handle());
     stream.synchronize();
   }
+  if (collective) rt::process_broadcast(t.raw_mut(), t.nbytes(), owner);
   return t;
 }
 

@@ -25,7 +25,9 @@ struct BufferShape {
   }
 };
 
-// A device tensor of `shape` in `dt` on the host, after `stream`'s work so far.
+// A device tensor of `shape` in `dt` on the host, after `stream`'s work so far. With ranks as
+// processes, outside a rank's phase, a collective: the stream's process reads it and sends it to
+// every process (the others' `ptr` is not read).
 Tensor download_tensor(rt::Device& dev, rt::Stream& stream, const void* ptr, DType dt, Shape shape);
 
 class BufferArena {

@@ -21,6 +21,10 @@ struct LayerOptions {
   // "causal"), not the config's run description. "causal": causal mask when no attention_mask is
   // given; "no_mask" / "padding" / "arbitrary": only a given mask applies.
   std::string attn_mask_type = "causal";
+  // One rank per process of an MPI launch (runtime/processes.h; the process count must be the
+  // layer's rank count): this process runs its own rank, the others theirs (layer/rank_runner.h).
+  // False: every rank a thread of this process.
+  bool processes = false;
 };
 
 struct ForwardOptions {

@@ -1,25 +1,115 @@
 #include "optimized/layer/rank_runner.h"
 
+#include <cstdlib>
 #include <stdexcept>
 #include <vector>
 
-#include "optimized/runtime/collectives.h"
+#include "core/config.h"
+#include "optimized/layer/rank_exchange.h"
+#include "optimized/runtime/processes.h"
 
 namespace twin::opt {
 
-void run_ranks_counted(int nranks, const std::function<void(int)>& rank) {
-  if (nranks == 1) return rank(0);  // on the caller's thread and count
+namespace {
+
+thread_local bool rank_phase = false;
+
+// Marks this thread as running a rank's phase while it lives.
+struct RankPhase {
+  RankPhase() { rank_phase = true; }
+  ~RankPhase() { rank_phase = false; }
+};
+
+void fail_if_asked(int r) {
+  const char* fail = std::getenv("TWIN_FAIL_RANK");
+  if (fail && *fail && std::atoi(fail) == r)
+    throw std::runtime_error("an injected failure (TWIN_FAIL_RANK=" + std::to_string(r) + ")");
+}
+
+// With ranks as processes: this process's rank's phase, then every process learns every rank's
+// outcome and rounding count (on the control channel, which a timed-out collective leaves free).
+void run_my_rank(int nranks, const std::function<void(int)>& rank) {
+  const int me = rt::process_rank();
+  if (nranks != rt::process_count())
+    throw std::logic_error("run_ranks_counted: " + std::to_string(nranks) + " ranks over " +
+                           std::to_string(rt::process_count()) + " processes");
+  const RoundingCount at_start = rounding_now();
+  RankOutcome mine;
+  {
+    CountRoundings counting;
+    RankPhase phase;
+    rounding_set(at_start);
+    try {
+      fail_if_asked(me);
+      rank(me);
+    } catch (...) {
+      mine = RankOutcome::of(std::current_exception());
+    }
+    mine.rounding = rounding_now();
+  }
+  const std::vector<RankOutcome> all = exchange_outcomes(mine);
+  RoundingCount joined = at_start;
+  for (const RankOutcome& o : all) joined.join(o.rounding);
+  rounding_set(joined);
+  rethrow_first_failure(all);
+}
+
+}  // namespace
+
+bool in_rank_phase() { return rank_phase; }
+
+bool ranks_as_processes(int nranks) { return nranks > 1 && rt::process_count() > 1; }
+
+bool runs_rank(int r, bool processes) { return !processes || r == rt::process_rank(); }
+
+void run_ranks_counted(int nranks, const std::function<void(int)>& rank, bool processes) {
+  if (processes) return run_my_rank(nranks, rank);
+  if (nranks == 1) {  // on the caller's thread and count
+    fail_if_asked(0);
+    return rank(0);
+  }
   const RoundingCount at_start = rounding_now();
   std::vector<RoundingCount> at_end(static_cast<std::size_t>(nranks));
+  std::vector<std::exception_ptr> failed(static_cast<std::size_t>(nranks));
   rt::run_ranks(nranks, [&](int r) {
     CountRoundings counting;
+    RankPhase phase;
     rounding_set(at_start);
-    rank(r);
+    try {
+      fail_if_asked(r);
+      rank(r);
+    } catch (...) {
+      failed[static_cast<std::size_t>(r)] = std::current_exception();
+    }
     at_end[static_cast<std::size_t>(r)] = rounding_now();
   });
   RoundingCount joined = at_start;
   for (const RoundingCount& e : at_end) joined.join(e);
   rounding_set(joined);
+  // As with processes: the first rank that failed other than by waiting in a collective.
+  std::exception_ptr first;
+  for (const std::exception_ptr& e : failed) {
+    if (!e) continue;
+    if (!first || RankOutcome::of(first).kind == RankOutcome::Kind::Collective) first = e;
+    if (RankOutcome::of(first).kind != RankOutcome::Kind::Collective) break;
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+std::vector<std::unique_ptr<rt::Communicator>> make_rank_communicators(const std::string& who, int nranks,
+                                                                       bool processes, rt::Backend backend) {
+  std::vector<std::unique_ptr<rt::Communicator>> comms;
+  if (!processes) {
+    if (nranks > 1) comms = rt::make_threaded_group(nranks);
+    return comms;
+  }
+  if (nranks != rt::process_count())
+    throw ConfigError(who + ": the layer runs " + std::to_string(nranks) +
+                      " rank(s), one per process, but the launch has " + std::to_string(rt::process_count()) +
+                      " process(es) (mpirun -np " + std::to_string(nranks) + ")");
+  comms.resize(static_cast<std::size_t>(nranks));
+  comms[static_cast<std::size_t>(rt::process_rank())] = rt::make_process_communicator(backend);
+  return comms;
 }
 
 Record gather_rank_taps(const std::vector<std::vector<RankTap>>& rank_taps, const std::string& who) {

@@ -14,11 +14,13 @@
 #include "optimized/layer/attention_half.h"
 #include "optimized/layer/graph_cache.h"
 #include "optimized/layer/kernels.h"
+#include "optimized/layer/rank_exchange.h"
 #include "optimized/layer/rank_runner.h"
 #include "optimized/layer/sharding.h"
 #include "optimized/moe/moe_layer.h"
 #include "optimized/moe/moe_transformer_layer_plan.h"
 #include "optimized/runtime/collectives.h"
+#include "optimized/runtime/processes.h"
 
 namespace twin::opt {
 
@@ -86,14 +88,18 @@ MoETransformerLayer::MoETransformerLayer(const TransformerConfig& c, const std::
     throw ConfigError(std::string(kWho) + ": unsupported: " + why);
   // One group of ranks: expert-parallel (ep > 1), tensor-parallel (tp > 1) or both at ep = tp.
   const int ep = c.expert_model_parallel_size, n = std::max(ep, o.tp);
-  std::vector<std::unique_ptr<rt::Communicator>> comms;
-  if (n > 1) comms = rt::make_threaded_group(n);
+  std::vector<std::unique_ptr<rt::Communicator>> comms = make_rank_communicators(kWho, n, o.processes, o.backend);
   for (int r = 0; r < n; ++r) {
     ranks_.push_back(std::make_unique<Impl>());
     Impl& m = *ranks_.back();
     (o.tp > 1 ? m.tp_comm : m.ep_comm) = n > 1 ? std::move(comms[std::size_t(r)]) : nullptr;
     init_rank(m, c, params, o, ep > 1 ? r : 0, o.tp > 1 ? r : 0);
+    if (o.processes) m.stream->set_process(r);
   }
+}
+
+MoETransformerLayer::Impl& MoETransformerLayer::local() const {
+  return *ranks_[std::size_t(options_.processes ? rt::process_rank() : 0)];
 }
 
 // One expert-parallel rank: every parameter checked, the attention half's and the router's
@@ -179,6 +185,7 @@ ForwardOptions MoETransformerLayer::rank_options(const ForwardOptions& fo, int r
 // The output's sequence slices in rank order; the attention half's taps gathered by their
 // layouts, then the MoE MLP's (gather_tensor_parallel_moe_records). At ep > 1 (or one rank) rank 0's.
 LayerOutput MoETransformerLayer::gather_tensor_parallel(std::vector<LayerOutput> outs) {
+  share_forward_results(outs);
   if (options_.tp == 1) return std::move(outs.front());
   LayerOutput out;
   std::vector<const Tensor*> slices;
@@ -195,9 +202,29 @@ LayerOutput MoETransformerLayer::gather_tensor_parallel(std::vector<LayerOutput>
   }
   if (moe.front().entries.empty()) return out;
   out.record = gather_rank_taps(attention, kWho);
-  for (RecordEntry& e : gather_tensor_parallel_moe_records(moe, tokens, ranks_.front()->plan.glu).entries)
+  for (RecordEntry& e : gather_tensor_parallel_moe_records(moe, tokens, local().plan.glu).entries)
     out.record.entries.push_back(std::move(e));
   return out;
+}
+
+void MoETransformerLayer::share_forward_results(std::vector<LayerOutput>& outs) {
+  if (!options_.processes) return;
+  share_ranks(outs, true);
+  std::vector<std::vector<RankTap>> attention;
+  std::vector<std::vector<std::int64_t>> tokens, local_tokens;
+  for (const auto& r : ranks_) {
+    attention.push_back(std::move(r->attention_taps));
+    tokens.push_back(r->plan.tokens_per_expert);
+    local_tokens.push_back(r->plan.local_tokens_per_expert);
+  }
+  share_ranks(attention, true);
+  share_ranks(tokens, true);
+  share_ranks(local_tokens, true);
+  for (std::size_t r = 0; r < ranks_.size(); ++r) {
+    ranks_[r]->attention_taps = std::move(attention[r]);
+    ranks_[r]->plan.tokens_per_expert = std::move(tokens[r]);
+    ranks_[r]->plan.local_tokens_per_expert = std::move(local_tokens[r]);
+  }
 }
 
 void MoETransformerLayer::set_gather_expert_taps(const ForwardOptions& fo) {
@@ -229,7 +256,7 @@ auto run_phase(F&& phase, D&& drop) -> decltype(phase()) {
 // the same points). If any rank throws, every rank drops the forward in flight, so the ranks stay
 // in step (a rank a phase ahead would wait in a collective for the others).
 void MoETransformerLayer::on_every_rank(const std::function<void(int)>& phase) {
-  run_phase([&] { run_ranks_counted(static_cast<int>(ranks_.size()), phase); },
+  run_phase([&] { run_ranks_counted(static_cast<int>(ranks_.size()), phase, options_.processes); },
             [&] {
               for (auto& r : ranks_) r->end_forward();
             });
@@ -246,7 +273,7 @@ void MoETransformerLayer::_forward_mlp_router(const Tensor& hidden_states, const
 // was; the ranks move through the phases in step, so rank 0's phase is every rank's.
 void MoETransformerLayer::_forward_mlp_expert_compute() {
   progress::now("_forward_mlp_expert_compute");
-  const Impl::Phase done = ranks_.front()->done;
+  const Impl::Phase done = local().done;
   if (done != Impl::Phase::Router)
     throw std::logic_error(
         std::string("optimized MoE layer: _forward_mlp_expert_compute needs _forward_mlp_router first") +
@@ -257,7 +284,7 @@ void MoETransformerLayer::_forward_mlp_expert_compute() {
 
 LayerOutput MoETransformerLayer::_forward_mlp_postprocess() {
   progress::now("_forward_mlp_postprocess");
-  const Impl::Phase done = ranks_.front()->done;
+  const Impl::Phase done = local().done;
   if (done == Impl::Phase::None)
     throw std::logic_error(std::string("optimized MoE layer: _forward_mlp_postprocess needs _forward_mlp_router and "
                                        "_forward_mlp_expert_compute first") +

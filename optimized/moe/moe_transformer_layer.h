@@ -130,9 +130,15 @@ class MoETransformerLayer {
                         const LayerOptions& options, int ep_rank, int tp_rank);
   // At tp > 1: the ranks' outputs and records put together as the whole layer's.
   LayerOutput gather_tensor_parallel(std::vector<LayerOutput> outs);
+  // With ranks as processes: what each rank's forward left on the host (its output and record,
+  // attention taps, token counts) on every process, as threaded ranks leave it.
+  void share_forward_results(std::vector<LayerOutput>& outs);
+  // The rank whose host state this process keeps current: 0, or (processes) its own.
+  Impl& local() const;
   enum class PhaseKind { Router, ExpertCompute, Postprocess };
   enum class BackwardPhaseKind { Postprocess, ExpertCompute, Router };
-  void run_backward_phase(BackwardPhaseKind kind, bool use_graph);
+  // `before` (if any) first on each rank, in its phase.
+  void run_backward_phase(BackwardPhaseKind kind, bool use_graph, const std::function<void(Impl&)>& before = {});
   void on_every_rank(const std::function<void(int)>& phase);
   ForwardOptions rank_options(const ForwardOptions& options, int rank) const;
   void set_gather_expert_taps(const ForwardOptions& options);

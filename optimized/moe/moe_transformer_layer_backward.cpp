@@ -27,8 +27,7 @@ constexpr char kWho[] = "optimized MoE layer";
 // ---- what it supports ----------------------------------------------------------------------------
 std::optional<std::string> MoETransformerLayer::backward_unsupported() const {
   const TransformerConfig& c = config_;
-  if (const std::string why = attention_half_backward_unsupported(ranks_.front()->plan.attn.post_ln_residual);
-      !why.empty())
+  if (const std::string why = attention_half_backward_unsupported(local().plan.attn.post_ln_residual); !why.empty())
     return why;
   if (c.moe_router_load_balancing_type == "sinkhorn") return std::string("sinkhorn routing");
   if (c.moe_input_jitter_eps) return std::string("moe_input_jitter_eps (the jitter's backward)");
@@ -203,26 +202,32 @@ LayerGradients MoETransformerLayer::backward(const Tensor& grad_output, bool wit
 // One backward phase on every expert-parallel rank (one thread each at ep > 1: the dispatcher's
 // collectives pair them): eager, or (postprocess, router, with use_graph) from its graph. If any
 // rank throws, every rank drops the backward in flight.
-void MoETransformerLayer::run_backward_phase(BackwardPhaseKind kind, bool use_graph) {
+void MoETransformerLayer::run_backward_phase(BackwardPhaseKind kind, bool use_graph,
+                                             const std::function<void(Impl&)>& before) {
   const LayerKernels& kernels = layer_kernels(options_.backend);
   try {
-    run_ranks_counted(static_cast<int>(ranks_.size()), [&](int r) {
-      Impl& R = *ranks_[std::size_t(r)];
-      const cudaStream_t st = R.stream->handle();
-      switch (kind) {
-        case BackwardPhaseKind::Postprocess:
-          R.backward_postprocess_graph.run(*R.stream, use_graph,
-                                           [&] { kernels.moe_backward_postprocess(R.plan, R.grads, st); });
-          break;
-        case BackwardPhaseKind::ExpertCompute:
-          kernels.moe_backward_expert_compute(R.plan, R.grads, st);
-          break;
-        case BackwardPhaseKind::Router:
-          R.backward_router_graph.run(*R.stream, use_graph, [&] { kernels.moe_backward_router(R.plan, R.grads, st); });
-          break;
-      }
-      R.stream->synchronize();
-    });
+    run_ranks_counted(
+        static_cast<int>(ranks_.size()),
+        [&](int r) {
+          Impl& R = *ranks_[std::size_t(r)];
+          if (before) before(R);
+          const cudaStream_t st = R.stream->handle();
+          switch (kind) {
+            case BackwardPhaseKind::Postprocess:
+              R.backward_postprocess_graph.run(*R.stream, use_graph,
+                                               [&] { kernels.moe_backward_postprocess(R.plan, R.grads, st); });
+              break;
+            case BackwardPhaseKind::ExpertCompute:
+              kernels.moe_backward_expert_compute(R.plan, R.grads, st);
+              break;
+            case BackwardPhaseKind::Router:
+              R.backward_router_graph.run(*R.stream, use_graph,
+                                          [&] { kernels.moe_backward_router(R.plan, R.grads, st); });
+              break;
+          }
+          R.stream->synchronize();
+        },
+        options_.processes);
   } catch (...) {
     for (auto& R : ranks_) R->backward_done = Impl::BackwardPhase::None;
     throw;
@@ -235,7 +240,7 @@ void MoETransformerLayer::run_backward_phase(BackwardPhaseKind kind, bool use_gr
 void MoETransformerLayer::_backward_mlp_postprocess(const Tensor& grad_output, bool use_graph) {
   progress::now("_backward_mlp_postprocess");
   if (const auto why = backward_unsupported()) throw std::logic_error(std::string(kWho) + ": no backward for " + *why);
-  Impl& m = *ranks_.front();
+  Impl& m = local();
   if (!m.kept)
     throw std::logic_error(std::string(kWho) + ": backward needs the last forward run with keep_for_backward" +
                            kBackwardOrder);
@@ -244,27 +249,26 @@ void MoETransformerLayer::_backward_mlp_postprocess(const Tensor& grad_output, b
   grad_output.expect({p.s, p.b, m.h}, m.dt, std::string(kWho) + ": grad_output");
   // Each rank's output gradient: its sequence slice at tp > 1 (ep > 1: every rank's replica, the whole).
   const std::size_t slice = grad_output.nbytes() / std::size_t(p.tp);
-  for (auto& R : ranks_) {
-    const Tensor map = R->download(R->plan.routing_map, DType::BOOL, {T, E});
+  run_backward_phase(BackwardPhaseKind::Postprocess, use_graph, [&](Impl& R) {
+    const Tensor map = R.download(R.plan.routing_map, DType::BOOL, {T, E});
     int most_rows = 0;
     for (std::int64_t t = 0; t < T; ++t) {
       int rows = 0;
       for (std::int64_t e = 0; e < E; ++e) rows += map.at_f64(t * E + e) != 0.0;
       most_rows = std::max(most_rows, rows);
     }
-    R->backward_done = Impl::BackwardPhase::None;
-    R->ensure_grad_buffers(options_.backend);
-    R->grads.most_rows = most_rows;
-    R->dev->copy(const_cast<void*>(R->grads.attn.dout), grad_output.raw() + std::size_t(R->plan.attn.rank) * slice,
-                 slice, rt::CopyKind::HostToDevice, R->stream->handle());
-  }
-  run_backward_phase(BackwardPhaseKind::Postprocess, use_graph);
+    R.backward_done = Impl::BackwardPhase::None;
+    R.ensure_grad_buffers(options_.backend);
+    R.grads.most_rows = most_rows;
+    R.dev->copy(const_cast<void*>(R.grads.attn.dout), grad_output.raw() + std::size_t(R.plan.attn.rank) * slice, slice,
+                rt::CopyKind::HostToDevice, R.stream->handle());
+  });
   for (auto& R : ranks_) R->backward_done = Impl::BackwardPhase::Postprocess;
 }
 
 void MoETransformerLayer::_backward_mlp_expert_compute() {
   progress::now("_backward_mlp_expert_compute");
-  if (ranks_.front()->backward_done != Impl::BackwardPhase::Postprocess)
+  if (local().backward_done != Impl::BackwardPhase::Postprocess)
     throw std::logic_error(std::string(kWho) + ": _backward_mlp_expert_compute needs _backward_mlp_postprocess first" +
                            kBackwardOrder);
   run_backward_phase(BackwardPhaseKind::ExpertCompute, false);
@@ -275,13 +279,13 @@ void MoETransformerLayer::_backward_mlp_expert_compute() {
 // the experts' weights', each on its owner rank.
 LayerGradients MoETransformerLayer::_backward_mlp_router(bool with_magnitudes, bool use_graph) {
   progress::now("_backward_mlp_router");
-  if (ranks_.front()->backward_done != Impl::BackwardPhase::ExpertCompute)
+  if (local().backward_done != Impl::BackwardPhase::ExpertCompute)
     throw std::logic_error(std::string(kWho) + ": _backward_mlp_router needs _backward_mlp_expert_compute first" +
                            kBackwardOrder);
   run_backward_phase(BackwardPhaseKind::Router, use_graph);
   for (auto& R : ranks_) R->backward_done = Impl::BackwardPhase::None;
 
-  Impl& m = *ranks_.front();
+  Impl& m = local();
   const RankPlan& p = m.plan.attn;
   const std::size_t es = dtype_size(m.dt);
   LayerGradients out;
@@ -304,7 +308,7 @@ LayerGradients MoETransformerLayer::_backward_mlp_router(bool with_magnitudes, b
     auto grad_of = [&](const Impl& R) -> const void* {
       return slot ? R.grads.attn.*slot : moe_grad_of(R.grads, R.plan, m.h, key, es);
     };
-    if (!grad_of(*ranks_[std::size_t(owner)]))
+    if (runs_rank(owner, options_.processes) && !grad_of(*ranks_[std::size_t(owner)]))
       throw std::logic_error(std::string(kWho) + ": the backward computes no gradient of '" + key + "'");
     ParamGradient pg;
     pg.name = key;
@@ -333,7 +337,7 @@ Tensor MoETransformerLayer::gathered(const std::function<const void*(const Impl&
 // tensors (at tp > 1 every rank's parts put together, with the full layer's plan); an expert's rows
 // on its owner rank (ep > 1) or on every rank (tp > 1: each rank's rows of the expert in turn).
 void MoETransformerLayer::set_magnitudes(LayerGradients& out) const {
-  const Impl& m = *ranks_.front();
+  const Impl& m = local();
   const MoEPlan& P = m.plan;
   const RankPlan& p = P.attn;
   const int tp = p.tp;

@@ -8,6 +8,7 @@
 // calls (send == recv, or overlapping) safe. Sums run in rank order with one rounding to the dtype
 // per addition.
 #include "optimized/runtime/collectives.h"
+#include "optimized/runtime/collectives_internal.h"
 #include "optimized/runtime/sim_stream.h"
 
 #include <chrono>
@@ -31,11 +32,6 @@ struct Slot {
   const std::vector<std::size_t>* send_counts = nullptr;
   const std::vector<std::size_t>* recv_counts = nullptr;
 };
-
-double timeout_seconds() {
-  if (const char* s = std::getenv("TWIN_COLLECTIVE_TIMEOUT_S"); s && *s) return std::atof(s);
-  return 60.0;
-}
 
 struct Group {
   explicit Group(int n) : n(n), slots(n), arrived_at(n, 0) {}
@@ -61,7 +57,7 @@ struct Group {
       cv.notify_all();
       return;
     }
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_seconds());
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(collective_timeout_seconds());
     while (generation == gen && !aborted) {
       if (cv.wait_until(lock, deadline) == std::cv_status::timeout && generation == gen && !aborted) {
         std::string missing;
@@ -69,7 +65,7 @@ struct Group {
           if (arrived_at[r] != gen + 1) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
         aborted = true;
         abort_reason = std::string("threaded collectives: rank ") + std::to_string(rank) + " waited " +
-                       std::to_string(timeout_seconds()) + " s in " + what + " for rank(s) " + missing +
+                       std::to_string(collective_timeout_seconds()) + " s in " + what + " for rank(s) " + missing +
                        ", which never arrived; the group is aborted";
         cv.notify_all();
       }
@@ -82,8 +78,15 @@ template <class T>
 void sum_into(T* acc, const T* x, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) acc[i] = acc[i] + x[i];
 }
-// acc (count elements of dt) += x, one rounding to dt per element.
-void add(DType dt, void* acc, const void* x, std::size_t count) {
+
+}  // namespace
+
+double collective_timeout_seconds() {
+  if (const char* s = std::getenv("TWIN_COLLECTIVE_TIMEOUT_S"); s && *s) return std::atof(s);
+  return 60.0;
+}
+
+void add_rounded(DType dt, void* acc, const void* x, std::size_t count) {
   switch (dt) {
     case DType::F32:
       sum_into(static_cast<float*>(acc), static_cast<const float*>(x), count);
@@ -112,9 +115,11 @@ void add(DType dt, void* acc, const void* x, std::size_t count) {
       break;
     }
     default:
-      throw CollectiveError(std::string("threaded collectives: cannot sum dtype ") + dtype_name(dt));
+      throw CollectiveError(std::string("collectives: cannot sum dtype ") + dtype_name(dt));
   }
 }
+
+namespace {
 
 class ThreadedComm final : public Communicator {
  public:
@@ -128,7 +133,7 @@ class ThreadedComm final : public Communicator {
       const std::size_t bytes = count * dtype_size(dt);
       out.resize(bytes);
       if (bytes) std::memcpy(out.data(), g_->slots[0].send, bytes);
-      for (int r = 1; r < g_->n; ++r) add(dt, out.data(), g_->slots[r].send, count);
+      for (int r = 1; r < g_->n; ++r) add_rounded(dt, out.data(), g_->slots[r].send, count);
     });
   }
   void all_gather(const void* send, void* recv, std::size_t count, DType dt, cudaStream_t s) override {
@@ -145,7 +150,7 @@ class ThreadedComm final : public Communicator {
       out.resize(bytes);
       auto part = [&](int r) { return static_cast<const char*>(g_->slots[r].send) + rank_ * bytes; };
       if (bytes) std::memcpy(out.data(), part(0), bytes);
-      for (int r = 1; r < g_->n; ++r) add(dt, out.data(), part(r), count);
+      for (int r = 1; r < g_->n; ++r) add_rounded(dt, out.data(), part(r), count);
     });
   }
   void all_to_all(const void* send, const std::vector<std::size_t>& send_counts, void* recv,

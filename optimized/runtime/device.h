@@ -73,10 +73,15 @@ class Stream {
   ~Stream() {
     if (dev_) dev_->destroy_stream(s_);
   }
-  Stream(Stream&& o) noexcept : dev_(std::exchange(o.dev_, nullptr)), s_(o.s_) {}
+  Stream(Stream&& o) noexcept : dev_(std::exchange(o.dev_, nullptr)), s_(o.s_), process_(o.process_) {}
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
   cudaStream_t handle() const { return s_; }
+  // Ranks as processes (processes.h): the process whose rank's work this stream carries (-1: this
+  // process's, as with threaded ranks). Reading such a stream's buffers outside the rank's phase
+  // is a collective: its process sends them (layer/buffer_arena.h download_tensor).
+  int process() const { return process_; }
+  void set_process(int p) { process_ = p; }
   Device& device() const { return *dev_; }
   void synchronize() { dev_->synchronize(s_); }
   void begin_capture() { dev_->begin_capture(s_); }
@@ -85,6 +90,7 @@ class Stream {
  private:
   Device* dev_;
   cudaStream_t s_;
+  int process_ = -1;
 };
 
 class Graph {
