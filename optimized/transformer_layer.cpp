@@ -80,11 +80,17 @@ DenseTransformerLayer::DenseTransformerLayer(const TransformerConfig& c, const s
 
   // ---- the plan binding: each rank's shards, as Megatron's tensor-parallel layers hold them
   m.comms = make_rank_communicators(kWho, tp, o.processes, o.backend);
+  m.processes = o.processes;
   m.ranks.resize(tp);
   for (int r = 0; r < tp; ++r) {
     Impl::Rank& R = m.ranks[r];
     R.stream.emplace(*m.dev);
     if (o.processes) R.stream->set_process(r);
+    if (!m.here(r)) {  // its process holds its weights and buffers
+      R.weights.set_elsewhere();
+      R.acts.set_elsewhere();
+      R.grad_bufs.set_elsewhere();
+    }
     RankPlan& p = R.plan;
     plan_attention_half(p, c, o.layer_number);
     p.ffn = m.ffn;
@@ -120,7 +126,8 @@ void DenseTransformerLayer::Impl::ensure_activations(const AttentionInputs& in, 
     p.act_out = R.acts.add(*dev, "act_out", dt, tok, p.ffn_local());
     p.fc2_partial = tp > 1 ? R.acts.add(*dev, "fc2_partial", dt, tok, h) : nullptr;
     p.fc2 = R.acts.add(*dev, "fc2", dt, tok_l, h);
-    inputs.emplace_back(*dev, std::size_t(tok_l) * h * dtype_size(dt));
+    inputs.push_back(here(int(&R - ranks.data())) ? rt::DeviceBuffer(*dev, std::size_t(tok_l) * h * dtype_size(dt))
+                                                  : rt::DeviceBuffer());
     p.x = inputs.back().get();
     p.comm = tp > 1 ? comms[&R - ranks.data()].get() : nullptr;
   }
@@ -138,7 +145,7 @@ void DenseTransformerLayer::Impl::set_rank_inputs(int r, const Tensor& hidden_st
   const std::size_t es = dtype_size(dt), slice = std::size_t(p.s_local()) * p.b * h * es;
   // What only the backward reads, kept when asked: `buf` sized to `bytes`, or null.
   auto kept_buffer = [&](rt::DeviceBuffer& buf, std::size_t bytes, bool keep) -> void* {
-    if (!keep) return nullptr;
+    if (!keep || !here(r)) return nullptr;
     if (buf.bytes() != bytes) buf = rt::DeviceBuffer(*dev, bytes);
     return buf.get();
   };
@@ -159,7 +166,7 @@ void DenseTransformerLayer::Impl::set_rank_inputs(int r, const Tensor& hidden_st
   p.rot_dim = in.rot;
   p.rope_interleaved = rotary_interleaved;
   p.freqs = in.rot ? static_cast<const float*>(freqs.get()) : nullptr;
-  inputs[r].upload(hidden_states.raw() + (p.sp ? std::size_t(r) * slice : 0), slice);
+  if (here(r)) inputs[r].upload(hidden_states.raw() + (p.sp ? std::size_t(r) * slice : 0), slice);
   p.on_tap = nullptr;
 }
 

@@ -98,7 +98,7 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
     throw std::logic_error("optimized dense layer: backward() needs the last forward run with keep_for_backward");
   const int tp = options_.tp;
   check_graph_ranks("optimized dense layer: the backward's", use_graph, tp, options_.backend);
-  const RankPlan& p = m.ranks.at(0).plan;
+  const RankPlan& p = m.local().plan;
   const std::int64_t n = std::int64_t(p.s) * p.b, n_local = std::int64_t(p.s_local()) * p.b;
   const std::size_t es = dtype_size(m.dt), slice_bytes = std::size_t(n_local) * m.h * es;
   grad_output.expect({p.s, p.b, m.h}, m.dt, "optimized dense layer: grad_output");
@@ -106,8 +106,9 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   rt::Device& dev = *m.dev;
   // Each rank's output gradient: with SP its sequence slice, else the whole of it.
   for (int r = 0; r < tp; ++r)
-    dev.copy(const_cast<void*>(m.ranks[r].grads.dout), grad_output.raw() + (p.sp ? r * slice_bytes : 0), slice_bytes,
-             rt::CopyKind::HostToDevice, m.ranks[r].stream->handle());
+    if (m.here(r))
+      dev.copy(const_cast<void*>(m.ranks[r].grads.dout), grad_output.raw() + (p.sp ? r * slice_bytes : 0), slice_bytes,
+               rt::CopyKind::HostToDevice, m.ranks[r].stream->handle());
   const LayerKernels& kernels = layer_kernels(options_.backend);
   run_ranks_counted(
       tp,
@@ -138,7 +139,7 @@ LayerGradients DenseTransformerLayer::backward(const Tensor& grad_output, bool w
   out.hidden_states = out.hidden_states.reshape({p.s, p.b, m.h});
   for (const std::string& key : dense_layer_param_keys(config_)) {
     const GradSlot* s = find_grad_slot(key);
-    if (!s || !(m.ranks[0].grads.*s->slot))
+    if (!s || !(m.local().grads.*s->slot))
       throw std::logic_error("optimized dense layer: the backward computes no gradient of '" + key + "'");
     const Tensor& full = m.full.at(key);
     const ShardLayout layout = shard_layout(*s, p.glu);

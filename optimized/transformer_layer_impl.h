@@ -13,8 +13,10 @@
 #include "optimized/layer/attention_half.h"  // AttentionInputs, RankTap, BufferArena
 #include "optimized/layer/graph_cache.h"     // StreamGraph
 #include "optimized/layer/rank_plan.h"
+#include "optimized/layer/rank_runner.h"  // runs_rank
 #include "optimized/runtime/collectives.h"
 #include "optimized/runtime/device.h"
+#include "optimized/runtime/processes.h"
 #include "optimized/transformer_layer.h"
 
 namespace twin::opt {
@@ -41,6 +43,10 @@ struct DenseTransformerLayer::Impl {
     RankGrads grads;
   };
   std::vector<Rank> ranks;
+  bool processes = false;  // LayerOptions::processes: this process holds only its own rank's buffers
+  bool here(int r) const { return runs_rank(r, processes); }
+  // The rank this process runs (rank 0 of threaded ranks): what the host reads of a plan, not its sizes alone.
+  Rank& local() { return ranks.at(std::size_t(processes ? rt::process_rank() : 0)); }
   std::vector<std::unique_ptr<rt::Communicator>> comms;
   BufferShape buffer_shape;  // what the activations are allocated for
   rt::DeviceBuffer freqs, mask;

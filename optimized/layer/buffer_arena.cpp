@@ -22,6 +22,7 @@ Tensor download_tensor(rt::Device& dev, rt::Stream& stream, const void* ptr, DTy
 }
 
 void* BufferArena::allocate(rt::Device& dev, const char* name, std::size_t bytes) {
+  if (elsewhere_) return nullptr;
   try {
     buffers_.emplace_back(dev, std::max<std::size_t>(bytes, 1));
   } catch (const std::exception& e) {
@@ -32,6 +33,7 @@ void* BufferArena::allocate(rt::Device& dev, const char* name, std::size_t bytes
 }
 
 const void* DeviceWeights::upload(rt::Device& dev, const void* host, std::size_t bytes) {
+  if (elsewhere_) return nullptr;
   buffers_.emplace_back(dev, std::max<std::size_t>(bytes, 1));
   buffers_.back().upload(host, bytes);
   return buffers_.back().get();

@@ -34,6 +34,9 @@ class BufferArena {
  public:
   // Drops every buffer.
   void clear() { buffers_.clear(); }
+  // A rank another process runs (ranks as processes, layer/rank_runner.h): nothing is allocated,
+  // every buffer's pointer is null, while the layer keeps the rank's sizes.
+  void set_elsewhere() { elsewhere_ = true; }
   // A buffer of prod(dims) elements of `dt` (at least one byte); `name` says which in the error
   // when the device cannot allocate it.
   template <class... Dims>
@@ -53,17 +56,21 @@ class BufferArena {
   }
   void* allocate(rt::Device& dev, const char* name, std::size_t bytes);
   std::vector<rt::DeviceBuffer> buffers_;
+  bool elsewhere_ = false;
 };
 
 // A layer's weights on the device, as long as the layer lives: each upload its own buffer.
 class DeviceWeights {
  public:
+  // A rank another process runs: nothing is uploaded, every pointer is null (BufferArena's).
+  void set_elsewhere() { elsewhere_ = true; }
   // `bytes` bytes from the host (at least one byte on the device).
   const void* upload(rt::Device& dev, const void* host, std::size_t bytes);
   const void* upload(rt::Device& dev, const Tensor& t) { return upload(dev, t.raw(), t.nbytes()); }
 
  private:
   std::vector<rt::DeviceBuffer> buffers_;
+  bool elsewhere_ = false;
 };
 
 }  // namespace twin::opt

@@ -1,8 +1,8 @@
 // What the processes of a layer run as processes (rank_runner.h) send each other on the host: each
 // phase's outcome, and the host values a rank records in its phase (its taps' parts, its output
 // and record, its token counts), so every process holds every rank's, as the threaded ranks leave
-// them in one process. Values travel as bytes in a fixed little-endian-free layout (the processes
-// of one launch run one build on one kind of machine).
+// them in one process. Values travel as their bytes in host order (the processes of one launch run
+// one build on one kind of machine).
 #pragma once
 
 #include <cstdint>

@@ -86,13 +86,11 @@ void run_ranks_counted(int nranks, const std::function<void(int)>& rank, bool pr
   RoundingCount joined = at_start;
   for (const RoundingCount& e : at_end) joined.join(e);
   rounding_set(joined);
-  // As with processes: the first rank that failed other than by waiting in a collective.
+  // As with processes: the first rank that failed other than by waiting in a collective, else the first.
+  auto waited = [](const std::exception_ptr& e) { return RankOutcome::of(e).kind == RankOutcome::Kind::Collective; };
   std::exception_ptr first;
-  for (const std::exception_ptr& e : failed) {
-    if (!e) continue;
-    if (!first || RankOutcome::of(first).kind == RankOutcome::Kind::Collective) first = e;
-    if (RankOutcome::of(first).kind != RankOutcome::Kind::Collective) break;
-  }
+  for (const std::exception_ptr& e : failed)
+    if (e && (!first || (waited(first) && !waited(e)))) first = e;
   if (first) std::rethrow_exception(first);
 }
 

@@ -93,6 +93,7 @@ MoETransformerLayer::MoETransformerLayer(const TransformerConfig& c, const std::
     ranks_.push_back(std::make_unique<Impl>());
     Impl& m = *ranks_.back();
     (o.tp > 1 ? m.tp_comm : m.ep_comm) = n > 1 ? std::move(comms[std::size_t(r)]) : nullptr;
+    if (!runs_rank(r, o.processes)) m.weights.set_elsewhere();  // its process holds them (and its buffers)
     init_rank(m, c, params, o, ep > 1 ? r : 0, o.tp > 1 ? r : 0);
     if (o.processes) m.stream->set_process(r);
   }
