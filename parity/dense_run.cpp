@@ -53,15 +53,19 @@ Tensor reference_forward(const DenseCase& /*c: the inputs carry it*/, const Dens
   return out;
 }
 
-Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOptions& o, Record* record) {
+opt::LayerOptions optimized_layer_options(const DenseCase& c, const DenseInputs& in, rt::Backend backend) {
   opt::LayerOptions lo;
   lo.tp = c.tp;
   lo.sp = c.sp;
   lo.processes = opt::ranks_as_processes(c.tp);
-  lo.backend = o.backend;
+  lo.backend = backend;
   lo.attn_mask_type = in.config.attn_mask_type;
   lo.layer_number = in.layer_number;
-  opt::DenseTransformerLayer layer(in.config, in.params, lo);
+  return lo;
+}
+
+Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOptions& o, Record* record) {
+  opt::DenseTransformerLayer layer(in.config, in.params, optimized_layer_options(c, in, o.backend));
   opt::ForwardOptions fo;
   fo.training = in.training;
   fo.seed = in.dropout_seed;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/record.h"
+#include "optimized/layer/options.h"
 #include "optimized/runtime/device.h"
 #include "parity/compare.h"
 #include "parity/dense_case.h"
@@ -32,6 +33,10 @@ Tensor reference_forward(const DenseCase& c, const DenseInputs& in, bool exact, 
 // The same in any of the reference's modes (reference/precision.h; Fast: fp32 GEMMs through BLAS).
 Tensor reference_forward(const DenseCase& c, const DenseInputs& in, reference::ComputeMode mode,
                          Record* record = nullptr);
+// The optimized layer's options for the case: its tp / sp (its ranks processes under an MPI launch
+// of several), mask type and layer number, on `backend`.
+opt::LayerOptions optimized_layer_options(const DenseCase& c, const DenseInputs& in,
+                                          rt::Backend backend = rt::Backend::Sim);
 // The optimized layer at the case's tp / sp.
 Tensor optimized_forward(const DenseCase& c, const DenseInputs& in, const RunOptions& o, Record* record = nullptr);
 

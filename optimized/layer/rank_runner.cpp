@@ -26,27 +26,35 @@ void fail_if_asked(int r) {
     throw std::runtime_error("an injected failure (TWIN_FAIL_RANK=" + std::to_string(r) + ")");
 }
 
+// Rank r's phase on this thread, counting on from at_start: its failure (null: none), its count
+// at the end into at_end.
+std::exception_ptr run_rank(int r, const RoundingCount& at_start, const std::function<void(int)>& rank,
+                            RoundingCount& at_end) {
+  CountRoundings counting;
+  RankPhase phase;
+  rounding_set(at_start);
+  std::exception_ptr failed;
+  try {
+    fail_if_asked(r);
+    rank(r);
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  at_end = rounding_now();
+  return failed;
+}
+
 // With ranks as processes: this process's rank's phase, then every process learns every rank's
 // outcome and rounding count (on the control channel, which a timed-out collective leaves free).
 void run_my_rank(int nranks, const std::function<void(int)>& rank) {
-  const int me = rt::process_rank();
   if (nranks != rt::process_count())
     throw std::logic_error("run_ranks_counted: " + std::to_string(nranks) + " ranks over " +
                            std::to_string(rt::process_count()) + " processes");
   const RoundingCount at_start = rounding_now();
-  RankOutcome mine;
-  {
-    CountRoundings counting;
-    RankPhase phase;
-    rounding_set(at_start);
-    try {
-      fail_if_asked(me);
-      rank(me);
-    } catch (...) {
-      mine = RankOutcome::of(std::current_exception());
-    }
-    mine.rounding = rounding_now();
-  }
+  RoundingCount at_end;
+  const std::exception_ptr failed = run_rank(rt::process_rank(), at_start, rank, at_end);
+  RankOutcome mine = failed ? RankOutcome::of(failed) : RankOutcome{};
+  mine.rounding = at_end;
   const std::vector<RankOutcome> all = exchange_outcomes(mine);
   RoundingCount joined = at_start;
   for (const RankOutcome& o : all) joined.join(o.rounding);
@@ -72,16 +80,7 @@ void run_ranks_counted(int nranks, const std::function<void(int)>& rank, bool pr
   std::vector<RoundingCount> at_end(static_cast<std::size_t>(nranks));
   std::vector<std::exception_ptr> failed(static_cast<std::size_t>(nranks));
   rt::run_ranks(nranks, [&](int r) {
-    CountRoundings counting;
-    RankPhase phase;
-    rounding_set(at_start);
-    try {
-      fail_if_asked(r);
-      rank(r);
-    } catch (...) {
-      failed[static_cast<std::size_t>(r)] = std::current_exception();
-    }
-    at_end[static_cast<std::size_t>(r)] = rounding_now();
+    failed[static_cast<std::size_t>(r)] = run_rank(r, at_start, rank, at_end[static_cast<std::size_t>(r)]);
   });
   RoundingCount joined = at_start;
   for (const RoundingCount& e : at_end) joined.join(e);

@@ -7,6 +7,7 @@
 #include <rapidcheck/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -18,6 +19,7 @@
 #include "optimized/runtime/processes.h"
 #include "optimized/transformer_layer.h"
 #include "parity/dense_case.h"
+#include "parity/dense_run.h"
 #include "tests/optimized/moe_case.h"
 #include "tests/parity/dense_case_gen.h"
 
@@ -107,12 +109,8 @@ TEST(ProcessCollectives, AreBitwiseTheThreadedGroups) {
 // kept, backward with magnitudes; the taps, the output and every gradient in one record.
 Record dense_run(const parity::DenseCase& c, bool processes) {
   const parity::DenseInputs in = parity::make_inputs(c);
-  opt::LayerOptions lo;
-  lo.tp = c.tp;
-  lo.sp = c.sp;
+  opt::LayerOptions lo = parity::optimized_layer_options(c, in);
   lo.processes = processes;
-  lo.attn_mask_type = in.config.attn_mask_type;
-  lo.layer_number = in.layer_number;
   opt::DenseTransformerLayer layer(in.config, in.params, lo);
   opt::ForwardOptions fo;
   fo.training = in.training;
@@ -172,8 +170,13 @@ RC_GTEST_PROP(ProcessLayers, MoEIsBitwiseTheThreadedRanks, ()) {
 }  // namespace
 
 // MPI started first (every process runs every test in the same order: the collectives pair them);
-// every process exits with the largest status.
+// every process exits with the largest status. 30 cases per property and launch unless RC_PARAMS
+// says otherwise: each case runs its layer twice on every process, N processes on CI's 2 cores
+// (120 layers per CI run over the two launch sizes).
 int main(int argc, char** argv) {
+  const char* params = std::getenv("RC_PARAMS");
+  const std::string given = params ? params : "";
+  if (given.find("max_success=") == std::string::npos) setenv("RC_PARAMS", (given + " max_success=30").c_str(), 1);
   rt::init_processes(&argc, &argv);
   ::testing::InitGoogleTest(&argc, argv);
   return rt::finish_processes(RUN_ALL_TESTS());
