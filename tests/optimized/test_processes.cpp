@@ -170,13 +170,13 @@ RC_GTEST_PROP(ProcessLayers, MoEIsBitwiseTheThreadedRanks, ()) {
 }  // namespace
 
 // MPI started first (every process runs every test in the same order: the collectives pair them);
-// every process exits with the largest status. 30 cases per property and launch unless RC_PARAMS
+// every process exits with the largest status. 10 cases per property and launch unless RC_PARAMS
 // says otherwise: each case runs its layer twice on every process, N processes on CI's 2 cores
-// (120 layers per CI run over the two launch sizes).
+// (40 layers per CI run over the two launch sizes; RC_PARAMS=max_success=100 for more).
 int main(int argc, char** argv) {
   const char* params = std::getenv("RC_PARAMS");
   const std::string given = params ? params : "";
-  if (given.find("max_success=") == std::string::npos) setenv("RC_PARAMS", (given + " max_success=30").c_str(), 1);
+  if (given.find("max_success=") == std::string::npos) setenv("RC_PARAMS", (given + " max_success=10").c_str(), 1);
   rt::init_processes(&argc, &argv);
   ::testing::InitGoogleTest(&argc, argv);
   return rt::finish_processes(RUN_ALL_TESTS());
